@@ -1,0 +1,1 @@
+"""draftsmith.data_prep."""

@@ -1,0 +1,309 @@
+"""Chat datasets: loading, normalising to OpenAI ``messages``, and tokenising with an
+assistant-only loss mask.
+
+Accepted row shapes (``format: auto`` detects them per row):
+
+- ``messages``: ``{"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": str}]}``
+- ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}]}``
+- ``alpaca``: ``{"instruction": str, "input": str?, "output": str}``
+- ``prompt``: ``{"prompt": str}`` (a user turn whose response the target will generate)
+- ``tokenized``: ``{"input_ids": [int], "loss_mask": [0|1]}`` (used as is)
+
+A normalised record is ``{"id": str, "messages": [...]}`` or ``{"id", "input_ids", "loss_mask"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).parent / "prompts"
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and row."""
+
+
+@dataclass
+class LoadReport:
+    """What a load kept and skipped: ``skipped`` maps a reason to its count, ``first_bad``
+    holds the first offending ``(row number, message)``."""
+
+    source: str
+    rows: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    first_bad: tuple[int, str] | None = None
+
+    def skip(self, row: int, reason: str, message: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if self.first_bad is None:
+            self.first_bad = (row, message)
+
+    def summary(self) -> str:
+        s = f"{self.source}: {self.kept}/{self.rows} rows kept"
+        if self.skipped:
+            s += f"; skipped {dict(sorted(self.skipped.items()))}, first at row {self.first_bad[0]}: {self.first_bad[1]}"
+        return s
+
+
+def resolve_source_path(path: str) -> str:
+    """``builtin:train`` / ``builtin:eval`` -> the project prompt set files."""
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        f = BUILTIN_DIR / f"{name}.jsonl"
+        if not f.is_file():
+            raise FileNotFoundError(f"no builtin prompt set '{name}' (looked for {f})")
+        return str(f)
+    return path
+
+
+def iter_rows(path: str, split: str = "train") -> Iterable[tuple[int, Any]]:
+    """Yield ``(row number, row)``. Local JSONL is read line by line so a malformed line is
+    reported by number (and yields a :class:`DataError` instance in place of the row); other
+    local files and hub ids go through ``datasets.load_dataset``."""
+    local = Path(path)
+    if local.is_file() and local.suffix == ".jsonl":
+        with local.open(encoding="utf-8") as fh:
+            for i, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield i, DataError(f"{path}:{i}: malformed JSON ({exc.msg} at column {exc.colno})")
+        return
+    import datasets
+
+    if local.exists():
+        suffix = local.suffix.lstrip(".") if local.is_file() else "json"
+        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix, suffix)
+        ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+    else:
+        ds = datasets.load_dataset(path, split=split)
+    for i, row in enumerate(ds, start=1):
+        yield i, row
+
+
+def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
+    """Turn one raw row into a record. ``where`` (file:row) prefixes every error.
+
+    Raises:
+        DataError: unknown shape, bad roles/order, empty turns, mismatched token lists.
+    """
+    if isinstance(row, DataError):
+        raise row
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: row is {type(row).__name__}, expected a JSON object")
+    if fmt == "auto":
+        fmt = detect_format(row, where)
+    rid = str(row.get("id", row.get("question_id", where)))
+    if fmt == "tokenized":
+        ids, mask = row.get("input_ids"), row.get("loss_mask")
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise DataError(f"{where}: 'input_ids' and 'loss_mask' must be lists of equal length")
+        if not ids:
+            raise DataError(f"{where}: empty 'input_ids'")
+        return {"id": rid, "input_ids": [int(t) for t in ids], "loss_mask": [int(bool(m)) for m in mask]}
+    if fmt == "messages":
+        msgs = row.get("messages")
+        if not isinstance(msgs, list):
+            raise DataError(f"{where}: 'messages' must be a list")
+        messages = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DataError(f"{where}: messages[{j}] needs 'role' and 'content'")
+            messages.append({"role": str(m["role"]), "content": m["content"]})
+    elif fmt == "sharegpt":
+        conv = row.get("conversations")
+        if not isinstance(conv, list):
+            raise DataError(f"{where}: 'conversations' must be a list")
+        messages = []
+        for j, m in enumerate(conv):
+            if not isinstance(m, dict) or "from" not in m or "value" not in m:
+                raise DataError(f"{where}: conversations[{j}] needs 'from' and 'value'")
+            role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise DataError(f"{where}: conversations[{j}] has unknown speaker '{m['from']}'")
+            messages.append({"role": role, "content": m["value"]})
+    elif fmt == "alpaca":
+        instruction = (row.get("instruction") or "").strip()
+        extra = (row.get("input") or "").strip()
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        messages = [{"role": "user", "content": user}]
+        if row.get("output") is not None:
+            messages.append({"role": "assistant", "content": row["output"]})
+    elif fmt in ("prompt", "mt_bench"):
+        if fmt == "prompt":
+            messages = [{"role": "user", "content": row.get("prompt")}]
+        else:
+            turns = row.get("turns") or []
+            messages = [{"role": "user", "content": turns[0] if turns else None}]
+    else:
+        raise DataError(f"{where}: unknown format '{fmt}'")
+    validate_messages(messages, where)
+    return {"id": rid, "messages": messages}
+
+
+def detect_format(row: dict, where: str) -> str:
+    if "input_ids" in row:
+        return "tokenized"
+    if "messages" in row:
+        return "messages"
+    if "conversations" in row:
+        return "sharegpt"
+    if "instruction" in row:
+        return "alpaca"
+    if "prompt" in row:
+        return "prompt"
+    if "turns" in row:
+        return "mt_bench"
+    raise DataError(
+        f"{where}: cannot tell the row format from keys {sorted(row)[:8]} "
+        "(expected messages, conversations, instruction/output, prompt, turns or input_ids)"
+    )
+
+
+def validate_messages(messages: list[dict], where: str) -> None:
+    """Roles known, contents non-empty strings, the first non-system turn from the user, and
+    user/assistant alternating (tool turns may follow an assistant turn).
+
+    Raises:
+        DataError: naming the turn index.
+    """
+    if not messages:
+        raise DataError(f"{where}: conversation has no turns")
+    prev = None
+    for j, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise DataError(f"{where}: turn {j} has unknown role '{role}'")
+        if not isinstance(content, str) or not content.strip():
+            raise DataError(f"{where}: turn {j} ({role}) is empty")
+        if role in ("system", "developer"):
+            if prev not in (None, "system", "developer"):
+                raise DataError(f"{where}: turn {j} is a {role} turn after the conversation started")
+        elif role == "user":
+            if prev == "user":
+                raise DataError(f"{where}: turn {j}: two user turns in a row (roles out of order)")
+        elif role == "assistant":
+            if prev not in ("user", "tool"):
+                raise DataError(f"{where}: turn {j}: assistant turn without a preceding user turn")
+        prev = role
+
+
+def has_assistant_turn(record: dict) -> bool:
+    if "input_ids" in record:
+        return any(record["loss_mask"])
+    return any(m["role"] == "assistant" for m in record["messages"])
+
+
+def load_records(
+    path: str, fmt: str = "auto", split: str = "train", max_rows: int | None = None, strict: bool = False
+) -> tuple[list[dict], LoadReport]:
+    """Load and normalise a dataset. Bad rows are skipped and counted (``strict``: raised).
+
+    Raises:
+        DataError: in strict mode, at the first bad row; always when no row survives.
+    """
+    path = resolve_source_path(path)
+    report = LoadReport(source=path)
+    records, seen_ids = [], set()
+    for i, row in iter_rows(path, split):
+        report.rows += 1
+        where = f"{path}:{i}"
+        try:
+            rec = normalise_row(row, fmt, where)
+        except DataError as exc:
+            if strict:
+                raise
+            report.skip(i, "malformed" if isinstance(row, DataError) else "invalid", str(exc))
+            continue
+        if rec["id"] in seen_ids:
+            rec["id"] = f"{rec['id']}#{i}"
+        seen_ids.add(rec["id"])
+        records.append(rec)
+        report.kept += 1
+        if max_rows is not None and report.kept >= max_rows:
+            break
+    if not records:
+        raise DataError(f"{path}: no usable rows ({report.summary()})")
+    return records, report
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages`` with the chat template and find each assistant reply's characters.
+
+    For assistant turn i the span runs from the end of ``render(messages[:i],
+    add_generation_prompt=True)`` to the end of ``render(messages[:i+1])`` less trailing
+    whitespace, so it covers the reply and the template's end-of-turn marker.
+
+    Raises:
+        DataError: the template renders a conversation prefix that is not a prefix of the
+            whole rendering (no assistant mask is possible from it).
+    """
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise DataError(
+                "chat template cannot produce an assistant mask: rendering the conversation up to "
+                f"turn {i} is not a prefix of the full rendering (template rewrites earlier turns)"
+            )
+        end = len(through.rstrip())
+        if end > len(before):
+            spans.append((len(before), end))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None) -> dict:
+    """Tokenise with the chat template; ``loss_mask[i] = 1`` iff token i overlaps an assistant span.
+
+    Returns:
+        ``{"input_ids": list[int], "loss_mask": list[int], "truncated": bool}``.
+
+    Raises:
+        DataError: template problems (see :func:`assistant_char_spans`) or a slow tokenizer
+            without offset mapping.
+    """
+    text, spans = assistant_char_spans(tokenizer, messages)
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("assistant masks need a fast tokenizer (offset mapping); got a slow one")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    s = 0
+    for i, (a, b) in enumerate(offsets):
+        while s < len(spans) and spans[s][1] <= a:
+            s += 1
+        if s < len(spans) and a < spans[s][1] and b > spans[s][0]:
+            mask[i] = 1
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return {"input_ids": ids, "loss_mask": mask, "truncated": truncated}

@@ -1,0 +1,288 @@
+"""Data preparation CLI: conversations -> token ids + loss masks -> draft vocab -> hidden states.
+
+    python -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x [--stage STAGE] [--set k=v]
+
+Stages (each reruns alone and skips finished work): ``target`` (resolve / dequantise the
+target), ``regenerate`` (target replies, cached), ``tokenize`` (chat template + assistant
+mask), ``vocab`` (draft vocab d2t/t2d), ``hidden-states`` (aux + final states, sharded).
+Everything lands under ``RUN_DIR/data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.data_prep import conversations as conv
+from draftsmith.data_prep import hidden_states as hs
+from draftsmith.data_prep import regenerate as regen
+from draftsmith.data_prep import target as tgt
+from draftsmith.data_prep import vocab
+from draftsmith.recipe import Recipe, RecipeError, dump_recipe, load_recipe
+
+log = logging.getLogger("draftsmith.prepare")
+STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
+
+
+@dataclass
+class DataPaths:
+    root: Path
+
+    @property
+    def target_info(self) -> Path:
+        return self.root / "target.json"
+
+    @property
+    def regen(self) -> Path:
+        return self.root / "regen.jsonl"
+
+    @property
+    def tokenized(self) -> Path:
+        return self.root / "tokenized.jsonl"
+
+    @property
+    def vocab(self) -> Path:
+        return self.root / "vocab.safetensors"
+
+    @property
+    def hidden_states(self) -> Path:
+        return self.root / "hidden_states"
+
+    @property
+    def stats(self) -> Path:
+        return self.root / "stats.json"
+
+
+def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
+    """Resolve the target and fix the aux layer ids; writes ``target.json``."""
+    path = tgt.resolve_target(recipe.target.name_or_path, recipe.target.trust_remote_code)
+    config = tgt.load_target_config(path, recipe.target.trust_remote_code)
+    text = tgt.text_config(config)
+    n = tgt.num_decoder_layers(config)
+    ids = recipe.data.aux_layer_ids or tgt.default_aux_layer_ids(n)
+    ids = tgt.validate_aux_layer_ids(ids, n)
+    info = {
+        "name_or_path": recipe.target.name_or_path,
+        "verifier": tgt.verifier_name(recipe.target.name_or_path),
+        "path": str(path),
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "num_hidden_layers": n,
+        "hidden_size": int(text.hidden_size),
+        "vocab_size": int(text.vocab_size),
+        "aux_layer_ids": ids,
+    }
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.target_info.write_text(json.dumps(info, indent=1))
+    log.info("target %s: %d layers, H=%d, V=%d, aux layers %s", path, n, info["hidden_size"], info["vocab_size"], ids)
+    return info
+
+
+def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
+    records, reports = [], []
+    for src in recipe.data.sources:
+        recs, report = conv.load_records(src.path, src.format, src.split, src.max_rows, recipe.data.strict)
+        log.info(report.summary())
+        reports.append(report.summary())
+        records.extend(recs)
+    return records, reports
+
+
+def _engine_factory(recipe: Recipe, target_dir: Path):
+    engine = recipe.data.regenerate.engine
+    if engine == "auto":
+        engine = "vllm" if regen.vllm_available() else "transformers"
+    log.info("regeneration engine: %s", engine)
+
+    def make():
+        if engine == "vllm":
+            v = recipe.eval.vllm
+            return regen.VllmChatEngine(
+                target_dir, recipe.seed, v.dtype, v.enforce_eager, v.gpu_memory_utilization, v.max_model_len, v.max_num_seqs
+            )
+        model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+        return regen.TransformersChatEngine(model, tok, recipe.seed)
+
+    return make
+
+
+def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict) -> list[dict]:
+    records, reports = load_sources(recipe)
+    cfg = recipe.data.regenerate
+    if cfg.enabled:
+        records = regen.regenerate(
+            records, paths.regen, _engine_factory(recipe, Path(info["path"])), cfg.temperatures,
+            cfg.max_new_tokens, cfg.batch_size,
+        )
+    return records, reports
+
+
+def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict], reports: list[str]) -> list[dict]:
+    """Tokenise, mask, and apply the over-long policy; writes ``tokenized.jsonl`` and stats.
+
+    Raises:
+        DataError: the data yields zero trainable (assistant) tokens.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
+    max_len = recipe.data.max_length
+    out, skipped = [], {"no_assistant_turn": 0, "invalid": 0, "overlong_dropped": 0}
+    truncated = 0
+    first_bad = None
+    for r in records:
+        try:
+            if "input_ids" in r:
+                ids, mask = r["input_ids"], r["loss_mask"]
+                bad = [t for t in ids if not 0 <= t < info["vocab_size"]]
+                if bad:
+                    raise conv.DataError(
+                        f"row {r['id']}: token id {bad[0]} outside the target vocab of {info['vocab_size']} "
+                        "(tokenised with another tokenizer?)"
+                    )
+                is_long = len(ids) > max_len
+                t = {"input_ids": ids[:max_len], "loss_mask": mask[:max_len], "truncated": is_long}
+            else:
+                conv.validate_messages(r["messages"], f"row {r['id']}")
+                if not conv.has_assistant_turn(r):
+                    skipped["no_assistant_turn"] += 1
+                    continue
+                t = conv.tokenize_conversation(tok, r["messages"], max_len)
+        except conv.DataError as exc:
+            if recipe.data.strict:
+                raise
+            skipped["invalid"] += 1
+            first_bad = first_bad or str(exc)
+            continue
+        if t["truncated"]:
+            if recipe.data.overlong == "drop":
+                skipped["overlong_dropped"] += 1
+                continue
+            truncated += 1
+        if sum(t["loss_mask"]) < 2:
+            skipped["no_assistant_turn"] += 1
+            continue
+        out.append({"id": r["id"], "input_ids": t["input_ids"], "loss_mask": t["loss_mask"]})
+    n_tok = sum(len(r["input_ids"]) for r in out)
+    n_asst = sum(sum(r["loss_mask"]) for r in out)
+    if n_asst == 0:
+        raise conv.DataError(f"the data yields zero trainable assistant tokens (skipped: {skipped}; first: {first_bad})")
+    with paths.tokenized.open("w", encoding="utf-8") as fh:
+        for r in out:
+            fh.write(json.dumps(r) + "\n")
+    stats = {
+        "sources": reports,
+        "sequences": len(out),
+        "tokens": n_tok,
+        "assistant_tokens": n_asst,
+        "truncated": truncated,
+        "skipped": skipped,
+        "first_skipped_reason": first_bad,
+    }
+    paths.stats.write_text(json.dumps(stats, indent=1))
+    log.info("tokenised %d sequences, %d tokens (%d assistant); truncated %d; skipped %s",
+             len(out), n_tok, n_asst, truncated, skipped)
+    return out
+
+
+def read_tokenized(paths: DataPaths) -> list[dict]:
+    if not paths.tokenized.is_file():
+        raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
+    with paths.tokenized.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
+    V = info["vocab_size"]
+    Vd = min(recipe.data.draft_vocab_size, V)
+    if recipe.data.draft_vocab_size > V:
+        log.warning("draft_vocab_size %d > target vocab %d: capped at %d", recipe.data.draft_vocab_size, V, V)
+    counts = vocab.count_assistant_tokens(records)
+    d2t, t2d = vocab.build_draft_vocab(counts, V, Vd)
+    save_file({"d2t": d2t, "t2d": t2d}, str(paths.vocab))
+    cov = vocab.coverage(counts, t2d)
+    log.info("draft vocab: %d of %d target ids, covering %.2f%% of assistant tokens", Vd, V, 100 * cov)
+    return {"draft_vocab_size": Vd, "coverage": cov, "distinct_assistant_tokens": len(counts)}
+
+
+def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
+    if not paths.vocab.is_file():
+        raise FileNotFoundError(f"{paths.vocab} missing: run the vocab stage first")
+    t = load_file(str(paths.vocab))
+    return t["d2t"], t["t2d"]
+
+
+def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
+    model, _ = tgt.load_target(Path(info["path"]), getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+    spec = hs.ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
+    manifest = hs.generate_hidden_states(
+        model, records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
+        recipe.data.capture_batch_tokens, target_id=info["name_or_path"],
+    )
+    log.info("hidden states: %d shards, %d tokens, %.0f tok/s", len(manifest["shards"]), manifest["num_tokens"],
+             manifest["throughput_tok_s"] or float("nan"))
+    return manifest
+
+
+def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> dict:
+    """Run the data stages in order; returns a summary dict (also saved as ``data/summary.json``)."""
+    stages = stages or STAGES
+    paths = DataPaths(run_dir / "data")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    summary: dict = {}
+    t0 = time.perf_counter()
+    info = stage_target(recipe, paths) if "target" in stages or not paths.target_info.is_file() else json.loads(paths.target_info.read_text())
+    records = None
+    if "regenerate" in stages or "tokenize" in stages:
+        t = time.perf_counter()
+        raw, reports = stage_regenerate(recipe, paths, info)
+        summary["regenerate_s"] = time.perf_counter() - t
+        if "tokenize" in stages:
+            records = stage_tokenize(recipe, paths, info, raw, reports)
+    if "vocab" in stages:
+        records = records if records is not None else read_tokenized(paths)
+        summary["vocab"] = stage_vocab(recipe, paths, info, records)
+    if "hidden-states" in stages:
+        records = records if records is not None else read_tokenized(paths)
+        t = time.perf_counter()
+        m = stage_hidden_states(recipe, paths, info, records)
+        summary["hidden_states"] = {"tokens": m["num_tokens"], "throughput_tok_s": m["throughput_tok_s"],
+                                    "seconds": time.perf_counter() - t}
+    summary["seconds"] = time.perf_counter() - t0
+    (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, args.run_dir / "recipe.yaml")
+    try:
+        summary = prepare(recipe, args.run_dir, args.stage)
+    except (conv.DataError, hs.ShardError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

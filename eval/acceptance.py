@@ -1,0 +1,231 @@
+"""Acceptance of a draft measured by vLLM's own spec-decode counters.
+
+    python eval/acceptance.py --target TARGET_DIR --draft DRAFT_DIR [--method eagle3|ngram|none]
+        [--prompts FILE.jsonl] [--k 3] [--temperature 0] [--max-new-tokens 256] [--out result.json]
+
+Each configuration runs vLLM's offline ``LLM`` in a fresh subprocess (vLLM keeps engine
+processes and memory until its process exits), generates on the prompts, and reads
+``llm.get_metrics()`` (``disable_log_stats=False``). Metrics follow SPEC.md section 5:
+
+- acceptance rate = accepted draft tokens / proposed draft tokens
+- mean acceptance length (AL, tau) = 1 + accepted / drafts (counts the bonus token; max K+1)
+- per-position acceptance[i] = accepted_per_pos[i] / drafts
+
+Prompts: any file :func:`draftsmith.data_prep.conversations.load_records` reads (our prompt
+set, MT-bench ``turns`` (first turn), ShareGPT, messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+class DraftMismatchError(ValueError):
+    """The exported draft was not trained for this target (verifier, vocab, hidden size, layers)."""
+
+
+def summarise(counters: dict[str, Any], k: int) -> dict[str, Any]:
+    """Acceptance figures from raw counters ``{drafts, draft_tokens, accepted_tokens, per_pos}``."""
+    drafts, proposed, accepted = counters.get("drafts", 0), counters.get("draft_tokens", 0), counters.get("accepted_tokens", 0)
+    per_pos = counters.get("per_pos") or [0] * k
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": [p / drafts for p in per_pos] if drafts else None,
+    }
+
+
+def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, Any]:
+    """Refuse to measure a draft exported for another target.
+
+    Raises:
+        DraftMismatchError: hidden size, vocab size or aux layer ids out of range for the target.
+    """
+    from transformers import AutoConfig
+
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    layer = cfg.get("transformer_layer_config", cfg)
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    text = getattr(tcfg, "text_config", None) or tcfg
+    problems = []
+    if layer.get("hidden_size") != text.hidden_size:
+        problems.append(f"draft hidden_size {layer.get('hidden_size')} != target {text.hidden_size}")
+    if layer.get("vocab_size") != text.vocab_size:
+        problems.append(f"draft vocab_size {layer.get('vocab_size')} != target {text.vocab_size}")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids and not all(0 <= i < text.num_hidden_layers for i in ids):
+        problems.append(f"aux layer ids {ids} out of range for {text.num_hidden_layers} target layers")
+    if problems:
+        raise DraftMismatchError(f"{draft_dir} does not match target {target_dir}: " + "; ".join(problems))
+    return cfg
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Runs inside the subprocess: one vLLM engine, one configuration."""
+    from draftsmith.runtime import configure_vllm_env
+
+    configure_vllm_env()
+    from vllm import LLM, SamplingParams
+
+    from draftsmith.data_prep.conversations import load_records
+
+    records, _ = load_records(args.prompts, max_rows=args.max_prompts)
+    convs = [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]
+    spec = None
+    if args.method == "eagle3":
+        spec = {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": args.k}
+    elif args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k,
+                "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}
+    llm = LLM(
+        model=str(args.target), speculative_config=spec, disable_log_stats=False, seed=args.seed,
+        dtype=args.dtype, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    counters: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            counters[SPEC_COUNTERS[m.name]] = counters.get(SPEC_COUNTERS[m.name], 0) + int(m.value)
+        elif m.name == PER_POS:
+            prev = counters.get("per_pos") or [0] * len(m.values)
+            counters["per_pos"] = [a + int(b) for a, b in zip(prev, m.values)]
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {
+        "method": args.method,
+        "num_speculative_tokens": args.k if spec else 0,
+        "temperature": args.temperature,
+        "prompts": str(args.prompts),
+        "num_prompts": len(convs),
+        "output_tokens": n_out,
+        "generate_seconds": elapsed,
+        "output_tokens_per_s": n_out / elapsed if elapsed else None,
+        "counters": counters,
+        **(summarise(counters, args.k) if spec else {}),
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+    }
+    Path(args.result).write_text(json.dumps(result))
+
+
+def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | None = None, k: int = 3,
+            temperature: float = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None, seed: int = 0,
+            dtype: str = "float32", enforce_eager: bool = True, gpu_memory_utilization: float = 0.2,
+            max_model_len: int = 2048, max_num_seqs: int = 32, ngram_min: int = 2, ngram_max: int = 4,
+            timeout_s: float | None = None, log_path: Path | None = None) -> dict[str, Any]:
+    """Generate with vLLM in a subprocess and return the acceptance figures (and output token ids).
+
+    Raises:
+        DraftMismatchError: for ``eagle3``, a draft that does not fit the target.
+        RuntimeError: the vLLM subprocess failed (its log tail is in the message).
+    """
+    if method == "eagle3":
+        if draft is None:
+            raise ValueError("method eagle3 needs a draft directory")
+        check_draft_matches_target(Path(draft), Path(target))
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "draftsmith.eval.acceptance", "--worker", "--result", str(result_path),
+               "--target", str(target), "--method", method, "--prompts", str(prompts), "--k", str(k),
+               "--temperature", str(temperature), "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
+               "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
+        if draft is not None:
+            cmd += ["--draft", str(draft)]
+        if max_prompts:
+            cmd += ["--max-prompts", str(max_prompts)]
+        if not enforce_eager:
+            cmd += ["--no-enforce-eager"]
+        log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        with log_path.open("w") as log_file:
+            proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        if proc.returncode != 0 or not result_path.is_file():
+            tail = log_path.read_text()[-4000:]
+            raise RuntimeError(f"vLLM run ({method}) failed with exit code {proc.returncode}:\n{tail}")
+        return json.loads(result_path.read_text())
+
+
+def format_row(name: str, r: dict[str, Any]) -> str:
+    if r.get("mean_acceptance_length") is None:
+        return f"{name:<10} no drafts"
+    pp = " / ".join(f"{p:.2f}" for p in r["per_position_acceptance"])
+    return (f"{name:<10} AL {r['mean_acceptance_length']:.3f}  acceptance rate {r['acceptance_rate']:.3f}  "
+            f"per position {pp}  ({r['num_prompts']} prompts, {r['output_tokens']} tokens, "
+            f"{r['output_tokens_per_s']:.1f} tok/s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "none"])
+    p.add_argument("--compare-ngram", action="store_true", help="also measure vLLM's ngram method")
+    p.add_argument("--prompts", default="builtin:eval")
+    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--out", type=Path, help="write the figures as JSON")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
+                  max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
+                  dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
+    results = {}
+    try:
+        for m in methods:
+            results[m] = measure(method=m, draft=args.draft, **common)
+            print(format_row(m, results[m]), flush=True)
+    except DraftMismatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({m: {k: v for k, v in r.items() if k != "outputs"} for m, r in results.items()},
+                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

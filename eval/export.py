@@ -1,0 +1,218 @@
+"""Export a trained EAGLE-3 checkpoint into a directory vLLM loads (``method: eagle3``).
+
+    python eval/export.py RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
+
+Formats (SPEC.md section 3):
+
+- speculators (default; vLLM detects it by ``speculators_config``): ``config.json`` with
+  ``architectures ["Eagle3DraftModel"]``, ``speculators_model_type "eagle3"``, the verifier,
+  ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``,
+  ``norm_before_residual`` (always written: vLLM assumes True when absent) and a one-layer
+  ``transformer_layer_config``; weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``.
+- legacy (``--legacy``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
+  ``eagle_config``, weights under ``midlayer.*``.
+
+Export reads only the checkpoint directory (weights, ``draft_config.json``,
+``vocab.safetensors``, ``recipe.yaml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import __version__
+from draftsmith.models.eagle3 import Eagle3Config
+
+SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows
+
+
+class ExportError(ValueError):
+    """The checkpoint is incomplete or inconsistent; the message names the file / key."""
+
+
+def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict[str, tuple[int, ...]]:
+    """Every tensor an exported EAGLE-3 draft holds, with its shape."""
+    H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
+                             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    return {
+        "fc.weight": (H, 3 * Ht),
+        f"{prefix}self_attn.q_proj.weight": (nh * hd, 2 * H),
+        f"{prefix}self_attn.k_proj.weight": (nkv * hd, 2 * H),
+        f"{prefix}self_attn.v_proj.weight": (nkv * hd, 2 * H),
+        f"{prefix}self_attn.o_proj.weight": (H, nh * hd),
+        f"{prefix}mlp.gate_proj.weight": (I, H),
+        f"{prefix}mlp.up_proj.weight": (I, H),
+        f"{prefix}mlp.down_proj.weight": (H, I),
+        f"{prefix}input_layernorm.weight": (H,),
+        f"{prefix}hidden_norm.weight": (H,),
+        f"{prefix}post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+
+
+def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
+    """Load ``draft_config.json`` and the model weights of a training checkpoint.
+
+    Raises:
+        ExportError: missing files, a non-EAGLE-3 checkpoint, or missing / mis-shaped tensors.
+    """
+    meta_path = ckpt / "draft_config.json"
+    weights_path = ckpt / "model.safetensors"
+    for f in (meta_path, weights_path):
+        if not f.is_file():
+            raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("method") != "eagle3":
+        raise ExportError(f"{meta_path}: method is {meta.get('method')!r}, this exporter writes eagle3")
+    cfg = Eagle3Config(**meta["config"])
+    state = load_file(str(weights_path))
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    want = expected_weight_shapes(cfg)
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise ExportError(f"{weights_path}: missing tensors {missing}")
+    for k, shape in want.items():
+        if tuple(state[k].shape) != shape:
+            raise ExportError(f"{weights_path}: {k} has shape {tuple(state[k].shape)}, expected {shape}")
+    return meta, cfg, {k: state[k] for k in want}
+
+
+def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
+    """The one-layer Llama config vLLM builds the draft layer from."""
+    out = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/rope_scaling.
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": cfg.llama_config().rope_parameters,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "tie_word_embeddings": False,
+    }
+    return out
+
+
+def speculators_config(meta: dict[str, Any], cfg: Eagle3Config, num_speculative_tokens: int, dtype: str) -> dict[str, Any]:
+    target = meta["target"]
+    return {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                 "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "verifier": {"name_or_path": target.get("verifier", target["name_or_path"]), "architectures": target.get("architectures", [])},
+        },
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "norm_before_residual": cfg.norm_before_residual,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "transformer_layer_config": layer_config(cfg),
+        "draftsmith": {"version": __version__, "ttt_steps": meta.get("ttt_steps"), "target_path": target.get("path")},
+    }
+
+
+def legacy_config(meta: dict[str, Any], cfg: Eagle3Config, dtype: str) -> dict[str, Any]:
+    out = layer_config(cfg)
+    out.update({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        "torch_dtype": dtype,
+        "draftsmith": {"version": __version__, "verifier": meta["target"].get("verifier", meta["target"]["name_or_path"])},
+    })
+    return out
+
+
+def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int = 3,
+           dtype: str = "float32", embed_tokens: torch.Tensor | None = None) -> Path:
+    """Write the vLLM-loadable draft to ``out`` (created); returns ``out``.
+
+    Args:
+        ckpt: training checkpoint directory (``checkpoints/step-N``).
+        legacy: write the legacy ``LlamaForCausalLMEagle3`` layout instead of speculators.
+        num_speculative_tokens: K written as the default proposal length.
+        dtype: storage dtype of the floating-point weights.
+        embed_tokens: optionally include the target embedding ``[V, H]`` (vLLM otherwise
+            shares the target's).
+
+    Raises:
+        ExportError: see :func:`read_checkpoint`.
+    """
+    meta, cfg, state = read_checkpoint(ckpt)
+    torch_dtype = getattr(torch, dtype)
+    tensors = {}
+    for k, v in state.items():
+        name = k.replace("layers.0.", "midlayer.") if legacy else k
+        tensors[name] = v.to(torch_dtype) if v.is_floating_point() else v
+    if embed_tokens is not None:
+        tensors["embed_tokens.weight"] = embed_tokens.to(torch_dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = legacy_config(meta, cfg, dtype) if legacy else speculators_config(meta, cfg, num_speculative_tokens, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--legacy", action="store_true", help="legacy LlamaForCausalLMEagle3 layout")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    try:
+        out = export(ckpt, args.out, args.legacy, args.num_speculative_tokens, args.dtype)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported {ckpt} -> {out}")
+    return 0
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir."""
+    from draftsmith.train.trainer import find_checkpoints
+
+    if (path / "draft_config.json").is_file():
+        return path
+    ckpts = find_checkpoints(path / "checkpoints")
+    if not ckpts:
+        raise ExportError(f"{path}: neither a checkpoint nor a run directory with checkpoints")
+    return ckpts[-1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""EAGLE-3 draft model with training-time test (TTT).
+
+Follows EAGLE-3 (Li et al., arXiv:2503.01840) and the layout vLLM's
+``llama_eagle3.py`` loads (speculators format, see ``eval/export.py``):
+
+    e_t   = embed_tokens(x_{t+1})                  # target embedding, frozen
+    g_t   = fc(cat(h_low, h_mid, h_high))          # Linear(3H -> H, bias=False)
+    a     = cat(input_layernorm(e_t), hidden_norm(g_t))   # [.., 2H]
+    h     = r + o_proj(attn(q_proj(a), k_proj(a), v_proj(a)))
+    h     = h + mlp(post_attention_layernorm(h))
+    logits_d = lm_head(norm(h))                    # Linear(H -> Vd)
+
+with ``r = g_t`` (``norm_before_residual=False``, the paper's layout) or
+``r = hidden_norm(g_t)`` (``norm_before_residual=True``).
+
+TTT unrolls the draft for ``ttt_steps`` steps on each training sequence: step 0 reads
+the fused target states ``g_t``; step k > 0 reads the draft's own pre-norm output ``h``
+of step k-1 at the same position, the token embedding shifted one more position and the
+RoPE position shifted by k -- exactly what vLLM's proposer feeds at the k-th drafted
+token. Attention at step k is given by :func:`ttt_attention_mask`.
+
+Shapes: B batch, T sequence length (tokens), H hidden size, Vd draft vocab size,
+nh / nkv query / key-value heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+
+@dataclass
+class Eagle3Config:
+    """Architecture of an EAGLE-3 draft for one target model.
+
+    Attributes:
+        hidden_size: H, equal to the target's hidden size (the draft shares its embedding).
+        intermediate_size: width of the draft decoder layer's MLP.
+        num_attention_heads / num_key_value_heads / head_dim: attention geometry.
+        vocab_size: V, the target vocabulary size (size of ``t2d``).
+        draft_vocab_size: Vd, rows of the draft ``lm_head`` (size of ``d2t``).
+        aux_layer_ids: the three target layer ids whose *inputs* (residual stream after
+            L layers, vLLM's convention) are fused by ``fc``; ascending.
+        target_hidden_size: width of each aux hidden state (``fc`` reads 3x this).
+        norm_before_residual: whether the residual branch carries ``hidden_norm(g)``.
+        rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings:
+            as in a Llama config; copied from the target so draft RoPE matches serving.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int | None = None
+    norm_before_residual: bool = True
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(
+                f"aux_layer_ids must name exactly 3 target layers, got {self.aux_layer_ids}"
+            )
+        if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be ascending, got {self.aux_layer_ids}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
+            )
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        norm_before_residual: bool = True,
+    ) -> "Eagle3Config":
+        """Build the draft geometry from a transformers target config (Llama-like or gpt-oss)."""
+        text = getattr(target_config, "text_config", None) or target_config
+        heads = text.num_attention_heads
+        rope_scaling = getattr(text, "rope_scaling", None)
+        rope_theta = getattr(text, "rope_theta", None)
+        rope_params = getattr(text, "rope_parameters", None)
+        if rope_params:
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        return cls(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab_size=text.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=text.hidden_size,
+            norm_before_residual=norm_before_residual,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def llama_config(self) -> LlamaConfig:
+        """The one-layer Llama config the draft layer corresponds to (vLLM's view of it)."""
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope_parameters.update(self.rope_scaling)
+            rope_parameters["rope_type"] = self.rope_scaling.get(
+                "rope_type", self.rope_scaling.get("type", "default")
+            )
+        cfg = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=rope_parameters,
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            tie_word_embeddings=False,
+        )
+        return cfg
+
+
+def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Dense TTT attention mask for queries of step ``step``.
+
+    Keys are laid out step-major: ``[step-0 keys (T) | step-1 keys (T) | ... | step-k keys (T)]``.
+    A query at position t may attend to step-0 keys at positions <= t (causal) and, for
+    every later step 1..k, only to that step's key at the same position t (a diagonal).
+
+    Returns:
+        bool tensor ``[T, (step + 1) * T]``; True = may attend.
+    """
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diag = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diag] * step, dim=1)
+
+
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Attention under :func:`ttt_attention_mask` without materialising the ``T x kT`` mask.
+
+    Args:
+        q: ``[B, nh, T, hd]`` queries of the current step.
+        keys / values: one ``[B, nh, T, hd]`` tensor per step so far (index 0 = step 0,
+            last = current step), already RoPE-rotated and repeated to nh heads.
+        scale: softmax scale (1/sqrt(hd)).
+
+    Returns:
+        ``[B, nh, T, hd]`` attention output. Memory is ``O(T^2 + kT)`` per head.
+    """
+    T = q.shape[-2]
+    scores = torch.matmul(q, keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    diag = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]  # k x (B, nh, T, 1)
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :T], values[0])  # (B, nh, T, hd)
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., T + j : T + j + 1] * v
+    return out
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H) and which keeps a
+    per-step key/value list for TTT."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.nh = config.num_attention_heads
+        self.nkv = config.num_key_value_heads
+        self.hd = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(2 * config.hidden_size, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(2 * config.hidden_size, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(2 * config.hidden_size, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        B, T, _ = x.shape  # x: (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = self.nh // self.nkv
+        cache.append((repeat_kv(k, groups), repeat_kv(v, groups)))  # (B, nh, T, hd) each
+        out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], 1.0 / math.sqrt(self.hd))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # (B, T, H)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single draft decoder layer (vLLM: ``layers.0`` / legacy ``midlayer``)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        lc = config.llama_config()
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(lc)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """embeds, hidden: ``(B, T, H)`` -> pre-norm output ``(B, T, H)``."""
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # (B, T, 2H)
+        h = residual + self.self_attn(x, cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    """EAGLE-3 draft: ``fc`` fusion of three target aux hidden states + one decoder layer.
+
+    The target's token embedding is held as a frozen, non-persistent buffer: it is not
+    trained, not saved in checkpoints and (by default) not exported, because vLLM shares
+    the target's embedding when the draft has none. ``d2t`` / ``t2d`` are persistent
+    buffers (see :mod:`draftsmith.data_prep.vocab`).
+    """
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        H, Ht = config.hidden_size, config.target_hidden_size
+        self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
+        self.fc = nn.Linear(3 * Ht, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        embed_tokens: torch.Tensor,
+        lm_head_draft_rows: torch.Tensor | None = None,
+        final_norm: torch.Tensor | None = None,
+    ) -> None:
+        """Load the frozen target embedding ``[V, H]`` and, optionally, start ``lm_head``
+        from the target's ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from
+        the target's final norm ``[H]`` (both then trained)."""
+        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
+            raise ValueError(
+                f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
+                f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)"
+            )
+        self.embed_tokens.copy_(embed_tokens)
+        if lm_head_draft_rows is not None:
+            self.lm_head.weight.copy_(lm_head_draft_rows)
+        if final_norm is not None:
+            self.norm.weight.copy_(final_norm)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocab: ``d2t`` int64 ``[Vd]`` offsets, ``t2d`` bool ``[V]``."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step.
+
+        Args:
+            input_ids: ``(B, T)`` tokens whose embeddings enter this step (x_{t+k+1}).
+            hidden: ``(B, T, H)`` fused target states (step 0) or previous step output.
+            position_ids: ``(B, T)`` RoPE positions.
+            cache: per-step key/value list, appended to.
+
+        Returns:
+            ``(logits (B, T, Vd), pre-norm hidden (B, T, H))``.
+        """
+        embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        h = self.layers[0](embeds, hidden, cos, sin, cache)
+        return self.lm_head(self.norm(h)), h
+
+    def forward(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, ttt_steps: int
+    ) -> list[torch.Tensor]:
+        """Unrolled TTT forward.
+
+        Args:
+            input_ids: ``(B, T)`` target tokens x_0..x_{T-1} (right-padded).
+            aux_hidden_states: ``(B, T, 3 * Ht)``, ``cat(h[L0], h[L1], h[L2])`` at each position.
+            ttt_steps: K >= 1 unrolled steps.
+
+        Returns:
+            K tensors ``(B, T, Vd)``: at step k, position t predicts token x_{t+k+2}.
+            Positions whose inputs run past the sequence end are garbage; the loss masks them.
+        """
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        B, T = input_ids.shape
+        hidden = self.fc(aux_hidden_states)  # (B, T, H)
+        base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        all_logits = []
+        for k in range(ttt_steps):
+            ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
+            logits, hidden = self.step(ids_k, hidden, base_pos + k, cache)
+            all_logits.append(logits)
+        return all_logits
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]``, padded with ``fill`` past the end. x: ``(B, T, ...)``."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)[:, : x.shape[1]]

