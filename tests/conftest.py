@@ -75,8 +75,10 @@ def build_tiny_target(directory: Path, seed: int = 0, vocab_size: int = 512) -> 
     model = LlamaForCausalLM(cfg)
     # Random Llamas repeat one token under greedy decoding; scale up the embedding so the
     # tiny target produces varied text (a harder, more realistic job for the draft).
+    # A peaked lm_head gives the target confident next-token distributions, like a trained model.
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(50.0)
+        model.lm_head.weight.mul_(20.0)
     model.save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory

@@ -43,7 +43,7 @@ class TargetDraftHead(nn.Module):
 
 @dataclass
 class StepMetrics:
-    """Per-TTT-step figures: ``loss[k]`` (soft CE, nats/token), ``acc[k]`` (fraction of
+    """Per-TTT-step figures: ``loss[k]`` (forward KL, nats/token), ``acc[k]`` (fraction of
     masked positions where the draft argmax equals the target argmax over the draft vocab),
     ``tokens[k]`` (positions counted)."""
 
@@ -58,7 +58,7 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     gamma: float = 0.8,
 ) -> tuple[torch.Tensor, StepMetrics]:
-    """Weighted TTT loss ``sum_k gamma**k * CE_k``.
+    """Weighted TTT loss ``sum_k gamma**k * KL_k`` (forward KL target || draft).
 
     Args:
         step_logits: K tensors ``(B, T, Vd)``; step k at position t predicts x_{t+k+2}.
@@ -68,7 +68,7 @@ def ttt_loss(
         gamma: step weight base.
 
     Returns:
-        ``(loss scalar, StepMetrics)``. CE_k averages over positions with
+        ``(loss scalar, StepMetrics)``. KL_k averages over positions with
         ``loss_mask[t+k+2] == 1``; a step with no such position contributes 0.
     """
     T = target_logits.shape[1]
@@ -82,10 +82,12 @@ def ttt_loss(
         draft = logits[:, :n].float()  # (B, n, Vd)
         target = target_logits[:, k + 1 : k + 1 + n]  # (B, n, Vd)
         mask = loss_mask[:, k + 2 : k + 2 + n].to(draft.dtype)  # (B, n)
-        p = torch.softmax(target, dim=-1)
-        ce = -(p * torch.log_softmax(draft, dim=-1)).sum(-1)  # (B, n)
+        log_p = torch.log_softmax(target, dim=-1)
+        # forward KL(p || q): the soft cross-entropy minus the target entropy (same gradient),
+        # so 0 means the draft reproduces the target distribution exactly
+        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1)  # (B, n)
         denom = mask.sum()
-        ce_k = (ce * mask).sum() / denom.clamp_min(1.0)
+        ce_k = (kl * mask).sum() / denom.clamp_min(1.0)
         total = total + (gamma**k) * ce_k
         with torch.no_grad():
             hit = (draft.argmax(-1) == target.argmax(-1)).to(mask.dtype)

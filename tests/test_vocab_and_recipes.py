@@ -1,0 +1,77 @@
+"""Draft vocab (d2t/t2d) and recipe validation."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data_prep.vocab import (
+    build_draft_vocab,
+    count_assistant_tokens,
+    draft_to_target_ids,
+    target_to_draft_ids,
+)
+from draftsmith.recipe import RecipeError, load_recipe
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+def test_draft_vocab_keeps_most_frequent_assistant_tokens_and_round_trips():
+    records = [
+        {"input_ids": [9, 3, 3, 5, 7, 7, 7], "loss_mask": [1, 0, 1, 1, 1, 1, 1]},
+        {"input_ids": [2, 2, 2, 2], "loss_mask": [0, 0, 0, 1]},
+    ]
+    counts = count_assistant_tokens(records)
+    assert counts == Counter({7: 3, 9: 1, 3: 1, 5: 1, 2: 1})
+    d2t, t2d = build_draft_vocab(counts, vocab_size=12, draft_vocab_size=3)
+    # 7 (x3), then ties broken by lower id: 2, 3
+    assert draft_to_target_ids(d2t).tolist() == [2, 3, 7]
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool and t2d.shape == (12,)
+    assert torch.nonzero(t2d).flatten().tolist() == [2, 3, 7]
+    back = target_to_draft_ids(t2d)
+    assert back[draft_to_target_ids(d2t)].tolist() == [0, 1, 2]
+    assert back[5].item() == -1
+
+
+def test_draft_vocab_is_filled_when_few_distinct_tokens():
+    d2t, t2d = build_draft_vocab(Counter({4: 2}), vocab_size=8, draft_vocab_size=3)
+    assert draft_to_target_ids(d2t).tolist() == [0, 1, 4] and int(t2d.sum()) == 3
+
+
+def test_draft_vocab_errors():
+    with pytest.raises(ValueError, match="must be in"):
+        build_draft_vocab(Counter({1: 1}), vocab_size=8, draft_vocab_size=9)
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        build_draft_vocab(Counter({12: 1}), vocab_size=8, draft_vocab_size=2)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_shipped_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.name
+
+
+def test_unknown_key_is_rejected_naming_the_key(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(RecipeError, match=r"train\.learning_rate: unknown key"):
+        load_recipe(f)
+
+
+def test_bad_value_is_rejected_naming_the_key(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("train:\n  ttt_steps: 0\n")
+    with pytest.raises(RecipeError, match=r"train\.ttt_steps"):
+        load_recipe(f)
+    with pytest.raises(RecipeError, match=r"data\.overlong"):
+        load_recipe(None, ["data.overlong=sometimes"])
+
+
+def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("train:\n  lr: 0.001\n  batch_size: 3\n")
+    r = load_recipe(f, ["train.lr=0.5"])
+    assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.train.gamma == 0.8
