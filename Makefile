@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 RECIPE ?= recipes/smollm2_135m.yaml
 RUN ?= runs/smollm2_135m
+DEMO_ARGS ?=
 
 .PHONY: install demo test test-fast bench clean
 
@@ -25,7 +26,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/python -m draftsmith.demo $(RECIPE) --run-dir $(RUN)
+	$(BIN)/python -m draftsmith.demo $(RECIPE) --run-dir $(RUN) $(DEMO_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests
@@ -34,7 +35,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q tests -m "not vllm"
 
 bench: install
-	$(BIN)/python eval/bench_hidden_states.py $(RECIPE)
+	$(BIN)/python eval/bench_hidden_states.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -60,11 +60,12 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     tokens: int = 0
     nonfinite_skipped: int = 0
+    finished: bool = False  # the run reached its last step
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | bool]:
         return dict(self.__dict__)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
         self.__dict__.update(state)
 
 
@@ -258,6 +259,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
             state.epoch += 1
             state.batch_in_epoch = 0
     bar.close()
+    state.finished = True
     last_ckpt = save_checkpoint()
     accelerator.end_training()
     elapsed = time.perf_counter() - t0
