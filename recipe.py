@@ -67,6 +67,9 @@ class DataConfig(_Strict):
         None, description="Three target layer ids, vLLM convention; default (2, N//2, N-3)."
     )
     hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    expected_tokens: int | None = Field(
+        None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."
+    )
     sequences_per_shard: int = Field(128, ge=1)
     capture_batch_tokens: int = Field(4096, ge=16)
 
@@ -135,6 +138,10 @@ class EvalConfig(_Strict):
 
 class Recipe(_Strict):
     name: str = "draft"
+    launcher: str | None = Field(
+        None, description="accelerate launcher config the recipe was tuned for (recipes/accelerate/*.yaml); "
+        "informational: pass it to `accelerate launch --config_file`."
+    )
     seed: int = 0
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -104,13 +104,18 @@ class Eagle3Config:
         """Build the draft geometry from a transformers target config (Llama-like or gpt-oss)."""
         text = getattr(target_config, "text_config", None) or target_config
         heads = text.num_attention_heads
-        rope_scaling = getattr(text, "rope_scaling", None)
-        rope_theta = getattr(text, "rope_theta", None)
+        # transformers >= 5 keeps theta and scaling together in rope_parameters; older configs
+        # have rope_theta + rope_scaling. The draft copies the target's RoPE (YaRN included) so
+        # that draft positions rotate exactly as vLLM rotates them at serving time.
         rope_params = getattr(text, "rope_parameters", None)
         if rope_params:
-            rope_theta = rope_params.get("rope_theta", rope_theta)
+            rope_theta = rope_params.get("rope_theta")
+            rope_scaling = None
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        else:
+            rope_theta = getattr(text, "rope_theta", None)
+            rope_scaling = getattr(text, "rope_scaling", None)
         return cls(
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
@@ -321,7 +326,7 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One draft step.
 
         Args:
@@ -331,15 +336,22 @@ class Eagle3DraftModel(nn.Module):
             cache: per-step key/value list, appended to.
 
         Returns:
-            ``(logits (B, T, Vd), pre-norm hidden (B, T, H))``.
+            pre-norm output hidden ``(B, T, H)``; logits are ``lm_head(norm(.))``.
         """
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        h = self.layers[0](embeds, hidden, cos, sin, cache)
-        return self.lm_head(self.norm(h)), h
+        return self.layers[0](embeds, hidden, cos, sin, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
+        return self.lm_head(self.norm(hidden))
 
     def forward(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, ttt_steps: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        ttt_steps: int,
+        loss_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Unrolled TTT forward.
 
@@ -347,10 +359,14 @@ class Eagle3DraftModel(nn.Module):
             input_ids: ``(B, T)`` target tokens x_0..x_{T-1} (right-padded).
             aux_hidden_states: ``(B, T, 3 * Ht)``, ``cat(h[L0], h[L1], h[L2])`` at each position.
             ttt_steps: K >= 1 unrolled steps.
+            loss_mask: optional ``(B, T)``, 1 on trained (assistant) tokens. When given, step k
+                computes logits only at the positions :func:`ttt_prediction_mask` selects
+                (the lm_head is the largest matmul; skipping untrained positions saves it).
 
         Returns:
-            K tensors ``(B, T, Vd)``: at step k, position t predicts token x_{t+k+2}.
-            Positions whose inputs run past the sequence end are garbage; the loss masks them.
+            K logits tensors: ``(B, T, Vd)`` without ``loss_mask`` (step k, position t predicts
+            x_{t+k+2}; positions whose inputs run past the end are garbage), else ``(M_k, Vd)``
+            for the ``M_k`` selected positions in row-major order.
         """
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
@@ -361,9 +377,18 @@ class Eagle3DraftModel(nn.Module):
         all_logits = []
         for k in range(ttt_steps):
             ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
-            logits, hidden = self.step(ids_k, hidden, base_pos + k, cache)
-            all_logits.append(logits)
+            hidden = self.step(ids_k, hidden, base_pos + k, cache)
+            if loss_mask is None:
+                all_logits.append(self.compute_logits(hidden))  # (B, T, Vd)
+            else:
+                all_logits.append(self.compute_logits(hidden[ttt_prediction_mask(loss_mask, k)]))  # (M_k, Vd)
         return all_logits
+
+
+def ttt_prediction_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """``(B, T)`` bool: positions t whose step-``step`` prediction, token x_{t+step+2}, is
+    trained (``loss_mask[t + step + 2] == 1``)."""
+    return shift_left(loss_mask, step + 2).bool()
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

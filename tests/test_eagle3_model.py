@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, shift_left, ttt_attention, ttt_attention_mask
+from draftsmith.models.eagle3 import (
+    Eagle3Config,
+    Eagle3DraftModel,
+    shift_left,
+    ttt_attention,
+    ttt_attention_mask,
+    ttt_prediction_mask,
+)
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
 
 
@@ -85,27 +92,37 @@ def test_step_k_feeds_previous_step_hidden_and_shifted_tokens():
     logits = model(ids, aux, 2)
     pos = torch.arange(T).expand(2, T)
     cache = []
-    l0, h0 = model.step(shift_left(ids, 1), model.fc(aux), pos, cache)
-    l1, _ = model.step(shift_left(ids, 2), h0, pos + 1, cache)
-    torch.testing.assert_close(logits[0], l0)
-    torch.testing.assert_close(logits[1], l1)
+    h0 = model.step(shift_left(ids, 1), model.fc(aux), pos, cache)
+    h1 = model.step(shift_left(ids, 2), h0, pos + 1, cache)
+    torch.testing.assert_close(logits[0], model.compute_logits(h0))
+    torch.testing.assert_close(logits[1], model.compute_logits(h1))
+    # with a loss mask, logits are computed only where step k's prediction is trained
+    mask = torch.zeros(2, T, dtype=torch.long)
+    mask[:, 4:] = 1
+    packed = model(ids, aux, 2, mask)
+    torch.testing.assert_close(packed[0], logits[0][:, 2:4].reshape(-1, cfg.draft_vocab_size))
+    torch.testing.assert_close(packed[1], logits[1][:, 1:3].reshape(-1, cfg.draft_vocab_size))
 
 
-def test_ttt_loss_is_zero_when_draft_equals_target_and_masks_non_assistant():
+def test_ttt_loss_is_zero_when_draft_equals_target_and_counts_assistant_predictions():
     torch.manual_seed(0)
     B, T, Vd = 2, 8, 11
     target = torch.randn(B, T, Vd)
-    # step k at t must match target at t + k + 1
-    steps = [torch.cat([target[:, k + 1 :], torch.zeros(B, k + 1, Vd)], dim=1) for k in range(3)]
     mask = torch.ones(B, T, dtype=torch.long)
+    # step k at position t must match the target at t + k + 1
+    steps = [shift_left(target, k + 1)[ttt_prediction_mask(mask, k)] for k in range(3)]
     loss, m = ttt_loss(steps, target, mask, gamma=0.8)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)  # KL(p || p)
     for k in range(3):
-        assert m.loss[k] == pytest.approx(0.0, abs=1e-6)  # KL(p || p)
         assert m.acc[k] == 1.0
         assert m.tokens[k] == B * (T - k - 2)
-    mask[:, :5] = 0  # only tokens 5.. count
+    mask[:, :5] = 0  # only tokens 5..7 are assistant tokens
+    steps = [shift_left(target, k + 1)[ttt_prediction_mask(mask, k)] for k in range(3)]
     _, m2 = ttt_loss(steps, target, mask)
-    assert m2.tokens[0] == B * (T - 5)  # positions t = 3..5 predict tokens 5..7
+    assert m2.tokens == [B * 3, B * 3, B * 3]  # step k: positions 3-k..5-k predict tokens 5..7
+    wrong = [torch.zeros_like(s) for s in steps]
+    loss_wrong, _ = ttt_loss(wrong, target, mask)
+    assert loss_wrong.item() > 0.1
 
 
 def test_target_draft_head_gathers_t2d_rows():
@@ -130,7 +147,7 @@ def test_loss_goes_down_on_a_fixed_batch():
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for _ in range(40):
-        loss, _ = ttt_loss(model(ids, aux, 3), target, mask)
+        loss, _ = ttt_loss(model(ids, aux, 3, mask), target, mask)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -77,7 +77,7 @@ class Eagle3Method:
         param = next(p for p in model.parameters() if p.requires_grad)
         aux = batch["aux_hidden_states"].to(param.dtype)  # (B, T, 3H)
         target_logits = self.target_head(batch["final_hidden_states"])  # (B, T, Vd), fp32
-        step_logits = model(batch["input_ids"], aux, self.recipe.train.ttt_steps)
+        step_logits = model(batch["input_ids"], aux, self.recipe.train.ttt_steps, batch["loss_mask"])
         loss, m = ttt_loss(step_logits, target_logits, batch["loss_mask"], self.recipe.train.gamma)
         metrics = {"loss": float(loss.detach())}
         for k, (lk, ak) in enumerate(zip(m.loss, m.acc)):
@@ -95,9 +95,11 @@ class Eagle3Method:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipe YAML")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", type=Path, help="run directory (required unless --dry-run)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--dry-run", action="store_true", help="validate the recipe and print size estimates; no weights")
+    p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -105,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.dry_run:
+        from draftsmith.train.dry_run import dry_run, format_report
+
+        try:
+            print(format_report(dry_run(recipe, args.target_config)))
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.run_dir is None:
+        p.error("--run-dir is required")
     result = fit(recipe, Eagle3Method(recipe, args.run_dir), args.run_dir, resume=args.resume,
                  argv=sys.argv if argv is None else argv)
     print(json.dumps({"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 1),

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.models.eagle3 import shift_left, ttt_prediction_mask
+
 
 class TargetDraftHead(nn.Module):
     """The target ``lm_head`` restricted to the draft vocab: ``weight [Vd, H]`` (frozen).
@@ -61,37 +63,37 @@ def ttt_loss(
     """Weighted TTT loss ``sum_k gamma**k * KL_k`` (forward KL target || draft).
 
     Args:
-        step_logits: K tensors ``(B, T, Vd)``; step k at position t predicts x_{t+k+2}.
+        step_logits: K tensors ``(M_k, Vd)``: the draft's logits at the positions
+            :func:`~draftsmith.models.eagle3.ttt_prediction_mask` selects for step k (what
+            ``Eagle3DraftModel.forward(..., loss_mask=loss_mask)`` returns).
         target_logits: ``(B, T, Vd)`` target logits over the draft vocab; position t gives
             the target's distribution of x_{t+1}.
         loss_mask: ``(B, T)`` 1 on assistant tokens (the tokens to be predicted).
         gamma: step weight base.
 
     Returns:
-        ``(loss scalar, StepMetrics)``. KL_k averages over positions with
-        ``loss_mask[t+k+2] == 1``; a step with no such position contributes 0.
+        ``(loss scalar, StepMetrics)``. KL_k averages over the M_k trained positions of step
+        k (those predicting an assistant token x_{t+k+2}); a step with none contributes 0.
     """
-    T = target_logits.shape[1]
     total = target_logits.new_zeros(())
     losses, accs, counts = [], [], []
-    for k, logits in enumerate(step_logits):
-        n = T - k - 2  # positions t whose prediction x_{t+k+2} exists
-        if n <= 0:
-            losses.append(0.0), accs.append(0.0), counts.append(0)
+    for k, draft in enumerate(step_logits):
+        sel = ttt_prediction_mask(loss_mask, k)  # (B, T)
+        target = shift_left(target_logits, k + 1)[sel]  # (M_k, Vd): distribution of x_{t+k+2}
+        if draft.shape[0] != target.shape[0]:
+            raise ValueError(f"step {k}: {draft.shape[0]} draft positions but {target.shape[0]} selected targets")
+        m = draft.shape[0]
+        counts.append(m)
+        if m == 0:
+            losses.append(0.0), accs.append(0.0)
             continue
-        draft = logits[:, :n].float()  # (B, n, Vd)
-        target = target_logits[:, k + 1 : k + 1 + n]  # (B, n, Vd)
-        mask = loss_mask[:, k + 2 : k + 2 + n].to(draft.dtype)  # (B, n)
+        draft = draft.float()
         log_p = torch.log_softmax(target, dim=-1)
         # forward KL(p || q): the soft cross-entropy minus the target entropy (same gradient),
         # so 0 means the draft reproduces the target distribution exactly
-        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1)  # (B, n)
-        denom = mask.sum()
-        ce_k = (kl * mask).sum() / denom.clamp_min(1.0)
-        total = total + (gamma**k) * ce_k
+        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1).mean()
+        total = total + (gamma**k) * kl
+        losses.append(kl.item())
         with torch.no_grad():
-            hit = (draft.argmax(-1) == target.argmax(-1)).to(mask.dtype)
-            accs.append(((hit * mask).sum() / denom.clamp_min(1.0)).item())
-        losses.append(ce_k.item())
-        counts.append(int(denom.item()))
+            accs.append((draft.argmax(-1) == target.argmax(-1)).float().mean().item())
     return total, StepMetrics(loss=losses, acc=accs, tokens=counts)

@@ -227,7 +227,10 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                 loss, metrics = method.compute_loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                    # DeepSpeed clips inside its engine (gradient_clipping) and returns no norm
+                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    if norm is not None:
+                        metrics["grad_norm"] = float(norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

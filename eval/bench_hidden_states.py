@@ -1,0 +1,63 @@
+"""Benchmark: hidden-state capture vs a plain target forward on the same batch (tokens/s).
+
+    python eval/bench_hidden_states.py [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
+
+Prints tokens/s for (a) the plain causal-LM forward (``model(input_ids)``, logits included),
+(b) draftsmith's capture (base model + pre-hooks on the three aux layers, no lm_head), and
+their ratio. Median of ``--repeats`` timed runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from draftsmith.data_prep.hidden_states import capture_batch
+from draftsmith.data_prep.target import default_aux_layer_ids, load_target, resolve_target
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args(argv)
+    path = resolve_target(args.target)
+    model, _ = load_target(path, getattr(torch, args.dtype))
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
+    att = torch.ones_like(ids)
+    layers = default_aux_layer_ids(model.config.num_hidden_layers)
+    tokens = ids.numel()
+
+    def plain():
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=att, use_cache=False)
+
+    def capture():
+        capture_batch(model, ids, att, layers)
+
+    t_plain = _time(plain, args.repeats)
+    t_cap = _time(capture, args.repeats)
+    print(f"target {args.target} ({args.dtype}), batch {args.batch} x {args.seq} tokens, {torch.get_num_threads()} threads")
+    print(f"plain forward      {tokens / t_plain:8.1f} tok/s")
+    print(f"capture aux+final  {tokens / t_cap:8.1f} tok/s   ratio {t_plain / t_cap:.2f} of plain forward speed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""Every shipped recipe passes the dry run against its target's config (built in code, no hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftsmith.recipe import load_recipe
+from draftsmith.train.dry_run import dry_run, format_report
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+
+
+def target_config(name: str):
+    """Published geometries of the recipes' targets."""
+    from transformers import GptOssConfig, LlamaConfig, Qwen3Config
+
+    if name == "gptoss120b":
+        return GptOssConfig(num_hidden_layers=36, num_local_experts=128)
+    if name == "gptoss20b":
+        return GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    if name == "llama3_1_8b":
+        return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192})
+    if name == "qwen3_8b":
+        return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    return None
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipe_passes_dry_run(path, tmp_path):
+    recipe = load_recipe(path)
+    cfg = target_config(path.stem)
+    config_file = None
+    if cfg is not None:
+        cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+        cfg.save_pretrained(tmp_path)
+        config_file = tmp_path / "config.json"
+    report = dry_run(recipe, config_file)
+    assert report["aux_layer_ids"] == (recipe.data.aux_layer_ids or report["aux_layer_ids"])
+    assert report["aux_layer_ids_are_vllm_default"]
+    assert report["draft_trainable_parameters"] > 0
+    assert "aux layer ids" in format_report(report)
+
+
+def test_gptoss120b_dry_run_figures(tmp_path):
+    cfg = target_config("gptoss120b")
+    cfg.save_pretrained(tmp_path)
+    r = dry_run(load_recipe(RECIPES / "gptoss120b.yaml"), tmp_path / "config.json")
+    assert r["target_layers"] == 36 and r["aux_layer_ids"] == [2, 18, 33]
+    assert r["hidden_state_bytes_per_token"] == 4 * 2880 * 2  # ~23 KB per token in bf16
+    assert r["offline_disk_bytes"] == r["hidden_state_bytes_per_token"] * r["expected_tokens"]
+    assert r["draft_parameters"]["lm_head"] == 32000 * 2880
+    assert r["rope"]["rope_scaling"]["rope_type"] == "yarn"  # the draft copies the target's YaRN
+
+
+def test_dry_run_rejects_out_of_range_layers(tmp_path):
+    cfg = target_config("gptoss20b")
+    cfg.save_pretrained(tmp_path)
+    recipe = load_recipe(RECIPES / "gptoss20b.yaml", ["data.aux_layer_ids=[2, 18, 33]"])
+    with pytest.raises(ValueError, match="out of range for a target with 24"):
+        dry_run(recipe, tmp_path / "config.json")
+
+
+def test_launcher_configs_parse_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    files = sorted((RECIPES / "accelerate").glob("*.yaml"))
+    assert len(files) >= 4
+    for f in files:
+        cfg = load_config_from_file(str(f))
+        assert cfg.num_processes >= 1

@@ -1,0 +1,145 @@
+"""Dry run: validate a recipe against its target's config and print what training will cost,
+without downloading weights.
+
+    python train/eagle3.py RECIPE.yaml --dry-run [--target-config path/to/config.json]
+
+Reports the aux layer ids (vLLM convention), the draft's parameter count, the training memory
+of its parameters + gradients + AdamW state, the bytes per token of offline hidden states and
+the disk the configured dataset needs in offline mode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data_prep.target import (
+    EMBEDDED_PREFIX,
+    default_aux_layer_ids,
+    num_decoder_layers,
+    resolve_target,
+    text_config,
+    validate_aux_layer_ids,
+)
+from draftsmith.models.eagle3 import Eagle3Config
+from draftsmith.recipe import Recipe
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
+    """The target's transformers config, from a local ``config.json`` when given, else from the
+    target directory / hub (config file only, never weights)."""
+    from transformers import AutoConfig
+
+    if target_config is not None:
+        if not target_config.is_file():
+            raise FileNotFoundError(f"--target-config {target_config} does not exist")
+        return AutoConfig.from_pretrained(str(target_config.parent) if target_config.name == "config.json"
+                                          else target_config, trust_remote_code=recipe.target.trust_remote_code)
+    name = recipe.target.name_or_path
+    if name.startswith(EMBEDDED_PREFIX) or Path(name).expanduser().is_dir():
+        return AutoConfig.from_pretrained(resolve_target(name), trust_remote_code=recipe.target.trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"cannot fetch the config of '{name}' ({type(exc).__name__}); pass --target-config path/to/config.json"
+        ) from exc
+
+
+def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
+    """Trainable parameters of the EAGLE-3 draft by part, plus the frozen shared embedding."""
+    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "fc": 3 * Ht * H,
+        "attention": 2 * H * (q + 2 * kv) + q * H,
+        "mlp": 3 * H * I,
+        "norms": 4 * H,
+        "lm_head": cfg.draft_vocab_size * H,
+        "frozen_embedding": cfg.vocab_size * H,
+    }
+
+
+def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]:
+    """Everything the dry run reports, as a dict (see module docstring).
+
+    Raises:
+        ValueError: aux layer ids invalid for the target; draft vocab larger than the target's.
+        FileNotFoundError: the target config cannot be read.
+    """
+    config = load_config_only(recipe, target_config)
+    text = text_config(config)
+    n = num_decoder_layers(config)
+    ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
+    V = int(text.vocab_size)
+    if recipe.data.draft_vocab_size > V:
+        raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
+    cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids, recipe.draft.norm_before_residual)
+    counts = draft_parameter_count(cfg)
+    trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
+    hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
+    tokens = recipe.data.expected_tokens
+    T, B = recipe.data.max_length, recipe.train.batch_size
+    # Activation peak is dominated by K steps of (B*T, Vd) fp32 logits + their softmax grads.
+    logits_bytes = recipe.train.ttt_steps * B * T * cfg.draft_vocab_size * 4 * 3
+    return {
+        "target": recipe.target.name_or_path,
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "target_layers": n,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": V,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "aux_layer_ids": ids,
+        "aux_layer_ids_are_vllm_default": ids == default_aux_layer_ids(n),
+        "rope": {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling},
+        "draft_parameters": counts,
+        "draft_trainable_parameters": trainable,
+        "memory_bytes": {
+            "draft_weights_fp32": 4 * trainable,
+            "gradients_fp32": 4 * trainable,
+            "adamw_state_fp32": 8 * trainable,
+            "frozen_embedding_bf16": 2 * counts["frozen_embedding"],
+            "target_lm_head_draft_rows_bf16": 2 * cfg.draft_vocab_size * cfg.hidden_size,
+            "ttt_logits_activations_per_microbatch": logits_bytes,
+        },
+        "hidden_state_bytes_per_token": hs_bytes,
+        "expected_tokens": tokens,
+        "offline_disk_bytes": hs_bytes * tokens if tokens else None,
+        "ttt_steps": recipe.train.ttt_steps,
+        "max_length": T,
+    }
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def format_report(r: dict[str, Any]) -> str:
+    mem = r["memory_bytes"]
+    lines = [
+        f"target           {r['target']} {r['architectures']}: {r['target_layers']} layers, H={r['hidden_size']}, V={r['vocab_size']}",
+        f"aux layer ids    {r['aux_layer_ids']}" + (" (vLLM default)" if r["aux_layer_ids_are_vllm_default"] else " (differs from vLLM default: written into the export)"),
+        f"draft            {r['draft_trainable_parameters'] / 1e6:.1f}M trainable params "
+        f"({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in r['draft_parameters'].items())}); draft vocab {r['draft_vocab_size']}",
+        f"train memory     weights {_human(mem['draft_weights_fp32'])} + grads {_human(mem['gradients_fp32'])} + "
+        f"AdamW {_human(mem['adamw_state_fp32'])} (fp32) + frozen embedding {_human(mem['frozen_embedding_bf16'])} + "
+        f"target lm_head rows {_human(mem['target_lm_head_draft_rows_bf16'])}; "
+        f"TTT logits <= {_human(mem['ttt_logits_activations_per_microbatch'])} per micro-batch (all positions at max_length)",
+        f"hidden states    {_human(r['hidden_state_bytes_per_token'])} per token (3 aux + 1 final); "
+        f"{_human(r['hidden_state_bytes_per_token'] * 1e9)} per billion tokens",
+        f"offline disk     {_human(r['offline_disk_bytes'])} for {r['expected_tokens'] or 'unknown'} expected tokens"
+        + ("" if r["expected_tokens"] else " (set data.expected_tokens)"),
+        f"rope             {json.dumps(r['rope'])}",
+    ]
+    return "\n".join(lines)
+
