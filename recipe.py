@@ -66,6 +66,11 @@ class DataConfig(_Strict):
     aux_layer_ids: list[int] | None = Field(
         None, description="Three target layer ids, vLLM convention; default (2, N//2, N-3)."
     )
+    hidden_states_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: capture once into shards (disk); online: the trainer runs the frozen target "
+        "on each batch (no disk; for targets whose states do not fit on disk).",
+    )
     hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     expected_tokens: int | None = Field(
         None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."

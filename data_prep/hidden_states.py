@@ -71,7 +71,7 @@ class AuxHiddenStateCapture:
         self._handles.clear()
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: online training feeds these tensors to autograd
 def capture_batch(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,6 +331,33 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_handles"] = {}
         return state
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """Token ids and loss masks only (``tokenized.jsonl``), for online training where the
+    target computes hidden states on the fly. Items: ``{"input_ids" (T,), "loss_mask" (T,)}``,
+    in the same order and with the same lengths as the shards built from the same file."""
+
+    def __init__(self, path: Path | str, max_length: int | None = None):
+        import json
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path} missing: run the tokenize stage first")
+        with self.path.open(encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh]
+        self.rows = [(r["input_ids"][:max_length], r["loss_mask"][:max_length]) if max_length else
+                     (r["input_ids"], r["loss_mask"]) for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids, _ in self.rows]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, mask = self.rows[i]
+        return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
 def _st_dtype(name: str) -> str:

@@ -249,7 +249,9 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> d
     if "vocab" in stages:
         records = records if records is not None else read_tokenized(paths)
         summary["vocab"] = stage_vocab(recipe, paths, info, records)
-    if "hidden-states" in stages:
+    if "hidden-states" in stages and recipe.data.hidden_states_mode == "online":
+        log.info("hidden_states_mode=online: no shards; the trainer runs the target on each batch")
+    elif "hidden-states" in stages:
         records = records if records is not None else read_tokenized(paths)
         t = time.perf_counter()
         m = stage_hidden_states(recipe, paths, info, records)

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.data_prep.prepare import DataPaths, read_vocab
-from draftsmith.data_prep.target import load_target_head_tensors
+from draftsmith.data_prep.hidden_states import HiddenStateDataset, TokenizedDataset, capture_batch
+from draftsmith.data_prep.target import load_target, load_target_head_tensors
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from draftsmith.recipe import Recipe, RecipeError, load_recipe
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
@@ -58,6 +59,16 @@ class Eagle3Method:
             )
         self.heads = heads
         self.target_head = TargetDraftHead.from_full(heads["lm_head"].float(), self.t2d)
+        self.target = None
+        if recipe.data.hidden_states_mode == "online":
+            # frozen target in the same job; its states never touch the disk
+            self.target, _ = load_target(target_dir, getattr(torch, recipe.target.dtype),
+                                         recipe.target.trust_remote_code)
+
+    def dataset(self) -> torch.utils.data.Dataset:
+        if self.target is not None:
+            return TokenizedDataset(self.paths.tokenized, self.recipe.data.max_length)
+        return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length)
 
     def build_model(self) -> Eagle3DraftModel:
         model = Eagle3DraftModel(self.config)
@@ -72,11 +83,21 @@ class Eagle3Method:
 
     def to_device(self, device: torch.device) -> None:
         self.target_head.to(device)
+        if self.target is not None:
+            self.target.to(device)
+
+    def target_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux (B, T, 3H), final (B, T, H))``: from the shards, or from the target (online)."""
+        if "aux_hidden_states" in batch:
+            return batch["aux_hidden_states"], batch["final_hidden_states"]
+        return capture_batch(self.target, batch["input_ids"], batch["attention_mask"],
+                             self.target_info["aux_layer_ids"])
 
     def compute_loss(self, model, batch):
         param = next(p for p in model.parameters() if p.requires_grad)
-        aux = batch["aux_hidden_states"].to(param.dtype)  # (B, T, 3H)
-        target_logits = self.target_head(batch["final_hidden_states"])  # (B, T, Vd), fp32
+        aux, final = self.target_states(batch)
+        aux = aux.to(param.dtype)  # (B, T, 3H)
+        target_logits = self.target_head(final)  # (B, T, Vd), fp32
         step_logits = model(batch["input_ids"], aux, self.recipe.train.ttt_steps, batch["loss_mask"])
         loss, m = ttt_loss(step_logits, target_logits, batch["loss_mask"], self.recipe.train.gamma)
         metrics = {"loss": float(loss.detach())}

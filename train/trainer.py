@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, collate
+from draftsmith.data_prep.hidden_states import collate
 from draftsmith.recipe import Recipe, dump_recipe
 
 log = logging.getLogger("draftsmith.train")
@@ -40,6 +40,10 @@ class DraftMethod(Protocol):
     name: str
 
     def build_model(self) -> torch.nn.Module: ...
+
+    def dataset(self) -> torch.utils.data.Dataset:
+        """Map-style dataset of sequences with a ``lengths()`` method; items collate with
+        :func:`draftsmith.data_prep.hidden_states.collate`."""
 
     def to_device(self, device: torch.device) -> None:
         """Move frozen, untrained helpers (e.g. the target head) to ``device``."""
@@ -155,7 +159,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     set_seed(recipe.seed)
     ckpt_dir = run_dir / "checkpoints"
 
-    dataset = HiddenStateDataset(run_dir / "data" / "hidden_states", max_length=recipe.data.max_length)
+    dataset = method.dataset()
     sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
 
