@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from draftsmith.data_prep.prepare import DataPaths, read_vocab
 from draftsmith.data_prep.hidden_states import HiddenStateDataset, TokenizedDataset, capture_batch
 from draftsmith.data_prep.target import load_target, load_target_head_tensors
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
 from draftsmith.recipe import Recipe, RecipeError, load_recipe
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
 from draftsmith.train.trainer import fit
@@ -81,10 +81,11 @@ class Eagle3Method:
         model.set_vocab_mapping(self.d2t, self.t2d)
         return model
 
-    def to_device(self, device: torch.device) -> None:
-        self.target_head.to(device)
+    def setup(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.target_head.to(accelerator.device)
         if self.target is not None:
-            self.target.to(device)
+            self.target.to(accelerator.device)
 
     def target_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(aux (B, T, 3H), final (B, T, H))``: from the shards, or from the target (online)."""
@@ -98,9 +99,16 @@ class Eagle3Method:
         aux, final = self.target_states(batch)
         aux = aux.to(param.dtype)  # (B, T, 3H)
         target_logits = self.target_head(final)  # (B, T, Vd), fp32
-        step_logits = model(batch["input_ids"], aux, self.recipe.train.ttt_steps, batch["loss_mask"])
-        loss, m = ttt_loss(step_logits, target_logits, batch["loss_mask"], self.recipe.train.gamma)
-        metrics = {"loss": float(loss.detach())}
+        K = self.recipe.train.ttt_steps
+        step_logits = model(batch["input_ids"], aux, K, batch["loss_mask"])
+        denominators = None
+        world = self.accelerator.num_processes
+        if world > 1:  # normalise by the global token count (see ttt_loss)
+            counts = torch.stack([ttt_prediction_mask(batch["loss_mask"], k).sum() for k in range(K)]).float()
+            denominators = (self.accelerator.reduce(counts, reduction="sum") / world).clamp_min(1.0).tolist()
+        loss, m = ttt_loss(step_logits, target_logits, batch["loss_mask"], self.recipe.train.gamma, denominators)
+        global_loss = self.accelerator.reduce(loss.detach(), reduction="mean") if world > 1 else loss.detach()
+        metrics = {"loss": float(global_loss)}
         for k, (lk, ak) in enumerate(zip(m.loss, m.acc)):
             metrics[f"loss_{k}"] = lk
             metrics[f"acc_{k}"] = ak

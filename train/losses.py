@@ -59,6 +59,7 @@ def ttt_loss(
     target_logits: torch.Tensor,
     loss_mask: torch.Tensor,
     gamma: float = 0.8,
+    denominators: list[float] | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
     """Weighted TTT loss ``sum_k gamma**k * KL_k`` (forward KL target || draft).
 
@@ -70,6 +71,8 @@ def ttt_loss(
             the target's distribution of x_{t+1}.
         loss_mask: ``(B, T)`` 1 on assistant tokens (the tokens to be predicted).
         gamma: step weight base.
+        denominators: per-step normalisers replacing M_k; data-parallel training passes the
+            global count / world size, so the averaged gradient equals the global token mean.
 
     Returns:
         ``(loss scalar, StepMetrics)``. KL_k averages over the M_k trained positions of step
@@ -91,7 +94,8 @@ def ttt_loss(
         log_p = torch.log_softmax(target, dim=-1)
         # forward KL(p || q): the soft cross-entropy minus the target entropy (same gradient),
         # so 0 means the draft reproduces the target distribution exactly
-        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1).mean()
+        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1).sum()
+        kl = kl / (denominators[k] if denominators is not None else m)
         total = total + (gamma**k) * kl
         losses.append(kl.item())
         with torch.no_grad():

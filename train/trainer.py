@@ -45,8 +45,9 @@ class DraftMethod(Protocol):
         """Map-style dataset of sequences with a ``lengths()`` method; items collate with
         :func:`draftsmith.data_prep.hidden_states.collate`."""
 
-    def to_device(self, device: torch.device) -> None:
-        """Move frozen, untrained helpers (e.g. the target head) to ``device``."""
+    def setup(self, accelerator: Any) -> None:
+        """Move frozen helpers (e.g. the target head) to the accelerator's device and keep
+        what the loss needs to normalise over all processes (``accelerator.reduce``)."""
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss (scalar) and per-batch metrics (floats) for one micro-batch."""
@@ -75,10 +76,16 @@ class TrainState:
 
 class LengthGroupedBatches(torch.utils.data.Sampler):
     """Deterministic batches for one epoch: shuffle with ``seed + epoch``, sort by length
-    inside windows of ``50 * batch_size`` sequences (less padding), shuffle the batches."""
+    inside windows of ``50 * global batch`` sequences (less padding), shuffle the batches.
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+    With ``num_replicas`` processes each global batch of ``batch_size * num_replicas``
+    sequences is cut into contiguous per-rank slices, so P processes with batch b see exactly
+    the global batches one process with batch P*b sees (the data-parallel equivalence).
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0):
         self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+        self.num_replicas, self.rank = num_replicas, rank
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -86,19 +93,24 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
     def batches(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
-        window = 50 * self.batch_size
+        size = self.batch_size * self.num_replicas
+        # every rank needs a non-empty slice: drop the ragged tail under data parallelism
+        usable = len(order) if self.num_replicas == 1 else len(order) - len(order) % size
+        order = order[:usable]
+        window = 50 * size
         out = []
         for s in range(0, len(order), window):
             chunk = sorted(order[s : s + window], key=lambda i: self.lengths[i])
-            out += [chunk[j : j + self.batch_size] for j in range(0, len(chunk), self.batch_size)]
+            out += [chunk[j : j + size] for j in range(0, len(chunk), size)]
         perm = torch.randperm(len(out), generator=g).tolist()
-        return [out[i] for i in perm]
+        return [out[i][self.rank * self.batch_size : (self.rank + 1) * self.batch_size] for i in perm]
 
     def __iter__(self):
         return iter(self.batches())
 
     def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
+        size = self.batch_size * self.num_replicas
+        return math.ceil(len(self.lengths) / size) if self.num_replicas == 1 else len(self.lengths) // size
 
 
 def run_metadata(argv: list[str]) -> dict[str, Any]:
@@ -155,25 +167,28 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     if cfg.wandb.enabled:
         os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
         log_with = "wandb"
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps, log_with=log_with)
+    # The schedule counts optimizer steps; accelerate's default would step it once per process.
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps, log_with=log_with,
+                              step_scheduler_with_optimizer=False)
     set_seed(recipe.seed)
     ckpt_dir = run_dir / "checkpoints"
 
     dataset = method.dataset()
-    sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed)
+    sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed,
+                                   accelerator.num_processes, accelerator.process_index)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
 
     model = method.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     batches_per_epoch = len(sampler)
-    steps_per_epoch = max(1, batches_per_epoch // (cfg.grad_accum_steps * accelerator.num_processes))
+    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, int(cfg.warmup_ratio * total_steps), total_steps, min_lr_rate=cfg.min_lr_ratio
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    method.to_device(accelerator.device)
+    method.setup(accelerator)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
 
@@ -222,7 +237,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     done = state.step >= total_steps
     while not done:
         sampler.set_epoch(state.epoch)
-        epoch_loader = accelerator.prepare_data_loader(loader) if accelerator.num_processes > 1 else loader
+        epoch_loader = loader  # already sharded per rank by the sampler
         if state.batch_in_epoch:
             epoch_loader = accelerator.skip_first_batches(epoch_loader, state.batch_in_epoch)
         for batch in epoch_loader:
@@ -236,7 +251,8 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                     if norm is not None:
                         metrics["grad_norm"] = float(norm)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             state.batch_in_epoch += 1
             state.tokens += int(batch["attention_mask"].sum())

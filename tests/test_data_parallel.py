@@ -1,0 +1,62 @@
+"""Data-parallel training: 2 CPU processes (gloo) match one process with the equivalent
+global batch. On CPU the processes are started by torchrun (accelerate's own launcher needs
+MPI for multi-CPU); ``ACCELERATE_USE_CPU=1`` makes the Accelerator join them over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.data_prep.prepare import prepare
+from draftsmith.recipe import dump_recipe
+from draftsmith.train.trainer import find_checkpoints
+
+from conftest import write_jsonl
+from test_pipeline import PROMPTS, tiny_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+# Tolerance: the two runs see the same global batches and the loss is normalised by the
+# global token count, so they differ only by float reduction order (gloo all-reduce).
+RTOL = 1e-4
+
+
+def launch(recipe_path: Path, run: Path, processes: int, batch_size: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+           "--master_port", str(29500 + processes),
+           str(REPO / "train" / "eagle3.py"), str(recipe_path), "--run-dir", str(run),
+           "--set", f"train.batch_size={batch_size}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    recipe = tiny_recipe(tiny_target, prompts, max_steps=4)
+    recipe.data.hidden_states_dtype = "float32"
+    prepare(recipe, tmp_path / "one")
+    shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")
+    recipe_path = tmp_path / "recipe.yaml"
+    dump_recipe(recipe, recipe_path)
+
+    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4)
+    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2)
+
+    def losses(run):
+        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= RTOL * abs(a), (one, two)
+    w1 = load_file(str(find_checkpoints(tmp_path / "one" / "checkpoints")[-1] / "model.safetensors"))
+    w2 = load_file(str(find_checkpoints(tmp_path / "two" / "checkpoints")[-1] / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-3, atol=1e-5)
