@@ -61,6 +61,10 @@ class DataConfig(_Strict):
     strict: bool = Field(False, description="Fail at the first malformed row instead of skipping and counting.")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     max_length: int = Field(2048, ge=8, description="Tokens per training sequence.")
+    harmony_channels: list[Literal["analysis", "final", "commentary"]] = Field(
+        ["analysis", "final"],
+        description="gpt-oss (harmony templates): assistant channels that get loss; ignored for other templates.",
+    )
     overlong: Literal["truncate", "drop"] = "truncate"
     draft_vocab_size: int = Field(32000, ge=1, description="Vd; capped at the target vocab size V.")
     aux_layer_ids: list[int] | None = Field(

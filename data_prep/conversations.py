@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -134,7 +135,10 @@ def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise DataError(f"{where}: messages[{j}] needs 'role' and 'content'")
-            messages.append({"role": str(m["role"]), "content": m["content"]})
+            msg = {"role": str(m["role"]), "content": m["content"]}
+            if m.get("thinking"):  # harmony (gpt-oss) reasoning, rendered on the analysis channel
+                msg["thinking"] = m["thinking"]
+            messages.append(msg)
     elif fmt == "sharegpt":
         conv = row.get("conversations")
         if not isinstance(conv, list):
@@ -281,8 +285,39 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, lis
     return full, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None) -> dict:
+_HARMONY_MESSAGE = re.compile(
+    r"<\|start\|>(?P<role>[^<]*?)(?:<\|channel\|>(?P<channel>[^<]*?))?(?:<\|constrain\|>[^<]*)?"
+    r"<\|message\|>(?P<body>.*?)(?P<end><\|end\|>|<\|return\|>|<\|call\|>)",
+    re.DOTALL,
+)
+
+
+def is_harmony_template(tokenizer: Any) -> bool:
+    """gpt-oss's harmony format (``<|start|>role<|channel|>name<|message|>...<|end|>``)."""
+    return "<|channel|>" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def harmony_assistant_spans(text: str, channels: tuple[str, ...] = ("analysis", "final")) -> list[tuple[int, int]]:
+    """Character spans of assistant message bodies (plus their end marker) whose channel is in
+    ``channels``. Harmony renders earlier turns differently from the last (the template drops
+    past reasoning), so spans are read off the one full rendering rather than from prefixes.
+    System, developer, user and tool messages are never selected; a message without a
+    channel counts as ``final``."""
+    spans = []
+    for m in _HARMONY_MESSAGE.finditer(text):
+        role = m.group("role").strip().split(" ")[0]
+        channel = (m.group("channel") or "final").strip().split(" ")[0]
+        if role == "assistant" and channel in channels:
+            spans.append((m.start("body"), m.end("end")))
+    return spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None,
+                          harmony_channels: tuple[str, ...] | None = None) -> dict:
     """Tokenise with the chat template; ``loss_mask[i] = 1`` iff token i overlaps an assistant span.
+
+    ``harmony_channels`` (gpt-oss): select assistant messages by channel (``analysis``,
+    ``final``) with :func:`harmony_assistant_spans` instead of the prefix method.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int], "truncated": bool}``.
@@ -291,7 +326,11 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
         DataError: template problems (see :func:`assistant_char_spans`) or a slow tokenizer
             without offset mapping.
     """
-    text, spans = assistant_char_spans(tokenizer, messages)
+    if harmony_channels is not None:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        spans = harmony_assistant_spans(text, harmony_channels)
+    else:
+        text, spans = assistant_char_spans(tokenizer, messages)
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("assistant masks need a fast tokenizer (offset mapping); got a slow one")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

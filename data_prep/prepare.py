@@ -134,6 +134,9 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
 
     tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
     max_len = recipe.data.max_length
+    channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
+    if channels is not None:
+        log.info("harmony chat template: loss on assistant channels %s", channels)
     out, skipped = [], {"no_assistant_turn": 0, "invalid": 0, "overlong_dropped": 0}
     truncated = 0
     first_bad = None
@@ -154,7 +157,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
                 if not conv.has_assistant_turn(r):
                     skipped["no_assistant_turn"] += 1
                     continue
-                t = conv.tokenize_conversation(tok, r["messages"], max_len)
+                t = conv.tokenize_conversation(tok, r["messages"], max_len, channels)
         except conv.DataError as exc:
             if recipe.data.strict:
                 raise

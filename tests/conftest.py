@@ -38,19 +38,34 @@ CORPUS = [
 ] * 20
 
 
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]
+# A harmony-shaped template (gpt-oss): channels, reasoning kept only on the last assistant turn.
+HARMONY = (
+    "<|start|>system<|message|>You are ChatGPT.<|end|>"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|start|>user<|message|>{{ m['content'] }}<|end|>"
+    "{% elif m['role'] == 'assistant' %}"
+    "{% if loop.last and m.get('thinking') %}<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
 def build_tokenizer(template: str = CHATML, vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on a tiny corpus, with ChatML/Zephyr specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "</s>", "<|user|>", "<|assistant|>",
+                "<|system|>"] + HARMONY_SPECIALS
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    eos = "<|im_end|>" if template == CHATML else "</s>"
+    eos = {CHATML: "<|im_end|>", HARMONY: "<|return|>"}.get(template, "</s>")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=eos)
     fast.chat_template = template
     return fast

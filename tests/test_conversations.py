@@ -140,3 +140,24 @@ def test_json_file_through_datasets(tmp_path):
     f.write_text(json.dumps([{"instruction": "say hi", "output": "hi"}, {"instruction": "say yo", "output": "yo"}]))
     records, report = load_records(str(f))
     assert report.kept == 2 and records[1]["messages"][1]["content"] == "yo"
+
+
+def test_harmony_masks_selected_assistant_channels_only():
+    from conftest import HARMONY, build_tokenizer
+    from draftsmith.data_prep.conversations import is_harmony_template
+
+    tok = build_tokenizer(HARMONY)
+    assert is_harmony_template(tok)
+    conv = [
+        {"role": "user", "content": "Name a fox."},
+        {"role": "assistant", "content": "The quick brown fox.", "thinking": "dropped by the template"},
+        {"role": "user", "content": "And a dog?"},
+        {"role": "assistant", "content": "The lazy dog.", "thinking": "A dog that rests."},
+    ]
+    both = tokenize_conversation(tok, conv, harmony_channels=("analysis", "final"))
+    assert masked_text(tok, both) == ["The quick brown fox.<|end|>", "A dog that rests.<|end|>",
+                                      "The lazy dog.<|return|>"]
+    final = tokenize_conversation(tok, conv, harmony_channels=("final",))
+    assert masked_text(tok, final) == ["The quick brown fox.<|end|>", "The lazy dog.<|return|>"]
+    # system and user text never carry loss
+    assert "ChatGPT" not in "".join(masked_text(tok, both)) and "Name a fox" not in "".join(masked_text(tok, both))
