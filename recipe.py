@@ -112,6 +112,9 @@ class TrainConfig(_Strict):
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     max_grad_norm: float = Field(0.5, gt=0)
+    max_nonfinite_steps: int = Field(
+        10, ge=1, description="Stop with an error after this many optimizer steps in a row with NaN/inf loss or gradient."
+    )
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)

@@ -158,6 +158,7 @@ def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | No
         if not enforce_eager:
             cmd += ["--no-enforce-eager"]
         log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
             proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,6 +55,33 @@ class DraftMethod(Protocol):
 
     def checkpoint_extras(self, directory: Path) -> None:
         """Write what export needs beside a checkpoint (draft config, vocab, target info)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive optimizer steps with a NaN/inf loss or gradient."""
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current optimizer step
+    and exits (a second signal is handled by the previous handler, i.e. stops at once)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self.restore()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 @dataclass
@@ -233,6 +261,8 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         accelerator.wait_for_everyone()
         return final
 
+    nonfinite_in_a_row = 0
+    stop = _StopRequest()
     model.train()
     done = state.step >= total_steps
     while not done:
@@ -248,11 +278,25 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                 if accelerator.sync_gradients:
                     # DeepSpeed clips inside its engine (gradient_clipping) and returns no norm
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    if norm is not None:
-                        metrics["grad_norm"] = float(norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
+                    # after the all-reduce a NaN/inf on any rank is on every rank: one decision
+                    bad = not math.isfinite(float(loss.detach())) or (norm is not None and not math.isfinite(float(norm)))
+                    if bad:
+                        state.nonfinite_skipped += 1
+                        nonfinite_in_a_row += 1
+                        log.warning("step %d: non-finite loss/gradient, update skipped (%d in a row, %d in total)",
+                                    state.step + 1, nonfinite_in_a_row, state.nonfinite_skipped)
+                        if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                            raise NonFiniteLossError(
+                                f"{nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                f"(train.max_nonfinite_steps={cfg.max_nonfinite_steps}); last good checkpoint: {last_ckpt}"
+                            )
+                        metrics = {}
+                    else:
+                        nonfinite_in_a_row = 0
+                        if norm is not None:
+                            metrics["grad_norm"] = float(norm)
+                        optimizer.step()
+                        scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             state.batch_in_epoch += 1
             state.tokens += int(batch["attention_mask"].sum())
@@ -278,10 +322,17 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
             if state.step >= total_steps:
                 done = True
                 break
+            if stop.signum is not None:
+                last_ckpt = save_checkpoint()
+                bar.close()
+                stop.restore()
+                log.warning("received signal %d: saved %s, exiting (resume with --resume)", stop.signum, last_ckpt)
+                raise SystemExit(128 + stop.signum)
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
     bar.close()
+    stop.restore()
     state.finished = True
     last_ckpt = save_checkpoint()
     accelerator.end_training()
