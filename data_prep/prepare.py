@@ -229,8 +229,9 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
         model, records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
         recipe.data.capture_batch_tokens, target_id=info["name_or_path"],
     )
-    log.info("hidden states: %d shards, %d tokens, %.0f tok/s", len(manifest["shards"]), manifest["num_tokens"],
-             manifest["throughput_tok_s"] or float("nan"))
+    rate = manifest["throughput_tok_s"]
+    log.info("hidden states: %d shards, %d tokens%s", len(manifest["shards"]), manifest["num_tokens"],
+             f", captured at {rate:.0f} tok/s" if rate else " (all shards already on disk)")
     return manifest
 
 
