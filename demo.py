@@ -21,7 +21,7 @@ from pathlib import Path
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.acceptance import format_row, measure
 from draftsmith.eval.export import export
-from draftsmith.recipe import RecipeError, dump_recipe, load_recipe
+from draftsmith.recipe import add_recipe_arguments, dump_recipe, recipe_from_args
 from draftsmith.train.eagle3 import Eagle3Method
 from draftsmith.train.trainer import find_checkpoints, fit
 
@@ -30,17 +30,11 @@ log = logging.getLogger("draftsmith.demo")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe")
+    add_recipe_arguments(p)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--eval-prompts", action="append", default=[], help="extra prompt files to measure on")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    recipe = recipe_from_args(args)
     run = args.run_dir
     run.mkdir(parents=True, exist_ok=True)
     dump_recipe(recipe, run / "recipe.yaml")

@@ -207,5 +207,29 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
 
 
+def add_recipe_arguments(parser) -> None:
+    """The arguments every entry script shares: the recipe file and ``--set`` overrides."""
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def recipe_from_args(args) -> Recipe:
+    """Configure logging and load ``args.recipe`` with ``args.overrides``.
+
+    Raises:
+        SystemExit(2): the recipe does not validate (the message is printed to stderr).
+    """
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def dump_recipe(recipe: Recipe, path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

@@ -26,7 +26,7 @@ from draftsmith.data_prep import hidden_states as hs
 from draftsmith.data_prep import regenerate as regen
 from draftsmith.data_prep import target as tgt
 from draftsmith.data_prep import vocab
-from draftsmith.recipe import Recipe, RecipeError, dump_recipe, load_recipe
+from draftsmith.recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
@@ -268,17 +268,11 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipe YAML")
+    add_recipe_arguments(p)
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    recipe = recipe_from_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     dump_recipe(recipe, args.run_dir / "recipe.yaml")
     try:

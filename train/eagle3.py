@@ -23,7 +23,7 @@ from draftsmith.data_prep.prepare import DataPaths, read_vocab
 from draftsmith.data_prep.hidden_states import HiddenStateDataset, TokenizedDataset, capture_batch
 from draftsmith.data_prep.target import load_target, load_target_head_tensors
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
-from draftsmith.recipe import Recipe, RecipeError, load_recipe
+from draftsmith.recipe import Recipe, add_recipe_arguments, recipe_from_args
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
 from draftsmith.train.trainer import fit
 
@@ -123,19 +123,13 @@ class Eagle3Method:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipe YAML")
+    add_recipe_arguments(p)
     p.add_argument("--run-dir", type=Path, help="run directory (required unless --dry-run)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and print size estimates; no weights")
     p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    recipe = recipe_from_args(args)
     if args.dry_run:
         from draftsmith.train.dry_run import dry_run, format_report
 

@@ -226,10 +226,11 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
             raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
         accelerator.load_state(str(ckpts[-1]))
         log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpts[-1], state.step, state.epoch, state.batch_in_epoch)
+    meta_json = json.dumps(run_metadata(argv or sys.argv), indent=1)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, run_dir / "recipe.yaml")
-        (run_dir / "run_meta.json").write_text(json.dumps(run_metadata(argv or sys.argv), indent=1))
+        (run_dir / "run_meta.json").write_text(meta_json)
     if log_with:
         accelerator.init_trackers(cfg.wandb.project, config=recipe.model_dump(mode="json"))
 
@@ -250,7 +251,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         accelerator.save_state(str(tmp))
         if accelerator.is_main_process:
             dump_recipe(recipe, tmp / "recipe.yaml")
-            (tmp / "run_meta.json").write_text(json.dumps(run_metadata(argv or sys.argv), indent=1))
+            (tmp / "run_meta.json").write_text(meta_json)
             (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
             method.checkpoint_extras(tmp)
             if final.exists():
