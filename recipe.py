@@ -46,12 +46,25 @@ class RegenerateConfig(_Strict):
         [0.0], min_length=1, description="Row i is generated at temperatures[i % len]."
     )
     batch_size: int = Field(64, ge=1, description="Conversations per generation call (and cache flush).")
+    reasoning_effort: dict[Literal["low", "medium", "high"], float] | None = Field(
+        None,
+        description="gpt-oss (harmony templates) only: weights of the reasoning efforts to regenerate with, "
+        "e.g. {low: 1, medium: 2, high: 1}; each conversation draws one, seeded by seed and its row id. "
+        "null: the template's default. Set for a non-harmony target: an error.",
+    )
 
     @field_validator("temperatures")
     @classmethod
     def _non_negative(cls, v: list[float]) -> list[float]:
         if any(t < 0 for t in v):
             raise ValueError("temperatures must be >= 0")
+        return v
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _weights(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and (any(w < 0 for w in v.values()) or sum(v.values()) <= 0):
+            raise ValueError("reasoning_effort weights must be >= 0 with a positive sum")
         return v
 
 
@@ -75,7 +88,17 @@ class DataConfig(_Strict):
         description="offline: capture once into shards (disk); online: the trainer runs the frozen target "
         "on each batch (no disk; for targets whose states do not fit on disk).",
     )
-    hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    hidden_states_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16",
+        description="Shard storage dtype; float8_e4m3fn stores row-scaled fp8 (one fp32 scale per token and aux "
+        "layer; ~half of bf16 on disk) and decodes to float32 when read.",
+    )
+    hidden_states_engine: Literal["auto", "vllm", "transformers"] = Field(
+        "transformers",
+        description="Capture engine for offline shards: 'vllm' runs the target in vLLM (extract_hidden_states, "
+        "vLLM >= 0.32), 'transformers' uses forward pre-hooks; 'auto' picks vLLM when its extraction path is "
+        "installed. Default transformers: on CPU vLLM's start-up outweighs it on small data.",
+    )
     expected_tokens: int | None = Field(
         None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."
     )
@@ -83,14 +106,69 @@ class DataConfig(_Strict):
     capture_batch_tokens: int = Field(4096, ge=16)
 
 
+class MedusaDraftConfig(_Strict):
+    """Medusa-1 heads (arXiv:2401.10774), ``draft.method: medusa``."""
+
+    num_heads: int = Field(3, ge=1, le=16, description="Heads K; head k predicts x_{t+k+2} (vLLM: K >= num_speculative_tokens).")
+    num_layers: int = Field(1, ge=1, le=8, description="ResBlocks per head (Medusa-1: 1).")
+    init_from_target: bool = Field(True, description="Start every head's lm_head from the target lm_head (Medusa's init).")
+
+
+class MLPSpeculatorDraftConfig(_Strict):
+    """IBM MLP speculator (arXiv:2404.19124), ``draft.method: mlp_speculator``."""
+
+    n_predict: int = Field(3, ge=1, le=16, description="Stages P = tokens proposed per step.")
+    inner_dim: int = Field(0, ge=0, description="Width of every stage's state; 0 = the target hidden size.")
+    tie_weights: bool = Field(False, description="Share emb/head/ln across stages and proj across stages >= 1 (fms-extras).")
+    scale_input: bool = Field(False, description="Normalise the target hidden state before stage 0.")
+    stage2_start_step: int | None = Field(
+        None, ge=0, description="Optimizer step from which batches are sequences the target generates itself "
+        "(stage 2); null: stage 1 (the data's own replies) throughout.",
+    )
+    stage2_new_tokens: int = Field(64, ge=1, description="Tokens the target generates per prompt in stage 2.")
+    stage2_temperature: float = Field(0.0, ge=0, description="Stage 2 sampling temperature; 0 = greedy.")
+
+    @model_validator(mode="after")
+    def _tie_needs_stages(self) -> "MLPSpeculatorDraftConfig":
+        if self.tie_weights and self.n_predict < 2:
+            raise ValueError("tie_weights needs n_predict >= 2")
+        return self
+
+
 class DraftConfig(_Strict):
-    method: Literal["eagle3"] = "eagle3"
+    method: Literal["eagle3", "medusa", "mlp_speculator"] = "eagle3"
     norm_before_residual: bool = Field(
-        True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
+        True, description="eagle3: residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
     init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
+        True, description="eagle3: start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
     )
+    medusa: MedusaDraftConfig = Field(default_factory=MedusaDraftConfig, description="method medusa only.")
+    mlp_speculator: MLPSpeculatorDraftConfig = Field(
+        default_factory=MLPSpeculatorDraftConfig, description="method mlp_speculator only."
+    )
+
+    @model_validator(mode="after")
+    def _sections_match_method(self) -> "DraftConfig":
+        # Settings for another method are a recipe mistake, not something to ignore. Compared
+        # with the defaults (not "was it written") because a resolved recipe dump lists every key.
+        defaults = DraftConfig.model_construct()
+        for key in ("medusa", "mlp_speculator", "norm_before_residual", "init_lm_head_from_target"):
+            owner = key if key in ("medusa", "mlp_speculator") else "eagle3"
+            if owner != self.method and getattr(self, key) != getattr(defaults, key):
+                raise ValueError(f"draft.{key} is set for {owner} but draft.method is {self.method!r}")
+        return self
+
+
+def require_method(recipe: "Recipe", method: str, script: str) -> None:
+    """Refuse to train ``recipe`` with the entry script of another method.
+
+    Raises:
+        RecipeError: ``draft.method`` is not ``method``.
+    """
+    if recipe.draft.method != method:
+        raise RecipeError(f"draft.method is {recipe.draft.method!r} but {script} trains {method!r}; "
+                          f"use train/{recipe.draft.method}.py or set draft.method: {method}")
 
 
 class WandbConfig(_Strict):
@@ -102,6 +180,9 @@ class WandbConfig(_Strict):
 class TrainConfig(_Strict):
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
+    head_decay: float = Field(
+        0.8, gt=0, le=1, description="medusa / mlp_speculator: head k loss weight head_decay**k (Medusa: 0.8)."
+    )
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
@@ -119,6 +200,17 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     num_workers: int = Field(0, ge=0)
+    packing: bool = Field(
+        False, description="Pack several sequences into one row of up to pack_tokens tokens (first-fit); "
+        "attention, RoPE positions and predictions stay within each sequence. batch_size then counts rows.",
+    )
+    pack_tokens: int | None = Field(
+        None, ge=8, description="Tokens per packed row; default data.max_length (must be >= it)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="eagle3: recompute the draft decoder layer in backward (less activation memory, "
+        "about one more layer forward per TTT step)."
+    )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
@@ -128,6 +220,29 @@ class VllmConfig(_Strict):
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="On CPU: fraction of RAM for the KV cache.")
     max_model_len: int = Field(2048, ge=64)
     max_num_seqs: int = Field(32, ge=1)
+
+
+class ServeConfig(_Strict):
+    """Serving benchmark (eval/serve_bench.py); its command line overrides these."""
+
+    prompts: str = Field("builtin:eval", description="Prompt file; each concurrency level gets its own prompts.")
+    concurrency: list[int] = Field([1, 2, 4, 8], min_length=1, description="Concurrency levels (--max-concurrency).")
+    num_prompts_per_level: int = Field(8, ge=1, description="Prompts per level; levels never share a prompt.")
+    max_new_tokens: int = Field(256, ge=1, description="Output tokens requested per prompt.")
+    k_sweep: list[int] = Field([1, 2, 3, 4, 5, 6, 7], description="num_speculative_tokens values swept for the trained draft.")
+    your_concurrency: int | None = Field(
+        None, ge=1, description="Concurrency you serve at; the K recommendation uses levels <= it (default: lowest level)."
+    )
+    temperatures: list[float] = Field([0.0, 0.3, 0.7, 1.0], description="Temperature sweep of acceptance length.")
+    price_per_hour: float | None = Field(None, gt=0, description="GPU-hour price in dollars, for cost per 1M output tokens.")
+    startup_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for the server's /health.")
+
+    @field_validator("concurrency", "k_sweep")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError("values must be >= 1")
+        return v
 
 
 class EvalConfig(_Strict):
@@ -140,6 +255,7 @@ class EvalConfig(_Strict):
     ngram_prompt_lookup_min: int = Field(2, ge=1)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     export_legacy: bool = Field(False, description="Also write the legacy LlamaForCausalLMEagle3 format.")
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _ngram_window(self) -> "EvalConfig":
@@ -149,7 +265,7 @@ class EvalConfig(_Strict):
 
 
 class Recipe(_Strict):
-    name: str = "draft"
+    name: str = Field("draft", description="Run name; one path component (may name output files or dirs).")
     launcher: str | None = Field(
         None, description="accelerate launcher config the recipe was tuned for (recipes/accelerate/*.yaml); "
         "informational: pass it to `accelerate launch --config_file`."
@@ -160,6 +276,44 @@ class Recipe(_Strict):
     draft: DraftConfig = Field(default_factory=DraftConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError(f"name {v!r} must be a single path component (no '/', '\\', '..')")
+        return v
+
+    @model_validator(mode="after")
+    def _packing_fits(self) -> "Recipe":
+        if self.train.packing:
+            if self.data.hidden_states_mode == "online":
+                # the target would run on the packed row and attend across its documents
+                raise ValueError("train.packing needs data.hidden_states_mode: offline")
+            if self.train.pack_tokens is not None and self.train.pack_tokens < self.data.max_length:
+                raise ValueError(f"train.pack_tokens={self.train.pack_tokens} is below data.max_length="
+                                 f"{self.data.max_length}: a full-length sequence would not fit a row")
+        return self
+
+
+def safe_path(root: str | Path, *parts: str | Path, key: str = "path") -> Path:
+    """``root / parts...`` for a name taken from a recipe, a command line or a manifest,
+    refusing any that would leave ``root`` (writes stay inside the run / output directory).
+
+    Symlinks already on disk are resolved before the check.
+
+    Raises:
+        ValueError: naming ``key``, for an absolute part or one whose ``..`` or symlink
+            escapes ``root``.
+    """
+    root = Path(root)
+    for part in parts:
+        if Path(part).is_absolute() or str(part).startswith("~"):
+            raise ValueError(f"{key}={str(part)!r}: absolute paths are not allowed here (must stay inside {root})")
+    path = root.joinpath(*parts)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{key}={'/'.join(map(str, parts))!r} escapes {root} ('..' or a symlink leaving it)")
+    return path
 
 
 class RecipeError(ValueError):

@@ -313,11 +313,13 @@ def harmony_assistant_spans(text: str, channels: tuple[str, ...] = ("analysis", 
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None,
-                          harmony_channels: tuple[str, ...] | None = None) -> dict:
+                          harmony_channels: tuple[str, ...] | None = None,
+                          reasoning_effort: str | None = None) -> dict:
     """Tokenise with the chat template; ``loss_mask[i] = 1`` iff token i overlaps an assistant span.
 
     ``harmony_channels`` (gpt-oss): select assistant messages by channel (``analysis``,
-    ``final``) with :func:`harmony_assistant_spans` instead of the prefix method.
+    ``final``) with :func:`harmony_assistant_spans` instead of the prefix method;
+    ``reasoning_effort`` is passed to the template (the effort the reply was regenerated at).
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int], "truncated": bool}``.
@@ -327,7 +329,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
             without offset mapping.
     """
     if harmony_channels is not None:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        effort = {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **effort)
         spans = harmony_assistant_spans(text, harmony_channels)
     else:
         text, spans = assistant_char_spans(tokenizer, messages)

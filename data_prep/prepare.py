@@ -5,7 +5,12 @@
 Stages (each reruns alone and skips finished work): ``target`` (resolve / dequantise the
 target), ``regenerate`` (target replies, cached), ``tokenize`` (chat template + assistant
 mask), ``vocab`` (draft vocab d2t/t2d), ``hidden-states`` (aux + final states, sharded).
-Everything lands under ``RUN_DIR/data``.
+Everything lands under ``RUN_DIR/data``. The hidden-states stage captures with
+``data.hidden_states_engine`` (transformers hooks or vLLM's ``extract_hidden_states``) and
+splits its shards across processes launched with ``RANK``/``WORLD_SIZE`` (torchrun,
+``accelerate launch``; one GPU per process via ``CUDA_VISIBLE_DEVICES``):
+
+    torchrun --nproc-per-node 8 -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x --stage hidden-states
 """
 
 from __future__ import annotations
@@ -117,9 +122,16 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict) -> list[dict]
     records, reports = load_sources(recipe)
     cfg = recipe.data.regenerate
     if cfg.enabled:
+        harmony = False
+        if cfg.reasoning_effort:  # only harmony (gpt-oss) templates read reasoning_effort
+            from transformers import AutoTokenizer
+
+            harmony = conv.is_harmony_template(
+                AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code))
         records = regen.regenerate(
             records, paths.regen, _engine_factory(recipe, Path(info["path"])), cfg.temperatures,
-            cfg.max_new_tokens, cfg.batch_size,
+            cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,
+            seed=recipe.seed,
         )
     return records, reports
 
@@ -157,7 +169,8 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
                 if not conv.has_assistant_turn(r):
                     skipped["no_assistant_turn"] += 1
                     continue
-                t = conv.tokenize_conversation(tok, r["messages"], max_len, channels)
+                # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
+                t = conv.tokenize_conversation(tok, r["messages"], max_len, channels, r.get("reasoning_effort"))
         except conv.DataError as exc:
             if recipe.data.strict:
                 raise
@@ -223,10 +236,28 @@ def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
-    model, _ = tgt.load_target(Path(info["path"]), getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+    """Capture the shards with ``data.hidden_states_engine``; under torchrun / accelerate each
+    rank computes its share of the shards (``hidden_states.generate_hidden_states``)."""
+    from draftsmith.data_prep import vllm_hidden_states as vhs
+
+    engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
+    log.info("hidden-states engine: %s (data.hidden_states_engine=%s)", engine, recipe.data.hidden_states_engine)
+    target_dir = Path(info["path"])
+
+    def make() -> hs.CaptureEngine:  # built on first use: nothing starts when every shard exists
+        if engine == "vllm":
+            v = recipe.eval.vllm
+            return vhs.VllmHiddenStateCapture(
+                target_dir, info["aux_layer_ids"], recipe.target.dtype, v.enforce_eager, v.gpu_memory_utilization,
+                max(v.max_model_len, recipe.data.max_length), v.max_num_seqs, recipe.seed,
+                trust_remote_code=recipe.target.trust_remote_code,
+            )
+        model, _ = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+        return hs.TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
+
     spec = hs.ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
     manifest = hs.generate_hidden_states(
-        model, records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
+        hs.LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
         recipe.data.capture_batch_tokens, target_id=info["name_or_path"],
     )
     rate = manifest["throughput_tok_s"]

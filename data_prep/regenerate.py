@@ -8,10 +8,17 @@ otherwise on transformers ``generate``.
 
 Results are cached as JSONL (one finished conversation per line, flushed per batch);
 rerunning skips ids already in the cache.
+
+gpt-oss (harmony chat template) can regenerate with a mix of reasoning efforts
+(``data.regenerate.reasoning_effort``): each conversation draws one effort, seeded by the
+recipe seed and its row id (:func:`draw_reasoning_effort`), and both engines pass it to the
+chat template as ``reasoning_effort`` (gpt-oss renders "Reasoning: <effort>" into its system
+message); the row records the effort it used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,9 +30,35 @@ import torch
 log = logging.getLogger(__name__)
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
 class ChatEngine(Protocol):
-    def generate(self, conversations: list[list[dict]], temperatures: list[float], max_new_tokens: int) -> list[str]:
-        """One reply per conversation (ending in a user turn)."""
+    def generate(self, conversations: list[list[dict]], temperatures: list[float], max_new_tokens: int,
+                 reasoning_efforts: list[str | None] | None = None) -> list[str]:
+        """One reply per conversation (ending in a user turn). ``reasoning_efforts`` (harmony
+        templates only; passed only when a mix is configured): the chat template's
+        ``reasoning_effort`` per conversation."""
+
+
+def draw_reasoning_effort(row_id: str, mix: dict[str, float], seed: int) -> str:
+    """The reasoning effort of one conversation, drawn from ``mix`` (weights of ``low`` /
+    ``medium`` / ``high``) by a hash of ``seed`` and ``row_id``: the same row gets the same
+    effort in every run and process, whatever the order or batching of the rows."""
+    digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64  # uniform in [0, 1)
+    efforts = [e for e in REASONING_EFFORTS if mix.get(e, 0) > 0]
+    total = sum(mix[e] for e in efforts)
+    acc = 0.0
+    for e in efforts:
+        acc += mix[e] / total
+        if u < acc:
+            return e
+    return efforts[-1]  # u within rounding of 1
+
+
+def _template_kwargs(effort: str | None) -> dict[str, str]:
+    return {"reasoning_effort": effort} if effort else {}
 
 
 class VllmChatEngine:
@@ -48,12 +81,21 @@ class VllmChatEngine:
             max_num_seqs=max_num_seqs,
         )
 
-    def generate(self, conversations, temperatures, max_new_tokens):
+    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=t, max_tokens=max_new_tokens) for t in temperatures]
-        outs = self.llm.chat(conversations, params, use_tqdm=False)
-        return [o.outputs[0].text for o in outs]
+        efforts = reasoning_efforts or [None] * len(conversations)
+        # one chat() call per effort: chat_template_kwargs apply to the whole call
+        groups: dict[str | None, list[int]] = {}
+        for i, e in enumerate(efforts):
+            groups.setdefault(e, []).append(i)
+        out: dict[int, str] = {}
+        for effort, idx in groups.items():
+            params = [SamplingParams(temperature=temperatures[i], max_tokens=max_new_tokens) for i in idx]
+            outs = self.llm.chat([conversations[i] for i in idx], params, use_tqdm=False,
+                                 chat_template_kwargs=_template_kwargs(effort) or None)
+            out.update((i, o.outputs[0].text) for i, o in zip(idx, outs))
+        return [out[i] for i in range(len(conversations))]
 
 
 class TransformersChatEngine:
@@ -66,16 +108,16 @@ class TransformersChatEngine:
             self.tok.pad_token = self.tok.eos_token
 
     @torch.inference_mode()
-    def generate(self, conversations, temperatures, max_new_tokens):
-        replies = []
+    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
+        efforts = reasoning_efforts or [None] * len(conversations)
         # One call per temperature group: generate() takes one sampling setting.
         groups: dict[float, list[int]] = {}
         for i, t in enumerate(temperatures):
             groups.setdefault(t, []).append(i)
         out: dict[int, str] = {}
         for t, idx in groups.items():
-            texts = [self.tok.apply_chat_template(conversations[i], tokenize=False, add_generation_prompt=True)
-                     for i in idx]
+            texts = [self.tok.apply_chat_template(conversations[i], tokenize=False, add_generation_prompt=True,
+                                                  **_template_kwargs(efforts[i])) for i in idx]
             self.tok.padding_side = "left"
             enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(self.model.device)
@@ -106,6 +148,18 @@ def prompt_turns(messages: list[dict]) -> list[dict]:
     return [m for m in messages if m["role"] in ("system", "developer", "user")]
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a write killed mid-row) so appended rows start on
+    a line of their own instead of fusing with the torn one."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+        log.warning("%s: dropped a torn last line left by a killed run", path)
+
+
 def regenerate(
     records: list[dict],
     cache_path: Path,
@@ -114,6 +168,9 @@ def regenerate(
     max_new_tokens: int,
     batch_size: int = 64,
     progress: bool = True,
+    reasoning_effort: dict[str, float] | None = None,
+    harmony: bool = False,
+    seed: int = 0,
 ) -> list[dict]:
     """Regenerate the assistant turns of ``records`` (``{"id", "messages"}``).
 
@@ -122,11 +179,23 @@ def regenerate(
         cache_path: JSONL cache; finished ids found there are not generated again.
         engine_factory: ``() -> ChatEngine``, called only if something is left to generate.
         temperatures: record i is sampled at ``temperatures[i % len(temperatures)]``.
+        reasoning_effort: ``data.regenerate.reasoning_effort``, weights of ``low`` / ``medium``
+            / ``high``; each record draws one with :func:`draw_reasoning_effort` (``seed``).
+        harmony: whether the target's chat template is harmony (gpt-oss).
 
     Returns:
-        Records in input order with the target's replies (``"temperature"`` noted per row).
+        Records in input order with the target's replies (``"temperature"`` and, with a mix,
+        ``"reasoning_effort"`` noted per row).
+
+    Raises:
+        ValueError: ``reasoning_effort`` set for a non-harmony target (other chat templates
+            ignore the variable, so the mix would silently do nothing).
     """
     from tqdm.auto import tqdm
+
+    if reasoning_effort and not harmony:
+        raise ValueError("data.regenerate.reasoning_effort is set, but the target's chat template is not harmony "
+                         "(gpt-oss): other templates ignore reasoning_effort; remove the key")
 
     done: dict[str, dict] = {}
     if cache_path.is_file():
@@ -142,12 +211,15 @@ def regenerate(
         log.info("regenerating %d conversations (%d cached)", len(todo), len(done))
         engine = engine_factory()
         cache_path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(cache_path)
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
         with cache_path.open("a", encoding="utf-8") as fh:
             for start in range(0, len(todo), batch_size):
                 batch = todo[start : start + batch_size]
                 convs = [prompt_turns(r["messages"]) for _, r in batch]
                 temps = [temperatures[i % len(temperatures)] for i, _ in batch]
+                efforts = [draw_reasoning_effort(str(r["id"]), reasoning_effort, seed) for _, r in batch] \
+                    if reasoning_effort else None
                 n_rounds = max(sum(m["role"] == "user" for m in c) for c in convs)
                 outs: list[list[dict]] = [[] for _ in batch]
                 cursor = [0] * len(batch)
@@ -165,11 +237,16 @@ def regenerate(
                             active.append(b)
                     if not active:
                         break
-                    replies = engine.generate([outs[b] for b in active], [temps[b] for b in active], max_new_tokens)
+                    # engines are asked about efforts only when a mix is set
+                    extra = {"reasoning_efforts": [efforts[b] for b in active]} if efforts else {}
+                    replies = engine.generate([outs[b] for b in active], [temps[b] for b in active], max_new_tokens,
+                                              **extra)
                     for b, text in zip(active, replies):
                         outs[b].append({"role": "assistant", "content": text})
                 for b, (_, r) in enumerate(batch):
                     row = {"id": r["id"], "messages": outs[b], "temperature": temps[b]}
+                    if efforts:
+                        row["reasoning_effort"] = efforts[b]
                     done[r["id"]] = row
                     fh.write(json.dumps(row, ensure_ascii=False) + "\n")
                 fh.flush()

@@ -57,7 +57,9 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     """Refuse to measure a draft exported for another target.
 
     Raises:
-        DraftMismatchError: hidden size, vocab size or aux layer ids out of range for the target.
+        DraftMismatchError: hidden size, vocab size (target vocab, ``t2d`` length, draft vocab
+            larger than the target's), verifier architecture, or aux layer ids (not three, or out
+            of range for the target) that do not fit the target.
     """
     from transformers import AutoConfig
 
@@ -68,11 +70,29 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     problems = []
     if layer.get("hidden_size") != text.hidden_size:
         problems.append(f"draft hidden_size {layer.get('hidden_size')} != target {text.hidden_size}")
+    if cfg.get("target_hidden_size", text.hidden_size) != text.hidden_size:
+        problems.append(f"draft target_hidden_size {cfg['target_hidden_size']} != target {text.hidden_size}")
     if layer.get("vocab_size") != text.vocab_size:
         problems.append(f"draft vocab_size {layer.get('vocab_size')} != target {text.vocab_size}")
+    if (cfg.get("draft_vocab_size") or 0) > text.vocab_size:
+        problems.append(f"draft_vocab_size {cfg['draft_vocab_size']} > target vocab {text.vocab_size}")
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    target_arch = list(getattr(tcfg, "architectures", None) or [])
+    if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
+        problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, target is {target_arch}")
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and len(ids) != 3:
+        problems.append(f"aux layer ids {ids}: an EAGLE-3 draft needs exactly 3")
     if ids and not all(0 <= i < text.num_hidden_layers for i in ids):
         problems.append(f"aux layer ids {ids} out of range for {text.num_hidden_layers} target layers")
+    weights = draft_dir / "model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            if "t2d" in fh.keys() and fh.get_slice("t2d").get_shape() != [text.vocab_size]:
+                problems.append(f"t2d covers {fh.get_slice('t2d').get_shape()[0]} target ids, target vocab is "
+                                f"{text.vocab_size}")
     if problems:
         raise DraftMismatchError(f"{draft_dir} does not match target {target_dir}: " + "; ".join(problems))
     return cfg

@@ -1,6 +1,7 @@
 """Export a trained EAGLE-3 checkpoint into a directory vLLM loads (``method: eagle3``).
 
     python eval/export.py RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
+    python -m draftsmith.eval.export CKPT OUT_DIR   # any method: medusa / mlp_speculator go to export_heads.py
 
 Formats (SPEC.md section 3):
 
@@ -58,6 +59,19 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
     }
+
+
+def checkpoint_method(ckpt: Path) -> str:
+    """The draft method (``eagle3``, ``medusa``, ``mlp_speculator``) a checkpoint was trained with.
+
+    Raises:
+        ExportError: ``draft_config.json`` or ``model.safetensors`` missing.
+    """
+    meta_path = ckpt / "draft_config.json"
+    for f in (meta_path, ckpt / "model.safetensors"):
+        if not f.is_file():
+            raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
+    return json.loads(meta_path.read_text()).get("method")
 
 
 def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
@@ -155,7 +169,9 @@ def legacy_config(meta: dict[str, Any], cfg: Eagle3Config, dtype: str) -> dict[s
 
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int = 3,
            dtype: str = "float32", embed_tokens: torch.Tensor | None = None) -> Path:
-    """Write the vLLM-loadable draft to ``out`` (created); returns ``out``.
+    """Write the vLLM-loadable draft to ``out`` (created); returns ``out``. Medusa and
+    MLP-speculator checkpoints go to :func:`draftsmith.eval.export_heads.export_head_draft`
+    (``legacy``, ``num_speculative_tokens`` and ``embed_tokens`` apply to EAGLE-3 only).
 
     Args:
         ckpt: training checkpoint directory (``checkpoints/step-N``).
@@ -168,6 +184,10 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     Raises:
         ExportError: see :func:`read_checkpoint`.
     """
+    if checkpoint_method(ckpt) != "eagle3":
+        from draftsmith.eval.export_heads import export_head_draft
+
+        return export_head_draft(ckpt, out, dtype)
     meta, cfg, state = read_checkpoint(ckpt)
     torch_dtype = getattr(torch, dtype)
     tensors = {}
@@ -187,14 +207,17 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("out_dir", type=Path, nargs="?", help="output directory (or --out)")
+    p.add_argument("--out", type=Path)
     p.add_argument("--legacy", action="store_true", help="legacy LlamaForCausalLMEagle3 layout")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
+    if (args.out_dir is None) == (args.out is None):
+        p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
     ckpt = resolve_checkpoint(args.checkpoint)
     try:
-        out = export(ckpt, args.out, args.legacy, args.num_speculative_tokens, args.dtype)
+        out = export(ckpt, args.out or args.out_dir, args.legacy, args.num_speculative_tokens, args.dtype)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -19,6 +19,10 @@ of step k-1 at the same position, the token embedding shifted one more position 
 RoPE position shifted by k -- exactly what vLLM's proposer feeds at the k-th drafted
 token. Attention at step k is given by :func:`ttt_attention_mask`.
 
+Packed rows (several documents in one row, ``train.packing``) pass per-document
+``position_ids`` and ``document_ids``: attention and predictions then stay inside each
+document, so the row computes what its documents compute one by one.
+
 Shapes: B batch, T sequence length (tokens), H hidden size, Vd draft vocab size,
 nh / nkv query / key-value heads, hd head dim.
 """
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -164,39 +169,70 @@ class Eagle3Config:
         return cfg
 
 
-def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
-    """Dense TTT attention mask for queries of step ``step``.
+def same_document(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` document ids -> ``(B, T, T)`` bool, True where query and key share a document."""
+    return document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+
+
+def ttt_attention_mask(
+    seq_len: int, step: int, device: torch.device | None = None, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dense TTT attention mask for queries of step ``step`` (the reference; tests only).
 
     Keys are laid out step-major: ``[step-0 keys (T) | step-1 keys (T) | ... | step-k keys (T)]``.
     A query at position t may attend to step-0 keys at positions <= t (causal) and, for
     every later step 1..k, only to that step's key at the same position t (a diagonal).
+    With ``document_ids`` (packed rows, see :mod:`draftsmith.train.packing`) the causal part
+    is further restricted to keys of the query's own document; the diagonal is the query's
+    own position, so it is always in the same document.
+
+    Args:
+        document_ids: optional ``(T,)`` or ``(B, T)`` document index of each position.
 
     Returns:
-        bool tensor ``[T, (step + 1) * T]``; True = may attend.
+        bool tensor ``[T, (step + 1) * T]`` (``[B, T, (step + 1) * T]`` with batched
+        ``document_ids``); True = may attend.
     """
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     diag = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diag] * step, dim=1)
+    if document_ids is not None:
+        causal = causal & same_document(document_ids)  # (T, T) or (B, T, T)
+        diag = diag.expand_as(causal)
+    return torch.cat([causal] + [diag] * step, dim=-1)
 
 
 def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    scale: float,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under :func:`ttt_attention_mask` without materialising the ``T x kT`` mask.
+
+    Step 0 is a ``T x T`` (block-)causal score matrix; each earlier step adds one diagonal
+    score per query, so memory is ``O(T^2 + kT)`` per head instead of ``O(kT^2)``. (SDPA
+    cannot take the step-0 block: merging it with the diagonal scores needs its log-sum-exp,
+    which SDPA does not return; flex-attention returns it, but torch 2.13 raises
+    "FlexAttention does not support backward on CPU".)
 
     Args:
         q: ``[B, nh, T, hd]`` queries of the current step.
         keys / values: one ``[B, nh, T, hd]`` tensor per step so far (index 0 = step 0,
             last = current step), already RoPE-rotated and repeated to nh heads.
         scale: softmax scale (1/sqrt(hd)).
+        document_ids: optional ``(B, T)`` document index per position (packed rows): the
+            step-0 part never crosses a document boundary.
 
     Returns:
-        ``[B, nh, T, hd]`` attention output. Memory is ``O(T^2 + kT)`` per head.
+        ``[B, nh, T, hd]`` attention output.
     """
     T = q.shape[-2]
     scores = torch.matmul(q, keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    if document_ids is not None:
+        allowed = (allowed & same_document(document_ids)).unsqueeze(1)  # (B, 1, T, T)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     diag = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]  # k x (B, nh, T, 1)
     probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs[..., :T], values[0])  # (B, nh, T, hd)
@@ -206,8 +242,8 @@ def ttt_attention(
 
 
 class Eagle3Attention(nn.Module):
-    """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H) and which keeps a
-    per-step key/value list for TTT."""
+    """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H); queries of TTT step k
+    attend the keys/values of steps 0..k (``past`` plus this step's own)."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -225,17 +261,23 @@ class Eagle3Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+        past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Returns ``(output (B, T, H), this step's (key, value), each (B, nh, T, hd))``.
+
+        A pure function of its inputs (the caller keeps the per-step list), so activation
+        checkpointing can recompute it in backward."""
         B, T, _ = x.shape  # x: (B, T, 2H)
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         groups = self.nh // self.nkv
-        cache.append((repeat_kv(k, groups), repeat_kv(v, groups)))  # (B, nh, T, hd) each
-        out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], 1.0 / math.sqrt(self.hd))
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # (B, T, H)
+        kv = (repeat_kv(k, groups), repeat_kv(v, groups))  # (B, nh, T, hd) each
+        steps = (*past, kv)
+        out = ttt_attention(q, [c[0] for c in steps], [c[1] for c in steps], 1.0 / math.sqrt(self.hd), document_ids)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), kv  # (B, T, H)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -257,14 +299,16 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """embeds, hidden: ``(B, T, H)`` -> pre-norm output ``(B, T, H)``."""
+        past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """embeds, hidden: ``(B, T, H)`` -> (pre-norm output ``(B, T, H)``, this step's key/value)."""
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # (B, T, 2H)
-        h = residual + self.self_attn(x, cos, sin, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn, kv = self.self_attn(x, cos, sin, past, document_ids)
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 class Eagle3DraftModel(nn.Module):
@@ -274,11 +318,18 @@ class Eagle3DraftModel(nn.Module):
     trained, not saved in checkpoints and (by default) not exported, because vLLM shares
     the target's embedding when the draft has none. ``d2t`` / ``t2d`` are persistent
     buffers (see :mod:`draftsmith.data_prep.vocab`).
+
+    ``gradient_checkpointing`` (set by the trainer from ``train.gradient_checkpointing``):
+    when True, each TTT step's decoder layer keeps only its inputs and outputs and is
+    recomputed in backward (``torch.utils.checkpoint``, non-reentrant); same loss and
+    gradients, less activation memory (the ``T x T`` attention probabilities and the MLP
+    intermediates of all K steps), about one more layer forward per step in time.
     """
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
+        self.gradient_checkpointing = False
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
@@ -326,6 +377,7 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One draft step.
 
@@ -334,13 +386,20 @@ class Eagle3DraftModel(nn.Module):
             hidden: ``(B, T, H)`` fused target states (step 0) or previous step output.
             position_ids: ``(B, T)`` RoPE positions.
             cache: per-step key/value list, appended to.
+            document_ids: optional ``(B, T)`` document per position (packed rows).
 
         Returns:
             pre-norm output hidden ``(B, T, H)``; logits are ``lm_head(norm(.))``.
         """
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.layers[0](embeds, hidden, cos, sin, cache)
+        layer = self.layers[0]
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            h, kv = checkpoint(layer, embeds, hidden, cos, sin, tuple(cache), document_ids, use_reentrant=False)
+        else:
+            h, kv = layer(embeds, hidden, cos, sin, tuple(cache), document_ids)
+        cache.append(kv)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
@@ -352,6 +411,8 @@ class Eagle3DraftModel(nn.Module):
         aux_hidden_states: torch.Tensor,
         ttt_steps: int,
         loss_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Unrolled TTT forward.
 
@@ -362,6 +423,11 @@ class Eagle3DraftModel(nn.Module):
             loss_mask: optional ``(B, T)``, 1 on trained (assistant) tokens. When given, step k
                 computes logits only at the positions :func:`ttt_prediction_mask` selects
                 (the lm_head is the largest matmul; skipping untrained positions saves it).
+            position_ids: optional ``(B, T)`` RoPE positions of step 0; default ``0..T-1``.
+                Packed rows restart them at 0 for every document.
+            document_ids: optional ``(B, T)`` document per position (packed rows, contiguous
+                runs): attention and predictions never cross a document boundary, so a packed
+                row computes exactly what its documents compute unpacked.
 
         Returns:
             K logits tensors: ``(B, T, Vd)`` without ``loss_mask`` (step k, position t predicts
@@ -372,23 +438,34 @@ class Eagle3DraftModel(nn.Module):
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         B, T = input_ids.shape
         hidden = self.fc(aux_hidden_states)  # (B, T, H)
-        base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        base_pos = position_ids
+        if base_pos is None:
+            base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         all_logits = []
         for k in range(ttt_steps):
-            ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
-            hidden = self.step(ids_k, hidden, base_pos + k, cache)
+            # x_{t+k+1}; near a packed document's end this is the next document's token: only
+            # positions whose prediction is masked out (ttt_prediction_mask) ever read it
+            ids_k = shift_left(input_ids, k + 1)
+            hidden = self.step(ids_k, hidden, base_pos + k, cache, document_ids)
             if loss_mask is None:
                 all_logits.append(self.compute_logits(hidden))  # (B, T, Vd)
             else:
-                all_logits.append(self.compute_logits(hidden[ttt_prediction_mask(loss_mask, k)]))  # (M_k, Vd)
+                sel = ttt_prediction_mask(loss_mask, k, document_ids)  # (B, T)
+                all_logits.append(self.compute_logits(hidden[sel]))  # (M_k, Vd)
         return all_logits
 
 
-def ttt_prediction_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+def ttt_prediction_mask(
+    loss_mask: torch.Tensor, step: int, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(B, T)`` bool: positions t whose step-``step`` prediction, token x_{t+step+2}, is
-    trained (``loss_mask[t + step + 2] == 1``)."""
-    return shift_left(loss_mask, step + 2).bool()
+    trained (``loss_mask[t + step + 2] == 1``) and, with ``document_ids`` ``(B, T)`` (packed
+    rows, each document a contiguous run), in the same document as t."""
+    sel = shift_left(loss_mask, step + 2).bool()
+    if document_ids is not None:
+        sel = sel & (shift_left(document_ids, step + 2, fill=-1) == document_ids)
+    return sel
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

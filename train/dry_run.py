@@ -25,7 +25,7 @@ from draftsmith.data_prep.target import (
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.recipe import Recipe
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
 
 
 def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
@@ -64,6 +64,19 @@ def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
     }
 
 
+def head_draft_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
+    """Trainable parameters of a Medusa or MLP-speculator draft by part (full target vocab)."""
+    H, V = hidden_size, vocab_size
+    if recipe.draft.method == "medusa":
+        m = recipe.draft.medusa
+        return {"resblocks": m.num_heads * m.num_layers * (H * H + H), "lm_heads": m.num_heads * V * H}
+    m = recipe.draft.mlp_speculator
+    D, P = m.inner_dim or H, m.n_predict
+    stages = 1 if m.tie_weights else P  # tied: one emb/head/ln for all stages
+    inner_projs = min(P - 1, 1) if m.tie_weights else P - 1  # tied: stages >= 1 share one proj
+    return {"emb": stages * V * D, "proj": H * D + inner_projs * D * D, "head": stages * V * D, "ln": stages * 2 * D}
+
+
 def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]:
     """Everything the dry run reports, as a dict (see module docstring).
 
@@ -79,15 +92,23 @@ def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]
     if recipe.data.draft_vocab_size > V:
         raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
     cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids, recipe.draft.norm_before_residual)
-    counts = draft_parameter_count(cfg)
+    T, B = recipe.data.max_length, recipe.train.batch_size
+    if recipe.draft.method == "eagle3":
+        counts = draft_parameter_count(cfg)
+        # Activation peak is dominated by K steps of (B*T, Vd) fp32 logits + their softmax grads.
+        logits_bytes = recipe.train.ttt_steps * B * T * cfg.draft_vocab_size * 4 * 3
+    else:
+        counts = head_draft_parameter_count(recipe, cfg.hidden_size, V)
+        counts["frozen_embedding"] = 0  # heads read the target's states, not its embedding
+        heads = recipe.draft.medusa.num_heads if recipe.draft.method == "medusa" else recipe.draft.mlp_speculator.n_predict
+        # K heads of (B*T, V) logits over the full target vocab + their softmax grads
+        logits_bytes = heads * B * T * V * 4 * 3
     trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
     hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
     tokens = recipe.data.expected_tokens
-    T, B = recipe.data.max_length, recipe.train.batch_size
-    # Activation peak is dominated by K steps of (B*T, Vd) fp32 logits + their softmax grads.
-    logits_bytes = recipe.train.ttt_steps * B * T * cfg.draft_vocab_size * 4 * 3
     return {
         "target": recipe.target.name_or_path,
+        "method": recipe.draft.method,
         "architectures": list(getattr(config, "architectures", None) or []),
         "target_layers": n,
         "hidden_size": cfg.hidden_size,
@@ -129,7 +150,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"target           {r['target']} {r['architectures']}: {r['target_layers']} layers, H={r['hidden_size']}, V={r['vocab_size']}",
         f"aux layer ids    {r['aux_layer_ids']}" + (" (vLLM default)" if r["aux_layer_ids_are_vllm_default"] else " (differs from vLLM default: written into the export)"),
-        f"draft            {r['draft_trainable_parameters'] / 1e6:.1f}M trainable params "
+        f"draft            {r['method']}: {r['draft_trainable_parameters'] / 1e6:.1f}M trainable params "
         f"({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in r['draft_parameters'].items())}); draft vocab {r['draft_vocab_size']}",
         f"train memory     weights {_human(mem['draft_weights_fp32'])} + grads {_human(mem['gradients_fp32'])} + "
         f"AdamW {_human(mem['adamw_state_fp32'])} (fp32) + frozen embedding {_human(mem['frozen_embedding_bf16'])} + "

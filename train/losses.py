@@ -6,6 +6,10 @@ only, weighted ``gamma**k`` (EAGLE-3, arXiv:2503.01840; SPEC.md section 2).
 
 The target distribution is recomputed from the target's final (normed) hidden state and
 the ``t2d`` rows of the target ``lm_head``: the ``[tokens, V]`` logits are never built.
+
+Medusa heads and MLP-speculator stages: per-head cross-entropy against the sequence's
+next tokens (the target's own regenerated replies), head k weighted ``decay**k``, on
+assistant tokens only (:func:`head_targets`, :func:`head_loss`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     gamma: float = 0.8,
     denominators: list[float] | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
     """Weighted TTT loss ``sum_k gamma**k * KL_k`` (forward KL target || draft).
 
@@ -73,6 +78,8 @@ def ttt_loss(
         gamma: step weight base.
         denominators: per-step normalisers replacing M_k; data-parallel training passes the
             global count / world size, so the averaged gradient equals the global token mean.
+        document_ids: ``(B, T)`` document per position of packed rows (as given to the model):
+            no prediction crosses a document boundary.
 
     Returns:
         ``(loss scalar, StepMetrics)``. KL_k averages over the M_k trained positions of step
@@ -81,7 +88,7 @@ def ttt_loss(
     total = target_logits.new_zeros(())
     losses, accs, counts = [], [], []
     for k, draft in enumerate(step_logits):
-        sel = ttt_prediction_mask(loss_mask, k)  # (B, T)
+        sel = ttt_prediction_mask(loss_mask, k, document_ids)  # (B, T)
         target = shift_left(target_logits, k + 1)[sel]  # (M_k, Vd): distribution of x_{t+k+2}
         if draft.shape[0] != target.shape[0]:
             raise ValueError(f"step {k}: {draft.shape[0]} draft positions but {target.shape[0]} selected targets")
@@ -100,4 +107,75 @@ def ttt_loss(
         losses.append(kl.item())
         with torch.no_grad():
             accs.append((draft.argmax(-1) == target.argmax(-1)).float().mean().item())
+    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)
+
+
+@dataclass
+class HeadTargets:
+    """What K multi-token heads train on, gathered at the positions that have a label.
+
+    ``positions (B, T)`` bool: positions t where some head k has a label (loss_mask of
+    x_{t+k+2} is 1); M of them. ``tokens (M, K + 2)``: ``tokens[m, j]`` = x_{t+j} (0 past the
+    end). ``labels (K, M)`` = x_{t+k+2}; ``label_mask (K, M)`` bool = loss_mask of that token.
+    """
+
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    label_mask: torch.Tensor
+
+
+def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
+                 document_ids: torch.Tensor | None = None) -> HeadTargets:
+    """Labels of Medusa heads / MLP-speculator stages: head k at position t predicts
+    x_{t+k+2}, trained only where that token is an assistant token (``loss_mask (B, T)``;
+    padding has 0) and, with ``document_ids (B, T)`` (packed rows), in t's document.
+    Restricting to positions with a label keeps the ``(K, M, V)`` logits of a full-vocab
+    head to the tokens that count (prompts and padding are never projected)."""
+    K = num_heads
+    window = torch.stack([shift_left(input_ids, j) for j in range(K + 2)], dim=-1)  # (B, T, K+2)
+    masks = torch.stack([ttt_prediction_mask(loss_mask, k, document_ids) for k in range(K)])  # (K, B, T)
+    positions = masks.any(0)  # (B, T)
+    tokens = window[positions]  # (M, K+2)
+    return HeadTargets(positions, tokens, tokens[:, 2:].T.contiguous(), masks[:, positions])
+
+
+def head_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    decay: float = 0.8,
+    denominators: list[float] | None = None,
+) -> tuple[torch.Tensor, StepMetrics]:
+    """Per-head cross-entropy ``sum_k decay**k * CE_k`` against hard labels (Medusa-1 /
+    IBM MLP speculator; SPEC.md section 4).
+
+    Args:
+        logits: ``(K, M, V)`` every head's logits at the M gathered positions (full target vocab).
+        labels: ``(K, M)`` the token each head should predict (x_{t+k+2}).
+        label_mask: ``(K, M)`` bool, positions that count for head k.
+        decay: head weight base (Medusa: 0.8).
+        denominators: per-head normalisers replacing the local count M_k (data parallel: the
+            global count / world size, as in :func:`ttt_loss`).
+
+    Returns:
+        ``(loss scalar, StepMetrics)``: ``loss[k]`` mean CE in nats/token, ``acc[k]`` top-1
+        accuracy (argmax == label), ``tokens[k]`` positions counted; a head with none gives 0.
+    """
+    total = logits.sum() * 0.0  # keeps the graph: a micro-batch without labels still backpropagates
+    losses, accs, counts = [], [], []
+    for k in range(logits.shape[0]):
+        sel = label_mask[k]
+        m = int(sel.sum())
+        counts.append(m)
+        if m == 0:
+            losses.append(0.0), accs.append(0.0)
+            continue
+        head = logits[k][sel].float()  # (M_k, V), one head at a time: fp32 copies stay small
+        target = labels[k][sel]
+        ce = F.cross_entropy(head, target, reduction="sum") / (denominators[k] if denominators is not None else m)
+        total = total + (decay**k) * ce
+        losses.append(ce.item())
+        with torch.no_grad():
+            accs.append((head.argmax(-1) == target).float().mean().item())
     return total, StepMetrics(loss=losses, acc=accs, tokens=counts)

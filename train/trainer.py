@@ -6,8 +6,15 @@ the launcher config): nothing here branches on the distributed backend.
 A :class:`DraftMethod` supplies the model and the per-batch loss; the loop supplies data
 order, AdamW + warmup/cosine, gradient accumulation and clipping, logging (tqdm, JSONL,
 wandb), and checkpoints holding model, optimizer, scheduler, RNG states, data position and
-step (accelerate ``save_state``), with the resolved recipe, command line, git revision and
-package versions beside them.
+step (accelerate ``save_state`` + ``train_state.json``), with the resolved recipe, command line
+(secrets redacted), git revision and package versions beside them.
+
+Resume is exact: a run killed at any point (even SIGKILL) and resumed with ``resume=True``
+reaches the same parameters and ``metrics.jsonl`` as an uninterrupted run. The data position
+(epoch, micro-batches consumed), the metrics window not yet logged and the RNG states come
+back from the last complete checkpoint; ``metrics.jsonl`` lines written after it are dropped.
+The run position is kept in JSON rather than as an accelerate custom object because
+accelerate (1.15) unpickles custom objects with ``torch.load(weights_only=False)``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from draftsmith.data_prep.hidden_states import collate
 from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.train.packing import PackedDataset, collate_packed
 
 log = logging.getLogger("draftsmith.train")
 
@@ -49,6 +58,10 @@ class DraftMethod(Protocol):
     def setup(self, accelerator: Any) -> None:
         """Move frozen helpers (e.g. the target head) to the accelerator's device and keep
         what the loss needs to normalise over all processes (``accelerator.reduce``)."""
+
+    def begin_step(self, step: int) -> None:
+        """Called before every micro-batch with the optimizer steps taken so far (resumed runs
+        included): for methods whose data change during the run (MLP speculator stage 2)."""
 
     def compute_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss (scalar) and per-batch metrics (floats) for one micro-batch."""
@@ -93,12 +106,15 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
     tokens: int = 0
     nonfinite_skipped: int = 0
+    nonfinite_in_a_row: int = 0
     finished: bool = False  # the run reached its last step
+    # per-micro-batch metrics since the last logged step: a resumed run logs the same means
+    window: dict[str, list[float]] = field(default_factory=dict)
 
-    def state_dict(self) -> dict[str, int | bool]:
-        return dict(self.__dict__)
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.__dict__))  # a deep copy, JSON-safe by construction
 
-    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
 
@@ -141,8 +157,64 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
         return math.ceil(len(self.lengths) / size) if self.num_replicas == 1 else len(self.lengths) // size
 
 
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN", "WANDB_API_KEY")
+# option / key names whose value is a credential: --hf-token X, --set hub.api_key=X, password=...
+_SECRET_KEY = re.compile(r"((?<![a-z])token(?!iz)|api[_-]?key|secret|password|passwd|credential)", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def redact_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[str]:
+    """``argv`` safe to write to a run directory.
+
+    Redacts the value of any option or ``key=value`` whose key looks like a credential
+    (``--hf-token X``, ``--token=X``, ``--set hub.api_key=X``) and, anywhere in any argument,
+    the values of the token environment variables (:data:`SECRET_ENV_VARS`) and of any
+    environment variable whose name looks like a credential.
+    """
+    env = os.environ if environ is None else environ
+    secrets = sorted({v for k, v in env.items() if v and len(v) >= 8 and (k in SECRET_ENV_VARS or (
+        _SECRET_KEY.search(k) and not k.endswith(("_PATH", "_FILE", "_DIR"))))}, key=len, reverse=True)
+    out: list[str] = []
+    redact_next = False
+    for arg in argv:
+        if redact_next:
+            out.append(REDACTED)
+            redact_next = False
+            continue
+        if arg.startswith("-") and "=" not in arg and _SECRET_KEY.search(arg):
+            out.append(arg)
+            redact_next = True
+            continue
+        key, sep, _ = arg.partition("=")
+        if sep and _SECRET_KEY.search(key):
+            arg = f"{key}={REDACTED}"
+        for value in secrets:
+            arg = arg.replace(value, REDACTED)
+        out.append(arg)
+    return out
+
+
+def cpu_mixed_precision() -> str | None:
+    """``"no"`` when training runs on CPU, else None (the launcher config decides).
+
+    Mixed precision comes from the accelerate launcher config (``mixed_precision: bf16`` ->
+    ``ACCELERATE_MIXED_PRECISION``): bf16 autocast on GPU. On CPU bf16 autocast is slower
+    than fp32 (SPEC.md section 7), so a CPU run (``use_cpu``/``ACCELERATE_USE_CPU`` or no
+    accelerator) stays fp32 whatever the config says.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    if not (parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()):
+        return None
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if asked != "no":
+        log.info("training on CPU: fp32 (the launcher config asked for mixed_precision=%s)", asked)
+    return "no"
+
+
 def run_metadata(argv: list[str]) -> dict[str, Any]:
-    """Command line, git revision and package versions, saved beside checkpoints."""
+    """Command line (credentials redacted, see :func:`redact_argv`), git revision and package
+    versions, saved beside checkpoints. No environment variables are recorded."""
     from importlib import metadata
 
     try:
@@ -156,15 +228,100 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
-    return {"argv": argv, "git_revision": rev, "python": platform.python_version(), "versions": versions}
+    return {"argv": redact_argv(argv), "git_revision": rev, "python": platform.python_version(), "versions": versions}
 
 
 def find_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints ``step-N`` (with ``train_state.json``) in step order; a half-written
+    ``.tmp-step-N`` left by a crash during a save is never listed."""
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
              and (p / "train_state.json").is_file()]
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Delete ``.tmp-step-N`` directories left by a crash mid-save; returns what was removed."""
+    if not ckpt_dir.is_dir():
+        return []
+    partial = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{CHECKPOINT_PREFIX}")]
+    for p in partial:
+        log.warning("removing %s: a checkpoint save that did not finish", p)
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
+def check_checkpoint_shapes(ckpt: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose tensors do not fit ``model`` before anything is loaded.
+
+    Raises:
+        ValueError: naming the file, the tensor and both shapes (a checkpoint trained for
+            another target: hidden size or vocab differ).
+    """
+    from safetensors import safe_open
+
+    path = ckpt / "model.safetensors"
+    if not path.is_file():
+        return
+    want = {k.removeprefix("module."): tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(path), framework="pt") as fh:
+        for key in fh.keys():
+            name, shape = key.removeprefix("module."), tuple(fh.get_slice(key).get_shape())
+            if name in want and want[name] != shape:
+                raise ValueError(
+                    f"{path}: {name} has shape {list(shape)} but this run's model has {list(want[name])}: the "
+                    f"checkpoint was trained for another target or draft config (hidden size / vocab differ; "
+                    f"see {ckpt / 'draft_config.json'})"
+                )
+
+
+def load_checkpoint(accelerator: Any, ckpt: Path, state: TrainState, model: torch.nn.Module | None = None) -> None:
+    """Restore model, optimizer, scheduler and RNG states (accelerate ``load_state``; tensors
+    through safetensors, the rest through ``torch.load(weights_only=True)``) and the run
+    position from ``train_state.json``. With ``model`` (not sharded), its shapes are checked
+    against the checkpoint first (:func:`check_checkpoint_shapes`).
+
+    Checkpoints written before the position moved to JSON also hold ``custom_checkpoint_0.pkl``,
+    which accelerate would unpickle with ``weights_only=False``: those are loaded through a
+    directory of links that leaves the pickle out.
+    """
+    import tempfile
+
+    if model is not None:
+        check_checkpoint_shapes(ckpt, model)
+    state.load_state_dict(json.loads((ckpt / "train_state.json").read_text()))
+    legacy = [p for p in ckpt.iterdir() if re.fullmatch(r"custom_checkpoint_\d+\.pkl", p.name)]
+    if not legacy:
+        accelerator.load_state(str(ckpt))
+        return
+    with tempfile.TemporaryDirectory(prefix="draftsmith-ckpt-") as tmp:
+        for p in ckpt.iterdir():
+            if p not in legacy:
+                (Path(tmp) / p.name).symlink_to(p.resolve())
+        accelerator.load_state(tmp)
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the ``metrics.jsonl`` lines of steps ``<= step`` (those a killed run wrote after its
+    last checkpoint are logged again on resume); atomic rewrite. Returns the lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            keep = False  # a line torn by the kill
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 @dataclass
@@ -184,6 +341,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint.
+        ValueError: ``resume`` from a checkpoint whose tensors do not fit this model.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -197,14 +355,16 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         log_with = "wandb"
     # The schedule counts optimizer steps; accelerate's default would step it once per process.
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps, log_with=log_with,
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, mixed_precision=cpu_mixed_precision())
     set_seed(recipe.seed)
     ckpt_dir = run_dir / "checkpoints"
 
-    dataset = method.dataset()
+    dataset, collate_fn = method.dataset(), collate
+    if cfg.packing:  # rows of several sequences; the sampler then batches rows
+        dataset, collate_fn = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed), collate_packed
     sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed,
                                    accelerator.num_processes, accelerator.process_index)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=cfg.num_workers)
 
     model = method.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -218,14 +378,19 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     method.setup(accelerator)
     state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    last_ckpt = None
+    if accelerator.is_main_process:
+        remove_partial_checkpoints(ckpt_dir)
+    accelerator.wait_for_everyone()
 
     if resume:
         ckpts = find_checkpoints(ckpt_dir)
         if not ckpts:
             raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
-        accelerator.load_state(str(ckpts[-1]))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpts[-1], state.step, state.epoch, state.batch_in_epoch)
+        last_ckpt = ckpts[-1]
+        sharded = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")  # state_dict() would gather
+        load_checkpoint(accelerator, last_ckpt, state, None if sharded else accelerator.unwrap_model(model))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, state.step, state.epoch, state.batch_in_epoch)
     meta_json = json.dumps(run_metadata(argv or sys.argv), indent=1)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -235,12 +400,15 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         accelerator.init_trackers(cfg.wandb.project, config=recipe.model_dump(mode="json"))
 
     metrics_path = run_dir / "metrics.jsonl"
+    if accelerator.is_main_process:
+        dropped = truncate_metrics(metrics_path, state.step)
+        if dropped:
+            log.info("%s: dropped %d lines after step %d (logged again by this run)", metrics_path, dropped, state.step)
     bar = tqdm(total=total_steps, initial=state.step, desc=f"train {method.name}", unit="step",
                disable=not (progress and accelerator.is_main_process))
-    window: dict[str, list[float]] = {}
+    window = state.window
     t0, tokens_at_start = time.perf_counter(), state.tokens
     last: dict[str, float] = {}
-    last_ckpt = None
 
     def save_checkpoint() -> Path:
         final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
@@ -262,7 +430,6 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         accelerator.wait_for_everyone()
         return final
 
-    nonfinite_in_a_row = 0
     stop = _StopRequest()
     model.train()
     done = state.step >= total_steps
@@ -274,6 +441,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         for batch in epoch_loader:
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.accumulate(model):
+                method.begin_step(state.step)
                 loss, metrics = method.compute_loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -283,17 +451,17 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                     bad = not math.isfinite(float(loss.detach())) or (norm is not None and not math.isfinite(float(norm)))
                     if bad:
                         state.nonfinite_skipped += 1
-                        nonfinite_in_a_row += 1
+                        state.nonfinite_in_a_row += 1
                         log.warning("step %d: non-finite loss/gradient, update skipped (%d in a row, %d in total)",
-                                    state.step + 1, nonfinite_in_a_row, state.nonfinite_skipped)
-                        if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                                    state.step + 1, state.nonfinite_in_a_row, state.nonfinite_skipped)
+                        if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
                             raise NonFiniteLossError(
-                                f"{nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                                 f"(train.max_nonfinite_steps={cfg.max_nonfinite_steps}); last good checkpoint: {last_ckpt}"
                             )
                         metrics = {}
                     else:
-                        nonfinite_in_a_row = 0
+                        state.nonfinite_in_a_row = 0
                         if norm is not None:
                             metrics["grad_norm"] = float(norm)
                         optimizer.step()

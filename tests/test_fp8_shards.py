@@ -1,0 +1,138 @@
+"""Row-scaled fp8 shard encoding: error bound, disk size, old shards, conversion; and shards
+split across ranks without overlap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftsmith.data_prep.hidden_states import (
+    HiddenStateDataset,
+    ShardSpec,
+    convert_shards,
+    decode_fp8,
+    encode_fp8,
+    generate_hidden_states,
+    shard_bytes_per_token,
+)
+from draftsmith.data_prep.target import load_target
+
+from conftest import TINY_AUX
+from test_hidden_states import make_records
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target):
+    return load_target(tiny_target)
+
+
+def test_fp8_round_trip_error_is_bounded_per_slice_even_with_massive_activations():
+    torch.manual_seed(0)
+    x = torch.randn(64, 3 * 32)
+    x[:, 40] = 2.0e4  # one massive activation in the second aux layer (plain fp8 tops out at 448)
+    x[:, :32] *= 1e-3  # a small-norm first layer must keep its own precision
+    q, scale = encode_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 3)
+    y = decode_fp8(q, scale)
+    for g in range(3):
+        sl = slice(32 * g, 32 * (g + 1))
+        rel = (y[:, sl] - x[:, sl]).norm(dim=-1) / x[:, sl].norm(dim=-1)
+        assert rel.max() < 2 ** -4  # e4m3: 3 mantissa bits
+    assert torch.equal(decode_fp8(*encode_fp8(torch.zeros(2, 6), 3)), torch.zeros(2, 6))
+
+
+def test_fp8_shards_decode_close_to_fp32_capture_at_half_the_bf16_size(tiny, tmp_path):
+    model, _ = tiny
+    records = make_records(9, model.config.vocab_size, seed=3)
+    H = model.config.hidden_size
+    dirs = {}
+    for dtype in ("float32", "bfloat16", "float8_e4m3fn"):
+        dirs[dtype] = tmp_path / dtype
+        m = generate_hidden_states(model, records, dirs[dtype], ShardSpec(H, TINY_AUX, dtype),
+                                   sequences_per_shard=4, progress=False)
+    assert m["encoding"]["name"] == "fp8_e4m3_row_scaled"
+    ref, fp8 = HiddenStateDataset(dirs["float32"]), HiddenStateDataset(dirs["float8_e4m3fn"])
+    for i in range(len(records)):
+        a, b = ref[i], fp8[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("aux_hidden_states", "final_hidden_states"):
+            assert b[key].dtype == torch.float32
+            rel = (b[key] - a[key]).norm(dim=-1) / a[key].norm(dim=-1)
+            assert rel.max() < 2 ** -4, (i, key, rel.max())
+    # per token: 4H fp8 bytes + 4 fp32 scales vs 4H bf16 values, plus shared ids/masks/headers
+    ratio = shard_bytes_per_token(dirs["float8_e4m3fn"]) / shard_bytes_per_token(dirs["bfloat16"])
+    assert 0.45 < ratio < 0.56, ratio
+
+
+def test_bf16_shards_without_encoding_still_read_in_their_dtype(tiny, tmp_path):
+    model, _ = tiny
+    records = make_records(3, model.config.vocab_size, seed=4)
+    generate_hidden_states(model, records, tmp_path, ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16"),
+                           sequences_per_shard=2, progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "encoding" not in manifest  # the layout written before fp8 existed
+    item = HiddenStateDataset(tmp_path)[1]
+    assert item["aux_hidden_states"].dtype == torch.bfloat16
+    assert item["aux_hidden_states"].shape == (len(records[1]["input_ids"]), 3 * model.config.hidden_size)
+
+
+def test_convert_cli_reencodes_bf16_to_fp8_keeping_tokens_and_boundaries(tiny, tmp_path):
+    model, _ = tiny
+    records = make_records(5, model.config.vocab_size, seed=5)
+    src, dst = tmp_path / "bf16", tmp_path / "fp8"
+    generate_hidden_states(model, records, src, ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16"),
+                           sequences_per_shard=2, progress=False)
+    out = subprocess.run([sys.executable, "-m", "draftsmith.data_prep.hidden_states", "convert", str(src), str(dst)],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["dtype"] == "float8_e4m3fn"
+    a, b = HiddenStateDataset(src), HiddenStateDataset(dst)
+    assert [s["ids"] for s in a.manifest["shards"]] == [s["ids"] for s in b.manifest["shards"]]
+    for i in range(len(records)):
+        assert torch.equal(a[i]["input_ids"], b[i]["input_ids"])
+        rel = (b[i]["aux_hidden_states"] - a[i]["aux_hidden_states"].float()).norm(-1) / a[i]["aux_hidden_states"].float().norm(-1)
+        assert rel.max() < 2 ** -4
+    first = (dst / "shard-00000.safetensors").stat().st_mtime_ns
+    convert_shards(src, dst, "float8_e4m3fn", progress=False)  # resumes: nothing rewritten
+    assert (dst / "shard-00000.safetensors").stat().st_mtime_ns == first
+
+
+def test_two_ranks_write_disjoint_shards_whose_union_equals_one_process(tiny, tmp_path):
+    model, _ = tiny
+    records = make_records(11, model.config.vocab_size, seed=6)
+    spec = ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16")
+    single, split = tmp_path / "single", tmp_path / "split"
+    generate_hidden_states(model, records, single, spec, sequences_per_shard=2, progress=False)
+    m0 = generate_hidden_states(model, records, split, spec, sequences_per_shard=2, progress=False,
+                                rank=0, world_size=2)
+    rank0 = {p.name for p in split.glob("shard-*")}
+    assert rank0 == {f"shard-{i:05d}.safetensors" for i in (0, 2, 4)}
+    assert not (split / "manifest.json").exists()  # incomplete: rank 1 has not run
+    with pytest.raises(Exception, match="did not finish"):
+        HiddenStateDataset(split)
+    assert len(m0["shards"]) == 3
+    generate_hidden_states(model, records, split, spec, sequences_per_shard=2, progress=False,
+                           rank=1, world_size=2)
+    rank1 = {p.name for p in split.glob("shard-*")} - rank0
+    assert rank1 == {f"shard-{i:05d}.safetensors" for i in (1, 3, 5)}
+    for p in single.glob("shard-*"):
+        assert (split / p.name).read_bytes() == p.read_bytes()
+    merged = json.loads((split / "manifest.json").read_text())
+    assert merged["shards"] == json.loads((single / "manifest.json").read_text())["shards"]
+    a, b = HiddenStateDataset(single), HiddenStateDataset(split)
+    assert len(a) == len(b) == 11
+    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(11))
+
+
+def test_rank_and_world_size_come_from_the_launcher_environment(tiny, tmp_path, monkeypatch):
+    model, _ = tiny
+    records = make_records(4, model.config.vocab_size, seed=7)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    generate_hidden_states(model, records, tmp_path, ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16"),
+                           sequences_per_shard=1, progress=False)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    assert (tmp_path / "manifest.rank-00001-of-00002.json").is_file()

@@ -1,0 +1,191 @@
+"""What every draft method reads from ``RUN_DIR/data`` and shares around the loop.
+
+:class:`TargetDataMethod` is the common base of the :class:`~draftsmith.train.trainer.DraftMethod`
+implementations (EAGLE-3, Medusa, MLP speculator): the target info written by
+``data_prep/prepare.py``, the target's embedding / ``lm_head`` / final norm tensors, the
+dataset (offline shards or, in online mode, token ids with the frozen target in the job),
+the target hidden states of a batch, and the data-parallel normalisers of per-step losses.
+:class:`HeadMethod` adds what Medusa and the MLP speculator share on top: K full-vocab heads
+trained with per-head cross-entropy (:func:`~draftsmith.train.losses.head_loss`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftsmith.data_prep.hidden_states import HiddenStateDataset, TokenizedDataset, capture_batch
+from draftsmith.data_prep.prepare import DataPaths
+from draftsmith.data_prep.target import load_target, load_target_head_tensors
+from draftsmith.recipe import Recipe
+from draftsmith.train.losses import HeadTargets, StepMetrics, head_loss, head_targets
+
+
+class TargetDataMethod:
+    """Base of the draft methods: target info, target head tensors, dataset, target states.
+
+    Attributes:
+        target_info: ``RUN_DIR/data/target.json`` (path, hidden_size, vocab_size, aux ids ...).
+        heads: ``embed_tokens [V, H]``, ``lm_head [V, H]``, ``final_norm [H]`` of the target.
+        target / tokenizer: the frozen target, loaded when ``data.hidden_states_mode`` is
+            ``online`` or the subclass asks for it (``load_target=True``); else None.
+
+    Raises:
+        FileNotFoundError: ``RUN_DIR/data/target.json`` missing (data not prepared).
+    """
+
+    name = "base"
+
+    def __init__(self, recipe: Recipe, run_dir: Path, load_target_model: bool = False):
+        self.recipe, self.paths = recipe, DataPaths(run_dir / "data")
+        if not self.paths.target_info.is_file():
+            raise FileNotFoundError(f"{self.paths.target_info} missing: run data_prep/prepare.py first")
+        self.target_info = json.loads(self.paths.target_info.read_text())
+        self.target_dir = Path(self.target_info["path"])
+        self.heads = load_target_head_tensors(self.target_dir)
+        self.target, self.tokenizer = None, None
+        if recipe.data.hidden_states_mode == "online" or load_target_model:
+            # frozen target in the same job; its states never touch the disk
+            self.target, self.tokenizer = load_target(self.target_dir, getattr(torch, recipe.target.dtype),
+                                                      recipe.target.trust_remote_code)
+        self.accelerator: Any = None
+
+    def dataset(self) -> torch.utils.data.Dataset:
+        if self.recipe.data.hidden_states_mode == "online":
+            return TokenizedDataset(self.paths.tokenized, self.recipe.data.max_length)
+        return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length)
+
+    def setup(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        if self.target is not None:
+            self.target.to(accelerator.device)
+
+    def begin_step(self, step: int) -> None:
+        """Most methods train the same way at every step."""
+
+    def target_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux (B, T, 3H), final (B, T, H))``: from the shards, or from the target (online)."""
+        if "aux_hidden_states" in batch:
+            return batch["aux_hidden_states"], batch["final_hidden_states"]
+        return capture_batch(self.target, batch["input_ids"], batch["attention_mask"],
+                             self.target_info["aux_layer_ids"])
+
+    def global_denominators(self, counts: torch.Tensor) -> list[float] | None:
+        """Per-step normalisers for data parallelism from the local token counts ``(K,)`` of
+        each step: the global count over the world size (so the averaged gradient is the
+        global token mean); None on one process (the loss then uses its local counts)."""
+        world = self.accelerator.num_processes
+        if world == 1:
+            return None
+        return (self.accelerator.reduce(counts.float(), reduction="sum") / world).clamp_min(1.0).tolist()
+
+    def step_metrics(self, loss: torch.Tensor, m: StepMetrics) -> dict[str, float]:
+        """``loss`` (mean over processes) and ``loss_{k}`` / ``acc_{k}`` per step or head."""
+        world = self.accelerator.num_processes
+        global_loss = self.accelerator.reduce(loss.detach(), reduction="mean") if world > 1 else loss.detach()
+        metrics = {"loss": float(global_loss)}
+        for k, (lk, ak) in enumerate(zip(m.loss, m.acc)):
+            metrics[f"loss_{k}"] = lk
+            metrics[f"acc_{k}"] = ak
+        return metrics
+
+    def check_target_vocab(self) -> tuple[int, int]:
+        """``(H, V)`` of the target, with the ``lm_head`` checked against ``target.json``.
+
+        Raises:
+            ValueError: the target checkpoint's ``lm_head`` is not ``(vocab_size, hidden_size)``.
+        """
+        H, V = int(self.target_info["hidden_size"]), int(self.target_info["vocab_size"])
+        if tuple(self.heads["lm_head"].shape) != (V, H):
+            raise ValueError(
+                f"{self.paths.target_info}: vocab_size {V} / hidden_size {H}, but the target lm_head in "
+                f"{self.target_dir} has shape {tuple(self.heads['lm_head'].shape)}"
+            )
+        return H, V
+
+
+class HeadMethod(TargetDataMethod):
+    """Medusa heads and MLP-speculator stages: K heads over the full target vocab, fed the
+    target's final normed hidden state; per-head cross-entropy weighted ``train.head_decay**k``.
+
+    Subclasses set :attr:`num_heads` and implement :meth:`head_logits`.
+    """
+
+    num_heads: int
+
+    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
+        """``(K, M, V)`` logits at the M gathered positions, from ``final (M, 1, H)``."""
+        raise NotImplementedError
+
+    def batch_states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch to train on, with ``final_hidden_states (B, T, H)``; the MLP speculator's
+        stage 2 replaces the batch with sequences the target generates."""
+        _, final = self.target_states(batch)
+        return dict(batch, final_hidden_states=final)
+
+    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = self.batch_states(batch)
+        targets = head_targets(batch["input_ids"], batch["loss_mask"], self.num_heads, batch.get("document_ids"))
+        param = next(p for p in model.parameters() if p.requires_grad)
+        # every gathered position is its own length-1 sequence: heads never mix positions
+        final = batch["final_hidden_states"][targets.positions].to(param.dtype).unsqueeze(1)  # (M, 1, H)
+        logits = self.head_logits(model, final, targets)  # (K, M, V)
+        loss, m = head_loss(logits, targets.labels, targets.label_mask, self.recipe.train.head_decay,
+                            self.global_denominators(targets.label_mask.sum(1)))
+        return loss, self.step_metrics(loss, m)
+
+    def draft_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def checkpoint_extras(self, directory: Path) -> None:
+        (directory / "draft_config.json").write_text(json.dumps(
+            {"method": self.name, "config": self.draft_config(), "target": self.target_info,
+             "head_decay": self.recipe.train.head_decay}, indent=1))
+
+
+def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
+    """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
+    ``--dry-run`` (size report) or :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
+
+    Returns the exit code: 0, 1 (dry run failed), 2 (recipe invalid or for another method).
+    """
+    import argparse
+    import sys
+
+    from draftsmith.recipe import RecipeError, add_recipe_arguments, recipe_from_args, require_method
+    from draftsmith.train.trainer import fit
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_recipe_arguments(p)
+    p.add_argument("--run-dir", type=Path, help="run directory (required unless --dry-run)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
+    p.add_argument("--dry-run", action="store_true", help="validate the recipe and print size estimates; no weights")
+    p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
+    args = p.parse_args(argv)
+    recipe = recipe_from_args(args)
+    try:
+        require_method(recipe, method_cls.name, script)
+    except RecipeError as exc:
+        print(f"{args.recipe}: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from draftsmith.train.dry_run import dry_run, format_report
+
+        try:
+            print(format_report(dry_run(recipe, args.target_config)))
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.run_dir is None:
+        p.error("--run-dir is required")
+    result = fit(recipe, method_cls(recipe, args.run_dir), args.run_dir, resume=args.resume,
+                 argv=sys.argv if argv is None else argv)
+    print(json.dumps({"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 1),
+                      "tokens_per_s": round(result.tokens_per_s, 1), "checkpoint": str(result.checkpoint),
+                      "metrics": result.last_metrics}, indent=1))
+    return 0
