@@ -250,13 +250,16 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     rows.append(("chat template that cannot give an assistant mask", rewriting_template))
 
     def big_vocab() -> str:
-        handler = _Capture()
-        logging.getLogger("draftsmith.prepare").addHandler(handler)
+        handler, logger = _Capture(), logging.getLogger("draftsmith.prepare")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)  # main() quiets the root logger
         try:
             stage_vocab(load_recipe(None, ["data.draft_vocab_size=100000"]), DataPaths(work), info,
                         [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
         finally:
-            logging.getLogger("draftsmith.prepare").removeHandler(handler)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
         return handler.text
 
     rows.append(("draft vocab larger than target vocab (prepare)", big_vocab))

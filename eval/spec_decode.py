@@ -3,6 +3,7 @@ without vLLM (SPEC.md sections 4-5).
 
     python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
+        [--threads N] [--no-plain]
 
 Chain speculative decoding, batch size 1 (prompts one at a time), on a transformers target
 with a KV cache. Each round:
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture
+from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture, decoder_layers
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
@@ -159,12 +160,17 @@ class Target:
         return DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, token_ids: torch.Tensor, cache: Any, last_logits_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend the cache by ``(T,)`` tokens.
 
+        Args:
+            last_logits_only: compute logits for the last position only (a prefill needs no
+                more; ``T x V`` logits of a long prompt are large for 200k vocabularies).
+
         Returns:
-            ``(logits (T, V) float32, states (T, D))`` where states are ``cat(h[L0], h[L1],
-            h[L2])`` (D = 3H) with aux ids, else the final normed hidden state (D = H).
+            ``(logits (T or 1, V) float32, states (T, D))`` where states are ``cat(h[L0],
+            h[L1], h[L2])`` (D = 3H) with aux ids, else the final normed hidden state (D = H).
         """
         ids = token_ids.to(self.device).unsqueeze(0)  # (1, T)
         if self.aux_layer_ids is None:
@@ -174,7 +180,8 @@ class Target:
             with AuxHiddenStateCapture(self.model, self.aux_layer_ids) as cap:
                 final = self.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
             states = torch.cat([cap.captured[L][0] for L in self.aux_layer_ids], dim=-1)  # (T, 3H)
-        return self.model.lm_head(final[0]).float(), states
+        final = final[0, -1:] if last_logits_only else final[0]
+        return self.model.lm_head(final).float(), states
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -198,6 +205,8 @@ class Proposer(ABC):
     positions after the pending token.
     """
 
+    #: the draft network.
+    model: torch.nn.Module
     #: aux layer ids the target must capture, or None for the final normed hidden state.
     aux_layer_ids: list[int] | None = None
     #: the most tokens this draft can propose per round (heads / stages), None = unbounded.
@@ -209,7 +218,17 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
                 generator: torch.Generator | None) -> Proposal:
-        ...
+        """Draft ``k`` tokens after the pending token.
+
+        Args:
+            states: ``(n, D)`` target states of the newly committed positions (D = 3H aux
+                states for EAGLE-3, H final normed states otherwise).
+            next_tokens: ``(n,)`` the token after each of those positions.
+            k: tokens to draft.
+            temperature: 0 = each draft token is the argmax; > 0 = sampled from
+                ``softmax(logits / T)``, returned as ``Proposal.probs`` over the target vocab.
+            generator: RNG for the samples.
+        """
 
     def _chain(self, logits_fn, k: int, temperature: float, generator: torch.Generator | None) -> Proposal:
         """Run ``logits_fn(i, previous token) -> (V,) logits`` for i < k, choosing each token."""
@@ -411,7 +430,7 @@ def speculative_generate(target: Target, proposer: Proposer, prompt_ids: list[in
     proposer.reset()
     cache = target.new_cache()
     prompt = torch.tensor(prompt_ids, dtype=torch.long)
-    logits, states = target.forward(prompt, cache)
+    logits, states = target.forward(prompt, cache, last_logits_only=True)
     first, _ = choose(logits[-1], temperature, generator)
     out = [first]
     next_tokens = torch.cat([prompt[1:], torch.tensor([first])])  # x_{t+1} for each state row
@@ -436,7 +455,7 @@ def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0
     T=0, a sample of ``softmax(logits / T)`` otherwise)."""
     stop_ids = stop_ids or set()
     cache = target.new_cache()
-    logits, _ = target.forward(torch.tensor(prompt_ids, dtype=torch.long), cache)
+    logits, _ = target.forward(torch.tensor(prompt_ids, dtype=torch.long), cache, last_logits_only=True)
     out = [choose(logits[-1], temperature, generator)[0]]
     while not _finished(out, max_new_tokens, stop_ids):
         logits, _ = target.forward(torch.tensor([out[-1]]), cache)
@@ -526,14 +545,21 @@ def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
         target_model: the target, whose input embedding EAGLE-3 shares.
 
     Raises:
-        DraftLoadError: unknown format or a folder that does not load.
+        DraftLoadError: unknown format, a folder that does not load, or (EAGLE-3) aux layer
+            ids the target does not have.
     """
     path = Path(path)
     cfg = _read_config(path)
     archs = cfg.get("architectures") or []
     if cfg.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in archs:
         embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
-        return Eagle3Proposer(load_eagle3(path, embed))
+        model = load_eagle3(path, embed)
+        if target_model is not None:
+            n_layers = len(decoder_layers(target_model))
+            if not all(0 <= L < n_layers for L in model.config.aux_layer_ids):
+                raise DraftLoadError(f"{path / 'config.json'}: aux layer ids {model.config.aux_layer_ids} out of "
+                                     f"range for a target with {n_layers} decoder layers")
+        return Eagle3Proposer(model)
     if cfg.get("model_type") in ("medusa", "mlp_speculator"):
         from draftsmith.eval.export import ExportError
         from draftsmith.eval.export_heads import load_medusa, load_mlp_speculator
@@ -649,6 +675,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
+                   "machine 1 thread avoids waiting for cores)")
     p.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-decoding baseline")
     p.add_argument("--compare-vllm", action="store_true",
                    help="also measure the EAGLE-3 draft with vLLM (eval/acceptance.py) on the same prompts")
@@ -660,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from draftsmith.data_prep.target import load_target, resolve_target
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
     target_dir = resolve_target(args.target)
     model, tokenizer = load_target(target_dir, dtype=getattr(torch, args.dtype))
     model.to(args.device)
@@ -668,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     except DraftLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    getattr(proposer, "model").to(args.device, getattr(torch, args.dtype))
+    proposer.model.to(args.device, getattr(torch, args.dtype))
     prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
     results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,
                                      args.max_new_tokens, args.seed, args.plain)}

@@ -169,14 +169,3 @@ def test_draft_whose_t2d_covers_another_vocab_is_refused(good_draft, tiny_target
     with pytest.raises(DraftMismatchError, match="t2d covers 640 target ids, target vocab is 512"):
         check_draft_matches_target(good_draft, tiny_target)
 
-
-# TEMPORARY (removed after this run): produce the fault report inside the same heavy-lock hold
-def test_zz_tmp_fault_report():
-    import subprocess
-    import sys
-
-    if not Path("/tmp/d_run_report_flag").exists():
-        pytest.skip("temporary")
-    with open("/tmp/d_report_t.md", "w") as out, open("/tmp/d_report_t.err", "w") as err:
-        code = subprocess.run([sys.executable, "-m", "draftsmith.eval.fault_report"], stdout=out, stderr=err).returncode
-    assert code == 0

@@ -72,7 +72,7 @@ def make_medusa(model, num_heads: int = 3, seed: int = 0) -> MedusaModel:
     torch.manual_seed(seed)
     medusa = MedusaModel(MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
                                       num_heads=num_heads))
-    with torch.no_grad():  # random heads (fresh ones are the identity ResBlock + a copy of nothing)
+    with torch.no_grad():  # fresh ResBlocks are zero (identity): randomise them too
         for p in medusa.parameters():
             p.normal_(0, 0.2)
     return medusa.eval()
@@ -430,7 +430,7 @@ def test_exported_draft_loads_and_proposes_like_the_trained_one(tiny, tmp_path, 
     assert a == b
 
 
-def test_a_draft_missing_a_tensor_is_refused_by_name(tiny, tmp_path):
+def test_a_draft_that_does_not_fit_is_refused_with_the_reason(tiny, tmp_path):
     model, _ = tiny
     draft = make_eagle3(model, 200, TINY_AUX)
     meta_target = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}
@@ -442,6 +442,12 @@ def test_a_draft_missing_a_tensor_is_refused_by_name(tiny, tmp_path):
     del tensors["norm.weight"]
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(DraftLoadError, match="norm.weight"):
+        load_draft(out, model)
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]  # the tiny target has 6 layers: 0..5
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(load_file(str(tmp_path / "ckpt_eagle3" / "model.safetensors")), str(out / "model.safetensors"))
+    with pytest.raises(DraftLoadError, match=r"aux layer ids \[1, 3, 6\] out of range"):
         load_draft(out, model)
     (out / "config.json").write_text(json.dumps({"architectures": ["Something"]}))
     with pytest.raises(DraftLoadError, match="unknown draft format"):
