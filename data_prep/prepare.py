@@ -110,7 +110,8 @@ def _engine_factory(recipe: Recipe, target_dir: Path):
         if engine == "vllm":
             v = recipe.eval.vllm
             return regen.VllmChatEngine(
-                target_dir, recipe.seed, v.dtype, v.enforce_eager, v.gpu_memory_utilization, v.max_model_len, v.max_num_seqs
+                target_dir, recipe.seed, v.dtype, v.enforce_eager, v.gpu_memory_utilization, v.max_model_len, v.max_num_seqs,
+                trust_remote_code=recipe.target.trust_remote_code,
             )
         model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
         return regen.TransformersChatEngine(model, tok, recipe.seed)

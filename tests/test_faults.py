@@ -66,6 +66,23 @@ def test_run_stops_after_too_many_nonfinite_steps_in_a_row(prepared, tmp_path):
         fit(recipe, NaNAt(recipe, run, bad_calls=range(2, 100)), run, progress=False)
 
 
+def test_a_failed_run_gives_the_signal_handlers_back(prepared, tmp_path):
+    def mine(signum, frame):
+        pass
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        recipe, run = copy_run(prepared, tmp_path)
+        recipe.train.max_steps = 10
+        recipe.train.max_nonfinite_steps = 2
+        with pytest.raises(NonFiniteLossError):
+            fit(recipe, NaNAt(recipe, run, bad_calls=range(0, 100)), run, progress=False)
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(prepared, tmp_path):
     recipe, run = copy_run(prepared, tmp_path)
     recipe.train.max_steps = 400

@@ -433,75 +433,75 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     stop = _StopRequest()
     model.train()
     done = state.step >= total_steps
-    while not done:
-        sampler.set_epoch(state.epoch)
-        epoch_loader = loader  # already sharded per rank by the sampler
-        if state.batch_in_epoch:
-            epoch_loader = accelerator.skip_first_batches(epoch_loader, state.batch_in_epoch)
-        for batch in epoch_loader:
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                method.begin_step(state.step)
-                loss, metrics = method.compute_loss(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    # DeepSpeed clips inside its engine (gradient_clipping) and returns no norm
-                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    # after the all-reduce a NaN/inf on any rank is on every rank: one decision
-                    bad = not math.isfinite(float(loss.detach())) or (norm is not None and not math.isfinite(float(norm)))
-                    if bad:
-                        state.nonfinite_skipped += 1
-                        state.nonfinite_in_a_row += 1
-                        log.warning("step %d: non-finite loss/gradient, update skipped (%d in a row, %d in total)",
-                                    state.step + 1, state.nonfinite_in_a_row, state.nonfinite_skipped)
-                        if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-                            raise NonFiniteLossError(
-                                f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                                f"(train.max_nonfinite_steps={cfg.max_nonfinite_steps}); last good checkpoint: {last_ckpt}"
-                            )
-                        metrics = {}
-                    else:
-                        state.nonfinite_in_a_row = 0
-                        if norm is not None:
-                            metrics["grad_norm"] = float(norm)
-                        optimizer.step()
-                        scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            state.batch_in_epoch += 1
-            state.tokens += int(batch["attention_mask"].sum())
-            for k, v in metrics.items():
-                window.setdefault(k, []).append(v)
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            bar.update(1)
-            if state.step % cfg.log_every == 0 or state.step == total_steps:
-                last = {k: sum(v) / len(v) for k, v in window.items()}
-                window.clear()
-                elapsed = time.perf_counter() - t0
-                last.update(step=state.step, epoch=state.epoch, lr=scheduler.get_last_lr()[0],
-                            tokens_per_s=(state.tokens - tokens_at_start) / max(elapsed, 1e-9))
-                bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}", acc0=f"{last.get('acc_0', float('nan')):.3f}")
-                if accelerator.is_main_process:
-                    with metrics_path.open("a") as fh:
-                        fh.write(json.dumps(last) + "\n")
-                accelerator.log(last, step=state.step)
-            if state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
-                last_ckpt = save_checkpoint()
-            if state.step >= total_steps:
-                done = True
-                break
-            if stop.signum is not None:
-                last_ckpt = save_checkpoint()
-                bar.close()
-                stop.restore()
-                log.warning("received signal %d: saved %s, exiting (resume with --resume)", stop.signum, last_ckpt)
-                raise SystemExit(128 + stop.signum)
-        else:
-            state.epoch += 1
-            state.batch_in_epoch = 0
-    bar.close()
-    stop.restore()
+    try:
+        while not done:
+            sampler.set_epoch(state.epoch)
+            epoch_loader = loader  # already sharded per rank by the sampler
+            if state.batch_in_epoch:
+                epoch_loader = accelerator.skip_first_batches(epoch_loader, state.batch_in_epoch)
+            for batch in epoch_loader:
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                with accelerator.accumulate(model):
+                    method.begin_step(state.step)
+                    loss, metrics = method.compute_loss(model, batch)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        # DeepSpeed clips inside its engine (gradient_clipping) and returns no norm
+                        norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                        # after the all-reduce a NaN/inf on any rank is on every rank: one decision
+                        bad = not math.isfinite(float(loss.detach())) or (norm is not None and not math.isfinite(float(norm)))
+                        if bad:
+                            state.nonfinite_skipped += 1
+                            state.nonfinite_in_a_row += 1
+                            log.warning("step %d: non-finite loss/gradient, update skipped (%d in a row, %d in total)",
+                                        state.step + 1, state.nonfinite_in_a_row, state.nonfinite_skipped)
+                            if state.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                                raise NonFiniteLossError(
+                                    f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                    f"(train.max_nonfinite_steps={cfg.max_nonfinite_steps}); last good checkpoint: {last_ckpt}"
+                                )
+                            metrics = {}
+                        else:
+                            state.nonfinite_in_a_row = 0
+                            if norm is not None:
+                                metrics["grad_norm"] = float(norm)
+                            optimizer.step()
+                            scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                state.batch_in_epoch += 1
+                state.tokens += int(batch["attention_mask"].sum())
+                for k, v in metrics.items():
+                    window.setdefault(k, []).append(v)
+                if not accelerator.sync_gradients:
+                    continue
+                state.step += 1
+                bar.update(1)
+                if state.step % cfg.log_every == 0 or state.step == total_steps:
+                    last = {k: sum(v) / len(v) for k, v in window.items()}
+                    window.clear()
+                    elapsed = time.perf_counter() - t0
+                    last.update(step=state.step, epoch=state.epoch, lr=scheduler.get_last_lr()[0],
+                                tokens_per_s=(state.tokens - tokens_at_start) / max(elapsed, 1e-9))
+                    bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}", acc0=f"{last.get('acc_0', float('nan')):.3f}")
+                    if accelerator.is_main_process:
+                        with metrics_path.open("a") as fh:
+                            fh.write(json.dumps(last) + "\n")
+                    accelerator.log(last, step=state.step)
+                if state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
+                    last_ckpt = save_checkpoint()
+                if state.step >= total_steps:
+                    done = True
+                    break
+                if stop.signum is not None:
+                    last_ckpt = save_checkpoint()
+                    log.warning("received signal %d: saved %s, exiting (resume with --resume)", stop.signum, last_ckpt)
+                    raise SystemExit(128 + stop.signum)
+            else:
+                state.epoch += 1
+                state.batch_in_epoch = 0
+    finally:  # handlers restored and the bar closed on every exit, errors included
+        bar.close()
+        stop.restore()
     state.finished = True
     last_ckpt = save_checkpoint()
     accelerator.end_training()
