@@ -27,17 +27,21 @@ REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-4
 
 
-def launch(recipe_path: Path, run: Path, processes: int, batch_size: int) -> None:
+def launch(recipe_path: Path, run: Path, processes: int, batch_size: int,
+           extra_env: dict[str, str] | None = None, port_base: int = 29500) -> None:
+    """Train ``recipe_path`` into ``run`` with ``processes`` torchrun CPU processes (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-           "--master_port", str(29500 + processes),
+           "--master_port", str(port_base + processes),
            str(REPO / "train" / "eagle3.py"), str(recipe_path), "--run-dir", str(run),
            "--set", f"train.batch_size={batch_size}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", **(extra_env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_path):
+def prepare_twin_runs(tiny_target: Path, tmp_path: Path) -> Path:
+    """Prepare one tiny run under ``tmp_path/one``, copy its data to ``tmp_path/two``; returns the
+    recipe file both are trained from (4 steps, fp32 shards)."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
     recipe = tiny_recipe(tiny_target, prompts, max_steps=4)
     recipe.data.hidden_states_dtype = "float32"
@@ -45,17 +49,25 @@ def test_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_
     shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")
     recipe_path = tmp_path / "recipe.yaml"
     dump_recipe(recipe, recipe_path)
+    return recipe_path
 
-    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4)
-    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2)
 
+def assert_same_losses(one: Path, two: Path, rtol: float) -> None:
+    """Both runs logged 4 steps whose losses agree within ``rtol``."""
     def losses(run):
         return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
-        assert abs(a - b) <= RTOL * abs(a), (one, two)
+    a, b = losses(one), losses(two)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rtol * abs(x), (a, b)
+
+
+def test_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_path):
+    recipe_path = prepare_twin_runs(tiny_target, tmp_path)
+    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4)
+    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2)
+    assert_same_losses(tmp_path / "one", tmp_path / "two", RTOL)
     w1 = load_file(str(find_checkpoints(tmp_path / "one" / "checkpoints")[-1] / "model.safetensors"))
     w2 = load_file(str(find_checkpoints(tmp_path / "two" / "checkpoints")[-1] / "model.safetensors"))
     for k in w1:

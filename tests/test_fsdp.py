@@ -17,20 +17,14 @@ distributed type accelerate chose, until accelerate routes FSDP on CPU.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from draftsmith.data_prep.prepare import prepare
-from draftsmith.recipe import dump_recipe
-
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from test_data_parallel import assert_same_losses, launch, prepare_twin_runs
 
 REPO = Path(__file__).resolve().parent.parent
 # Same global batches and global-token normalisation as the single process: the runs differ by
@@ -46,16 +40,6 @@ FSDP_ENV = {
     "FSDP_RESHARD_AFTER_FORWARD": "true",
     "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
 }
-
-
-def launch(recipe_path: Path, run: Path, processes: int, batch_size: int, extra_env: dict[str, str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-           "--master_port", str(29600 + processes),
-           str(REPO / "train" / "eagle3.py"), str(recipe_path), "--run-dir", str(run),
-           "--set", f"train.batch_size={batch_size}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", **extra_env)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 PROBE = """
@@ -85,24 +69,10 @@ def test_fsdp_two_processes_match_one_process_with_the_global_batch(tiny_target,
     if dtype != "FSDP":
         pytest.skip(f"accelerate {version} does not run FSDP on CPU: with ACCELERATE_USE_CPU=1 and "
                     f"ACCELERATE_USE_FSDP=true it chose {dtype} (DistributedDataParallel, no sharding)")
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=4)
-    recipe.data.hidden_states_dtype = "float32"
-    prepare(recipe, tmp_path / "one")
-    shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")
-    recipe_path = tmp_path / "recipe.yaml"
-    dump_recipe(recipe, recipe_path)
-
-    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, extra_env={})
-    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2, extra_env=FSDP_ENV)
-
-    def losses(run):
-        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
-        assert abs(a - b) <= RTOL * abs(a), (one, two)
+    recipe_path = prepare_twin_runs(tiny_target, tmp_path)
+    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29600)
+    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29600)
+    assert_same_losses(tmp_path / "one", tmp_path / "two", RTOL)
 
 
 def test_cpu_training_stays_fp32_whatever_the_launcher_asks(monkeypatch):
