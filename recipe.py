@@ -143,6 +143,10 @@ class DraftConfig(_Strict):
     init_lm_head_from_target: bool = Field(
         True, description="eagle3: start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
     )
+    freeze_lm_head: bool = Field(
+        False, description="eagle3: keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
+                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
+    )
     medusa: MedusaDraftConfig = Field(default_factory=MedusaDraftConfig, description="method medusa only.")
     mlp_speculator: MLPSpeculatorDraftConfig = Field(
         default_factory=MLPSpeculatorDraftConfig, description="method mlp_speculator only."
@@ -153,10 +157,13 @@ class DraftConfig(_Strict):
         # Settings for another method are a recipe mistake, not something to ignore. Compared
         # with the defaults (not "was it written") because a resolved recipe dump lists every key.
         defaults = DraftConfig.model_construct()
-        for key in ("medusa", "mlp_speculator", "norm_before_residual", "init_lm_head_from_target"):
+        for key in ("medusa", "mlp_speculator", "norm_before_residual", "init_lm_head_from_target",
+                    "freeze_lm_head"):
             owner = key if key in ("medusa", "mlp_speculator") else "eagle3"
             if owner != self.method and getattr(self, key) != getattr(defaults, key):
                 raise ValueError(f"draft.{key} is set for {owner} but draft.method is {self.method!r}")
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
         return self
 
 

@@ -3,7 +3,7 @@ without vLLM (SPEC.md sections 4-5).
 
     python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
-        [--threads N] [--no-plain]
+        [--threads N] [--no-plain] [--draft-sampling greedy|probabilistic]
 
 Chain speculative decoding, batch size 1 (prompts one at a time), on a transformers target
 with a KV cache. Each round:
@@ -37,8 +37,10 @@ Draft proposers (one per draft type, all behind :class:`Proposer`):
 - MLP speculator (:class:`MLPSpeculatorProposer`): stage 0 reads the final hidden state at t
   and the token ``x_{t+1}``, stage i the state and token chosen at stage i-1.
 
-At T>0 every proposer samples its draft tokens from its own (temperature-scaled)
-distribution q, which rejection sampling needs; EAGLE-3's q lives on the draft vocab and is
+At T>0 a proposer either samples its draft tokens from its own (temperature-scaled)
+distribution q (``draft_sampling="probabilistic"``), or drafts the argmax and verifies it as
+a one-hot q (``"greedy"``, vLLM's default ``draft_sample_method`` and this CLI's default, so
+``--compare-vllm`` compares like with like). EAGLE-3's q lives on the draft vocab and is
 mapped to target ids with ``d2t`` (zero outside the draft vocab).
 """
 
@@ -211,6 +213,10 @@ class Proposer(ABC):
     aux_layer_ids: list[int] | None = None
     #: the most tokens this draft can propose per round (heads / stages), None = unbounded.
     max_k: int | None = None
+    #: at T > 0: "probabilistic" samples each draft token from q = softmax(logits / T);
+    #: "greedy" drafts the argmax and verifies it as a one-hot q (accepted with probability
+    #: p(d)), which is vLLM's default ``draft_sample_method``. Both are lossless.
+    draft_sampling: str = "probabilistic"
 
     def reset(self) -> None:
         """Forget the previous prompt."""
@@ -231,10 +237,16 @@ class Proposer(ABC):
         """
 
     def _chain(self, logits_fn, k: int, temperature: float, generator: torch.Generator | None) -> Proposal:
-        """Run ``logits_fn(i, previous token) -> (V,) logits`` for i < k, choosing each token."""
+        """Run ``logits_fn(i, previous token) -> (V,) logits`` for i < k, choosing each token
+        (see :attr:`draft_sampling`)."""
         ids, probs, prev = [], [], None
         for i in range(k):
-            tok, q = choose(logits_fn(i, prev), temperature, generator)
+            logits = logits_fn(i, prev)
+            if temperature > 0 and self.draft_sampling == "greedy":
+                tok = int(logits.argmax())
+                q = F.one_hot(torch.tensor(tok, device=logits.device), logits.shape[-1]).float()
+            else:
+                tok, q = choose(logits, temperature, generator)
             ids.append(tok)
             probs.append(q)
             prev = tok
@@ -677,6 +689,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
                    "machine 1 thread avoids waiting for cores)")
+    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
+                   help="at T>0: draft the argmax (vLLM's default draft_sample_method) or sample from the draft")
     p.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-decoding baseline")
     p.add_argument("--compare-vllm", action="store_true",
                    help="also measure the EAGLE-3 draft with vLLM (eval/acceptance.py) on the same prompts")
@@ -700,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     proposer.model.to(args.device, getattr(torch, args.dtype))
+    proposer.draft_sampling = args.draft_sampling
     prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
     results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,
                                      args.max_new_tokens, args.seed, args.plain)}

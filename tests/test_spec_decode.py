@@ -326,8 +326,9 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.double), stat / 2))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mlp_speculator"])
-def test_sampled_tokens_follow_the_target_distribution(kind):
+@pytest.mark.parametrize("kind,draft_sampling", [("eagle3", "probabilistic"), ("mlp_speculator", "probabilistic"),
+                                                  ("eagle3", "greedy")])
+def test_sampled_tokens_follow_the_target_distribution(kind, draft_sampling):
     # Small vocab so the exact joint law of the first 4 tokens is enumerable (12**3 prefixes).
     torch.manual_seed(0)
     V = 12
@@ -342,6 +343,7 @@ def test_sampled_tokens_follow_the_target_distribution(kind):
     prompt = [1, 5, 7]
     exact = exact_distribution(model, prompt, 4)  # (V, V, V, V)
     proposer = random_proposer(kind, model, [0, 1, 2], draft_vocab_size=8)  # EAGLE-3: q is 0 on 4 tokens
+    proposer.draft_sampling = draft_sampling  # greedy: one-hot q, vLLM's default draft_sample_method
     target = Target(model, proposer.aux_layer_ids)
     gen = torch.Generator().manual_seed(1234)
     counters = SpecCounters(2)
@@ -354,8 +356,9 @@ def test_sampled_tokens_follow_the_target_distribution(kind):
                                    generator=gen, counters=counters)
         counts[tuple(out)] += 1
     rejected = counters.draft_tokens - counters.accepted_tokens
-    # both branches of rejection sampling ran many times (measured: 30-60% accepted)
-    assert counters.accepted_tokens > 0.2 * counters.draft_tokens and rejected > 0.2 * counters.draft_tokens
+    # both branches of rejection sampling ran many times (measured: 30-60% of ~2,400 drafts
+    # accepted when sampling from q; 155 of 3,402 with greedy drafts of this random draft)
+    assert counters.accepted_tokens > 100 and rejected > 100
     alpha = 1e-3  # fixed seed: deterministic; a correct sampler fails this 0.1% of seeds
     for i in range(4):  # marginal of each x_i
         others = tuple(j for j in range(4) if j != i)

@@ -60,6 +60,8 @@ class Eagle3Method(TargetDataMethod):
             self.heads["final_norm"].float() if init else None,
         )
         model.set_vocab_mapping(self.d2t, self.t2d)
+        if self.recipe.draft.freeze_lm_head:
+            model.lm_head.weight.requires_grad_(False)
         model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
         return model
 

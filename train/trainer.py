@@ -108,6 +108,7 @@ class TrainState:
     nonfinite_skipped: int = 0
     nonfinite_in_a_row: int = 0
     finished: bool = False  # the run reached its last step
+    train_seconds: float = 0.0  # wall time of the training loop, summed over resumes (s)
     # per-micro-batch metrics since the last logged step: a resumed run logs the same means
     window: dict[str, list[float]] = field(default_factory=dict)
 
@@ -407,7 +408,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     bar = tqdm(total=total_steps, initial=state.step, desc=f"train {method.name}", unit="step",
                disable=not (progress and accelerator.is_main_process))
     window = state.window
-    t0, tokens_at_start = time.perf_counter(), state.tokens
+    t0, tokens_at_start, seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
     last: dict[str, float] = {}
 
     def save_checkpoint() -> Path:
@@ -420,6 +421,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         if accelerator.is_main_process:
             dump_recipe(recipe, tmp / "recipe.yaml")
             (tmp / "run_meta.json").write_text(meta_json)
+            state.train_seconds = seconds_at_start + time.perf_counter() - t0
             (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
             method.checkpoint_extras(tmp)
             if final.exists():

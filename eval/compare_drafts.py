@@ -1,0 +1,225 @@
+"""Compare trained drafts of different types on one target: acceptance at each temperature,
+per-position acceptance, parameters and training cost, as one Markdown table.
+
+    python -m draftsmith.eval.compare_drafts --target embedded:SmolLM2-135M-Instruct \\
+        --run runs/smollm2_135m --run runs/smollm2_135m_medusa --run runs/smollm2_135m_mlp \\
+        --prompts ../shared/data/mt_bench.jsonl --max-prompts 20 --max-new-tokens 128 \\
+        --k 3 --temperatures 0,0.7 --out runs/compare/compare.json
+
+Every draft is measured with the reference speculative decoder (:mod:`draftsmith.eval.spec_decode`),
+because vLLM >= 0.33 no longer loads Medusa or MLP speculators (SPEC.md section 4), so one
+decoder measures all three types the same way: chain drafting, batch 1, K draft tokens per
+round, greedy acceptance at T=0 and lossless rejection sampling at T>0 with the draft tokens
+chosen as ``--draft-sampling`` says (default greedy, vLLM's default). The figures follow
+vLLM's definitions (SPEC.md section 5): mean acceptance length ``1 + accepted / drafts``
+and per-position acceptance ``accepted at position i / drafts``.
+
+Each ``--run`` is a training run directory: the exported draft is read from
+``RUN/export`` (the folder holding ``config.json``, or its only sub-folder that does), the
+method, training tokens and training wall time from the last checkpoint's
+``train_state.json`` / ``draft_config.json``. "Parameters" counts the exported tensors
+(``d2t``/``t2d`` index buffers excluded); "trained" leaves out tensors the run kept frozen
+(the target embedding EAGLE-3 shares with vLLM is not exported, so it is in neither).
+Plain decoding of the same prompts gives the speed reference for each draft's wall-clock
+speedup (batch 1, this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INDEX_TENSORS = ("d2t", "t2d")
+
+
+class RunError(ValueError):
+    """A ``--run`` directory without an export or a finished checkpoint; names the path."""
+
+
+def find_export(run_dir: Path) -> Path:
+    """The exported draft folder of ``run_dir``: ``RUN/export`` if it holds ``config.json``,
+    else its only sub-folder that does.
+
+    Raises:
+        RunError: no export, or several to choose from.
+    """
+    root = run_dir / "export"
+    if (root / "config.json").is_file():
+        return root
+    found = sorted(p.parent for p in root.glob("*/config.json"))
+    if len(found) != 1:
+        raise RunError(f"{root}: expected one exported draft (a folder with config.json), found "
+                       f"{[str(p) for p in found] or 'none'}; run `python eval/export.py {run_dir}` first")
+    return found[0]
+
+
+def training_figures(run_dir: Path) -> dict[str, Any]:
+    """Method, optimizer steps, training tokens and wall time of the run's last checkpoint.
+
+    Returns:
+        ``{"method", "steps", "train_tokens", "train_seconds", "checkpoint"}``; ``train_seconds``
+        is None for checkpoints written before it was recorded.
+
+    Raises:
+        RunError: no checkpoint with ``train_state.json``.
+    """
+    from draftsmith.train.trainer import find_checkpoints
+
+    ckpts = find_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        raise RunError(f"{run_dir / 'checkpoints'}: no finished checkpoint")
+    ckpt = ckpts[-1]
+    state = json.loads((ckpt / "train_state.json").read_text())
+    method = json.loads((ckpt / "draft_config.json").read_text()).get("method") \
+        if (ckpt / "draft_config.json").is_file() else None
+    return {"method": method, "steps": state["step"], "train_tokens": state["tokens"],
+            "train_seconds": state.get("train_seconds"), "checkpoint": str(ckpt)}
+
+
+def count_parameters(export_dir: Path, run_dir: Path | None = None) -> dict[str, int]:
+    """Elements of the exported tensors (index buffers excluded) and, from the run's recipe,
+    how many of them were trained (a frozen EAGLE-3 ``lm_head`` is not)."""
+    from safetensors import safe_open
+
+    from draftsmith.recipe import load_recipe
+
+    sizes: dict[str, int] = {}
+    for f in sorted(export_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name not in INDEX_TENSORS:
+                    sizes[name] = _numel(fh.get_slice(name).get_shape())
+    total = sum(sizes.values())
+    frozen = 0
+    recipe_file = run_dir / "recipe.yaml" if run_dir is not None else None
+    if recipe_file is not None and recipe_file.is_file():
+        recipe = load_recipe(recipe_file)
+        if recipe.draft.method == "eagle3" and recipe.draft.freeze_lm_head:
+            frozen = sum(v for k, v in sizes.items() if k.startswith("lm_head."))
+    return {"parameters": total, "trained_parameters": total - frozen}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """One row per draft and temperature: AL, per-position acceptance, speedup, parameters,
+    training tokens and time."""
+    k = results["k"]
+    head = ("| draft | T | mean acceptance length | per position (1.." + str(k) + ") | acceptance rate | "
+            "speedup vs plain (batch 1) | parameters (trained) | training tokens | training time |")
+    lines = [head, "|" + "---|" * 9]
+    for t in results["temperatures"]:
+        for name, d in results["drafts"].items():
+            r = d["acceptance"].get(str(t))
+            if r is None:
+                continue
+            pp = " / ".join(f"{p:.3f}" for p in r["per_position_acceptance"] or [])
+            secs = d["train_seconds"]
+            lines.append(
+                f"| {name} | {t:g} | {r['mean_acceptance_length']:.3f} | {pp} | {r['acceptance_rate']:.3f} | "
+                f"{r['speedup']:.2f}x | {d['parameters'] / 1e6:.1f}M ({d['trained_parameters'] / 1e6:.1f}M) | "
+                f"{d['train_tokens']:,} | {'n/a' if secs is None else f'{secs / 60:.1f} min'} |")
+    return "\n".join(lines)
+
+
+def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | None, k: int,
+            temperatures: list[float], max_new_tokens: int, seed: int = 0, draft_sampling: str = "greedy",
+            dtype: str = "float32", progress=print) -> dict[str, Any]:
+    """Measure every run's draft at every temperature on the same prompts (module docstring).
+
+    Returns:
+        ``{"target", "prompts", "num_prompts", "k", "max_new_tokens", "temperatures",
+        "plain": {T: {"output_tokens", "seconds", "output_tokens_per_s"}},
+        "drafts": {name: {method, export, steps, train_tokens, train_seconds, parameters,
+        trained_parameters, "acceptance": {T: spec_decode figures + "speedup"}}}}``.
+
+    Raises:
+        RunError: a run without export or checkpoint (before anything is measured).
+        DraftLoadError: an export that does not fit the target.
+    """
+    from draftsmith.data_prep.target import load_target, resolve_target
+    from draftsmith.eval.spec_decode import Target, evaluate, load_draft, plain_generate, prompt_token_ids, stop_token_ids
+
+    runs = {}
+    for run in run_dirs:  # everything checked before the first (slow) measurement
+        export = find_export(run)
+        info = training_figures(run)
+        name = info["method"] or json.loads((export / "config.json").read_text()).get("model_type", export.name)
+        if name in runs:
+            name = f"{name} ({run.name})"
+        runs[name] = {"run_dir": str(run), "export": str(export), **info, **count_parameters(export, run)}
+    model, tokenizer = load_target(resolve_target(target), dtype=getattr(torch, dtype))
+    prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompts)
+    stops = stop_token_ids(model, tokenizer)
+    out: dict[str, Any] = {"target": target, "prompts": prompts, "num_prompts": len(prompt_ids), "k": k,
+                           "max_new_tokens": max_new_tokens, "temperatures": temperatures,
+                           "draft_sampling": draft_sampling, "plain": {}, "drafts": runs}
+    for t in temperatures:
+        plain_target = Target(model)
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        n = sum(len(plain_generate(plain_target, p, t, max_new_tokens, stops, gen)) for p in prompt_ids)
+        secs = time.perf_counter() - t0
+        out["plain"][str(t)] = {"output_tokens": n, "seconds": secs, "output_tokens_per_s": n / secs}
+        progress(f"plain T={t:g}: {n / secs:.1f} tok/s ({len(prompt_ids)} prompts)")
+        for name, d in runs.items():
+            proposer = load_draft(Path(d["export"]), model)
+            proposer.model.to(dtype=getattr(torch, dtype))
+            proposer.draft_sampling = draft_sampling
+            r = evaluate(model, tokenizer, proposer, prompt_ids, k, t, max_new_tokens, seed, plain=False)
+            r.pop("outputs")
+            r["speedup"] = r["output_tokens_per_s"] / out["plain"][str(t)]["output_tokens_per_s"]
+            d.setdefault("acceptance", {})[str(t)] = r
+            pp = " / ".join(f"{p:.3f}" for p in r["per_position_acceptance"] or [])
+            progress(f"{name} T={t:g}: AL {r['mean_acceptance_length']:.3f} per position {pp}, "
+                     f"{r['output_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x plain)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
+    p.add_argument("--run", type=Path, action="append", required=True, help="training run directory (repeat)")
+    p.add_argument("--prompts", default="builtin:eval")
+    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--k", type=int, default=3, help="draft tokens per round")
+    p.add_argument("--temperatures", default="0,0.7", help="comma-separated")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from draftsmith.eval.spec_decode import DraftLoadError
+
+    try:
+        temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
+        results = compare(args.target, args.run, args.prompts, args.max_prompts, args.k, temps,
+                          args.max_new_tokens, args.seed, args.draft_sampling)
+    except (RunError, DraftLoadError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    table = markdown_table(results)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        args.out.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
