@@ -59,8 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture, decoder_layers
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
 
 
 class DraftLoadError(ValueError):
@@ -263,7 +262,8 @@ class Eagle3Proposer(Proposer):
     ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
     (step-0 keys causally + the same position's earlier steps, see
     :func:`draftsmith.models.eagle3.ttt_attention_mask`). Chained keys are cropped after
-    the proposal.
+    the proposal. The arithmetic is the model's own
+    (:meth:`draftsmith.models.eagle3.Eagle3DraftModel.step_cached`).
     """
 
     def __init__(self, model: Eagle3DraftModel):
@@ -272,37 +272,8 @@ class Eagle3Proposer(Proposer):
         self.reset()
 
     def reset(self) -> None:
-        self.keys: torch.Tensor | None = None  # (1, nkv, L, hd)
-        self.values: torch.Tensor | None = None
+        self.cache = Eagle3KVCache()
         self.length = 0  # committed (step-0) positions in the cache
-
-    def _layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The draft decoder layer on ``(1, T)`` new tokens / ``(1, T, H)`` hidden at ``(T,)``
-        RoPE positions, appending their keys to the cache; queries see all earlier keys and
-        the new ones causally. Same weights and arithmetic as
-        :class:`draftsmith.models.eagle3.Eagle3DecoderLayer`, with a KV cache. -> ``(1, T, H)``."""
-        m = self.model
-        layer, attn = m.layers[0], m.layers[0].self_attn
-        embeds = F.embedding(token_ids, m.embed_tokens).to(hidden.dtype)  # (1, T, H)
-        cos, sin = m.rotary_emb(hidden, positions.unsqueeze(0))
-        normed_hidden = layer.hidden_norm(hidden)
-        residual = normed_hidden if layer.norm_before_residual else hidden
-        x = torch.cat([layer.input_layernorm(embeds), normed_hidden], dim=-1)  # (1, T, 2H)
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, attn.nh, attn.hd).transpose(1, 2)  # (1, nh, T, hd)
-        k = attn.k_proj(x).view(B, T, attn.nkv, attn.hd).transpose(1, 2)  # (1, nkv, T, hd)
-        v = attn.v_proj(x).view(B, T, attn.nkv, attn.hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)  # (1, nkv, L, hd)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        L = self.keys.shape[2]
-        groups = attn.nh // attn.nkv
-        # New query j sits at cache index L-T+j and may see keys 0..L-T+j.
-        mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
-        out = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
-                                             attn_mask=mask)  # (1, nh, T, hd)
-        h = residual + attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
-        return h + layer.mlp(layer.post_attention_layernorm(h))  # (1, T, H)
 
     @torch.no_grad()
     def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
@@ -312,7 +283,8 @@ class Eagle3Proposer(Proposer):
         n = states.shape[0]
         hidden = m.fc(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
         positions = torch.arange(self.length, self.length + n, device=device)
-        hidden = self._layer(next_tokens.to(device).unsqueeze(0), hidden, positions)[:, -1:]  # (1, 1, H)
+        hidden = m.step_cached(next_tokens.to(device).unsqueeze(0), hidden, positions.unsqueeze(0), self.cache)
+        hidden = hidden[:, -1:]  # (1, 1, H)
         self.length += n
         d2t = m.d2t
         V = m.config.vocab_size
@@ -321,11 +293,11 @@ class Eagle3Proposer(Proposer):
             nonlocal hidden
             if i > 0:
                 prev_ids = (prev + d2t[prev]).view(1, 1)  # the embedding is over target ids
-                hidden = self._layer(prev_ids, hidden, torch.tensor([self.length - 1 + i], device=device))
+                hidden = m.step_cached(prev_ids, hidden, torch.tensor([[self.length - 1 + i]], device=device), self.cache)
             return m.compute_logits(hidden[0, -1]).float()  # (Vd,)
 
         proposal = self._chain(logits_fn, k, temperature, generator)
-        self.keys, self.values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        self.cache.crop(self.length)
         draft_ids = proposal.token_ids.to(device)
         proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()  # draft vocab -> target ids
         if proposal.probs is not None:

@@ -268,16 +268,64 @@ class Eagle3Attention(nn.Module):
 
         A pure function of its inputs (the caller keeps the per-step list), so activation
         checkpointing can recompute it in backward."""
-        B, T, _ = x.shape  # x: (B, T, 2H)
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         groups = self.nh // self.nkv
         kv = (repeat_kv(k, groups), repeat_kv(v, groups))  # (B, nh, T, hd) each
         steps = (*past, kv)
         out = ttt_attention(q, [c[0] for c in steps], [c[1] for c in steps], 1.0 / math.sqrt(self.hd), document_ids)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), kv  # (B, T, H)
+        return self._out(out), kv  # (B, T, H)
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: "Eagle3KVCache") -> torch.Tensor:
+        """Inference: ``x (B, T, 2H)`` new positions appended to ``cache``; new query j
+        sees every earlier cached key and the new ones causally. -> ``(B, T, H)``."""
+        q, k, v = self._qkv(x, cos, sin)
+        keys, values = cache.append(k, v)  # (B, nkv, L, hd)
+        T, L = x.shape[1], keys.shape[2]
+        mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
+        groups = self.nh // self.nkv
+        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask)
+        return self._out(out)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x (B, T, 2H)`` -> RoPE-rotated q ``(B, nh, T, hd)``, k and v ``(B, nkv, T, hd)``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        """``(B, nh, T, hd)`` attention output -> ``o_proj`` ``(B, T, H)``."""
+        B, _, T, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class Eagle3KVCache:
+    """Draft KV cache for inference (the reference decoder; vLLM keeps its own).
+
+    Holds the draft layer's keys/values ``(B, nkv, L, hd)`` of every position appended so
+    far; :meth:`crop` drops the tail (the chained steps of a proposal, or rejected drafts).
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(B, nkv, T, hd)`` keys / values; returns all cached keys and values."""
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -303,12 +351,25 @@ class Eagle3DecoderLayer(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """embeds, hidden: ``(B, T, H)`` -> (pre-norm output ``(B, T, H)``, this step's key/value)."""
+        x, residual = self._input(embeds, hidden)
+        attn, kv = self.self_attn(x, cos, sin, past, document_ids)
+        return self._output(residual, attn), kv
+
+    def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: Eagle3KVCache) -> torch.Tensor:
+        """Inference with a KV cache: same arithmetic as :meth:`forward`. -> ``(B, T, H)``."""
+        x, residual = self._input(embeds, hidden)
+        return self._output(residual, self.self_attn.forward_cached(x, cos, sin, cache))
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> attention input ``[norm(embeds) ; hidden_norm(hidden)]`` ``(B, T, 2H)`` and the residual."""
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # (B, T, 2H)
-        attn, kv = self.self_attn(x, cos, sin, past, document_ids)
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
+    def _output(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = residual + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3DraftModel(nn.Module):
@@ -400,6 +461,28 @@ class Eagle3DraftModel(nn.Module):
             h, kv = layer(embeds, hidden, cos, sin, tuple(cache), document_ids)
         cache.append(kv)
         return h
+
+    def step_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                    cache: Eagle3KVCache) -> torch.Tensor:
+        """One draft step at inference over new positions, with a KV cache.
+
+        Chain drafting (SPEC.md section 2, as vLLM runs it): step 0 over the newly committed
+        positions (``hidden = fc(aux)``), then one call per chained token with the previous
+        output hidden state at the next RoPE position; the caller crops the chained keys
+        afterwards. Attending every cached key is exactly the TTT mask of training.
+
+        Args:
+            input_ids: ``(B, T)`` target ids whose embeddings enter (x_{t+1}).
+            hidden: ``(B, T, H)`` fused aux states or the previous step's output.
+            position_ids: ``(B, T)`` RoPE positions.
+            cache: appended to.
+
+        Returns:
+            pre-norm output hidden ``(B, T, H)``.
+        """
+        embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.layers[0].forward_cached(embeds, hidden, cos, sin, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
