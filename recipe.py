@@ -300,6 +300,13 @@ class Recipe(_Strict):
             if self.train.pack_tokens is not None and self.train.pack_tokens < self.data.max_length:
                 raise ValueError(f"train.pack_tokens={self.train.pack_tokens} is below data.max_length="
                                  f"{self.data.max_length}: a full-length sequence would not fit a row")
+            if self.draft.method == "mlp_speculator" and self.draft.mlp_speculator.stage2_start_step is not None:
+                # stage 2 continues one prompt per row; a packed row holds several
+                raise ValueError("train.packing cannot be combined with draft.mlp_speculator.stage2_start_step "
+                                 "(stage 2 generates from one prompt per row); set one of them")
+        if self.train.gradient_checkpointing and self.draft.method != "eagle3":
+            raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
+                             "no per-step activations worth recomputing")
         return self
 
 

@@ -151,3 +151,35 @@ def test_stage2_trains_on_sequences_the_target_generates(tiny_target, prepared, 
     for (B, P), (B2, L) in calls:
         assert B2 == B and P < L <= P + 8
     assert all(0 < m["stage2_generated_tokens"] <= 8 * 8 for m in metrics[2:])
+
+
+def test_tied_weights_survive_a_resume_exactly(tiny_target, prepared, tmp_path):
+    # accelerate's checkpoint stores a tied tensor once; after resuming, the stages must still
+    # share one tensor and the run must end where the uninterrupted run ended.
+    import shutil
+
+    prompts, prepared_run = prepared
+    recipe = mlp_recipe(tiny_target, prompts, tie_weights=True)
+    recipe.train.max_steps, recipe.train.checkpoint_every, recipe.train.keep_checkpoints = 6, 3, 3
+    runs = {}
+    for name in ("full", "resumed"):
+        run = tmp_path / name
+        run.mkdir()
+        shutil.copytree(prepared_run / "data", run / "data")
+        runs[name] = run
+    fit(recipe, MLPSpeculatorMethod(recipe, runs["full"]), runs["full"], progress=False)
+    shutil.copytree(runs["full"] / "checkpoints" / "step-3", runs["resumed"] / "checkpoints" / "step-3")
+    shutil.copy(runs["full"] / "metrics.jsonl", runs["resumed"] / "metrics.jsonl")
+    method = MLPSpeculatorMethod(recipe, runs["resumed"])
+    fit(recipe, method, runs["resumed"], resume=True, progress=False)
+    full = load_file(str(runs["full"] / "checkpoints" / "step-6" / "model.safetensors"))
+    resumed = load_file(str(runs["resumed"] / "checkpoints" / "step-6" / "model.safetensors"))
+    assert full.keys() == resumed.keys()
+    for k in full:
+        torch.testing.assert_close(resumed[k], full[k], rtol=0, atol=0, msg=k)
+    model = method.build_model()
+    model.load_state_dict({k: v for k, v in resumed.items()}, strict=False)
+    assert all(model.head[i].weight is model.head[0].weight for i in range(3))
+    logged = {name: [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}  # timing differs
+                     for line in (run / "metrics.jsonl").read_text().splitlines()] for name, run in runs.items()}
+    assert len(logged["full"]) == 6 and logged["resumed"] == logged["full"]

@@ -16,7 +16,8 @@ from draftsmith.data_prep.vocab import (
 )
 from draftsmith.recipe import RecipeError, load_recipe
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+RECIPE_DIR = Path(__file__).parent.parent / "recipes"
+RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
 
 
 def test_draft_vocab_keeps_most_frequent_assistant_tokens_and_round_trips():
@@ -75,3 +76,16 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
     f.write_text("train:\n  lr: 0.001\n  batch_size: 3\n")
     r = load_recipe(f, ["train.lr=0.5"])
     assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.train.gamma == 0.8
+
+
+@pytest.mark.parametrize("recipe_file,overrides,message", [
+    ("smollm2_135m_medusa.yaml", ["train.gradient_checkpointing=true"], "gradient_checkpointing applies to eagle3 only"),
+    ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.mlp_speculator.stage2"),
+])
+def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(RECIPE_DIR / recipe_file, overrides)
+    # without the conflicting key the recipe is fine, and stage 1 alone packs
+    load_recipe(RECIPE_DIR / recipe_file)
+    load_recipe(RECIPE_DIR / "smollm2_135m_mlp_speculator.yaml",
+                ["train.packing=true", "draft.mlp_speculator.stage2_start_step=null"])
