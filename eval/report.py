@@ -172,6 +172,26 @@ def _sweep_rows(results: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
 # ---------------------------------------------------------------------------- markdown
 
 
+def _where_it_pays(speedup: dict[int, float]) -> str:
+    """Which concurrency levels a configuration beats the baseline at (speedup >= 1), in words.
+
+    "Stops paying off" names the first slower level above the highest faster one, so a
+    configuration that loses at concurrency 1 but wins at 2 and 4 is not said to stop at 1.
+    """
+    faster = [c for c, s in speedup.items() if s >= 1.0]
+    slower = [c for c, s in speedup.items() if s < 1.0]
+    if not slower:
+        return f"it pays off at every measured level (up to {max(speedup)})"
+    if not faster:
+        best = max(speedup, key=speedup.get)
+        return f"it is slower than baseline at every measured level (best {speedup[best]:.2f}x at concurrency {best})"
+    text = f"faster at concurrency {', '.join(map(str, faster))}, slower at {', '.join(map(str, slower))}"
+    above = [c for c in slower if c > max(faster)]
+    if above:
+        text += f"; it stops paying off at concurrency {above[0]} ({speedup[above[0]]:.2f}x)"
+    return text
+
+
 def _answer(results: dict[str, Any]) -> list[str]:
     """The few sentences a user reads first: speedup at the lowest level, where it stops paying off."""
     lines = []
@@ -180,10 +200,7 @@ def _answer(results: dict[str, Any]) -> list[str]:
         if name == "baseline" or not sp:
             continue
         first = next(iter(sp))
-        losing = [c for c, s in sp.items() if s < 1.0]
-        where = (f"it stops paying off at concurrency {losing[0]} ({sp[losing[0]]:.2f}x)" if losing
-                 else f"it pays off at every measured level (up to {max(sp)})")
-        lines.append(f"- **{name}**: {sp[first]:.2f}x baseline output tok/s at concurrency {first}; {where}; "
+        lines.append(f"- **{name}**: {sp[first]:.2f}x baseline output tok/s at concurrency {first}; {_where_it_pays(sp)}; "
                      f"geomean change {_pct(cfg['summary'].get('output_tok_s_change_vs_baseline_pct'))}.")
     rec = (results.get("k_sweep") or {}).get("recommendation")
     if rec and rec.get("k") is not None:

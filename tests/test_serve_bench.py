@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.eval import serve_bench as sb
-from draftsmith.eval.report import PLOTS, write_report
+from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
 
 from conftest import write_jsonl
 
@@ -283,3 +283,15 @@ def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     stray = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
              if str(tiny_target) in " ".join(p.info["cmdline"] or [])]
     assert not stray
+
+
+@pytest.mark.parametrize("speedup, expected", [
+    ({1: 1.6, 4: 0.83}, "faster at concurrency 1, slower at 4; it stops paying off at concurrency 4 (0.83x)"),
+    # measured shape (ngram on 2 CPU cores): loses at 1, wins at 2 and 4, loses again at 8
+    ({1: 0.89, 2: 1.54, 4: 1.88, 8: 0.93}, "faster at concurrency 2, 4, slower at 1, 8; it stops paying off at concurrency 8 (0.93x)"),
+    ({1: 0.9, 2: 1.2}, "faster at concurrency 2, slower at 1"),
+    ({1: 0.97, 2: 0.99}, "slower than baseline at every measured level (best 0.99x at concurrency 2)"),
+    ({1: 1.1, 8: 1.3}, "pays off at every measured level (up to 8)"),
+])
+def test_report_says_where_speculation_pays(speedup, expected):
+    assert expected in _where_it_pays(speedup)
