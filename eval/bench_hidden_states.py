@@ -3,8 +3,9 @@
     python eval/bench_hidden_states.py [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
 
 Prints tokens/s for (a) the plain causal-LM forward (``model(input_ids)``, logits included),
-(b) draftsmith's capture (base model + pre-hooks on the three aux layers, no lm_head), and
-their ratio. Median of ``--repeats`` timed runs after one warm-up.
+(b) the decoder stack alone (``model.model(input_ids)``, no lm_head), (c) draftsmith's capture
+(decoder stack + pre-hooks on the three aux layers, no lm_head), and the ratio of (c) to (a)
+and to (b); (b) isolates what the hooks and the copies of the aux states cost. Median of ``--repeats`` interleaved timed rounds after one warm-up round.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ from draftsmith.data_prep.hidden_states import capture_batch
 from draftsmith.data_prep.target import default_aux_layer_ids, load_target, resolve_target
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def _time_interleaved(fns: list, repeats: int) -> list[float]:
+    """Median seconds per call of each function, measured in interleaved rounds (one call of
+    each per round, after one warm-up round) so that drift in machine speed hits all alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
     path = resolve_target(args.target)
@@ -48,14 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             model(input_ids=ids, attention_mask=att, use_cache=False)
 
-    def capture():
+    def decoder_only():
+        with torch.inference_mode():
+            model.model(input_ids=ids, attention_mask=att, use_cache=False)
+
+    def capture():  # as the pipeline calls it (capture_batch runs under no_grad)
         capture_batch(model, ids, att, layers)
 
-    t_plain = _time(plain, args.repeats)
-    t_cap = _time(capture, args.repeats)
+    t_plain, t_dec, t_cap = _time_interleaved([plain, decoder_only, capture], args.repeats)
     print(f"target {args.target} ({args.dtype}), batch {args.batch} x {args.seq} tokens, {torch.get_num_threads()} threads")
     print(f"plain forward      {tokens / t_plain:8.1f} tok/s")
-    print(f"capture aux+final  {tokens / t_cap:8.1f} tok/s   ratio {t_plain / t_cap:.2f} of plain forward speed")
+    print(f"decoder, no lm_head {tokens / t_dec:7.1f} tok/s")
+    print(
+        f"capture aux+final  {tokens / t_cap:8.1f} tok/s   ratio {t_plain / t_cap:.2f} of plain forward speed, "
+        f"{t_dec / t_cap:.2f} of the decoder without lm_head"
+    )
     return 0
 
 

@@ -70,5 +70,31 @@ def test_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_
     assert_same_losses(tmp_path / "one", tmp_path / "two", RTOL)
     w1 = load_file(str(find_checkpoints(tmp_path / "one" / "checkpoints")[-1] / "model.safetensors"))
     w2 = load_file(str(find_checkpoints(tmp_path / "two" / "checkpoints")[-1] / "model.safetensors"))
+    assert_same_weights(w1, w2, lr=recipe_lr(recipe_path))
+
+
+def recipe_lr(recipe_path: Path) -> float:
+    from draftsmith.recipe import load_recipe
+
+    return load_recipe(recipe_path).train.lr
+
+
+def assert_same_weights(w1: dict, w2: dict, lr: float) -> None:
+    """The two runs' final weights agree.
+
+    AdamW divides each gradient by the root of its running second moment, so a weight whose
+    gradient is close to zero moves by an amount that is sensitive to the last bits of that
+    gradient: reduction order alone (gloo all-reduce vs one process) can change its step by a
+    visible fraction of ``lr``. So: almost every element (99.9%) agrees to rtol 1e-3 / atol 1e-5,
+    and every element agrees to 5% of one step's size (``0.05 * lr``). A wrong gradient scale or a
+    missed all-reduce moves most elements by the order of ``lr`` and fails both.
+    """
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-3, atol=1e-5)
+        assert w2[k].shape == w1[k].shape, k
+        if not w1[k].is_floating_point():  # the vocab maps (d2t, t2d) are not trained
+            assert torch.equal(w2[k], w1[k]), k
+            continue
+        diff = (w2[k] - w1[k]).abs()
+        close = diff <= 1e-5 + 1e-3 * w1[k].abs()
+        assert close.float().mean().item() >= 0.999, (k, int((~close).sum()), w1[k].numel())
+        assert diff.max().item() <= 0.05 * lr, (k, diff.max().item(), lr)

@@ -65,7 +65,6 @@ def vllm_run(tiny_target, tmp_path_factory):
     recipe = tiny_recipe(tiny_target, prompts, max_steps=2)
     recipe.data.hidden_states_engine = "vllm"
     recipe.data.hidden_states_dtype = "float32"
-    recipe.eval.vllm.gpu_memory_utilization = 0.05
     recipe.eval.vllm.max_model_len = 256
     summary = prepare(recipe, run)
     return recipe, run, summary
