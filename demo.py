@@ -23,7 +23,8 @@ from draftsmith.eval.acceptance import format_row, measure
 from draftsmith.eval.export import export
 from draftsmith.recipe import add_recipe_arguments, dump_recipe, recipe_from_args
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 log = logging.getLogger("draftsmith.demo")
 
@@ -64,11 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = Path(json.loads((run / "data" / "target.json").read_text())["path"])
 
     t = time.perf_counter()
-    e, v = recipe.eval, recipe.eval.vllm
+    e = recipe.eval
     common = dict(target=target_dir, k=e.num_speculative_tokens, temperature=e.temperature,
-                  max_new_tokens=e.max_new_tokens, max_prompts=e.max_prompts, seed=recipe.seed, dtype=v.dtype,
-                  enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
-                  max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
+                  max_new_tokens=e.max_new_tokens, max_prompts=e.max_prompts, seed=recipe.seed, engine=e.vllm,
                   ngram_min=e.ngram_prompt_lookup_min, ngram_max=e.ngram_prompt_lookup_max)
     prompt_sets = ([recipe.data.eval_prompts] if recipe.data.eval_prompts else []) + args.eval_prompts
     acceptance: dict[str, dict] = {}

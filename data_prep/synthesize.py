@@ -8,6 +8,11 @@ be trained from the target alone.
 
     python -m draftsmith.data_prep.synthesize --target embedded:SmolLM2-135M-Instruct \\
         --num-prompts 1000 --out runs/x/magpie.jsonl [--engine vllm|transformers] [--temperature 1.0]
+
+The vLLM engine takes its settings from the vLLM flags (``--dtype``, ``--enforce-eager``,
+``--gpu-memory-utilization``, ... see ``--help``) over ``--recipe``'s ``eval.vllm`` over
+:class:`draftsmith.recipe.VllmConfig`'s defaults (GPU values; on CPU use a CPU recipe such as
+``recipes/smollm2_135m.yaml`` or the flags). The transformers engine runs on ``--device``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 log = logging.getLogger("draftsmith.synthesize")
 _SENTINEL = "\x00DRAFTSMITH_USER_MESSAGE\x00"
@@ -105,14 +112,22 @@ def synthesize(
     return kept, counts
 
 
-def vllm_sampler(target_dir: Path, prefix: str, end: str, temperature: float, max_tokens: int, seed: int):
+def vllm_sampler(target_dir: Path, prefix: str, end: str, temperature: float, max_tokens: int, seed: int,
+                 engine: VllmConfig | None = None):
+    """``(n) -> list[(text, finished)]`` sampling ``n`` user turns from ``prefix`` with
+    ``vllm.LLM`` built from ``engine`` (default ``VllmConfig()``).
+
+    Raises:
+        ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
+    """
     from draftsmith.runtime import configure_vllm_env
 
-    configure_vllm_env()
+    engine = engine or VllmConfig()
+    kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed)
+    configure_vllm_env(engine)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(target_dir), dtype="float32", seed=seed, enforce_eager=True,
-              gpu_memory_utilization=0.2, max_model_len=2048)
+    llm = LLM(**kwargs)
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, stop=[end] if end else None)
 
     def generate(n: int):
@@ -123,6 +138,8 @@ def vllm_sampler(target_dir: Path, prefix: str, end: str, temperature: float, ma
 
 
 def transformers_sampler(model: Any, tokenizer: Any, prefix: str, end: str, temperature: float, max_tokens: int):
+    """``(n) -> list[(text, finished)]`` sampling ``n`` user turns from ``prefix`` with
+    ``model.generate`` on the model's device (samples decoded on CPU)."""
     enc = tokenizer(prefix, return_tensors="pt", add_special_tokens=False).to(model.device)
     end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
     stop = [end_ids[0]] if len(end_ids) == 1 else None  # single-token markers stop generation
@@ -134,7 +151,7 @@ def transformers_sampler(model: Any, tokenizer: Any, prefix: str, end: str, temp
                              eos_token_id=stop or tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         res = []
-        for row in out[:, enc["input_ids"].shape[1]:]:
+        for row in out[:, enc["input_ids"].shape[1]:].cpu():
             text = tokenizer.decode(row, skip_special_tokens=False)
             finished = bool(end) and end in text
             text = text.split(end)[0] if end else text
@@ -146,19 +163,30 @@ def transformers_sampler(model: Any, tokenizer: Any, prefix: str, end: str, temp
 
 
 def main(argv: list[str] | None = None) -> int:
-    from draftsmith.data_prep.target import load_target, resolve_target
+    from draftsmith.data_prep.target import DEVICE_HELP, load_target, resolve_target
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--num-prompts", type=int, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",
+                   help="target dir, hub id or embedded:SmolLM2-135M-Instruct (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, required=True, help="distinct user messages to keep")
+    p.add_argument("--out", type=Path, required=True, help="output JSONL (one {id, prompt, source} per line)")
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
+                   help="auto: vLLM when installed, else transformers (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=160, help="tokens per sampled message (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per generation call (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--device", help=DEVICE_HELP)
+    p.add_argument("--recipe", type=Path, help="recipe YAML whose eval.vllm gives the vLLM engine settings "
+                   "(the vLLM flags override it)")
+    add_vllm_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        vllm_engine = vllm_config_from_args(args, load_recipe(args.recipe).eval.vllm if args.recipe else None)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from transformers import AutoTokenizer
 
     from draftsmith.data_prep.regenerate import vllm_available
@@ -168,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     prefix, end = user_turn_prefix(tok)
     engine = args.engine if args.engine != "auto" else ("vllm" if vllm_available() else "transformers")
     if engine == "vllm":
-        gen = vllm_sampler(target_dir, prefix, end, args.temperature, args.max_tokens, args.seed)
+        gen = vllm_sampler(target_dir, prefix, end, args.temperature, args.max_tokens, args.seed, vllm_engine)
     else:
         torch.manual_seed(args.seed)
-        model, tok = load_target(target_dir)
+        model, tok = load_target(target_dir, device=args.device)
         gen = transformers_sampler(model, tok, prefix, end, args.temperature, args.max_tokens)
     prompts, counts = synthesize(gen, args.num_prompts, args.batch_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -170,13 +170,56 @@ def validate_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     return sorted(ids)
 
 
-def load_target(path: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    """Load the target model (eval mode, no grad) and its tokenizer from a local dir."""
+DEVICE_HELP = ("torch device for the target and draft models run with transformers, e.g. cuda:1 or cpu "
+               "(default: this process's accelerator: cuda:N by LOCAL_RANK under torchrun / accelerate launch, "
+               "else cuda, else cpu; cpu with ACCELERATE_USE_CPU=1)")
+
+
+def default_device(device: str | torch.device | None = None) -> torch.device:
+    """The device a process runs its transformers models on: ``device`` when given, else the
+    accelerator of this process as accelerate sees it (``PartialState().device``): one device
+    per local rank under torchrun / ``accelerate launch``, CPU with no accelerator or with
+    ``ACCELERATE_USE_CPU=1``.
+
+    In a multi-process job whose accelerate state is not yet set up, the same device is
+    computed from ``LOCAL_RANK`` without creating the state: ``PartialState()`` would join the
+    process-group rendezvous, and the capture engines are built lazily, only on ranks that have
+    shards left, so a rank with none would never join and the others would wait forever.
+
+    Raises:
+        RuntimeError: an unknown device string (torch's message).
+    """
+    if device is not None:
+        return torch.device(device)
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
+    if PartialState._shared_state or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return PartialState(cpu=use_cpu).device
+    if use_cpu or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    kind = torch.accelerator.current_accelerator().type
+    return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count())
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                device: str | torch.device | None = None):
+    """Load the target model (eval mode, no grad) and its tokenizer from a local dir.
+
+    Args:
+        dtype: parameter and compute dtype.
+        device: where the parameters are placed (:func:`default_device`: None = this process's
+            accelerator). Callers move their inputs to ``model.device``.
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
+        path, dtype=dtype, trust_remote_code=trust_remote_code, device_map=default_device(device)
     )
     model.eval().requires_grad_(False)
     return model, tok

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from draftsmith.data_prep import target as tgt
+from draftsmith.recipe import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,16 @@ def vllm_extraction_available() -> bool:
 
 
 def resolve_engine(choice: str) -> str:
-    """``data.hidden_states_engine`` -> ``"vllm"`` or ``"transformers"`` (``auto``: vLLM when its
-    extraction path is installed).
+    """``data.hidden_states_engine`` -> ``"vllm"`` or ``"transformers"``. ``auto``: vLLM when a
+    CUDA GPU is present and the installed vLLM has the extraction path, else transformers
+    (on CPU vLLM's start-up outweighs its speed on the data sizes a CPU handles).
 
     Raises:
         ValueError: ``vllm`` asked for but the installed vLLM lacks the extraction path.
     """
     available = vllm_extraction_available()
     if choice == "auto":
-        return "vllm" if available else "transformers"
+        return "vllm" if available and torch.cuda.is_available() else "transformers"
     if choice == "vllm" and not available:
         raise ValueError("data.hidden_states_engine=vllm needs vLLM >= 0.32 (extract_hidden_states); "
                          "not installed here: use 'transformers' or 'auto'")
@@ -96,22 +98,24 @@ class VllmHiddenStateCapture:
     Args:
         target_dir: local HF checkpoint of the target.
         layer_ids: the three ascending aux ids (vLLM convention).
-        dtype / enforce_eager / gpu_memory_utilization / max_num_seqs: passed to ``vllm.LLM``.
-        max_model_len: at least the longest record (tokens).
+        engine: engine settings (:class:`draftsmith.recipe.VllmConfig`; default ``VllmConfig()``);
+            its ``max_model_len`` must cover the longest record (tokens).
         work_dir: where the connector writes per-request files (a temp dir when ``None``).
 
     Raises:
-        ValueError: a target whose final norm is not a plain RMSNorm.
+        ValueError: a target whose final norm is not a plain RMSNorm, or engine settings the
+            offline engine cannot run (``data_parallel_size > 1``).
     """
 
     name = "vllm"
 
-    def __init__(self, target_dir: Path, layer_ids: list[int], dtype: str = "float32", enforce_eager: bool = True,
-                 gpu_memory_utilization: float = 0.2, max_model_len: int = 2048, max_num_seqs: int = 32,
-                 seed: int = 0, work_dir: Path | None = None, trust_remote_code: bool = False):
+    def __init__(self, target_dir: Path, layer_ids: list[int], engine: VllmConfig | None = None, seed: int = 0,
+                 work_dir: Path | None = None, trust_remote_code: bool = False):
         from draftsmith.runtime import configure_vllm_env
 
-        configure_vllm_env()
+        engine = engine or VllmConfig()
+        engine.llm_kwargs()  # refuse what the offline engine cannot run before any work
+        configure_vllm_env(engine)
         from vllm import LLM
 
         config = tgt.load_target_config(Path(target_dir), trust_remote_code)
@@ -131,10 +135,8 @@ class VllmHiddenStateCapture:
                      "kv_connector_extra_config": {"shared_storage_path": str(self.work_dir)}}
         if not on_gpu:
             connector["kv_connector_module_path"] = __name__
-        self.llm = LLM(
-            model=str(target_dir), dtype=dtype, enforce_eager=enforce_eager, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=False, trust_remote_code=trust_remote_code,
+        self.llm = LLM(**engine.llm_kwargs(
+            on_gpu, model=str(target_dir), seed=seed, enable_prefix_caching=False, trust_remote_code=trust_remote_code,
             speculative_config={
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
                 # id N = after the last decoder layer (pre final norm): the final state's source
@@ -142,7 +144,7 @@ class VllmHiddenStateCapture:
                     "eagle_aux_hidden_state_layer_ids": self.layer_ids + [self.num_layers]}},
             },
             kv_transfer_config=connector,
-        )
+        ))
         log.info("vLLM hidden-state engine: aux ids %s + %d (final, normed here), connector %s",
                  self.layer_ids, self.num_layers, connector["kv_connector"])
 

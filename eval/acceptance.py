@@ -5,7 +5,11 @@
 
 Each configuration runs vLLM's offline ``LLM`` in a fresh subprocess (vLLM keeps engine
 processes and memory until its process exits), generates on the prompts, and reads
-``llm.get_metrics()`` (``disable_log_stats=False``). Metrics follow SPEC.md section 5:
+``llm.get_metrics()`` (``disable_log_stats=False``). Engine settings: the vLLM flags
+(``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``, ... see ``--help``) over
+``--recipe``'s ``eval.vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
+values: on CPU pass e.g. ``--dtype float32 --enforce-eager --gpu-memory-utilization 0.2
+--max-model-len 2048 --max-num-seqs 32``, or a CPU recipe). Metrics follow SPEC.md section 5:
 
 - acceptance rate = accepted draft tokens / proposed draft tokens
 - mean acceptance length (AL, tau) = 1 + accepted / drafts (counts the bonus token; max K+1)
@@ -26,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -102,7 +108,8 @@ def _worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one vLLM engine, one configuration."""
     from draftsmith.runtime import configure_vllm_env
 
-    configure_vllm_env()
+    engine = VllmConfig.model_validate_json(args.engine_json)
+    configure_vllm_env(engine)
     from vllm import LLM, SamplingParams
 
     from draftsmith.data_prep.conversations import load_records
@@ -115,11 +122,8 @@ def _worker(args: argparse.Namespace) -> None:
     elif args.method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k,
                 "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}
-    llm = LLM(
-        model=str(args.target), speculative_config=spec, disable_log_stats=False, seed=args.seed,
-        dtype=args.dtype, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-    )
+    llm = LLM(**engine.llm_kwargs(model=str(args.target), speculative_config=spec, disable_log_stats=False,
+                                  seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
@@ -150,15 +154,22 @@ def _worker(args: argparse.Namespace) -> None:
 
 def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | None = None, k: int = 3,
             temperature: float = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None, seed: int = 0,
-            dtype: str = "float32", enforce_eager: bool = True, gpu_memory_utilization: float = 0.2,
-            max_model_len: int = 2048, max_num_seqs: int = 32, ngram_min: int = 2, ngram_max: int = 4,
+            engine: VllmConfig | None = None, ngram_min: int = 2, ngram_max: int = 4,
             timeout_s: float | None = None, log_path: Path | None = None) -> dict[str, Any]:
     """Generate with vLLM in a subprocess and return the acceptance figures (and output token ids).
 
+    Args:
+        engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
+        timeout_s: wall-clock limit of the subprocess (seconds).
+
     Raises:
         DraftMismatchError: for ``eagle3``, a draft that does not fit the target.
+        ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
         RuntimeError: the vLLM subprocess failed (its log tail is in the message).
+        subprocess.TimeoutExpired: it ran past ``timeout_s``.
     """
+    engine = engine or VllmConfig()
+    engine.llm_kwargs()  # refuse settings the offline engine cannot run before starting it
     if method == "eagle3":
         if draft is None:
             raise ValueError("method eagle3 needs a draft directory")
@@ -168,20 +179,16 @@ def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | No
         cmd = [sys.executable, "-m", "draftsmith.eval.acceptance", "--worker", "--result", str(result_path),
                "--target", str(target), "--method", method, "--prompts", str(prompts), "--k", str(k),
                "--temperature", str(temperature), "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
-               "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
-               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
+               "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
         if draft is not None:
             cmd += ["--draft", str(draft)]
         if max_prompts:
             cmd += ["--max-prompts", str(max_prompts)]
-        if not enforce_eager:
-            cmd += ["--no-enforce-eager"]
         log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
             proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1", **engine.engine_env()))
         if proc.returncode != 0 or not result_path.is_file():
             tail = log_path.read_text()[-4000:]
             raise RuntimeError(f"vLLM run ({method}) failed with exit code {proc.returncode}:\n{tail}")
@@ -200,6 +207,8 @@ def format_row(name: str, r: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    p.add_argument("--recipe", type=Path, help="recipe YAML whose eval.vllm gives the engine settings "
+                   "(the vLLM flags below override it)")
     p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "none"])
     p.add_argument("--compare-ngram", action="store_true", help="also measure vLLM's ngram method")
@@ -209,16 +218,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--out", type=Path, help="write the figures as JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--engine-json", help=argparse.SUPPRESS)
+    add_vllm_arguments(p)
     return p
 
 
@@ -227,18 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
+    try:
+        engine = vllm_config_from_args(args, load_recipe(args.recipe).eval.vllm if args.recipe else None)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
-                  dtype=args.dtype, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                  engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
     results = {}
     try:
         for m in methods:
             results[m] = measure(method=m, draft=args.draft, **common)
             print(format_row(m, results[m]), flush=True)
-    except DraftMismatchError as exc:
+    except ValueError as exc:  # a DraftMismatchError, or engine settings the offline engine refuses
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.out:

@@ -69,7 +69,7 @@ def training_figures(run_dir: Path) -> dict[str, Any]:
     Raises:
         RunError: no checkpoint with ``train_state.json``.
     """
-    from draftsmith.train.trainer import find_checkpoints
+    from draftsmith.train.checkpoint import find_checkpoints
 
     ckpts = find_checkpoints(run_dir / "checkpoints")
     if not ckpts:
@@ -135,8 +135,10 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | None, k: int,
             temperatures: list[float], max_new_tokens: int, seed: int = 0, draft_sampling: str = "greedy",
-            dtype: str = "float32", progress=print) -> dict[str, Any]:
+            dtype: str = "float32", progress=print, device: str | None = None) -> dict[str, Any]:
     """Measure every run's draft at every temperature on the same prompts (module docstring).
+    Target and drafts run on ``device`` (default: this process's accelerator,
+    :func:`draftsmith.data_prep.target.default_device`).
 
     Returns:
         ``{"target", "prompts", "num_prompts", "k", "max_new_tokens", "temperatures",
@@ -159,7 +161,7 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         if name in runs:
             name = f"{name} ({run.name})"
         runs[name] = {"run_dir": str(run), "export": str(export), **info, **count_parameters(export, run)}
-    model, tokenizer = load_target(resolve_target(target), dtype=getattr(torch, dtype))
+    model, tokenizer = load_target(resolve_target(target), dtype=getattr(torch, dtype), device=device)
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompts)
     stops = stop_token_ids(model, tokenizer)
     out: dict[str, Any] = {"target": target, "prompts": prompts, "num_prompts": len(prompt_ids), "k": k,
@@ -167,7 +169,7 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
                            "draft_sampling": draft_sampling, "plain": {}, "drafts": runs}
     for t in temperatures:
         plain_target = Target(model)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=model.device).manual_seed(seed)
         t0 = time.perf_counter()
         n = sum(len(plain_generate(plain_target, p, t, max_new_tokens, stops, gen)) for p in prompt_ids)
         secs = time.perf_counter() - t0
@@ -175,7 +177,7 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         progress(f"plain T={t:g}: {n / secs:.1f} tok/s ({len(prompt_ids)} prompts)")
         for name, d in runs.items():
             proposer = load_draft(Path(d["export"]), model)
-            proposer.model.to(dtype=getattr(torch, dtype))
+            proposer.model.to(model.device, getattr(torch, dtype))
             proposer.draft_sampling = draft_sampling
             r = evaluate(model, tokenizer, proposer, prompt_ids, k, t, max_new_tokens, seed, plain=False)
             r.pop("outputs")
@@ -188,6 +190,8 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from draftsmith.data_prep.target import DEVICE_HELP
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
     p.add_argument("--run", type=Path, action="append", required=True, help="training run directory (repeat)")
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
     args = p.parse_args(argv)
     if args.threads:
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
         results = compare(args.target, args.run, args.prompts, args.max_prompts, args.k, temps,
-                          args.max_new_tokens, args.seed, args.draft_sampling)
+                          args.max_new_tokens, args.seed, args.draft_sampling, device=args.device)
     except (RunError, DraftLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -68,6 +68,13 @@ def checkpoint_method(ckpt: Path) -> str:
         ExportError: ``draft_config.json`` or ``model.safetensors`` missing.
     """
     meta_path = ckpt / "draft_config.json"
+    if not (ckpt / "model.safetensors").is_file():
+        sharded = [d for d in ("pytorch_model_fsdp_0", "pytorch_model") if (ckpt / d).exists()]
+        if sharded:
+            raise ExportError(
+                f"{ckpt / 'model.safetensors'} missing: {ckpt} holds only the launcher's sharded state ({sharded[0]}/), "
+                "which export does not read; checkpoints written by this draftsmith version always carry the "
+                "consolidated model.safetensors (resume the run for one more checkpoint to get it)")
     for f in (meta_path, ckpt / "model.safetensors"):
         if not f.is_file():
             raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir."""
-    from draftsmith.train.trainer import find_checkpoints
+    from draftsmith.train.checkpoint import find_checkpoints
 
     if (path / "draft_config.json").is_file():
         return path

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints
+from draftsmith.train.checkpoint import find_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -205,7 +205,7 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     from draftsmith.eval.export import export
     from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from draftsmith.recipe import load_recipe, safe_path
-    from draftsmith.train.trainer import check_checkpoint_shapes
+    from draftsmith.train.checkpoint import check_checkpoint_shapes
 
     work = work / "bad"
     work.mkdir()

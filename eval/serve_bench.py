@@ -5,6 +5,11 @@
         --k-sweep 1,2,3,4 --temperatures 0,0.7 --price-per-hour 41.62 --out-dir RUN/serve
     python -m draftsmith.eval.serve_bench --recipe RUN/recipe.yaml --draft RUN/export/eagle3 --out-dir RUN/serve
 
+Engine settings: the vLLM flags (``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``,
+``--max-model-len``, ``--tensor-parallel-size``, ``--data-parallel-size``, ... see ``--help``)
+over ``--recipe``'s ``eval.vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
+values; on CPU use a CPU recipe or the flags); ``max_num_seqs`` is raised to the highest level.
+
 For every configuration (no speculation; the trained draft (eagle3, or medusa where the
 installed vLLM routes it); ``ngram``; ``suffix`` when ``arctic_inference`` is importable;
 ``draft_model`` when ``--draft-model`` names a smaller model of the target's family) it:
@@ -60,6 +65,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith.eval.acceptance import summarise
+from draftsmith.recipe import VllmConfig, add_vllm_arguments
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -326,32 +332,26 @@ def free_port() -> int:
 
 @dataclass
 class ServerOptions:
-    """Engine settings shared by every configuration (units: fractions, tokens, seconds)."""
+    """Settings shared by every configuration's server: the engine (``eval.vllm``), the
+    engine seed, and how long to wait for start (seconds) and stop (seconds)."""
 
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.2
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
+    engine: VllmConfig = field(default_factory=VllmConfig)
     seed: int = 0
     startup_timeout_s: float = 900.0
     stop_grace_s: float = 20.0
-    extra_args: list[str] = field(default_factory=list)
 
 
 def server_command(target: Path, port: int, spec: dict[str, Any] | None, opts: ServerOptions) -> list[str]:
-    """The command line of one OpenAI server on 127.0.0.1:``port``."""
+    """The command line of one OpenAI server on 127.0.0.1:``port`` (engine flags from
+    :meth:`draftsmith.recipe.VllmConfig.server_args`).
+
+    Raises:
+        ValueError: a key of ``eval.vllm.extra_engine_args`` that the server command sets itself.
+    """
     head = (["vllm", "serve", str(target)] if vllm_cli_works()
             else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)])
-    cmd = head + ["--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
-                  "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
-                  "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_num_seqs),
-                  "--seed", str(opts.seed), "--disable-uvicorn-access-log"]
-    if opts.enforce_eager:
-        cmd.append("--enforce-eager")
-    if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd + list(opts.extra_args)
+    return head + opts.engine.server_args(host="127.0.0.1", port=port, seed=opts.seed,
+                                          disable_uvicorn_access_log=True, speculative_config=spec)
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -392,7 +392,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
     """
     from draftsmith.runtime import configure_vllm_env
 
-    configure_vllm_env()  # sets the variables this process passes on to the server
+    configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
     cmd = server_command(target, port, spec, opts)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -650,8 +650,9 @@ def run_study(study: Study) -> dict[str, Any]:
     results: dict[str, Any] = {
         "meta": {**study.meta, "levels": levels, "prompts_per_level": {c: len(p) for c, p in study.prompt_sets.items()},
                  "max_new_tokens": study.max_new_tokens, "price_per_hour": study.price_per_hour,
-                 "your_concurrency": study.your_concurrency, "enforce_eager": study.server.enforce_eager,
-                 "dtype": study.server.dtype, "target": str(study.target)},
+                 "your_concurrency": study.your_concurrency, "enforce_eager": study.server.engine.enforce_eager,
+                 "dtype": study.server.engine.dtype, "engine": study.server.engine.model_dump(mode="json"),
+                 "target": str(study.target)},
         "configs": {}, "k_sweep": None, "temperature_sweep": None,
     }
     draft_cfg = next((c for c in study.configs if c.name in ("eagle3", "medusa")), None)
@@ -743,8 +744,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--price-per-hour", type=float, help="GPU (or machine) price in $/hour for cost per 1M tokens")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", default=None)
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for /health")
-    p.add_argument("--max-model-len", type=int, help="server context length (default: recipe eval.vllm)")
     p.add_argument("--out-dir", type=Path, required=True)
+    add_vllm_arguments(p)
     return p
 
 
@@ -756,7 +757,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
             an unknown target or a draft vLLM cannot serve.
     """
     from draftsmith.data_prep.target import resolve_target
-    from draftsmith.recipe import EvalConfig, load_recipe
+    from draftsmith.recipe import EvalConfig, load_recipe, vllm_config_from_args
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     ev = recipe.eval if recipe else EvalConfig()
@@ -776,7 +777,9 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
 
         if draft_method(args.draft) == "eagle3":
             check_draft_matches_target(args.draft, target)
-    vl = ev.vllm
+    engine = vllm_config_from_args(args, ev.vllm)
+    # every level's requests must run at once: the server batches at least the highest concurrency
+    engine = engine.model_copy(update={"max_num_seqs": max(engine.max_num_seqs, max(levels))})
     return Study(
         target=target, out_dir=args.out_dir, prompt_sets=prompt_sets,
         configs=configurations(args.draft, k, args.draft_model, pick(args.ngram, ev.compare_ngram),
@@ -784,8 +787,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         max_new_tokens=pick(args.max_new_tokens, serve.max_new_tokens),
         k_sweep=pick(args.k_sweep, serve.k_sweep), your_concurrency=pick(args.your_concurrency, serve.your_concurrency or min(levels)),
         temperatures=pick(args.temperatures, serve.temperatures), price_per_hour=pick(args.price_per_hour, serve.price_per_hour),
-        server=ServerOptions(dtype=vl.dtype, enforce_eager=vl.enforce_eager, gpu_memory_utilization=vl.gpu_memory_utilization,
-                             max_model_len=pick(args.max_model_len, vl.max_model_len), max_num_seqs=max(vl.max_num_seqs, max(levels)),
+        server=ServerOptions(engine=engine,
                              startup_timeout_s=pick(args.startup_timeout, serve.startup_timeout_s)),
         meta={"target_name": target_name, "draft": str(args.draft) if args.draft else None, "prompts": prompts_path,
               "command": shlex.join(["python", "-m", "draftsmith.eval.serve_bench", *argv]),

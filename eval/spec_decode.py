@@ -3,7 +3,12 @@ without vLLM (SPEC.md sections 4-5).
 
     python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
-        [--threads N] [--no-plain] [--draft-sampling greedy|probabilistic]
+        [--threads N] [--no-plain] [--draft-sampling greedy|probabilistic] [--device cuda:0]
+        [--vllm-enforce-eager --vllm-gpu-memory-utilization 0.2 ...]   # --compare-vllm's engine
+
+The target and the draft run on ``--device`` (default: this process's accelerator);
+``--compare-vllm`` runs vLLM at ``--dtype`` with the ``--vllm-*`` engine settings
+(:class:`draftsmith.recipe.VllmConfig`; its defaults are GPU values).
 
 Chain speculative decoding, batch size 1 (prompts one at a time), on a transformers target
 with a KV cache. Each round:
@@ -59,6 +64,8 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture, decoder_layers
+from draftsmith.data_prep.target import DEVICE_HELP
+from draftsmith.recipe import add_vllm_arguments
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
 
 
@@ -657,8 +664,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="target and draft dtype (default: %(default)s; also vLLM's with --compare-vllm)")
+    p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
                    "machine 1 thread avoids waiting for cores)")
     p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
@@ -667,25 +675,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-vllm", action="store_true",
                    help="also measure the EAGLE-3 draft with vLLM (eval/acceptance.py) on the same prompts")
     p.add_argument("--out", type=Path, help="write the figures as JSON")
+    add_vllm_arguments(p, prefix="vllm-")  # --compare-vllm's engine; its dtype defaults to --dtype
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from draftsmith.data_prep.target import load_target, resolve_target
+    from draftsmith.recipe import RecipeError, VllmConfig, vllm_config_from_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        engine = vllm_config_from_args(args, VllmConfig(dtype=args.dtype)) if args.compare_vllm else None
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target(target_dir, dtype=getattr(torch, args.dtype))
-    model.to(args.device)
+    model, tokenizer = load_target(target_dir, dtype=getattr(torch, args.dtype), device=args.device)
     try:
         proposer = load_draft(args.draft, model)
     except DraftLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    proposer.model.to(args.device, getattr(torch, args.dtype))
+    proposer.model.to(model.device, getattr(torch, args.dtype))
     proposer.draft_sampling = args.draft_sampling
     prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
     results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,
@@ -695,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         from draftsmith.eval.acceptance import measure
 
         results["vllm"] = measure(target_dir, args.prompts, "eagle3", args.draft, args.k, args.temperature,
-                                  args.max_new_tokens, args.max_prompts, args.seed, args.dtype)
+                                  args.max_new_tokens, args.max_prompts, args.seed, engine)
         print(_format("vllm", results["vllm"]), flush=True)
         same = sum(a == b for a, b in zip(results["reference"]["outputs"], results["vllm"]["outputs"]))
         results["identical_outputs_reference_vs_vllm"] = same

@@ -387,6 +387,8 @@ class Eagle3DraftModel(nn.Module):
     intermediates of all K steps), about one more layer forward per step in time.
     """
 
+    _no_split_modules = ["Eagle3DecoderLayer"]  # FSDP unit (transformers convention, read by accelerate)
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config

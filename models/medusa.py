@@ -69,6 +69,8 @@ class MedusaBlock(nn.Module):
 class MedusaModel(nn.Module):
     """K Medusa heads. ``forward(hidden_states (B, T, H)) -> logits (K, B, T, V)``."""
 
+    _no_split_modules = ["MedusaBlock"]  # FSDP unit (transformers convention, read by accelerate)
+
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config

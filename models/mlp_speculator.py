@@ -96,6 +96,9 @@ class MLPSpeculator(nn.Module):
     """``forward(state (B, T, H), input_ids (B, T + P)) -> logits (P, B, T, V)`` (teacher
     forcing); :meth:`stage` runs one stage (what a decoder calls step by step)."""
 
+    # No FSDP unit below the root: no module holds one stage, and tie_weights shares tensors across stages.
+    _no_split_modules: list[str] = []
+
     def __init__(self, config: MLPSpeculatorConfig):
         super().__init__()
         self.config = config

@@ -71,6 +71,14 @@ def build_tokenizer(template: str = CHATML, vocab_size: int = 384):
     return fast
 
 
+# vLLM engine settings for this CPU machine (VllmConfig's defaults are GPU values): fp32, eager
+# (a compiled start takes minutes), 0.2 of the RAM for the KV cache (SPEC.md section 7)
+CPU_VLLM = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 2048,
+            "max_num_seqs": 32}
+CPU_VLLM_FLAGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
+                  "--max-model-len", "2048", "--max-num-seqs", "32"]
+
+
 TINY_LAYERS = 6
 TINY_AUX = [1, 3, 4]
 

@@ -19,7 +19,7 @@ from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_t
 from draftsmith.eval.export import ExportError, export
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from draftsmith.recipe import load_recipe
-from draftsmith.train.trainer import check_checkpoint_shapes
+from draftsmith.train.checkpoint import check_checkpoint_shapes
 
 from conftest import TINY_AUX
 

@@ -17,7 +17,8 @@ from draftsmith.eval.export import export
 from draftsmith.recipe import MedusaDraftConfig, RecipeError, load_recipe
 from draftsmith.train.eagle3 import Eagle3Method
 from draftsmith.train.medusa import MedusaMethod
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.recipe import dump_recipe
-from draftsmith.train.trainer import find_checkpoints
+from draftsmith.train.checkpoint import find_checkpoints
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe
@@ -28,13 +28,13 @@ RTOL = 1e-4
 
 
 def launch(recipe_path: Path, run: Path, processes: int, batch_size: int,
-           extra_env: dict[str, str] | None = None, port_base: int = 29500) -> None:
+           extra_env: dict[str, str] | None = None, port_base: int = 29500, extra_args: list[str] = ()) -> None:
     """Train ``recipe_path`` into ``run`` with ``processes`` torchrun CPU processes (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
            "--master_port", str(port_base + processes),
            str(REPO / "train" / "eagle3.py"), str(recipe_path), "--run-dir", str(run),
-           "--set", f"train.batch_size={batch_size}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", **(extra_env or {}))
+           "--set", f"train.batch_size={batch_size}", *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

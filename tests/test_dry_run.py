@@ -32,21 +32,31 @@ def target_config(name: str):
     return None
 
 
+# decoder layers N of each recipe's target (published configs; SmolLM2-135M: 30)
+TARGET_LAYERS = {"gptoss120b": 36, "gptoss20b": 24, "llama3_1_8b": 32, "qwen3_8b": 36, "smollm2_135m": 30}
+
+
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipe_passes_dry_run(path, tmp_path):
     recipe = load_recipe(path)
     # Medusa / MLP-speculator recipes share their target (and its config) with the EAGLE-3 one
-    cfg = target_config(path.stem.removesuffix("_medusa").removesuffix("_mlp_speculator"))
+    target = path.stem.removesuffix("_medusa").removesuffix("_mlp_speculator")
+    cfg = target_config(target)
     config_file = None
     if cfg is not None:
         cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
         cfg.save_pretrained(tmp_path)
         config_file = tmp_path / "config.json"
     report = dry_run(recipe, config_file)
-    assert report["aux_layer_ids"] == (recipe.data.aux_layer_ids or report["aux_layer_ids"])
+    n = TARGET_LAYERS[target]
+    assert report["target_layers"] == n
+    # every shipped recipe uses vLLM's default layers (2, N//2, N-3), named or not
+    assert report["aux_layer_ids"] == [2, n // 2, n - 3]
     assert report["aux_layer_ids_are_vllm_default"]
     assert report["draft_trainable_parameters"] > 0
     assert "aux layer ids" in format_report(report)
+    # the recipe's launcher (when it names one) was validated and is reported
+    assert (report["launcher"] is None) == (recipe.launcher is None)
 
 
 def test_gptoss120b_dry_run_figures(tmp_path):
@@ -76,3 +86,44 @@ def test_launcher_configs_parse_with_accelerate():
     for f in files:
         cfg = load_config_from_file(str(f))
         assert cfg.num_processes >= 1
+
+
+def llama_config_file(tmp_path):
+    cfg = target_config("llama3_1_8b")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    return tmp_path / "config.json"
+
+
+def test_dry_run_reports_the_fsdp_launcher_and_per_gpu_memory(tmp_path):
+    r = dry_run(load_recipe(RECIPES / "llama3_1_8b_medusa.yaml"), llama_config_file(tmp_path))
+    launch, mem, gpu = r["launcher"], r["memory_bytes"], r["memory_bytes_per_gpu"]
+    assert launch["path"].endswith("recipes/accelerate/fsdp_8gpu.yaml")
+    assert (launch["distributed_type"], launch["num_processes"], launch["mixed_precision"]) == ("FSDP", 8, "bf16")
+    assert launch["wrap_classes"] == ["MedusaBlock"]
+    # FSDP shards weights, gradients and AdamW state over the 8 ranks
+    assert gpu["draft_weights_fp32"] == mem["draft_weights_fp32"] // 8
+    assert gpu["adamw_state_fp32"] == mem["adamw_state_fp32"] // 8
+    # the root unit (the 3 lm_heads, 128256 x 4096 each) is gathered whole in bf16
+    assert gpu["fsdp_gathered_root"] == 3 * 128256 * 4096 * 2
+    assert "FSDP2 units: MedusaBlock, root" in format_report(r)
+
+
+def test_dry_run_zero2_shards_optimizer_state_and_gradients_only(tmp_path):
+    r = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml"), llama_config_file(tmp_path),
+                RECIPES / "accelerate/multinode_2x8.yaml")
+    mem, gpu = r["memory_bytes"], r["memory_bytes_per_gpu"]
+    assert r["launcher"]["zero_stage"] == 2 and r["launcher"]["num_processes"] == 16
+    assert gpu["draft_weights_fp32"] == mem["draft_weights_fp32"]
+    assert gpu["gradients_fp32"] == mem["gradients_fp32"] // 16
+    assert gpu["adamw_state_fp32"] == mem["adamw_state_fp32"] // 16
+
+
+def test_dry_run_refuses_a_launcher_that_does_not_fit(tmp_path):
+    bad = tmp_path / "fsdp_eagle.yaml"
+    bad.write_text((RECIPES / "accelerate/fsdp_8gpu.yaml").read_text().replace(
+        "  fsdp_version: 2\n", "  fsdp_version: 2\n  fsdp_transformer_layer_cls_to_wrap: Eagle3DecoderLayer\n"))
+    recipe = load_recipe(RECIPES / "llama3_1_8b_mlp_speculator.yaml", [f"launcher={bad}"])
+    with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap: Eagle3DecoderLayer is not a block of "
+                                         "MLPSpeculator"):
+        dry_run(recipe, llama_config_file(tmp_path))

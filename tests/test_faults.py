@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from draftsmith.recipe import dump_recipe
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import NonFiniteLossError, find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import NonFiniteLossError, fit
 
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 

@@ -1,84 +1,64 @@
-"""FSDP on CPU: 2 processes (gloo) with accelerate's FSDP plugin should match one process with
-the equivalent global batch, as plain data parallelism does (tests/test_data_parallel.py).
+"""FSDP2 on CPU: 2 processes (gloo) sharding the draft with accelerate's FSDP2 path train like one
+process with the equivalent global batch (tests/test_data_parallel.py), write a consolidated
+``model.safetensors`` beside the sharded (torch.distributed.checkpoint) state, resume exactly and
+export.
 
-The processes are started by torchrun as in test_data_parallel; ``ACCELERATE_USE_FSDP`` and
-the ``FSDP_*`` variables are what ``accelerate launch --config_file recipes/accelerate/fsdp_8gpu.yaml``
-exports from the launcher config, here with ``ACCELERATE_USE_CPU=1``.
-
-Found with accelerate 1.15 / torch 2.13 (CPU): accelerate never selects FSDP on CPU. Its
-``AcceleratorState`` turns ``ACCELERATE_USE_FSDP`` (or an explicit ``fsdp_plugin``) into
-``DistributedType.FSDP`` only for GPU-like multi-device types; with ``ACCELERATE_USE_CPU`` the
-state is ``MULTI_CPU`` and ``prepare`` wraps the draft in DistributedDataParallel -- no error,
-no sharding. (``accelerate launch`` with ``distributed_type: FSDP`` + ``use_cpu: true`` skips
-the FSDP launcher as well.) torch's own ``fully_shard`` does run on CPU with gloo, but using it
-would put a distributed branch in the trainer. The comparison therefore skips, naming the
-distributed type accelerate chose, until accelerate routes FSDP on CPU.
+The processes are started by torchrun; ``ACCELERATE_USE_FSDP`` and the ``FSDP_*`` variables are
+what ``accelerate launch --config_file recipes/accelerate/fsdp_8gpu.yaml`` exports from the
+launcher config (no wrap class: it comes from the model's ``_no_split_modules``). accelerate
+1.15 never selects FSDP on CPU by itself (it falls back to DDP); ``train/distributed.py`` routes
+it to accelerate's FSDP2 path over gloo, and the test checks that the checkpoint was written
+under FSDP, so a silent fallback fails it.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 
-from test_data_parallel import assert_same_losses, launch, prepare_twin_runs
+from sharded_runs import SCHEDULE, assert_exact, assert_export_matches_checkpoint, checkpoint_weights, interrupted_copy
+from test_data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
 
 REPO = Path(__file__).resolve().parent.parent
-# Same global batches and global-token normalisation as the single process: the runs differ by
-# float reduction order (sharded all-gather / reduce-scatter over gloo) only.
-RTOL = 1e-4
 
 FSDP_ENV = {
     "ACCELERATE_USE_CPU": "1",
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
     "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": "Eagle3DecoderLayer",
     "FSDP_RESHARD_AFTER_FORWARD": "true",
-    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
 }
 
 
-PROBE = """
-from accelerate import Accelerator
-import accelerate
-acc = Accelerator()
-if acc.is_main_process:
-    print("DISTRIBUTED_TYPE", acc.state.distributed_type.value, accelerate.__version__)
-"""
-
-
-def accelerate_distributed_type(tmp_path: Path) -> tuple[str, str]:
-    """``(distributed type, accelerate version)`` accelerate picks for 2 CPU processes under FSDP_ENV."""
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29610", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **FSDP_ENV),
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("DISTRIBUTED_TYPE"))
-    _, dtype, version = line.split()
-    return dtype, version
-
-
-def test_fsdp_two_processes_match_one_process_with_the_global_batch(tiny_target, tmp_path):
-    dtype, version = accelerate_distributed_type(tmp_path)
-    if dtype != "FSDP":
-        pytest.skip(f"accelerate {version} does not run FSDP on CPU: with ACCELERATE_USE_CPU=1 and "
-                    f"ACCELERATE_USE_FSDP=true it chose {dtype} (DistributedDataParallel, no sharding)")
+def test_fsdp2_two_processes_train_checkpoint_resume_and_export_like_one_process(tiny_target, tmp_path):
     recipe_path = prepare_twin_runs(tiny_target, tmp_path)
     launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29600)
-    launch(recipe_path, tmp_path / "two", processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29600)
-    assert_same_losses(tmp_path / "one", tmp_path / "two", RTOL)
+    two = tmp_path / "two"
+    launch(recipe_path, two, processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29600, extra_args=SCHEDULE)
+
+    ckpt = two / "checkpoints" / "step-4"
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["distributed_type"] == "FSDP" and state["num_processes"] == 2
+    assert (ckpt / "pytorch_model_fsdp_0").is_dir(), "the sharded resume state"
+    assert_same_losses(tmp_path / "one", two, RTOL)
+    assert_same_weights(checkpoint_weights(tmp_path / "one"), checkpoint_weights(two), lr=recipe_lr(recipe_path))
+
+    resumed = interrupted_copy(two, tmp_path / "resumed", step=2)
+    launch(recipe_path, resumed, processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29600,
+           extra_args=[*SCHEDULE, "--resume"])
+    assert_exact(checkpoint_weights(resumed), checkpoint_weights(two))
+    assert_same_losses(resumed, two, rtol=1e-6)
+
+    assert_export_matches_checkpoint(two, tmp_path / "export")
 
 
 def test_cpu_training_stays_fp32_whatever_the_launcher_asks(monkeypatch):
     import torch
 
-    from draftsmith.train.trainer import cpu_mixed_precision
+    from draftsmith.train.distributed import cpu_mixed_precision
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `mixed_precision: bf16` exports
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")

@@ -19,7 +19,8 @@ from draftsmith.data_prep.regenerate import TransformersChatEngine, VllmChatEngi
 from draftsmith.eval.export import export
 from draftsmith.recipe import load_recipe
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 from conftest import HARMONY, build_tokenizer, write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe

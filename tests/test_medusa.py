@@ -22,7 +22,8 @@ from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.recipe import MedusaDraftConfig
 from draftsmith.train.losses import head_loss, head_targets
 from draftsmith.train.medusa import MedusaMethod, main
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe

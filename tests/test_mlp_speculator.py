@@ -18,7 +18,8 @@ from draftsmith.eval.export_heads import load_mlp_speculator
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.recipe import MLPSpeculatorDraftConfig, RecipeError, load_recipe
 from draftsmith.train.mlp_speculator import MLPSpeculatorMethod
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe

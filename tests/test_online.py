@@ -10,7 +10,8 @@ import torch
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe

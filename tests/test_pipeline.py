@@ -14,9 +14,10 @@ from draftsmith.eval.export import ExportError, export, expected_weight_shapes, 
 from draftsmith.models.eagle3 import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
-from conftest import TINY_AUX, write_jsonl
+from conftest import CPU_VLLM, TINY_AUX, write_jsonl
 
 PROMPTS = [
     "Translate to French: good morning.", "Write a haiku about autumn.", "What is the capital of Italy?",
@@ -43,6 +44,7 @@ def tiny_recipe(tiny_target: Path, prompts: Path, **train):
         "train.warmup_ratio=0.0",
         "train.log_every=1",
         "train.checkpoint_every=1000",
+        f"eval.vllm={json.dumps(CPU_VLLM)}",
     ] + [f"train.{k}={v}" for k, v in train.items()]
     return load_recipe(None, overrides)
 

@@ -29,7 +29,8 @@ from draftsmith.eval.fault_report import (
     wait_for_step,
 )
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit, truncate_metrics
+from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
+from draftsmith.train.trainer import fit
 
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 

@@ -16,8 +16,9 @@ import pytest
 
 from draftsmith.eval import serve_bench as sb
 from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
+from draftsmith.recipe import VllmConfig
 
-from conftest import write_jsonl
+from conftest import CPU_VLLM, write_jsonl
 
 PROMETHEUS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -126,11 +127,23 @@ def test_prompt_sets_do_not_overlap_and_too_few_prompts_is_an_error(tmp_path):
 
 def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_path):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    cmd = sb.server_command(tmp_path, 1234, spec, sb.ServerOptions())
+    cmd = sb.server_command(tmp_path, 1234, spec, sb.ServerOptions(engine=VllmConfig(**CPU_VLLM)))
     if not sb.vllm_cli_works():
         assert cmd[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.2" and cmd[cmd.index("--dtype") + 1] == "float32"
+
+
+def test_cli_engine_flags_override_the_recipe_and_max_num_seqs_covers_every_level(tmp_path, tiny_target):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {{name_or_path: {tiny_target}}}\neval: {{vllm: {json.dumps(CPU_VLLM)}}}\n")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
+    args = sb._parser().parse_args(["--recipe", str(recipe), "--prompts", str(prompts), "--concurrency", "1,64",
+                                    "--num-prompts-per-level", "2", "--no-enforce-eager", "--max-model-len", "512",
+                                    "--out-dir", str(tmp_path / "o")])
+    engine = sb.study_from_args(args, []).server.engine
+    assert engine == VllmConfig(**{**CPU_VLLM, "enforce_eager": False, "max_model_len": 512, "max_num_seqs": 64})
 
 
 def _group_alive(pgid: int) -> bool:
@@ -247,7 +260,8 @@ def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     from draftsmith.data_prep.prepare import prepare
     from draftsmith.eval.export import export
     from draftsmith.train.eagle3 import Eagle3Method
-    from draftsmith.train.trainer import find_checkpoints, fit
+    from draftsmith.train.checkpoint import find_checkpoints
+    from draftsmith.train.trainer import fit
 
     from test_pipeline import PROMPTS, tiny_recipe
 
@@ -261,7 +275,9 @@ def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     out = tmp_path / "serve"
     rc = sb.main(["--target", str(tiny_target), "--draft", str(draft), "--prompts", str(prompts), "--concurrency", "1,2",
                   "--num-prompts-per-level", "2", "--max-new-tokens", "16", "--k", "2", "--k-sweep", "2",
-                  "--temperatures", "0", "--price-per-hour", "41.62", "--max-model-len", "512", "--out-dir", str(out)])
+                  "--temperatures", "0", "--price-per-hour", "41.62", "--out-dir", str(out), "--dtype", "float32",
+                  "--enforce-eager", "--gpu-memory-utilization", "0.2", "--max-model-len", "512",
+                  "--max-num-seqs", "32"])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["configs"]) == ["baseline", "eagle3", "ngram"]

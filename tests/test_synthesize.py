@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import torch
 
-from draftsmith.data_prep.synthesize import keep_prompt, synthesize, transformers_sampler, user_turn_prefix
+from draftsmith.data_prep.synthesize import keep_prompt, main, synthesize, transformers_sampler, user_turn_prefix
 from draftsmith.data_prep.target import load_target
+
+from conftest import CPU_VLLM_FLAGS
 
 
 def test_user_turn_prefix_on_two_templates(chatml_tokenizer, zephyr_tokenizer):
@@ -36,3 +39,18 @@ def test_tiny_target_synthesises_user_messages(tiny_target):
     samples = gen(4)
     assert len(samples) == 4 and all(isinstance(t, str) and isinstance(f, bool) for t, f in samples)
     assert all("<|im_end|>" not in t for t, _ in samples)
+
+
+def test_cli_runs_the_transformers_engine_on_the_given_device_and_accepts_the_vllm_flags(tiny_target, tmp_path, capsys):
+    out = tmp_path / "magpie.jsonl"
+    assert main(["--target", str(tiny_target), "--num-prompts", "2", "--out", str(out), "--engine", "transformers",
+                 "--device", "cpu", "--max-tokens", "8", "--batch-size", "4", *CPU_VLLM_FLAGS]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert counts["sampled"] > 0 and out.is_file()
+    assert len(out.read_text().splitlines()) == counts["kept"]
+
+
+def test_cli_refuses_a_bad_engine_flag(tiny_target, tmp_path, capsys):
+    assert main(["--target", str(tiny_target), "--num-prompts", "2", "--out", str(tmp_path / "m.jsonl"),
+                 "--gpu-memory-utilization", "1.5"]) == 2
+    assert "--gpu-memory-utilization" in capsys.readouterr().err

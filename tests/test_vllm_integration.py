@@ -12,10 +12,12 @@ import pytest
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target, measure
 from draftsmith.eval.export import export
+from draftsmith.recipe import VllmConfig
 from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.trainer import find_checkpoints, fit
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.trainer import fit
 
-from conftest import build_tiny_target, write_jsonl
+from conftest import CPU_VLLM, build_tiny_target, write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe
 
 pytestmark = [
@@ -37,8 +39,8 @@ def exported(tiny_target, tmp_path_factory):
 
 def test_vllm_loads_draft_reports_counters_and_greedy_output_is_unchanged(tiny_target, exported):
     draft, prompts = exported
-    common = dict(target=tiny_target, prompts=str(prompts), k=3, max_new_tokens=32, max_model_len=512,
-                  timeout_s=600)
+    common = dict(target=tiny_target, prompts=str(prompts), k=3, max_new_tokens=32,
+                  engine=VllmConfig(**{**CPU_VLLM, "max_model_len": 512}), timeout_s=600)
     plain = measure(method="none", **common)
     spec = measure(method="eagle3", draft=draft, **common)
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 3 * spec["num_drafts"]

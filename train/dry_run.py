@@ -2,10 +2,14 @@
 without downloading weights.
 
     python train/eagle3.py RECIPE.yaml --dry-run [--target-config path/to/config.json]
+        [--set launcher=recipes/accelerate/fsdp_8gpu.yaml]
 
 Reports the aux layer ids (vLLM convention), the draft's parameter count, the training memory
 of its parameters + gradients + AdamW state, the bytes per token of offline hidden states and
-the disk the configured dataset needs in offline mode.
+the disk the configured dataset needs in offline mode. When the recipe names a ``launcher``
+(accelerate launcher YAML), it is validated against the recipe and the method's draft model
+(:func:`draftsmith.train.launchers.validate_launcher`) and the training memory is also given
+per GPU, with what ZeRO / FSDP shard divided over the processes.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ from draftsmith.data_prep.target import (
 )
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.recipe import Recipe
+from draftsmith.train.launchers import LauncherReport, draft_model_class, validate_launcher
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
+# Parts of draft_parameter_count / head_draft_parameter_count inside the model's _no_split_modules
+# blocks: FSDP shards them as their own units; the rest belongs to the root unit.
+FSDP_BLOCK_PARTS = {"eagle3": ("attention", "mlp"), "medusa": ("resblocks",), "mlp_speculator": ()}
 
 
 def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
@@ -77,13 +85,45 @@ def head_draft_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int
     return {"emb": stages * V * D, "proj": H * D + inner_projs * D * D, "head": stages * V * D, "ln": stages * 2 * D}
 
 
-def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]:
+def per_gpu_memory(memory: dict[str, int], counts: dict[str, int], method: str,
+                   launcher: LauncherReport) -> dict[str, int]:
+    """Training memory of one GPU (bytes) under ``launcher``: what it shards (ZeRO-1: optimizer
+    state; ZeRO-2: + gradients; FSDP: + weights) is divided by ``num_processes`` (unset: 1);
+    the frozen target embedding and lm_head rows stay whole on every rank. Under FSDP the root
+    unit (all weights outside the model's ``_no_split_modules`` blocks) is gathered whole for
+    the step, in bf16 under ``mixed_precision: bf16``: ``fsdp_gathered_root``. Activations
+    (``ttt_logits_activations_per_microbatch``) are per process already and not included."""
+    world = launcher.num_processes or 1
+    out = {
+        "draft_weights_fp32": memory["draft_weights_fp32"] // (world if "weights" in launcher.sharded else 1),
+        "gradients_fp32": memory["gradients_fp32"] // (world if "gradients" in launcher.sharded else 1),
+        "adamw_state_fp32": memory["adamw_state_fp32"] // (world if "optimizer state" in launcher.sharded else 1),
+        "frozen_embedding_bf16": memory["frozen_embedding_bf16"],
+        "target_lm_head_draft_rows_bf16": memory["target_lm_head_draft_rows_bf16"],
+    }
+    if launcher.distributed_type == "FSDP":
+        trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
+        in_blocks = sum(counts[k] for k in FSDP_BLOCK_PARTS[method]) if launcher.wrap_classes else 0
+        out["fsdp_gathered_root"] = (trainable - in_blocks) * (2 if launcher.mixed_precision == "bf16" else 4)
+    out["total"] = sum(out.values())
+    return out
+
+
+def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | Path | None = None) -> dict[str, Any]:
     """Everything the dry run reports, as a dict (see module docstring).
 
+    ``launcher`` (an accelerate launcher YAML) overrides the recipe's ``launcher``; with neither,
+    ``launcher`` and ``memory_bytes_per_gpu`` are None. Relative paths: see
+    :func:`~draftsmith.train.launchers.resolve_launcher_path`.
+
     Raises:
+        LauncherError (a ValueError): the launcher file is missing or does not fit the recipe
+            or the method's draft model (message names file and key).
         ValueError: aux layer ids invalid for the target; draft vocab larger than the target's.
         FileNotFoundError: the target config cannot be read.
     """
+    launcher = launcher or recipe.launcher
+    launch = validate_launcher(recipe, launcher, draft_model_class(recipe.draft.method)) if launcher else None
     config = load_config_only(recipe, target_config)
     text = text_config(config)
     n = num_decoder_layers(config)
@@ -106,6 +146,14 @@ def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]
     trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
     hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
     tokens = recipe.data.expected_tokens
+    memory = {
+        "draft_weights_fp32": 4 * trainable,
+        "gradients_fp32": 4 * trainable,
+        "adamw_state_fp32": 8 * trainable,
+        "frozen_embedding_bf16": 2 * counts["frozen_embedding"],
+        "target_lm_head_draft_rows_bf16": 2 * cfg.draft_vocab_size * cfg.hidden_size,
+        "ttt_logits_activations_per_microbatch": logits_bytes,
+    }
     return {
         "target": recipe.target.name_or_path,
         "method": recipe.draft.method,
@@ -119,14 +167,9 @@ def dry_run(recipe: Recipe, target_config: Path | None = None) -> dict[str, Any]
         "rope": {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling},
         "draft_parameters": counts,
         "draft_trainable_parameters": trainable,
-        "memory_bytes": {
-            "draft_weights_fp32": 4 * trainable,
-            "gradients_fp32": 4 * trainable,
-            "adamw_state_fp32": 8 * trainable,
-            "frozen_embedding_bf16": 2 * counts["frozen_embedding"],
-            "target_lm_head_draft_rows_bf16": 2 * cfg.draft_vocab_size * cfg.hidden_size,
-            "ttt_logits_activations_per_microbatch": logits_bytes,
-        },
+        "memory_bytes": memory,
+        "launcher": None if launch is None else dict(vars(launch), path=str(launch.path)),
+        "memory_bytes_per_gpu": None if launch is None else per_gpu_memory(memory, counts, recipe.draft.method, launch),
         "hidden_state_bytes_per_token": hs_bytes,
         "expected_tokens": tokens,
         "offline_disk_bytes": hs_bytes * tokens if tokens else None,
@@ -162,5 +205,31 @@ def format_report(r: dict[str, Any]) -> str:
         + ("" if r["expected_tokens"] else " (set data.expected_tokens)"),
         f"rope             {json.dumps(r['rope'])}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _launcher_lines(r))
+
+
+def _launcher_lines(r: dict[str, Any]) -> list[str]:
+    launch, gpu = r["launcher"], r["memory_bytes_per_gpu"]
+    if launch is None:
+        return ["launcher         none (set launcher: recipes/accelerate/<name>.yaml to validate it)"]
+    kind = launch["distributed_type"]
+    if launch["zero_stage"] is not None:
+        kind += f" ZeRO-{launch['zero_stage']}"
+    if launch["wrap_classes"] is not None:
+        units = ", ".join(launch["wrap_classes"] + ["root"])
+        kind += f" (FSDP2 units: {units}; from {launch['wrap_source']})"
+    procs = launch["num_processes"] or "all GPUs"
+    world = launch["num_processes"] or 1
+    sharded = f"1/{world} of {', '.join(launch['sharded'])}" if launch["sharded"] else "nothing sharded"
+    gathered = (f" + FSDP root unit gathered {_human(gpu['fsdp_gathered_root'])}"
+                if "fsdp_gathered_root" in gpu else "")
+    return [
+        f"launcher         {launch['path']}: {kind}; {procs} processes on {launch['num_machines']} machine(s); "
+        f"mixed precision {launch['mixed_precision']}; "
+        f"clip grad norm {launch['gradient_clipping']} (train.max_grad_norm)",
+        f"per-GPU memory   {_human(gpu['total'])}: weights {_human(gpu['draft_weights_fp32'])} + grads "
+        f"{_human(gpu['gradients_fp32'])} + AdamW {_human(gpu['adamw_state_fp32'])} ({sharded}) + frozen embedding "
+        f"and target lm_head rows {_human(gpu['frozen_embedding_bf16'] + gpu['target_lm_head_draft_rows_bf16'])} "
+        f"(whole on every rank){gathered}; plus activations",
+    ]
 

@@ -147,24 +147,106 @@ class HeadMethod(TargetDataMethod):
              "head_decay": self.recipe.train.head_decay}, indent=1))
 
 
+class DataNotPreparedError(RuntimeError):
+    """``--no-prepare`` and the run's data stages have not all run."""
+
+
+def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg: str, allow: bool = True,
+                    poll_s: float = 5.0) -> list[str]:
+    """Run the data stages whose outputs are missing from ``RUN_DIR/data``, rank-safe.
+
+    The main process runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` (it first removes
+    the outputs of the stages it reruns, so no rank reads a stale file) while the other ranks wait
+    for those files; then every rank captures its share of the hidden-state shards (``RANK`` /
+    ``WORLD_SIZE``, :func:`draftsmith.data_prep.hidden_states.generate_hidden_states`) on its own
+    device, and all wait until the shard manifest is complete. Waiting polls the file system rather
+    than a collective: regeneration can outlast any process-group timeout (if the main process
+    fails, the launcher stops the others). The run directory must be on a file system every node
+    sees.
+
+    Returns:
+        The stages that were missing (``[]`` when the data was ready).
+
+    Raises:
+        DataNotPreparedError: ``allow`` is False and a stage is missing; the message is one line
+            naming the prepare command.
+    """
+    import logging
+    import time
+
+    from draftsmith.data_prep.prepare import missing_stages, prepare, stage_outputs, DataPaths as Paths
+
+    todo = missing_stages(recipe, run_dir)
+    if not todo:
+        return []
+    if not allow:
+        raise DataNotPreparedError(
+            f"{run_dir / 'data'} is not prepared (stages missing: {', '.join(todo)}); run: python -m "
+            f"draftsmith.data_prep.prepare {recipe_arg} --run-dir {run_dir}   (or drop --no-prepare)")
+    log = logging.getLogger("draftsmith.train")
+    device = str(accelerator.device)
+    early = [s for s in todo if s != "hidden-states"]
+    outputs = stage_outputs(recipe, Paths(run_dir / "data"))
+
+    def wait_for(stages: list[str], what: str) -> None:
+        files = [f for s in stages for f in outputs[s]]
+        waited = 0.0
+        while not all(f.is_file() for f in files):
+            if waited % 60 < poll_s:
+                log.info("rank %d: waiting for %s (%.0f s)", accelerator.process_index, what, waited)
+            time.sleep(poll_s)
+            waited += poll_s
+
+    if early:
+        if accelerator.is_main_process:
+            log.info("data stages missing in %s: %s; preparing them now", run_dir / "data", ", ".join(todo))
+            for stage in early:
+                for f in outputs[stage]:
+                    f.unlink(missing_ok=True)
+            prepare(recipe, run_dir, early, device=device)
+        else:
+            wait_for(early, "the main process to prepare " + ", ".join(early))
+    if "hidden-states" in todo:
+        prepare(recipe, run_dir, ["hidden-states"], device=device)  # this rank's shards
+        wait_for(["hidden-states"], "the other ranks' hidden-state shards")
+    return todo
+
+
 def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
     """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
-    ``--dry-run`` (size report) or :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
+    ``--dry-run`` (size and launcher report) or prepare what data is missing and
+    :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
 
-    Returns the exit code: 0, 1 (dry run failed), 2 (recipe invalid or for another method).
+    The run directory defaults to ``runs/<recipe name>``, so ``accelerate launch
+    train/eagle3.py RECIPE.yaml`` alone prepares and trains.
+
+    Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
+    data); 2 (recipe invalid or for another method, run directory in use).
     """
     import argparse
     import sys
 
+    from draftsmith.data_prep.conversations import DataError
+    from draftsmith.data_prep.hidden_states import ShardError
     from draftsmith.recipe import RecipeError, add_recipe_arguments, recipe_from_args, require_method
+    from draftsmith.train.checkpoint import CheckpointError, claim_run_dir
+    from draftsmith.train.distributed import build_accelerator
+    from draftsmith.train.launchers import LauncherError
     from draftsmith.train.trainer import fit
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_arguments(p)
-    p.add_argument("--run-dir", type=Path, help="run directory (required unless --dry-run)")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
-    p.add_argument("--dry-run", action="store_true", help="validate the recipe and print size estimates; no weights")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a RUN_DIR that holds an earlier run's checkpoints/metrics (data/ is kept)")
+    p.add_argument("--no-prepare", action="store_true",
+                   help="fail instead of running the data stages whose outputs are missing from RUN_DIR/data")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the recipe (and its launcher) and print size estimates; no weights")
     p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
+    p.add_argument("--launcher", type=Path,
+                   help="with --dry-run: accelerate launcher YAML to validate (default: the recipe's `launcher`)")
     args = p.parse_args(argv)
     recipe = recipe_from_args(args)
     try:
@@ -176,16 +258,28 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         from draftsmith.train.dry_run import dry_run, format_report
 
         try:
-            print(format_report(dry_run(recipe, args.target_config)))
+            print(format_report(dry_run(recipe, args.target_config, args.launcher)))
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
-    if args.run_dir is None:
-        p.error("--run-dir is required")
-    result = fit(recipe, method_cls(recipe, args.run_dir), args.run_dir, resume=args.resume,
-                 argv=sys.argv if argv is None else argv)
-    print(json.dumps({"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 1),
-                      "tokens_per_s": round(result.tokens_per_s, 1), "checkpoint": str(result.checkpoint),
-                      "metrics": result.last_metrics}, indent=1))
+    run_dir = args.run_dir or Path("runs") / recipe.name
+    try:
+        accelerator = build_accelerator(recipe, run_dir)
+        if accelerator.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            claim_run_dir(run_dir, args.resume, args.overwrite)
+        ensure_prepared(recipe, run_dir, accelerator, args.recipe, allow=not args.no_prepare)
+        result = fit(recipe, method_cls(recipe, run_dir), run_dir, resume=args.resume,
+                     argv=sys.argv if argv is None else argv, accelerator=accelerator)
+    except (CheckpointError, LauncherError) as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return 2
+    except (DataNotPreparedError, DataError, ShardError, FileNotFoundError) as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return 1
+    if accelerator.is_main_process:
+        print(json.dumps({"run_dir": str(run_dir), "steps": result.steps, "tokens": result.tokens,
+                          "seconds": round(result.seconds, 1), "tokens_per_s": round(result.tokens_per_s, 1),
+                          "checkpoint": str(result.checkpoint), "metrics": result.last_metrics}, indent=1))
     return 0

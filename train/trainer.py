@@ -5,9 +5,10 @@ the launcher config): nothing here branches on the distributed backend.
 
 A :class:`DraftMethod` supplies the model and the per-batch loss; the loop supplies data
 order, AdamW + warmup/cosine, gradient accumulation and clipping, logging (tqdm, JSONL,
-wandb), and checkpoints holding model, optimizer, scheduler, RNG states, data position and
-step (accelerate ``save_state`` + ``train_state.json``), with the resolved recipe, command line
-(secrets redacted), git revision and package versions beside them.
+wandb / tensorboard), and checkpoints (:mod:`draftsmith.train.checkpoint`: a consolidated
+``model.safetensors`` under every launcher beside the launcher's own resume state, with
+``train_state.json``, the resolved recipe, command line (secrets redacted), git revision and
+package versions). The Accelerator comes from :mod:`draftsmith.train.distributed`.
 
 Resume is exact: a run killed at any point (even SIGKILL) and resumed with ``resume=True``
 reaches the same parameters and ``metrics.jsonl`` as an uninterrupted run. The data position
@@ -25,7 +26,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +39,15 @@ from torch.utils.data import DataLoader
 
 from draftsmith.data_prep.hidden_states import collate
 from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.train.checkpoint import (
+    CheckpointManager,
+    TrainState,
+    claim_run_dir,
+    find_checkpoints,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    truncate_metrics,
+)
 from draftsmith.train.packing import PackedDataset, collate_packed
 
 log = logging.getLogger("draftsmith.train")
@@ -95,28 +104,6 @@ class _StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-
-
-@dataclass
-class TrainState:
-    """Position of the run; saved with every checkpoint (accelerate custom object)."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
-    tokens: int = 0
-    nonfinite_skipped: int = 0
-    nonfinite_in_a_row: int = 0
-    finished: bool = False  # the run reached its last step
-    train_seconds: float = 0.0  # wall time of the training loop, summed over resumes (s)
-    # per-micro-batch metrics since the last logged step: a resumed run logs the same means
-    window: dict[str, list[float]] = field(default_factory=dict)
-
-    def state_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.__dict__))  # a deep copy, JSON-safe by construction
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 class LengthGroupedBatches(torch.utils.data.Sampler):
@@ -195,24 +182,6 @@ def redact_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[
     return out
 
 
-def cpu_mixed_precision() -> str | None:
-    """``"no"`` when training runs on CPU, else None (the launcher config decides).
-
-    Mixed precision comes from the accelerate launcher config (``mixed_precision: bf16`` ->
-    ``ACCELERATE_MIXED_PRECISION``): bf16 autocast on GPU. On CPU bf16 autocast is slower
-    than fp32 (SPEC.md section 7), so a CPU run (``use_cpu``/``ACCELERATE_USE_CPU`` or no
-    accelerator) stays fp32 whatever the config says.
-    """
-    from accelerate.utils import parse_flag_from_env
-
-    if not (parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()):
-        return None
-    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if asked != "no":
-        log.info("training on CPU: fp32 (the launcher config asked for mixed_precision=%s)", asked)
-    return "no"
-
-
 def run_metadata(argv: list[str]) -> dict[str, Any]:
     """Command line (credentials redacted, see :func:`redact_argv`), git revision and package
     versions, saved beside checkpoints. No environment variables are recorded."""
@@ -232,99 +201,6 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
     return {"argv": redact_argv(argv), "git_revision": rev, "python": platform.python_version(), "versions": versions}
 
 
-def find_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints ``step-N`` (with ``train_state.json``) in step order; a half-written
-    ``.tmp-step-N`` left by a crash during a save is never listed."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-             and (p / "train_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
-def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Delete ``.tmp-step-N`` directories left by a crash mid-save; returns what was removed."""
-    if not ckpt_dir.is_dir():
-        return []
-    partial = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{CHECKPOINT_PREFIX}")]
-    for p in partial:
-        log.warning("removing %s: a checkpoint save that did not finish", p)
-        shutil.rmtree(p, ignore_errors=True)
-    return partial
-
-
-def check_checkpoint_shapes(ckpt: Path, model: torch.nn.Module) -> None:
-    """Refuse a checkpoint whose tensors do not fit ``model`` before anything is loaded.
-
-    Raises:
-        ValueError: naming the file, the tensor and both shapes (a checkpoint trained for
-            another target: hidden size or vocab differ).
-    """
-    from safetensors import safe_open
-
-    path = ckpt / "model.safetensors"
-    if not path.is_file():
-        return
-    want = {k.removeprefix("module."): tuple(v.shape) for k, v in model.state_dict().items()}
-    with safe_open(str(path), framework="pt") as fh:
-        for key in fh.keys():
-            name, shape = key.removeprefix("module."), tuple(fh.get_slice(key).get_shape())
-            if name in want and want[name] != shape:
-                raise ValueError(
-                    f"{path}: {name} has shape {list(shape)} but this run's model has {list(want[name])}: the "
-                    f"checkpoint was trained for another target or draft config (hidden size / vocab differ; "
-                    f"see {ckpt / 'draft_config.json'})"
-                )
-
-
-def load_checkpoint(accelerator: Any, ckpt: Path, state: TrainState, model: torch.nn.Module | None = None) -> None:
-    """Restore model, optimizer, scheduler and RNG states (accelerate ``load_state``; tensors
-    through safetensors, the rest through ``torch.load(weights_only=True)``) and the run
-    position from ``train_state.json``. With ``model`` (not sharded), its shapes are checked
-    against the checkpoint first (:func:`check_checkpoint_shapes`).
-
-    Checkpoints written before the position moved to JSON also hold ``custom_checkpoint_0.pkl``,
-    which accelerate would unpickle with ``weights_only=False``: those are loaded through a
-    directory of links that leaves the pickle out.
-    """
-    import tempfile
-
-    if model is not None:
-        check_checkpoint_shapes(ckpt, model)
-    state.load_state_dict(json.loads((ckpt / "train_state.json").read_text()))
-    legacy = [p for p in ckpt.iterdir() if re.fullmatch(r"custom_checkpoint_\d+\.pkl", p.name)]
-    if not legacy:
-        accelerator.load_state(str(ckpt))
-        return
-    with tempfile.TemporaryDirectory(prefix="draftsmith-ckpt-") as tmp:
-        for p in ckpt.iterdir():
-            if p not in legacy:
-                (Path(tmp) / p.name).symlink_to(p.resolve())
-        accelerator.load_state(tmp)
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """Keep the ``metrics.jsonl`` lines of steps ``<= step`` (those a killed run wrote after its
-    last checkpoint are logged again on resume); atomic rewrite. Returns the lines dropped."""
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            keep = json.loads(line)["step"] <= step
-        except (json.JSONDecodeError, KeyError, TypeError):
-            keep = False  # a line torn by the kill
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-    return dropped
-
-
 @dataclass
 class FitResult:
     steps: int
@@ -335,34 +211,81 @@ class FitResult:
     checkpoint: Path | None = None
 
 
+def _scalar(x: Any) -> float:
+    """A Python float from a loss / grad-norm tensor (FSDP2 returns a replicated DTensor)."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x)
+
+
+def init_trackers(accelerator: Any, recipe: Recipe, run_dir: Path) -> None:
+    """Start the trackers of ``train.report_to`` (accelerate's), logging under ``RUN_DIR/logs``."""
+    cfg = recipe.train
+    if not cfg.report_to:
+        return
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+    name = cfg.run_name or recipe.name
+    accelerator.init_trackers(cfg.tracker_project, config=flat_config(recipe.model_dump(mode="json")),
+                              init_kwargs={"wandb": {"name": name, "dir": str(logs)}})
+
+
+def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train.lr": 1e-3, ...}``: nested recipe keys joined by dots, lists and None as strings
+    (tensorboard's hparams take scalars only)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+    return out
+
+
 def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
-        progress: bool = True) -> FitResult:
-    """Train ``method``'s model on ``RUN_DIR/data/hidden_states``; checkpoints go to
-    ``RUN_DIR/checkpoints/step-N``.
+        progress: bool = True, overwrite: bool = False, accelerator: Any = None) -> FitResult:
+    """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``.
+
+    Args:
+        resume: continue from the last checkpoint (exactly: same parameters and metrics as an
+            uninterrupted run).
+        overwrite: start over in a run directory that holds an earlier run's training output
+            (removed; ``data/`` is kept).
+        accelerator: built by :func:`draftsmith.train.distributed.build_accelerator` when None.
 
     Raises:
+        RunDirNotEmptyError: a new run into a directory with training output, without ``overwrite``.
         FileNotFoundError: ``resume`` without a checkpoint.
-        ValueError: ``resume`` from a checkpoint whose tensors do not fit this model.
+        CheckpointError: ``resume`` from a checkpoint whose tensors do not fit this model or that
+            another launcher wrote.
+        LauncherError: the launcher asked for a distributed setup that was not built.
+        NonFiniteLossError: ``train.max_nonfinite_steps`` optimizer steps in a row were not finite.
     """
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+    from draftsmith.train.distributed import build_accelerator
+
     cfg = recipe.train
-    log_with = None
-    if cfg.wandb.enabled:
-        os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
-        log_with = "wandb"
-    # The schedule counts optimizer steps; accelerate's default would step it once per process.
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps, log_with=log_with,
-                              step_scheduler_with_optimizer=False, mixed_precision=cpu_mixed_precision())
-    set_seed(recipe.seed)
+    run_dir = Path(run_dir)
+    if accelerator is None:
+        accelerator = build_accelerator(recipe, run_dir)
     ckpt_dir = run_dir / "checkpoints"
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir, resume, overwrite)
+        remove_partial_checkpoints(ckpt_dir)
+    accelerator.wait_for_everyone()
+    set_seed(recipe.seed)
 
     dataset, collate_fn = method.dataset(), collate
     if cfg.packing:  # rows of several sequences; the sampler then batches rows
         dataset, collate_fn = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed), collate_packed
+    # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
+    # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
+    # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).
     sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed,
                                    accelerator.num_processes, accelerator.process_index)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=cfg.num_workers)
@@ -380,25 +303,19 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     method.setup(accelerator)
     state = TrainState()
     last_ckpt = None
-    if accelerator.is_main_process:
-        remove_partial_checkpoints(ckpt_dir)
-    accelerator.wait_for_everyone()
 
     if resume:
         ckpts = find_checkpoints(ckpt_dir)
         if not ckpts:
             raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
         last_ckpt = ckpts[-1]
-        sharded = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")  # state_dict() would gather
-        load_checkpoint(accelerator, last_ckpt, state, None if sharded else accelerator.unwrap_model(model))
+        load_checkpoint(accelerator, last_ckpt, state, accelerator.unwrap_model(model))
         log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, state.step, state.epoch, state.batch_in_epoch)
     meta_json = json.dumps(run_metadata(argv or sys.argv), indent=1)
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, run_dir / "recipe.yaml")
         (run_dir / "run_meta.json").write_text(meta_json)
-    if log_with:
-        accelerator.init_trackers(cfg.wandb.project, config=recipe.model_dump(mode="json"))
+    init_trackers(accelerator, recipe, run_dir)
 
     metrics_path = run_dir / "metrics.jsonl"
     if accelerator.is_main_process:
@@ -411,26 +328,16 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     t0, tokens_at_start, seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
     last: dict[str, float] = {}
 
+    def extras(directory: Path) -> None:  # main process, inside the temp checkpoint directory
+        dump_recipe(recipe, directory / "recipe.yaml")
+        (directory / "run_meta.json").write_text(meta_json)
+        method.checkpoint_extras(directory)
+
+    checkpoints = CheckpointManager(accelerator, ckpt_dir, cfg.keep_checkpoints, extras)
+
     def save_checkpoint() -> Path:
-        final = ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
-        tmp = ckpt_dir / f".tmp-{CHECKPOINT_PREFIX}{state.step}"
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
-        accelerator.save_state(str(tmp))
-        if accelerator.is_main_process:
-            dump_recipe(recipe, tmp / "recipe.yaml")
-            (tmp / "run_meta.json").write_text(meta_json)
-            state.train_seconds = seconds_at_start + time.perf_counter() - t0
-            (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
-            method.checkpoint_extras(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
-            for old in find_checkpoints(ckpt_dir)[: -cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        return final
+        state.train_seconds = seconds_at_start + time.perf_counter() - t0
+        return checkpoints.save(model, state)
 
     stop = _StopRequest()
     model.train()
@@ -448,10 +355,11 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                     loss, metrics = method.compute_loss(model, batch)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
-                        # DeepSpeed clips inside its engine (gradient_clipping) and returns no norm
+                        # DeepSpeed clips inside its engine (gradient_clipping = train.max_grad_norm)
                         norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                        norm = None if norm is None else _scalar(norm)
                         # after the all-reduce a NaN/inf on any rank is on every rank: one decision
-                        bad = not math.isfinite(float(loss.detach())) or (norm is not None and not math.isfinite(float(norm)))
+                        bad = not math.isfinite(_scalar(loss.detach())) or (norm is not None and not math.isfinite(norm))
                         if bad:
                             state.nonfinite_skipped += 1
                             state.nonfinite_in_a_row += 1
@@ -466,7 +374,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                         else:
                             state.nonfinite_in_a_row = 0
                             if norm is not None:
-                                metrics["grad_norm"] = float(norm)
+                                metrics["grad_norm"] = norm
                             optimizer.step()
                             scheduler.step()
                     optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,118 @@
+"""The headline command as a new user runs it: ``train/eagle3.py RECIPE.yaml`` with no other flag
+prepares what data is missing into ``runs/<recipe name>`` and trains; a rerun refuses to mix
+into an earlier run; trackers log into the run directory; retention keeps the new checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.recipe import dump_recipe
+from draftsmith.train.checkpoint import CheckpointManager, find_checkpoints
+
+from conftest import write_jsonl
+from test_pipeline import PROMPTS, tiny_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_recipe(tiny_target: Path, where: Path, name: str = "tiny", **train) -> Path:
+    prompts = write_jsonl(where / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    recipe = tiny_recipe(tiny_target, prompts, max_steps=2, **train)
+    recipe.name = name
+    path = where / f"{name}.yaml"
+    dump_recipe(recipe, path)
+    return path
+
+
+def train(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train" / "eagle3.py"), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_recipe_alone_prepares_into_runs_recipe_name_then_trains(tiny_target, tmp_path):
+    recipe = write_recipe(tiny_target, tmp_path)
+    done = train(tmp_path, recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    for f in ("target.json", "tokenized.jsonl", "vocab.safetensors", "hidden_states/manifest.json"):
+        assert (run / "data" / f).is_file(), f
+    assert json.loads(done.stdout[done.stdout.index("{"):])["run_dir"] == "runs/tiny"
+    assert [c.name for c in find_checkpoints(run / "checkpoints")] == ["step-2"]
+
+    # a second run into the same directory would mix two runs: refused, nothing touched
+    before = (run / "metrics.jsonl").read_text()
+    again = train(tmp_path, recipe)
+    assert again.returncode == 2
+    assert "already holds a training run" in again.stderr and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+
+    # --overwrite starts over and keeps the prepared data
+    manifest = (run / "data" / "hidden_states" / "manifest.json").stat().st_mtime_ns
+    over = train(tmp_path, recipe, "--overwrite", "--set", "train.max_steps=1")
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert [c.name for c in find_checkpoints(run / "checkpoints")] == ["step-1"]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (run / "data" / "hidden_states" / "manifest.json").stat().st_mtime_ns == manifest
+
+
+def test_no_prepare_names_the_prepare_command_in_one_line(tiny_target, tmp_path):
+    recipe = write_recipe(tiny_target, tmp_path)
+    done = train(tmp_path, recipe, "--no-prepare")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert f"python -m draftsmith.data_prep.prepare {recipe} --run-dir runs/tiny" in line
+    assert "stages missing: target, regenerate, tokenize, vocab, hidden-states" in line
+    assert not (tmp_path / "runs" / "tiny" / "data" / "target.json").exists()
+
+
+def test_wandb_offline_and_tensorboard_write_their_runs_into_the_run_dir(tiny_target, tmp_path):
+    pytest.importorskip("wandb")  # in the test install (pyproject extras); the error path is tested below
+    pytest.importorskip("tensorboard")
+    recipe = write_recipe(tiny_target, tmp_path, report_to="[wandb, tensorboard]", run_name="probe")
+    done = train(tmp_path, recipe, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = tmp_path / "runs" / "tiny" / "logs"
+    runs = list((logs / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list(logs.rglob("*"))
+    assert list(runs[0].glob("run-*.wandb")), list(runs[0].iterdir())
+    assert list((logs / "draftsmith").glob("events.out.tfevents.*")), list(logs.rglob("*"))
+
+
+def test_a_tracker_that_is_not_installed_is_an_error(monkeypatch):
+    import importlib.util
+
+    from draftsmith.train.distributed import check_trackers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match=r"train.report_to names 'wandb'.*not installed.*draftsmith\[wandb\]"):
+        check_trackers(["wandb"])
+    check_trackers(["tensorboard"])  # installed: no error
+
+
+class _OneProcess:
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    for step in (3, 100, 200):  # an earlier run's checkpoints carry higher step numbers
+        (ckpt_dir / f"step-{step}").mkdir(parents=True)
+        (ckpt_dir / f"step-{step}" / "train_state.json").write_text("{}")
+    manager = CheckpointManager(_OneProcess(), ckpt_dir, keep=2, extras=lambda d: None)
+    removed = manager.apply_retention(ckpt_dir / "step-3")
+    assert [p.name for p in removed] == ["step-100"]
+    assert [p.name for p in find_checkpoints(ckpt_dir)] == ["step-3", "step-200"]
+    manager = CheckpointManager(_OneProcess(), ckpt_dir, keep=1, extras=lambda d: None)
+    manager.apply_retention(ckpt_dir / "step-3")
+    assert [p.name for p in find_checkpoints(ckpt_dir)] == ["step-3"]

@@ -1,0 +1,312 @@
+"""Checkpoints: save, resume, retention and lookup, under every accelerate launcher.
+
+A checkpoint is the directory ``RUN_DIR/checkpoints/step-N``:
+
+- ``model.safetensors``: the consolidated draft (every tensor of the unwrapped draft module,
+  full shapes), written by the main process under every launcher: by accelerate's
+  ``save_state`` for one process / DDP, gathered with ``Accelerator.save_model`` (accelerate's
+  ``get_state_dict``) under FSDP and DeepSpeed. Export and the evaluators read only this file.
+- what the launcher needs to resume, as accelerate's ``save_state`` writes it: ``optimizer.bin``
+  / ``scheduler.bin`` (one process, DDP), ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (FSDP,
+  torch.distributed.checkpoint), ``pytorch_model/`` (DeepSpeed ZeRO: its own torch pickles,
+  loaded only by DeepSpeed on resume), ``random_states_R.pkl`` per rank.
+- ``train_state.json``: the run position (:class:`TrainState`, JSON, no pickle) with the
+  launcher it was written under (distributed type, number of processes).
+- ``draft_config.json`` / ``vocab.safetensors`` (the method's extras), ``recipe.yaml``,
+  ``run_meta.json`` (command line, git revision, package versions).
+
+Saves are atomic: everything goes to ``.tmp-step-N`` and is renamed once complete, so a crash
+mid-save leaves the previous checkpoint whole and the partial one is removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("draftsmith.train")
+
+CHECKPOINT_PREFIX = "step-"
+WEIGHTS_NAME = "model.safetensors"
+# accelerate's distributed types grouped by the resume state save_state writes
+_LAYOUTS = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or run directory that cannot be used as asked; the message names the file
+    or key and what to do."""
+
+
+class RunDirNotEmptyError(CheckpointError):
+    """A new run (no ``--resume``) into a run directory that already holds training output."""
+
+
+@dataclass
+class TrainState:
+    """Position of the run; saved with every checkpoint as ``train_state.json``."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed
+    tokens: int = 0
+    nonfinite_skipped: int = 0
+    nonfinite_in_a_row: int = 0
+    finished: bool = False  # the run reached its last step
+    train_seconds: float = 0.0  # wall time of the training loop, summed over resumes (s)
+    distributed_type: str = "NO"  # accelerate DistributedType the checkpoint was written under
+    num_processes: int = 1
+    # per-micro-batch metrics since the last logged step: a resumed run logs the same means
+    window: dict[str, list[float]] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.__dict__))  # a deep copy, JSON-safe by construction
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def find_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints ``step-N`` (with ``train_state.json``) in step order; a half-written
+    ``.tmp-step-N`` left by a crash during a save is never listed."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)
+             and (p / "train_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def latest_checkpoint(path: Path) -> Path:
+    """The checkpoint ``path`` names: a checkpoint directory itself, or the last one of a run
+    directory (``RUN/checkpoints/step-N`` with the highest N).
+
+    Raises:
+        FileNotFoundError: ``path`` is neither.
+    """
+    if (path / "train_state.json").is_file() or (path / WEIGHTS_NAME).is_file():
+        return path
+    ckpts = find_checkpoints(path / "checkpoints")
+    if not ckpts:
+        raise FileNotFoundError(f"{path}: neither a checkpoint directory nor a run directory with checkpoints")
+    return ckpts[-1]
+
+
+def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Delete ``.tmp-step-N`` directories left by a crash mid-save; returns what was removed."""
+    if not ckpt_dir.is_dir():
+        return []
+    partial = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{CHECKPOINT_PREFIX}")]
+    for p in partial:
+        log.warning("removing %s: a checkpoint save that did not finish", p)
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
+def training_outputs(run_dir: Path) -> list[Path]:
+    """What a training run writes into ``run_dir`` (``data/`` is the data stage's, not listed)."""
+    names = ("checkpoints", "metrics.jsonl", "train_state.json", "logs")
+    return [run_dir / n for n in names if (run_dir / n).exists()
+            and not ((run_dir / n).is_dir() and not any((run_dir / n).iterdir()))]
+
+
+def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Check that a run may write into ``run_dir``; with ``overwrite`` remove earlier training
+    output (checkpoints, metrics, tracker logs; ``data/`` is kept). Main process only.
+
+    Raises:
+        RunDirNotEmptyError: a new run (neither ``resume`` nor ``overwrite``) into a directory
+            that already holds training output: continuing would mix two runs' metrics and
+            checkpoints.
+        CheckpointError: ``resume`` and ``overwrite`` together.
+    """
+    if resume and overwrite:
+        raise CheckpointError("--resume and --overwrite contradict each other: choose one")
+    found = training_outputs(run_dir)
+    if not found or resume:
+        return
+    if not overwrite:
+        raise RunDirNotEmptyError(
+            f"{run_dir} already holds a training run ({', '.join(p.name for p in found)}): pass --resume to "
+            f"continue it, --overwrite to start over (data/ is kept), or choose another --run-dir"
+        )
+    for p in found:
+        log.warning("--overwrite: removing %s", p)
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def check_checkpoint_shapes(ckpt: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose tensors do not fit ``model`` before anything is loaded.
+
+    ``model`` may be wrapped (DDP ``module.`` prefix) or sharded by FSDP2 (DTensor parameters
+    report their global shape).
+
+    Raises:
+        CheckpointError: naming the file, the tensor and both shapes (a checkpoint trained for
+            another target: hidden size or vocab differ).
+    """
+    from safetensors import safe_open
+
+    path = ckpt / WEIGHTS_NAME
+    if not path.is_file():
+        return
+    want = {k.removeprefix("module."): tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(path), framework="pt") as fh:
+        for key in fh.keys():
+            name, shape = key.removeprefix("module."), tuple(fh.get_slice(key).get_shape())
+            if name in want and want[name] != shape:
+                raise CheckpointError(
+                    f"{path}: {name} has shape {list(shape)} but this run's model has {list(want[name])}: the "
+                    f"checkpoint was trained for another target or draft config (hidden size / vocab differ; "
+                    f"see {ckpt / 'draft_config.json'})"
+                )
+
+
+def check_launcher_layout(ckpt: Path, saved: dict[str, Any], distributed_type: str, num_processes: int) -> None:
+    """Refuse to resume a checkpoint whose resume state another launcher wrote.
+
+    FSDP (torch.distributed.checkpoint shards), DeepSpeed (ZeRO partitions) and plain / DDP
+    (``optimizer.bin``) keep optimizer state in different layouts that only their own loader
+    reads; DeepSpeed ZeRO partitions also fix the number of processes.
+
+    Raises:
+        CheckpointError: naming ``train_state.json``'s ``distributed_type`` / ``num_processes``.
+    """
+    was = saved.get("distributed_type", "NO")
+    layout_was, layout_now = _LAYOUTS.get(was, "plain"), _LAYOUTS.get(distributed_type, "plain")
+    if layout_was != layout_now:
+        raise CheckpointError(
+            f"{ckpt / 'train_state.json'}: distributed_type={was} (a {layout_was} checkpoint) but this run uses "
+            f"{distributed_type} ({layout_now}); resume with the launcher that wrote it, or export its "
+            f"{WEIGHTS_NAME} and start a new run"
+        )
+    n_was = int(saved.get("num_processes", 1))
+    if layout_now == "deepspeed" and n_was != num_processes:
+        raise CheckpointError(
+            f"{ckpt / 'train_state.json'}: num_processes={n_was} but this run has {num_processes}: DeepSpeed ZeRO "
+            f"optimizer partitions are per rank; resume with {n_was} processes"
+        )
+    if n_was != num_processes:
+        log.warning("%s: written by %d processes, resumed with %d: the data order differs from an uninterrupted run",
+                    ckpt, n_was, num_processes)
+
+
+def load_checkpoint(accelerator: Any, ckpt: Path, state: TrainState, model: torch.nn.Module | None = None) -> None:
+    """Restore model, optimizer, scheduler and RNG states (accelerate ``load_state``) and the
+    run position from ``train_state.json``. With ``model``, its shapes are checked against the
+    checkpoint first (:func:`check_checkpoint_shapes`), and the launcher against the one that
+    wrote it (:func:`check_launcher_layout`).
+
+    Checkpoints written before the position moved to JSON also hold ``custom_checkpoint_0.pkl``,
+    which accelerate would unpickle with ``weights_only=False``: those are loaded through a
+    directory of links that leaves the pickle out.
+
+    Raises:
+        CheckpointError: shapes or launcher do not match.
+    """
+    saved = json.loads((ckpt / "train_state.json").read_text())
+    check_launcher_layout(ckpt, saved, accelerator.distributed_type.value, accelerator.num_processes)
+    if model is not None:
+        check_checkpoint_shapes(ckpt, model)
+    state.load_state_dict(saved)
+    legacy = [p for p in ckpt.iterdir() if re.fullmatch(r"custom_checkpoint_\d+\.pkl", p.name)]
+    if not legacy:
+        accelerator.load_state(str(ckpt))
+        return
+    with tempfile.TemporaryDirectory(prefix="draftsmith-ckpt-") as tmp:
+        for p in ckpt.iterdir():
+            if p not in legacy:
+                (Path(tmp) / p.name).symlink_to(p.resolve())
+        accelerator.load_state(tmp)
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the ``metrics.jsonl`` lines of steps ``<= step`` (those a killed run wrote after its
+    last checkpoint are logged again on resume); atomic rewrite. Returns the lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            keep = False  # a line torn by the kill
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def consolidated_state_is_saved_by_accelerate(distributed_type: str) -> bool:
+    """True when accelerate's ``save_state`` already writes the full ``model.safetensors``
+    (one process, DDP); FSDP and DeepSpeed write sharded state instead."""
+    return distributed_type not in _LAYOUTS
+
+
+class CheckpointManager:
+    """Saves ``step-N`` checkpoints of one run and keeps the newest ``keep`` of them.
+
+    Args:
+        accelerator: the run's ``accelerate.Accelerator`` (after ``prepare``).
+        ckpt_dir: ``RUN_DIR/checkpoints``.
+        keep: checkpoints kept; the one just written is never deleted.
+        extras: called by the main process with the temp directory, to write what export needs
+            (the method's ``checkpoint_extras``, the recipe, run metadata).
+    """
+
+    def __init__(self, accelerator: Any, ckpt_dir: Path, keep: int, extras: Callable[[Path], None]):
+        self.accelerator, self.ckpt_dir, self.keep, self.extras = accelerator, ckpt_dir, keep, extras
+
+    def save(self, model: torch.nn.Module, state: TrainState) -> Path:
+        """Write ``step-{state.step}`` atomically; collective (every process must call it).
+
+        Returns:
+            The checkpoint directory.
+        """
+        acc = self.accelerator
+        final = self.ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+        tmp = self.ckpt_dir / f".tmp-{CHECKPOINT_PREFIX}{state.step}"
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        dtype = acc.distributed_type.value
+        if not consolidated_state_is_saved_by_accelerate(dtype):
+            # gathers the full draft on the main process (FSDP: full_state_dict; ZeRO-2: module state)
+            acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
+        if acc.is_main_process:
+            if not (tmp / WEIGHTS_NAME).is_file():
+                raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written under distributed_type={dtype}")
+            state.distributed_type, state.num_processes = dtype, acc.num_processes
+            (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
+            self.extras(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
+            self.apply_retention(final)
+        acc.wait_for_everyone()
+        return final
+
+    def apply_retention(self, just_written: Path) -> list[Path]:
+        """Delete all but the newest ``keep`` checkpoints, never ``just_written`` (even when older
+        checkpoints carry higher step numbers). Returns what was removed."""
+        others = [c for c in find_checkpoints(self.ckpt_dir) if c != just_written]
+        drop = others[: max(0, len(others) - (self.keep - 1))]
+        for old in drop:
+            shutil.rmtree(old, ignore_errors=True)
+        return drop

@@ -1,0 +1,142 @@
+"""The Accelerator of a training run, built from the launcher's environment and the recipe.
+
+``accelerate launch --config_file X.yaml`` exports the launcher config as environment variables
+(``ACCELERATE_USE_DEEPSPEED``, ``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``ACCELERATE_MIXED_PRECISION``
+...); torchrun exports ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``. :func:`build_accelerator`
+turns them into one ``accelerate.Accelerator`` whose ``num_processes`` / ``process_index``
+match the real process group, on GPUs and on the CPU lab alike:
+
+- GPU: accelerate's own routing (NCCL, one device per ``LOCAL_RANK``); nothing is changed.
+- CPU, DeepSpeed (``DS_ACCELERATOR=cpu``): accelerate 1.15 starts the process group through
+  DeepSpeed but, finding no GPU backend, records ``num_processes == 1`` on every rank (so every
+  rank believes it is the main process, writes the same files and sees all the data). Giving
+  accelerate the ``gloo`` backend makes it read the real world size.
+- CPU, FSDP: accelerate 1.15 selects FSDP only for GPU-like device types; on CPU it silently
+  falls back to DDP (``MULTI_CPU``) or to independent single processes. FSDP2 itself
+  (``fully_shard``) runs on CPU with gloo, so the state is set to FSDP and the same accelerate
+  FSDP2 code path as on GPUs wraps, gathers and checkpoints the draft.
+
+What the launcher asked for is then checked against what was built, and the DeepSpeed
+micro-batch, accumulation and clipping are taken from the recipe
+(:func:`draftsmith.train.launchers.check_runtime`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.recipe import Recipe
+from draftsmith.train.launchers import check_runtime
+
+log = logging.getLogger("draftsmith.train")
+
+TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def requested_distributed_type() -> str | None:
+    """``"DEEPSPEED"`` / ``"FSDP"`` when the launcher asked for one (accelerate's env), else None."""
+    if _flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DEEPSPEED"
+    if _flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return None
+
+
+def runs_on_cpu() -> bool:
+    """True when this process trains on CPU: ``ACCELERATE_USE_CPU`` or no accelerator at all."""
+    return _flag("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
+
+
+def cpu_mixed_precision() -> str | None:
+    """``"no"`` when training runs on CPU, else None (the launcher config decides).
+
+    Mixed precision comes from the accelerate launcher config (``mixed_precision: bf16`` ->
+    ``ACCELERATE_MIXED_PRECISION``): bf16 autocast on GPU. On CPU bf16 autocast is slower
+    than fp32 (SPEC.md section 7), so a CPU run stays fp32 whatever the config says.
+    """
+    if not runs_on_cpu():
+        return None
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if asked != "no":
+        log.info("training on CPU: fp32 (the launcher config asked for mixed_precision=%s)", asked)
+    return "no"
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Refuse a tracker that is not installed (accelerate would drop it without a word).
+
+    Raises:
+        ValueError: naming ``train.report_to`` and the package to install.
+    """
+    for name in report_to:
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ValueError(f"train.report_to names {name!r}, but the {TRACKER_PACKAGES[name]!r} package is not "
+                             f"installed: pip install 'draftsmith[{name}]' or remove it from train.report_to")
+
+
+def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
+    """The run's ``accelerate.Accelerator`` (see the module docstring).
+
+    Trackers (``train.report_to``) log under ``RUN_DIR/logs``; gradient accumulation and the
+    CPU fp32 rule are applied here. Call once per process, before anything else touches
+    ``accelerate.PartialState``.
+
+    Raises:
+        ValueError: a tracker in ``train.report_to`` is not installed.
+        LauncherError: the launcher asked for what was not built, or contradicts the recipe.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+
+    cfg = recipe.train
+    check_trackers(cfg.report_to)
+    asked = requested_distributed_type()
+    handlers = []
+    if asked and runs_on_cpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.grad_accum_steps,
+        log_with=list(cfg.report_to) or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
+        # the schedule counts optimizer steps; accelerate's default would step it once per process
+        step_scheduler_with_optimizer=False,
+        mixed_precision=cpu_mixed_precision(),
+        kwargs_handlers=handlers,
+    )
+    if asked == "FSDP" and runs_on_cpu() and accelerator.distributed_type != DistributedType.FSDP:
+        _route_fsdp_on_cpu(accelerator)
+    check_runtime(accelerator, recipe)
+    return accelerator
+
+
+def _route_fsdp_on_cpu(accelerator: Any) -> None:
+    """Make accelerate 1.15 run FSDP2 on CPU (gloo): set the shared state's distributed type to
+    FSDP with the plugin built from the launcher's ``FSDP_*`` environment."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ValueError(f"FSDP on CPU runs through FSDP2 only (FSDP_VERSION={plugin.fsdp_version}); set fsdp_version: 2")
+    log.info("FSDP on CPU: accelerate chose %s; routing to FSDP2 over gloo", accelerator.distributed_type.value)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if PartialState._shared_state.get("num_processes", 1) != dist.get_world_size():
+        PartialState._shared_state["num_processes"] = dist.get_world_size()
+        PartialState._shared_state["process_index"] = dist.get_rank()
+        PartialState._shared_state["local_process_index"] = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
