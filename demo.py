@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("training already finished: %s", ckpts[-1])
         train_summary = {"checkpoint": str(ckpts[-1])}
     else:
-        result = fit(recipe, Eagle3Method(recipe, run), run, resume=bool(ckpts))
+        # no checkpoint yet: whatever a killed earlier attempt logged is started over
+        result = fit(recipe, Eagle3Method(recipe, run), run, resume=bool(ckpts), overwrite=not ckpts)
         train_summary = {"steps": result.steps, "tokens": result.tokens, "seconds": result.seconds,
                          "tokens_per_s": result.tokens_per_s, "final_metrics": result.last_metrics,
                          "checkpoint": str(result.checkpoint)}

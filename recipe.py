@@ -95,10 +95,11 @@ class DataConfig(_Strict):
         "layer; ~half of bf16 on disk) and decodes to float32 when read.",
     )
     hidden_states_engine: Literal["auto", "vllm", "transformers"] = Field(
-        "transformers",
+        "auto",
         description="Capture engine for offline shards: 'vllm' runs the target in vLLM (extract_hidden_states, "
-        "vLLM >= 0.32), 'transformers' uses forward pre-hooks; 'auto' picks vLLM when its extraction path is "
-        "installed. Default transformers: on CPU vLLM's start-up outweighs it on small data.",
+        "vLLM >= 0.32), 'transformers' uses forward pre-hooks on this process's device; 'auto' picks vLLM when "
+        "CUDA and vLLM's extraction path are both present, else transformers (on CPU vLLM's start-up outweighs "
+        "it on small data).",
     )
     expected_tokens: int | None = Field(
         None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."

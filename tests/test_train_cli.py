@@ -116,3 +116,20 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
     manager = CheckpointManager(_OneProcess(), ckpt_dir, keep=1, extras=lambda d: None)
     manager.apply_retention(ckpt_dir / "step-3")
     assert [p.name for p in find_checkpoints(ckpt_dir)] == ["step-3"]
+
+
+def test_two_processes_on_a_fresh_run_dir_prepare_once_and_capture_by_rank(tiny_target, tmp_path):
+    # rank 0 regenerates / tokenises / builds the vocab while rank 1 waits; both capture shards
+    recipe = write_recipe(tiny_target, tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29810",
+           str(REPO / "train" / "eagle3.py"), str(recipe), "--set", "train.batch_size=2"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = tmp_path / "runs" / "tiny" / "data"
+    parts = sorted(p.name for p in (data / "hidden_states").glob("manifest.rank-*.json"))
+    assert parts == ["manifest.rank-00000-of-00002.json", "manifest.rank-00001-of-00002.json"]
+    shards = json.loads((data / "hidden_states" / "manifest.json").read_text())["shards"]
+    assert sorted(s["index"] for s in shards) == list(range(len(shards))) and len(shards) >= 2
+    assert len((data / "regen.jsonl").read_text().splitlines()) == len(PROMPTS)  # one writer
+    assert [c.name for c in find_checkpoints(tmp_path / "runs" / "tiny" / "checkpoints")] == ["step-2"]

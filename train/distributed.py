@@ -116,7 +116,29 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     if asked == "FSDP" and runs_on_cpu() and accelerator.distributed_type != DistributedType.FSDP:
         _route_fsdp_on_cpu(accelerator)
     check_runtime(accelerator, recipe)
+    if accelerator.is_main_process:
+        note_recipe_launcher(recipe, accelerator)
     return accelerator
+
+
+def note_recipe_launcher(recipe: Recipe, accelerator: Any) -> None:
+    """Log a warning when the recipe names a launcher (``launcher:``) that this run does not use,
+    with the command that would: ``accelerate launch`` without ``--config_file`` reads accelerate's
+    default config (one process when there is none)."""
+    from draftsmith.train.launchers import LauncherConfig, resolve_launcher_path
+
+    if not recipe.launcher:
+        return
+    try:
+        want = LauncherConfig.from_yaml(resolve_launcher_path(recipe.launcher))
+    except (OSError, ValueError):
+        return  # the dry run reports an unreadable launcher; training goes on as launched
+    got = accelerator.distributed_type.value
+    same_type = want.distributed_type == got or (want.distributed_type in ("NO", "MULTI_GPU") and got in ("NO", "MULTI_GPU", "MULTI_CPU"))
+    if not same_type or (want.num_processes and want.num_processes != accelerator.num_processes):
+        log.warning("the recipe was tuned for %s (%s, %s processes) but this run is %s with %d process(es); to use it: "
+                    "accelerate launch --config_file %s train/%s.py RECIPE", recipe.launcher, want.distributed_type,
+                    want.num_processes, got, accelerator.num_processes, recipe.launcher, recipe.draft.method)
 
 
 def _route_fsdp_on_cpu(accelerator: Any) -> None:

@@ -159,7 +159,8 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     the outputs of the stages it reruns, so no rank reads a stale file) while the other ranks wait
     for those files; then every rank captures its share of the hidden-state shards (``RANK`` /
     ``WORLD_SIZE``, :func:`draftsmith.data_prep.hidden_states.generate_hidden_states`) on its own
-    device, and all wait until the shard manifest is complete. Waiting polls the file system rather
+    device (with transformers when the job has several processes: one vLLM engine per rank would
+    contend for the same GPUs), and all wait until the shard manifest is complete. Waiting polls the file system rather
     than a collective: regeneration can outlast any process-group timeout (if the main process
     fails, the launcher stops the others). The run directory must be on a file system every node
     sees.
@@ -207,7 +208,15 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
         else:
             wait_for(early, "the main process to prepare " + ", ".join(early))
     if "hidden-states" in todo:
-        prepare(recipe, run_dir, ["hidden-states"], device=device)  # this rank's shards
+        capture = recipe
+        if accelerator.num_processes > 1 and recipe.data.hidden_states_engine != "transformers":
+            # one vLLM engine per training rank would contend for the same GPUs; inside the job each
+            # rank captures with transformers on its own device (run prepare alone for vLLM capture)
+            log.info("hidden states inside a %d-process job: transformers capture on each rank's device",
+                     accelerator.num_processes)
+            capture = recipe.model_copy(deep=True)
+            capture.data.hidden_states_engine = "transformers"
+        prepare(capture, run_dir, ["hidden-states"], device=device)  # this rank's shards
         wait_for(["hidden-states"], "the other ranks' hidden-state shards")
     return todo
 

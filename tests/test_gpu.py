@@ -1,0 +1,382 @@
+"""Proof on a GPU (GPU.md): the draft methods, hidden-state capture and the accelerate launchers on
+CUDA, each checked against a CPU run or an uninterrupted run of its own.
+
+    pytest -m gpu tests/test_gpu.py        # on a machine with a CUDA GPU (one is enough)
+
+Every CUDA test is marked ``gpu`` and skipped when ``torch.cuda.is_available()`` is False, so CI
+collects and skips them. Training runs go through the real entry points in subprocesses
+(``accelerate launch --config_file ... train/<method>.py RECIPE --run-dir RUN``): accelerate keeps
+one process-wide state, so an fp32 CPU run and a bf16 CUDA run cannot share a process, and the
+launchers are what is being proven. The data (tiny random target of ``conftest.py``, fp32
+shards) is prepared once and copied into every run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from draftsmith.data_prep.hidden_states import TransformersCapture
+from draftsmith.data_prep.prepare import prepare
+from draftsmith.data_prep.target import load_target
+from draftsmith.eval.export import expected_weight_shapes, read_checkpoint
+from draftsmith.eval.fault_report import max_param_diff, read_metrics, wait_for_step
+from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.train.checkpoint import find_checkpoints
+
+from conftest import TINY_AUX, write_jsonl
+from test_medusa import medusa_recipe
+from test_mlp_speculator import mlp_recipe
+from test_pipeline import PROMPTS, tiny_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda"  # where the capture test puts the target (the training runs: the launcher decides)
+
+# bf16 keeps 8 significant bits: one rounding is off by at most 2**-8 (its unit roundoff).
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+# Per-step training loss, bf16 autocast on CUDA vs fp32 on CPU, same data and initial weights:
+# relative difference <= one bf16 unit roundoff. Each loss is a mean over hundreds of tokens of
+# fp32 log-softmaxes of logits computed from bf16-rounded inputs, so the roundings average out far
+# below one unit roundoff; AdamW then carries the small weight differences into later steps.
+# Calibrated with the trainer under bf16 autocast on CPU: at most 6.5e-4 over these 6 steps for
+# all three methods, whereas a run whose draft starts from another seed differs by up to 9.7%
+# (eagle3, step 1) and 0.8% (mlp_speculator, step 6); Medusa's start does not depend on the seed.
+LOSS_RTOL = BF16_UNIT_ROUNDOFF
+# Step 1 starts from identical weights: an fp32 CUDA run differs from the CPU run by reduction
+# order only (~1e-7). Below FP32_NOISE bf16 autocast was not in effect; in the calibration bf16
+# moved the step-1 loss by 2e-5 (mlp_speculator) to 2.6e-4 (eagle3).
+FP32_NOISE = 1e-6
+STEPS, LR = 6, 3e-3
+
+# Hidden-state capture, max over tokens of |x_cuda - x_cpu| / |x_cpu| per state (each aux layer,
+# the final state). fp32 on both devices (TF32 off, torch's default): reduction order only. bf16 on
+# CUDA vs fp32 on CPU: the stored state's own rounding plus what 6 layers of bf16 matmuls add;
+# measured 0.66% (aux) / 0.87% (final) with the target in bf16 on CPU, so 6 unit roundoffs (2.3%).
+# The tiny target's residual stream is dominated by its (scaled-up) embedding: neighbouring layers
+# differ by only 0.7-0.9%, so the fp32 comparison is the one that would notice a wrong layer.
+CAPTURE_TOL = {torch.float32: 1e-4, torch.bfloat16: 6 * BF16_UNIT_ROUNDOFF}
+
+# Launchers: batch 2 x accumulation 2 over the 8 tiny sequences (2 optimizer steps per epoch, so
+# resumes land mid-epoch), a checkpoint every 3 steps; the killed run is stopped with SIGKILL once
+# step KILL_AFTER is logged, far from the end (a tiny step takes milliseconds on a GPU).
+LAUNCH_TRAIN = {"max_steps": 40, "batch_size": 2, "grad_accum_steps": 2, "checkpoint_every": 3,
+                "keep_checkpoints": 2, "log_every": 1, "warmup_ratio": 0.1}
+KILL_AFTER = 8
+# Resume on the same GPU with the same kernels is expected to be bitwise exact (as on CPU,
+# tests/test_resume.py); the slack only absorbs a non-reproducible kernel.
+RESUME_TOL = 1e-6
+# accelerate's distributed type each launcher must produce (recorded in train_state.json)
+DISTRIBUTED_TYPE = {"single_gpu": "NO", "deepspeed_zero2": "DEEPSPEED", "fsdp2": "FSDP"}
+TIMEOUT_S = 600
+
+
+def gpu_test(fn):
+    """Mark ``fn`` ``gpu`` and skip it without CUDA."""
+    skip = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    return pytest.mark.gpu(skip(fn))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher settings it may carry (``ACCELERATE_*``),
+    with reproducible cuBLAS workspaces (CUBLAS_WORKSPACE_CONFIG)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def train_cmd(method: str, recipe: Path, run: Path, *extra: str) -> list[str]:
+    """``train/<method>.py RECIPE --run-dir RUN --no-prepare ...`` (the data is the fixture's: a
+    run must not prepare its own)."""
+    return [str(REPO / "train" / f"{method}.py"), str(recipe), "--run-dir", str(run), "--no-prepare", *extra]
+
+
+def accelerate_cmd(config: Path, method: str, recipe: Path, run: Path, *extra: str) -> list[str]:
+    """``accelerate launch --config_file CONFIG train/<method>.py RECIPE --run-dir RUN ...``."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--main_process_port", str(free_port()), *train_cmd(method, recipe, run, *extra)]
+
+
+class Jobs:
+    """Subprocesses with their output in log files; on exit every one still running is killed
+    with its whole process tree (torchrun starts its workers in sessions of their own)."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.procs = logs, {}
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "Jobs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                kill_tree(proc)
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with (self.logs / f"{name}.log").open("w") as fh:
+            self.procs[name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        return self.procs[name]
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def finish(self, name: str) -> str:
+        """Wait for job ``name``; returns its log, fails the test (log tail shown) unless it exited 0."""
+        proc = self.procs[name]
+        try:
+            rc = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            pytest.fail(f"{name} ran past {TIMEOUT_S}s:\n{self.log(name)[-4000:]}")
+        if rc != 0:
+            pytest.fail(f"{name} exited {rc}: {' '.join(proc.args)}\n{self.log(name)[-4000:]}")
+        return self.log(name)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and all its descendants at once (a crash of the whole job)."""
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=60)
+    proc.wait(timeout=60)
+
+
+def new_run(data: Path, run: Path) -> Path:
+    shutil.copytree(data, run / "data")
+    return run
+
+
+def ckpt_step(ckpt: Path) -> int:
+    return json.loads((ckpt / "train_state.json").read_text())["step"]
+
+
+def strip_module(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    """``(prompts, RUN/data)`` of the tiny target, prepared once with fp32 shards (so that the CPU
+    reference trains in fp32 throughout)."""
+    root = tmp_path_factory.mktemp("gpu_data")
+    prompts = write_jsonl(root / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    prepare(method_recipe(tiny_target, prompts, "eagle3"), root)
+    return prompts, root / "data"
+
+
+def method_recipe(tiny_target: Path, prompts: Path, method: str) -> Recipe:
+    """The test suite's tiny recipe of ``method`` (same data section for all), STEPS steps of one
+    fixed batch (all 8 sequences), fp32 shards."""
+    build = {"eagle3": tiny_recipe, "medusa": medusa_recipe, "mlp_speculator": mlp_recipe}[method]
+    recipe = build(tiny_target, prompts)
+    recipe.data.hidden_states_dtype = "float32"
+    recipe.train.max_steps, recipe.train.lr = STEPS, LR
+    return recipe
+
+
+def launcher_config(name: str, recipe: Recipe, directory: Path) -> Path:
+    """The launcher YAML of ``name`` with one process: ``recipes/accelerate/single_gpu.yaml`` as
+    is; the 8-GPU DeepSpeed ZeRO-2 and FSDP2 files with ``num_processes: 1``. DeepSpeed gets a
+    ``deepspeed_config_file`` whose micro-batch, accumulation and clipping are the recipe's
+    numbers (not "auto"); accelerate then takes the precision from the JSON and refuses
+    ``mixed_precision`` in the YAML."""
+    if name == "single_gpu":
+        return REPO / "recipes" / "accelerate" / "single_gpu.yaml"
+    source = {"deepspeed_zero2": "deepspeed_zero2_8gpu.yaml", "fsdp2": "fsdp_8gpu.yaml"}[name]
+    cfg = yaml.safe_load((REPO / "recipes" / "accelerate" / source).read_text())
+    cfg["num_processes"] = 1
+    if name == "deepspeed_zero2":
+        ds = directory / "deepspeed_zero2.json"
+        ds.write_text(json.dumps({
+            "train_micro_batch_size_per_gpu": recipe.train.batch_size,
+            "gradient_accumulation_steps": recipe.train.grad_accum_steps,
+            "gradient_clipping": recipe.train.max_grad_norm,
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+        }, indent=1))
+        cfg["deepspeed_config"] = {"deepspeed_config_file": str(ds), "zero3_init_flag": False}
+        cfg.pop("mixed_precision", None)
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launcher_recipe(tiny_target: Path, prompts: Path) -> Recipe:
+    recipe = method_recipe(tiny_target, prompts, "eagle3")
+    for key, value in LAUNCH_TRAIN.items():
+        setattr(recipe.train, key, value)
+    return recipe
+
+
+def skip_without_deepspeed() -> None:
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True,
+                           env=child_env(), timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"DeepSpeed not importable ({probe.stderr.strip().splitlines()[-1:]}); bring its sdist + hjson "
+                    "(pip install --no-build-isolation --no-deps)")
+
+
+def relative_errors(got: list[float], want: list[float]) -> list[float]:
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+def row_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max over rows of ``|got - want| / |want|`` for ``(T, D)`` states (computed in fp32)."""
+    got, want = got.float(), want.float()
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+
+
+@gpu_test
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "mlp_speculator"])
+def test_bf16_training_on_cuda_tracks_fp32_training_on_cpu(method, tiny_target, prepared, tmp_path):
+    prompts, data = prepared
+    recipe = tmp_path / "recipe.yaml"
+    dump_recipe(method_recipe(tiny_target, prompts, method), recipe)
+    cuda, cpu = new_run(data, tmp_path / "cuda"), new_run(data, tmp_path / "cpu")
+    with Jobs(tmp_path / "logs") as jobs:  # both at once: one uses the GPU, the other the CPU cores
+        jobs.start("cuda", accelerate_cmd(REPO / "recipes" / "accelerate" / "single_gpu.yaml", method, recipe, cuda),
+                   child_env())
+        jobs.start("cpu", [sys.executable, *train_cmd(method, recipe, cpu)],
+                   child_env(ACCELERATE_USE_CPU="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="4"))
+        jobs.finish("cuda")
+        jobs.finish("cpu")
+    got, want = ([m["loss"] for m in read_metrics(run)] for run in (cuda, cpu))
+    assert len(got) == len(want) == STEPS
+    errors = relative_errors(got, want)
+    assert max(errors) <= LOSS_RTOL, f"{method}: CUDA bf16 losses {got} vs CPU fp32 {want} (relative {errors})"
+    assert errors[0] > FP32_NOISE, f"{method}: the CUDA run reproduced fp32 ({errors}): bf16 autocast was not on"
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_capture_on_cuda_equals_capture_on_cpu(dtype, tiny_target):
+    model, _ = load_target(tiny_target, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    # mixed lengths: several right-padded batches of at most 128 tokens
+    records = [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in (5, 17, 33, 40, 64, 96)]
+
+    def capture(device: str, dt: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        engine = TransformersCapture(model.to(device, dt), TINY_AUX, batch_tokens=128)
+        return {j: (aux, final) for j, aux, final in engine.capture(records)}
+
+    want = capture("cpu", torch.float32)
+    got = capture(DEVICE, dtype)
+    H = model.config.hidden_size
+    assert sorted(got) == sorted(want) == list(range(len(records)))
+    for j, (aux, final) in want.items():
+        assert got[j][0].shape == aux.shape == (len(records[j]["input_ids"]), 3 * H)
+        assert got[j][0].dtype == dtype
+        for i, layer in enumerate(TINY_AUX):
+            err = row_relative_error(got[j][0][:, i * H:(i + 1) * H], aux[:, i * H:(i + 1) * H])
+            assert err <= CAPTURE_TOL[dtype], f"record {j}, aux layer {layer}: relative error {err}"
+        err = row_relative_error(got[j][1], final)
+        assert err <= CAPTURE_TOL[dtype], f"record {j}, final state: relative error {err}"
+
+
+@gpu_test
+@pytest.mark.parametrize("launcher", ["single_gpu", "deepspeed_zero2", "fsdp2"])
+def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tiny_target, prepared, tmp_path):
+    if launcher == "deepspeed_zero2":
+        skip_without_deepspeed()
+    prompts, data = prepared
+    recipe = launcher_recipe(tiny_target, prompts)
+    recipe_path = tmp_path / "recipe.yaml"
+    dump_recipe(recipe, recipe_path)
+    config = launcher_config(launcher, recipe, tmp_path)
+    ref, run = new_run(data, tmp_path / "ref"), new_run(data, tmp_path / "run")
+    with Jobs(tmp_path / "logs") as jobs:
+        jobs.start("uninterrupted", accelerate_cmd(config, "eagle3", recipe_path, ref), child_env())
+        killed = jobs.start("killed", accelerate_cmd(config, "eagle3", recipe_path, run), child_env())
+        try:
+            seen = wait_for_step(run, KILL_AFTER, killed, timeout=TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            pytest.fail(f"{exc}\n{jobs.log('killed')[-4000:]}")
+        kill_tree(killed)
+        resume_from = find_checkpoints(run / "checkpoints")[-1]
+        states = [json.loads((resume_from / "train_state.json").read_text())]
+        assert states[0]["step"] < LAUNCH_TRAIN["max_steps"], "the run finished before it was killed"
+        jobs.start("resumed", accelerate_cmd(config, "eagle3", recipe_path, run, "--resume"), child_env())
+        jobs.finish("uninterrupted")
+        resumed_log = jobs.finish("resumed")
+    assert f"resumed from {resume_from}" in resumed_log, resumed_log[-4000:]
+
+    final_ref, final = (find_checkpoints(r / "checkpoints")[-1] for r in (ref, run))
+    assert ckpt_step(final) == ckpt_step(final_ref) == LAUNCH_TRAIN["max_steps"]
+    states += [json.loads((c / "train_state.json").read_text()) for c in (final, final_ref)]
+    for saved in states:  # the launcher's engine was in effect in every run
+        assert (saved["distributed_type"], saved["num_processes"]) == (DISTRIBUTED_TYPE[launcher], 1)
+    weights, weights_ref = (strip_module(load_file(str(c / "model.safetensors"))) for c in (final, final_ref))
+    diff = max_param_diff(weights, weights_ref)
+    assert diff <= RESUME_TOL, f"{launcher}: SIGKILL after step {seen}, resumed from {resume_from.name}: max |diff| {diff}"
+    curve, curve_ref = read_metrics(run), read_metrics(ref)
+    assert [m["step"] for m in curve] == [m["step"] for m in curve_ref] == list(range(1, LAUNCH_TRAIN["max_steps"] + 1))
+    assert [m["loss"] for m in curve] == pytest.approx([m["loss"] for m in curve_ref], rel=RESUME_TOL, abs=RESUME_TOL)
+
+    out = tmp_path / "export"
+    exported = subprocess.run([sys.executable, str(REPO / "eval" / "export.py"), str(run), "--out", str(out)],
+                              capture_output=True, text=True, env=child_env(), timeout=TIMEOUT_S)
+    assert exported.returncode == 0, exported.stderr[-4000:]
+    _, cfg, _ = read_checkpoint(final)
+    export = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in export.items()} == expected_weight_shapes(cfg)
+    for k, v in export.items():  # the export may upcast (bf16 under DeepSpeed -> fp32): exact either way
+        assert torch.equal(v, weights[k].to(v.dtype)), f"{k} differs from {final / 'model.safetensors'}"
+    model = Eagle3DraftModel(cfg)
+    missing, unexpected = model.load_state_dict(export, strict=False)
+    assert not missing and not unexpected
+
+
+def test_launcher_configs_written_for_the_gpu_tests_pass_draftsmiths_launcher_checks(tiny_target, tmp_path):
+    """CPU check of what the launcher test runs on a GPU: each one-process config is valid for
+    accelerate and for draftsmith (the DeepSpeed JSON's numbers agree with the recipe)."""
+    from draftsmith.train.launchers import validate_launcher
+
+    recipe = launcher_recipe(tiny_target, write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]))
+    expected = {"single_gpu": ("NO", None), "deepspeed_zero2": ("DEEPSPEED", 2), "fsdp2": ("FSDP", None)}
+    for name, (distributed_type, zero_stage) in expected.items():
+        report = validate_launcher(recipe, launcher_config(name, recipe, tmp_path))
+        assert (report.distributed_type, report.num_processes, report.zero_stage) == (distributed_type, 1, zero_stage)
+        assert report.gradient_clipping == recipe.train.max_grad_norm
+
+
+def test_bench_gpu_runs_the_tiny_geometry_on_cpu_with_consistent_flop_counts(tmp_path):
+    """``eval/bench_gpu.py`` end to end on CPU (what ``make bench-gpu`` runs at Llama-3.1-8B
+    geometry on a GPU), so it does not first fail on a booked GPU."""
+    from draftsmith.eval.bench_gpu import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--geometry", "tiny", "--device", "cpu", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    plain, decoder, capture, online, offline = rows = json.loads(out.read_text())["rows"]
+    assert capture["name"] == "capture aux (2, 4, 5) + final" and "online" in online["name"] and "offline" in offline["name"]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mem_gib"] is None for r in rows)
+    assert capture["tflop_per_step"] == decoder["tflop_per_step"] < plain["tflop_per_step"]
+    assert online["tflop_per_step"] == pytest.approx(offline["tflop_per_step"] + capture["tflop_per_step"])
