@@ -28,22 +28,24 @@ RTOL = 1e-4
 
 
 def launch(recipe_path: Path, run: Path, processes: int, batch_size: int,
-           extra_env: dict[str, str] | None = None, port_base: int = 29500, extra_args: list[str] = ()) -> None:
+           extra_env: dict[str, str] | None = None, port_base: int = 29500, extra_args: list[str] = (),
+           script: str = "eagle3.py") -> None:
     """Train ``recipe_path`` into ``run`` with ``processes`` torchrun CPU processes (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
            "--master_port", str(port_base + processes),
-           str(REPO / "train" / "eagle3.py"), str(recipe_path), "--run-dir", str(run),
+           str(REPO / "train" / script), str(recipe_path), "--run-dir", str(run),
            "--set", f"train.batch_size={batch_size}", *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def prepare_twin_runs(tiny_target: Path, tmp_path: Path) -> Path:
+def prepare_twin_runs(tiny_target: Path, tmp_path: Path, make_recipe=None) -> Path:
     """Prepare one tiny run under ``tmp_path/one``, copy its data to ``tmp_path/two``; returns the
-    recipe file both are trained from (4 steps, fp32 shards)."""
+    recipe file both are trained from (4 steps, fp32 shards). ``make_recipe(tiny_target, prompts,
+    **train)`` builds another method's recipe (default EAGLE-3)."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=4)
+    recipe = (make_recipe or tiny_recipe)(tiny_target, prompts, max_steps=4)
     recipe.data.hidden_states_dtype = "float32"
     prepare(recipe, tmp_path / "one")
     shutil.copytree(tmp_path / "one" / "data", tmp_path / "two" / "data")

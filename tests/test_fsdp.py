@@ -55,6 +55,40 @@ def test_fsdp2_two_processes_train_checkpoint_resume_and_export_like_one_process
     assert_export_matches_checkpoint(two, tmp_path / "export")
 
 
+def _medusa(tiny_target, prompts, **train):
+    from test_medusa import medusa_recipe
+
+    return medusa_recipe(tiny_target, prompts, **train)
+
+
+def _tied_mlp_speculator(tiny_target, prompts, **train):
+    from draftsmith.recipe import MLPSpeculatorDraftConfig
+    from test_pipeline import tiny_recipe
+
+    recipe = tiny_recipe(tiny_target, prompts, **train)
+    recipe.draft.method = "mlp_speculator"
+    recipe.draft.mlp_speculator = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, tie_weights=True)
+    return recipe
+
+
+@pytest.mark.parametrize("method, make_recipe", [("medusa", _medusa), ("mlp_speculator", _tied_mlp_speculator)])
+def test_fsdp2_trains_and_exports_the_head_methods(tiny_target, tmp_path, method, make_recipe):
+    # the wrap unit comes from each model (Medusa: its head blocks; MLP speculator: the root, its
+    # stages share tensors when tied), so the same launcher serves every method
+    from draftsmith.eval.export_heads import export_head_draft
+
+    recipe_path = prepare_twin_runs(tiny_target, tmp_path, make_recipe)
+    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29620, script=f"{method}.py")
+    two = tmp_path / "two"
+    launch(recipe_path, two, processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29620, script=f"{method}.py")
+    ckpt = two / "checkpoints" / "step-4"
+    assert json.loads((ckpt / "train_state.json").read_text())["distributed_type"] == "FSDP"
+    assert_same_losses(tmp_path / "one", two, RTOL)
+    assert_same_weights(checkpoint_weights(tmp_path / "one"), checkpoint_weights(two), lr=recipe_lr(recipe_path))
+    out = export_head_draft(ckpt, tmp_path / "export")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
 def test_cpu_training_stays_fp32_whatever_the_launcher_asks(monkeypatch):
     import torch
 
