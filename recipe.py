@@ -27,14 +27,15 @@ class TargetConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Compute dtype of the target when capturing hidden states / generating with transformers."
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="Run the target repository's own Python code (transformers / vLLM); off unless you trust it.")
 
 
 class DataSource(_Strict):
     path: str = Field(description="Local JSON/JSONL/Parquet file, hub dataset id, or builtin:train / builtin:eval.")
-    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt", "tokenized", "mt_bench"] = "auto"
-    split: str = "train"
-    max_rows: int | None = Field(None, ge=1)
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt", "tokenized", "mt_bench"] = Field(
+        "auto", description="Row format; auto detects it from the first row's keys.")
+    split: str = Field("train", description="Split of a hub dataset (ignored for local files).")
+    max_rows: int | None = Field(None, ge=1, description="Read at most this many rows of the source; null: all.")
 
 
 class RegenerateConfig(_Strict):
@@ -42,7 +43,7 @@ class RegenerateConfig(_Strict):
     engine: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="'auto' uses vLLM when importable, else transformers generate()."
     )
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(256, ge=1, description="Tokens generated per regenerated reply (longer replies are cut).")
     temperatures: list[float] = Field(
         [0.0], min_length=1, description="Row i is generated at temperatures[i % len]."
     )
@@ -70,16 +71,18 @@ class RegenerateConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:train")], min_length=1)
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:train")], min_length=1,
+                                      description="Training conversations, read in order and concatenated.")
     eval_prompts: str | None = Field("builtin:eval", description="Held-out prompts for acceptance measurement.")
     strict: bool = Field(False, description="Fail at the first malformed row instead of skipping and counting.")
-    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="Target-written replies (self-distillation).")
     max_length: int = Field(2048, ge=8, description="Tokens per training sequence.")
     harmony_channels: list[Literal["analysis", "final", "commentary"]] = Field(
         ["analysis", "final"],
         description="gpt-oss (harmony templates): assistant channels that get loss; ignored for other templates.",
     )
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="Conversations longer than max_length: cut to it, or dropped (counted).")
     draft_vocab_size: int = Field(32000, ge=1, description="Vd; capped at the target vocab size V.")
     aux_layer_ids: list[int] | None = Field(
         None, description="Three target layer ids, vLLM convention; default (2, N//2, N-3)."
@@ -104,8 +107,8 @@ class DataConfig(_Strict):
     expected_tokens: int | None = Field(
         None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."
     )
-    sequences_per_shard: int = Field(128, ge=1)
-    capture_batch_tokens: int = Field(4096, ge=16)
+    sequences_per_shard: int = Field(128, ge=1, description="Sequences per hidden-state shard file (the unit of resume and of rank sharding).")
+    capture_batch_tokens: int = Field(4096, ge=16, description="Padded tokens per target forward when capturing with transformers.")
 
 
 class MedusaDraftConfig(_Strict):
@@ -138,7 +141,8 @@ class MLPSpeculatorDraftConfig(_Strict):
 
 
 class DraftConfig(_Strict):
-    method: Literal["eagle3", "medusa", "mlp_speculator"] = "eagle3"
+    method: Literal["eagle3", "medusa", "mlp_speculator"] = Field(
+        "eagle3", description="Draft architecture; train it with train/<method>.py.")
     norm_before_residual: bool = Field(
         True, description="eagle3: residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
@@ -186,23 +190,23 @@ class TrainConfig(_Strict):
     head_decay: float = Field(
         0.8, gt=0, le=1, description="medusa / mlp_speculator: head k loss weight head_decay**k (Medusa: 0.8)."
     )
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
-    grad_accum_steps: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps).")
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (after warmup; cosine decay to min_lr_ratio * lr).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Linear warmup as a fraction of the optimizer steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
-    max_grad_norm: float = Field(0.5, gt=0)
+    max_grad_norm: float = Field(0.5, gt=0, description="Global gradient-norm clip (also DeepSpeed's gradient_clipping; a launcher may not contradict it).")
     max_nonfinite_steps: int = Field(
         10, ge=1, description="Stop with an error after this many optimizer steps in a row with NaN/inf loss or gradient."
     )
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(500, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    num_workers: int = Field(0, ge=0)
+    log_every: int = Field(10, ge=1, description="Optimizer steps per metrics line (metrics.jsonl and trackers).")
+    checkpoint_every: int = Field(500, ge=1, description="Optimizer steps between checkpoints (one is always written at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; the one just written is never deleted.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     packing: bool = Field(
         False, description="Pack several sequences into one row of up to pack_tokens tokens (first-fit); "
         "attention, RoPE positions and predictions stay within each sequence. batch_size then counts rows.",
@@ -460,16 +464,16 @@ class ServeConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    num_speculative_tokens: int = Field(3, ge=1, le=16)
-    temperature: float = Field(0.0, ge=0)
-    max_new_tokens: int = Field(256, ge=1)
-    max_prompts: int | None = Field(None, ge=1)
-    compare_ngram: bool = True
-    ngram_prompt_lookup_max: int = Field(4, ge=1)
-    ngram_prompt_lookup_min: int = Field(2, ge=1)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="K draft tokens per step, written into the export and used in evaluation.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of acceptance runs; 0 = greedy.")
+    max_new_tokens: int = Field(256, ge=1, description="Tokens generated per evaluation prompt.")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many prompts; null: all.")
+    compare_ngram: bool = Field(True, description="Also measure vLLM's ngram (prompt-lookup) drafting on the same prompts.")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram drafting: longest n-gram matched.")
+    ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram drafting: shortest n-gram matched.")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="The one vLLM engine config (regeneration, capture, acceptance, serving, synthesis).")
     export_legacy: bool = Field(False, description="Also write the legacy LlamaForCausalLMEagle3 format.")
-    serve: ServeConfig = Field(default_factory=ServeConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving benchmark (eval/serve_bench.py).")
 
     @model_validator(mode="after")
     def _ngram_window(self) -> "EvalConfig":
@@ -485,12 +489,12 @@ class Recipe(_Strict):
         "cwd, then the draftsmith root). `--dry-run` validates it against the recipe and the draft model "
         "(draftsmith.train.launchers); pass the same file to `accelerate launch --config_file`."
     )
-    seed: int = 0
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    draft: DraftConfig = Field(default_factory=DraftConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target (verifier) model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Data preparation (data_prep/).")
+    draft: DraftConfig = Field(default_factory=DraftConfig, description="The draft model.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training (train/).")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Export and evaluation (eval/).")
 
     @field_validator("name")
     @classmethod
@@ -609,3 +613,34 @@ def recipe_from_args(args) -> Recipe:
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[str, Any]]:
+    """Every recipe key (dotted path; ``[]`` marks list items), with its type, default and
+    description, in declaration order; sections are listed before their keys."""
+    import typing
+
+    model = model or Recipe
+    rows: list[dict[str, Any]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        item = typing.get_args(ann)[0] if typing.get_origin(ann) is list and typing.get_args(ann) else None
+        section = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        default = "(required)" if field.is_required() else field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = "{...}"
+        elif isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump(mode="json", exclude_defaults=True) for d in default]
+        rows.append({"key": key, "type": "section" if section else _type_name(ann), "default": default,
+                     "description": field.description or ""})
+        if section is not None:
+            rows += recipe_schema(section, f"{key}.")
+        elif isinstance(item, type) and issubclass(item, BaseModel):
+            rows += recipe_schema(item, f"{key}[].")
+    return rows

@@ -1,0 +1,113 @@
+"""``draftsmith``: one command line for every stage.
+
+    draftsmith prepare RECIPE [--run-dir DIR]        data_prep: regenerate, tokenise, vocab, hidden states
+    draftsmith train RECIPE [--run-dir DIR]          the recipe's draft.method (accelerate launch train/<method>.py works too)
+    draftsmith export CKPT_OR_RUN --out DIR          vLLM-loadable draft
+    draftsmith acceptance|spec-decode|compare|serve-bench|report|hub|synthesize ...
+    draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
+
+Each subcommand is the stage's own command line (``draftsmith SUBCOMMAND --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+# subcommand -> (module with main(argv), one-line help); the modules are imported on use only
+STAGES: dict[str, tuple[str, str]] = {
+    "prepare": ("draftsmith.data_prep.prepare", "data stages: target, regenerate, tokenize, vocab, hidden-states"),
+    "synthesize": ("draftsmith.data_prep.synthesize", "target-written prompts (Magpie) when there is no dataset"),
+    "export": ("draftsmith.eval.export", "export a checkpoint in the format vLLM loads"),
+    "acceptance": ("draftsmith.eval.acceptance", "acceptance rate / length measured in vLLM"),
+    "spec-decode": ("draftsmith.eval.spec_decode", "draftsmith's reference speculative decoder"),
+    "compare": ("draftsmith.eval.compare_drafts", "several trained drafts, one table"),
+    "serve-bench": ("draftsmith.eval.serve_bench", "serving throughput / latency / cost with vllm bench serve"),
+    "report": ("draftsmith.eval.report", "report.md and plots from a serving benchmark"),
+    "hub": ("draftsmith.eval.hub", "Hugging Face Hub folder, model card and push"),
+}
+TRAIN_SCRIPTS = {"eagle3": "draftsmith.train.eagle3", "medusa": "draftsmith.train.medusa",
+                 "mlp_speculator": "draftsmith.train.mlp_speculator"}
+
+
+def _stage_main(module: str) -> Callable[[list[str]], int]:
+    return importlib.import_module(module).main
+
+
+def train(argv: list[str]) -> int:
+    """``train/<draft.method>.py`` of the recipe given first (its own flags follow)."""
+    from draftsmith.recipe import RecipeError, load_recipe
+
+    if not argv or argv[0].startswith("-"):
+        print("usage: draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--overwrite] [--set k=v ...] "
+              "(see `draftsmith train RECIPE --help`)", file=sys.stderr)
+        return 2
+    overrides = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
+    try:
+        method = load_recipe(argv[0], overrides).draft.method
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return _stage_main(TRAIN_SCRIPTS[method])(argv)
+
+
+def recipe_command(argv: list[str]) -> int:
+    import json
+
+    import yaml
+
+    from draftsmith.recipe import RecipeError, add_recipe_arguments, load_recipe, recipe_schema
+
+    p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True)
+    for action, text in (("show", "print the resolved recipe (defaults filled in, --set applied)"),
+                         ("validate", "check a recipe; exit 2 naming the key when it is invalid")):
+        add_recipe_arguments(sub.add_parser(action, help=text, description=text))
+    schema = sub.add_parser("schema", help="every recipe key with its type, default and description")
+    schema.add_argument("--format", choices=["table", "json"], default="table", help="output format")
+    args = p.parse_args(argv)
+    if args.action == "schema":
+        rows = recipe_schema()
+        if args.format == "json":
+            print(json.dumps(rows, indent=1, default=str))
+        else:
+            for r in rows:
+                default = "" if r["type"] == "section" else f" = {json.dumps(r['default'], default=str)}"
+                print(f"{r['key']}: {r['type']}{default}\n    {r['description']}")
+        return 0
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.action == "show":
+        print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
+    else:
+        print(f"{args.recipe}: valid ({recipe.draft.method}, target {recipe.target.name_or_path})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {**{k: v[1] for k, v in STAGES.items()}, "train": "train the recipe's draft method",
+                "recipe": "show / validate a recipe, or print the schema of every key"}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train(rest)
+    if command == "recipe":
+        return recipe_command(rest)
+    if command not in STAGES:
+        print(f"draftsmith: unknown subcommand {command!r}; one of: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    sys.argv = [f"draftsmith {command}", *rest]  # the stage's parser names itself in usage lines
+    return _stage_main(STAGES[command][0])(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
