@@ -28,8 +28,6 @@ STAGES: dict[str, tuple[str, str]] = {
     "report": ("draftsmith.eval.report", "report.md and plots from a serving benchmark"),
     "hub": ("draftsmith.eval.hub", "Hugging Face Hub folder, model card and push"),
 }
-TRAIN_SCRIPTS = {"eagle3": "draftsmith.train.eagle3", "medusa": "draftsmith.train.medusa",
-                 "mlp_speculator": "draftsmith.train.mlp_speculator"}
 
 
 def _stage_main(module: str) -> Callable[[list[str]], int]:
@@ -38,6 +36,7 @@ def _stage_main(module: str) -> Callable[[list[str]], int]:
 
 def train(argv: list[str]) -> int:
     """``train/<draft.method>.py`` of the recipe given first (its own flags follow)."""
+    from draftsmith.methods import get_method
     from draftsmith.recipe import RecipeError, load_recipe
 
     if not argv or argv[0].startswith("-"):
@@ -50,7 +49,7 @@ def train(argv: list[str]) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return 2
-    return _stage_main(TRAIN_SCRIPTS[method])(argv)
+    return _stage_main(get_method(method).train_module)(argv)
 
 
 def recipe_command(argv: list[str]) -> int:

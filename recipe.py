@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftsmith.methods import get_method, registered_methods
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -141,8 +143,8 @@ class MLPSpeculatorDraftConfig(_Strict):
 
 
 class DraftConfig(_Strict):
-    method: Literal["eagle3", "medusa", "mlp_speculator"] = Field(
-        "eagle3", description="Draft architecture; train it with train/<method>.py.")
+    method: Literal[registered_methods()] = Field(  # type: ignore[valid-type]
+        "eagle3", description="Draft architecture (draftsmith.methods); train it with train/<method>.py.")
     norm_before_residual: bool = Field(
         True, description="eagle3: residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
@@ -163,11 +165,10 @@ class DraftConfig(_Strict):
         # Settings for another method are a recipe mistake, not something to ignore. Compared
         # with the defaults (not "was it written") because a resolved recipe dump lists every key.
         defaults = DraftConfig.model_construct()
-        for key in ("medusa", "mlp_speculator", "norm_before_residual", "init_lm_head_from_target",
-                    "freeze_lm_head"):
-            owner = key if key in ("medusa", "mlp_speculator") else "eagle3"
-            if owner != self.method and getattr(self, key) != getattr(defaults, key):
-                raise ValueError(f"draft.{key} is set for {owner} but draft.method is {self.method!r}")
+        for owner in registered_methods():
+            for key in get_method(owner).recipe_keys:
+                if owner != self.method and getattr(self, key) != getattr(defaults, key):
+                    raise ValueError(f"draft.{key} is set for {owner} but draft.method is {self.method!r}")
         if self.freeze_lm_head and not self.init_lm_head_from_target:
             raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
         return self
@@ -512,11 +513,12 @@ class Recipe(_Strict):
             if self.train.pack_tokens is not None and self.train.pack_tokens < self.data.max_length:
                 raise ValueError(f"train.pack_tokens={self.train.pack_tokens} is below data.max_length="
                                  f"{self.data.max_length}: a full-length sequence would not fit a row")
-            if self.draft.method == "mlp_speculator" and self.draft.mlp_speculator.stage2_start_step is not None:
+            # draft.mlp_speculator differs from its defaults only under method mlp_speculator
+            if self.draft.mlp_speculator.stage2_start_step is not None:
                 # stage 2 continues one prompt per row; a packed row holds several
                 raise ValueError("train.packing cannot be combined with draft.mlp_speculator.stage2_start_step "
                                  "(stage 2 generates from one prompt per row); set one of them")
-        if self.train.gradient_checkpointing and self.draft.method != "eagle3":
+        if self.train.gradient_checkpointing and not get_method(self.draft.method).supports_gradient_checkpointing:
             raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
                              "no per-step activations worth recomputing")
         return self

@@ -100,7 +100,7 @@ def count_parameters(export_dir: Path, run_dir: Path | None = None) -> dict[str,
     recipe_file = run_dir / "recipe.yaml" if run_dir is not None else None
     if recipe_file is not None and recipe_file.is_file():
         recipe = load_recipe(recipe_file)
-        if recipe.draft.method == "eagle3" and recipe.draft.freeze_lm_head:
+        if recipe.draft.freeze_lm_head:  # an eagle3 key: the recipe refuses it under other methods
             frozen = sum(v for k, v in sizes.items() if k.startswith("lm_head."))
     return {"parameters": total, "trained_parameters": total - frozen}
 

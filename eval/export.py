@@ -1,7 +1,7 @@
 """Export a trained EAGLE-3 checkpoint into a directory vLLM loads (``method: eagle3``).
 
     python eval/export.py RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
-    python -m draftsmith.eval.export CKPT OUT_DIR   # any method: medusa / mlp_speculator go to export_heads.py
+    python -m draftsmith.eval.export CKPT OUT_DIR   # any method: its exporter in draftsmith.methods
 
 Formats (SPEC.md section 3):
 
@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
+from draftsmith.methods import UnknownMethodError, get_method
 from draftsmith.models.eagle3 import Eagle3Config
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows
@@ -174,11 +175,34 @@ def legacy_config(meta: dict[str, Any], cfg: Eagle3Config, dtype: str) -> dict[s
     return out
 
 
+def is_eagle3_export(config: dict[str, Any]) -> bool:
+    """True for the ``config.json`` of an EAGLE-3 export (speculators or legacy layout)."""
+    return (config.get("speculators_model_type") == "eagle3"
+            or "LlamaForCausalLMEagle3" in (config.get("architectures") or []))
+
+
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int = 3,
            dtype: str = "float32", embed_tokens: torch.Tensor | None = None) -> Path:
-    """Write the vLLM-loadable draft to ``out`` (created); returns ``out``. Medusa and
-    MLP-speculator checkpoints go to :func:`draftsmith.eval.export_heads.export_head_draft`
-    (``legacy``, ``num_speculative_tokens`` and ``embed_tokens`` apply to EAGLE-3 only).
+    """Write the vLLM-loadable draft of checkpoint ``ckpt`` to ``out`` (created) with the
+    exporter :mod:`draftsmith.methods` registers for its method; returns ``out``.
+    ``legacy``, ``num_speculative_tokens`` and ``embed_tokens`` reach exporters that take them
+    (EAGLE-3, :func:`export_eagle3`) only.
+
+    Raises:
+        ExportError: see :func:`read_checkpoint`; a method no registered one has.
+    """
+    try:
+        spec = get_method(checkpoint_method(ckpt))
+    except UnknownMethodError as exc:
+        raise ExportError(f"{ckpt / 'draft_config.json'}: {exc}") from None
+    options = {"legacy": legacy, "num_speculative_tokens": num_speculative_tokens, "embed_tokens": embed_tokens}
+    return spec.exporter(ckpt, out, dtype=dtype, **{k: options[k] for k in spec.export_options})
+
+
+def export_eagle3(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int = 3,
+                  dtype: str = "float32", embed_tokens: torch.Tensor | None = None) -> Path:
+    """Write the vLLM-loadable EAGLE-3 draft of checkpoint ``ckpt`` to ``out`` (created);
+    returns ``out``.
 
     Args:
         ckpt: training checkpoint directory (``checkpoints/step-N``).
@@ -191,10 +215,6 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     Raises:
         ExportError: see :func:`read_checkpoint`.
     """
-    if checkpoint_method(ckpt) != "eagle3":
-        from draftsmith.eval.export_heads import export_head_draft
-
-        return export_head_draft(ckpt, out, dtype)
     meta, cfg, state = read_checkpoint(ckpt)
     torch_dtype = getattr(torch, dtype)
     tensors = {}

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
-from draftsmith.eval.export import ExportError
+from draftsmith.eval.export import ExportError, export
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
@@ -72,7 +72,30 @@ def _check_target(meta_path: Path, meta: dict[str, Any], hidden: int, vocab: int
                               f"target.{key}={target.get(key)!r}")
 
 
-def _load_model(ckpt: Path, method: str) -> tuple[dict[str, Any], torch.nn.Module]:
+def is_medusa_export(config: dict[str, Any]) -> bool:
+    """True for the ``config.json`` of a Medusa export (vLLM's ``MedusaModel``)."""
+    return config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or [])
+
+
+def is_mlp_speculator_export(config: dict[str, Any]) -> bool:
+    """True for the ``config.json`` of an ``MLPSpeculatorPreTrainedModel`` export."""
+    return config.get("model_type") == "mlp_speculator"
+
+
+def _build_medusa(config: dict[str, Any]) -> tuple[MedusaModel, dict[str, tuple[int, ...]], int, int]:
+    cfg = MedusaConfig(**config)
+    return MedusaModel(cfg), medusa_weight_shapes(cfg), cfg.hidden_size, cfg.vocab_size
+
+
+def _build_mlp_speculator(config: dict[str, Any]) -> tuple[MLPSpeculator, dict[str, tuple[int, ...]], int, int]:
+    cfg = MLPSpeculatorConfig(**config)
+    return MLPSpeculator(cfg), mlp_speculator_weight_shapes(cfg), cfg.emb_dim, cfg.vocab_size
+
+
+def _load_model(ckpt: Path, method: str, build: Callable[[dict[str, Any]], tuple[torch.nn.Module, dict[str, tuple[int, ...]], int, int]]
+                ) -> tuple[dict[str, Any], torch.nn.Module]:
+    """Checkpoint ``ckpt`` of ``method`` as a model; ``build(meta["config"])`` returns the model,
+    its tensor shapes, and its hidden and vocab sizes (checked against the recorded target)."""
     meta_path, weights_path = ckpt / "draft_config.json", ckpt / "model.safetensors"
     for f in (meta_path, weights_path):
         if not f.is_file():
@@ -81,14 +104,8 @@ def _load_model(ckpt: Path, method: str) -> tuple[dict[str, Any], torch.nn.Modul
     if meta.get("method") != method:
         raise ExportError(f"{meta_path}: method is {meta.get('method')!r}, expected {method!r}")
     try:
-        if method == "medusa":
-            cfg = MedusaConfig(**meta["config"])
-            _check_target(meta_path, meta, cfg.hidden_size, cfg.vocab_size)
-            model, want = MedusaModel(cfg), medusa_weight_shapes(cfg)
-        else:
-            cfg = MLPSpeculatorConfig(**meta["config"])
-            _check_target(meta_path, meta, cfg.emb_dim, cfg.vocab_size)
-            model, want = MLPSpeculator(cfg), mlp_speculator_weight_shapes(cfg)
+        model, want, hidden, vocab = build(meta["config"])
+        _check_target(meta_path, meta, hidden, vocab)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ExportError):
             raise
@@ -116,7 +133,7 @@ def export_medusa(ckpt: Path, out: Path, dtype: str = "float32") -> Path:
         ExportError: missing files, another method, a draft config that disagrees with the
             recorded target (hidden size, vocab), or missing / mis-shaped tensors.
     """
-    meta, model = _load_model(ckpt, "medusa")
+    meta, model = _load_model(ckpt, "medusa", _build_medusa)
     cfg: MedusaConfig = model.config
     config = {
         "architectures": ["MedusaModel"],
@@ -139,7 +156,7 @@ def export_mlp_speculator(ckpt: Path, out: Path, dtype: str = "float32") -> Path
     Raises:
         ExportError: as :func:`export_medusa`.
     """
-    meta, model = _load_model(ckpt, "mlp_speculator")
+    meta, model = _load_model(ckpt, "mlp_speculator", _build_mlp_speculator)
     cfg: MLPSpeculatorConfig = model.config
     config = {
         "architectures": ["MLPSpeculatorPreTrainedModel"],
@@ -175,17 +192,13 @@ def _write(out: Path, config: dict[str, Any], state: dict[str, torch.Tensor], pr
 
 
 def export_head_draft(ckpt: Path, out: Path, dtype: str = "float32") -> Path:
-    """Export a Medusa or MLP-speculator checkpoint, chosen by ``draft_config.json`` ``method``.
+    """Export a Medusa or MLP-speculator checkpoint with the exporter :mod:`draftsmith.methods`
+    registers for its ``draft_config.json`` ``method`` (:func:`draftsmith.eval.export.export`).
 
     Raises:
         ExportError: see :func:`export_medusa`; an unknown method.
     """
-    method = json.loads((ckpt / "draft_config.json").read_text()).get("method")
-    if method == "medusa":
-        return export_medusa(ckpt, out, dtype)
-    if method == "mlp_speculator":
-        return export_mlp_speculator(ckpt, out, dtype)
-    raise ExportError(f"{ckpt / 'draft_config.json'}: method {method!r} is not medusa or mlp_speculator")
+    return export(ckpt, out, dtype=dtype)
 
 
 def load_medusa(directory: Path) -> MedusaModel:

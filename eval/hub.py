@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from draftsmith.methods import UnknownMethodError, method_of_export
+
 DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json")
 
 
@@ -35,14 +37,22 @@ class HubError(RuntimeError):
 
 
 def _draft_facts(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Method, verifier and shapes from an exported draft's ``config.json`` (either format)."""
+    """Method, verifier and shapes from an exported draft's ``config.json`` (either format).
+
+    Raises:
+        HubError: no registered method (:mod:`draftsmith.methods`) recognises the export.
+    """
+    try:
+        method = method_of_export(cfg).vllm_method
+    except UnknownMethodError as exc:
+        raise HubError(f"draft config.json: {exc}") from None
     spec = cfg.get("speculators_config") or {}
     layer = cfg.get("transformer_layer_config") or cfg
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     verifier = (spec.get("verifier") or {}).get("name_or_path") or (cfg.get("draftsmith") or {}).get("verifier")
     k = next((p.get("speculative_tokens") for p in spec.get("proposal_methods", [])), None)
     return {
-        "method": "eagle3",
+        "method": method,
         "format": "speculators" if spec else "legacy LlamaForCausalLMEagle3",
         "verifier": verifier,
         "aux_layer_ids": ids,
@@ -121,9 +131,9 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
     """The ``README.md`` of the Hub folder (YAML front matter + Markdown)."""
     f = _draft_facts(cfg)
     target = f["verifier"] or "TARGET"
-    spec = {"method": "eagle3", "model": repo_id, "num_speculative_tokens": f["num_speculative_tokens"]}
+    spec = {"method": f["method"], "model": repo_id, "num_speculative_tokens": f["num_speculative_tokens"]}
     front = {"base_model": target, "library_name": "vllm",
-             "tags": ["speculative-decoding", "eagle3", "speculators", "draft-model", "draftsmith"]}
+             "tags": ["speculative-decoding", f["method"], "speculators", "draft-model", "draftsmith"]}
     out = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
            f"# EAGLE-3 draft for {target}", "",
            f"A speculative-decoding draft model (EAGLE-3, arXiv:2503.01840) for `{target}`, trained with draftsmith "

@@ -65,7 +65,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith.eval.acceptance import summarise
+from draftsmith.methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
 from draftsmith.recipe import VllmConfig, add_vllm_arguments
+
+# speculative_config methods of the registered drafts vllm serve runs here (configuration names too)
+SERVED_METHODS = tuple(get_method(m).vllm_method for m in registered_methods() if get_method(m).servable)
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -494,8 +498,9 @@ class ServeConfiguration:
     k: int = 0
 
 
-def draft_method(draft: Path) -> str:
-    """``eagle3`` or ``medusa`` from an exported draft's ``config.json``.
+def served_method(draft: Path) -> DraftMethodSpec:
+    """The registered method (:mod:`draftsmith.methods`) of an exported draft, if
+    ``vllm serve`` serves it here.
 
     Raises:
         ValueError: no config, or a format the installed vLLM does not serve.
@@ -504,19 +509,36 @@ def draft_method(draft: Path) -> str:
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path} missing: not an exported draft (eval/export.py)")
     cfg = json.loads(cfg_path.read_text())
-    archs = set(cfg.get("architectures") or [])
-    if cfg.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in archs:
-        return "eagle3"
-    if cfg.get("model_type") == "medusa" or "MedusaModel" in archs:
-        from typing import get_args
+    try:
+        spec = method_of_export(cfg)
+    except UnknownMethodError:
+        spec = None
+    if spec is None or not spec.servable:
+        archs = set(cfg.get("architectures") or [])
+        raise ValueError(f"{cfg_path}: architectures {sorted(archs)} is not a draft vLLM serves here "
+                         f"({', '.join(SERVED_METHODS)})")
+    if spec.vllm_serve_check is not None:
+        spec.vllm_serve_check(draft)
+    return spec
 
-        from vllm.config.speculative import SpeculativeMethod
 
-        if "medusa" not in get_args(SpeculativeMethod):
-            raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
-        return "medusa"
-    raise ValueError(f"{cfg_path}: architectures {sorted(archs)} is not a draft vLLM serves here "
-                     "(eagle3 speculators/legacy format, or medusa)")
+def draft_method(draft: Path) -> str:
+    """The ``speculative_config`` method (``eagle3``, ``medusa``) of an exported draft.
+
+    Raises:
+        ValueError: see :func:`served_method`.
+    """
+    return served_method(draft).vllm_method
+
+
+def check_vllm_serves_medusa(draft: Path) -> None:
+    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    if "medusa" not in get_args(SpeculativeMethod):
+        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
 
 
 def configurations(draft: Path | None, k: int, draft_model: Path | None = None, ngram: bool = True,
@@ -655,7 +677,7 @@ def run_study(study: Study) -> dict[str, Any]:
                  "target": str(study.target)},
         "configs": {}, "k_sweep": None, "temperature_sweep": None,
     }
-    draft_cfg = next((c for c in study.configs if c.name in ("eagle3", "medusa")), None)
+    draft_cfg = next((c for c in study.configs if c.name in SERVED_METHODS), None)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cfg in study.configs:
@@ -773,10 +795,9 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
     prompt_sets = split_prompts(load_prompt_texts(prompts_path), levels, per_level, prompts_path)
     k = pick(args.k, ev.num_speculative_tokens)
     if args.draft is not None:
-        from draftsmith.eval.acceptance import check_draft_matches_target
-
-        if draft_method(args.draft) == "eagle3":
-            check_draft_matches_target(args.draft, target)
+        check = served_method(args.draft).target_check
+        if check is not None:
+            check(args.draft, target)
     engine = vllm_config_from_args(args, ev.vllm)
     # every level's requests must run at once: the server batches at least the highest concurrency
     engine = engine.model_copy(update={"max_num_seqs": max(engine.max_num_seqs, max(levels))})

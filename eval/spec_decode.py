@@ -65,6 +65,7 @@ import torch.nn.functional as F
 
 from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture, decoder_layers
 from draftsmith.data_prep.target import DEVICE_HELP
+from draftsmith.methods import UnknownMethodError, method_of_export
 from draftsmith.recipe import add_vllm_arguments
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
 
@@ -526,13 +527,60 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3D
     return model.eval().requires_grad_(False)
 
 
+def eagle3_proposer(path: Path, target_model: Any | None = None) -> Eagle3Proposer:
+    """The proposer of an EAGLE-3 export, sharing ``target_model``'s input embedding.
+
+    Raises:
+        DraftLoadError: see :func:`load_eagle3`; aux layer ids the target does not have.
+    """
+    embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
+    model = load_eagle3(path, embed)
+    if target_model is not None:
+        n_layers = len(decoder_layers(target_model))
+        if not all(0 <= L < n_layers for L in model.config.aux_layer_ids):
+            raise DraftLoadError(f"{path / 'config.json'}: aux layer ids {model.config.aux_layer_ids} out of "
+                                 f"range for a target with {n_layers} decoder layers")
+    return Eagle3Proposer(model)
+
+
+def _head_export(loader: Any, path: Path) -> Any:
+    from draftsmith.eval.export import ExportError
+
+    try:
+        return loader(path).requires_grad_(False)
+    except (ExportError, KeyError) as exc:
+        raise DraftLoadError(f"{path}: {exc}") from exc
+
+
+def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaProposer:
+    """The proposer of a Medusa export (:func:`draftsmith.eval.export_heads.load_medusa`).
+
+    Raises:
+        DraftLoadError: the folder does not load.
+    """
+    from draftsmith.eval.export_heads import load_medusa
+
+    return MedusaProposer(_head_export(load_medusa, path))
+
+
+def mlp_speculator_proposer(path: Path, target_model: Any | None = None) -> MLPSpeculatorProposer:
+    """The proposer of an MLP-speculator export (:func:`draftsmith.eval.export_heads.load_mlp_speculator`).
+
+    Raises:
+        DraftLoadError: the folder does not load.
+    """
+    from draftsmith.eval.export_heads import load_mlp_speculator
+
+    return MLPSpeculatorProposer(_head_export(load_mlp_speculator, path))
+
+
 def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
-    """The proposer for an exported draft folder, chosen by its ``config.json``.
+    """The proposer for an exported draft folder: the proposer factory of the method
+    (:mod:`draftsmith.methods`) whose exports its ``config.json`` matches.
 
     Args:
         path: an ``eval/export.py`` folder: EAGLE-3 (speculators or legacy), Medusa (vLLM
-            ``model_type "medusa"``) or MLP speculator (``model_type "mlp_speculator"``), the
-            last two read by :mod:`draftsmith.eval.export_heads`.
+            ``model_type "medusa"``) or MLP speculator (``model_type "mlp_speculator"``).
         target_model: the target, whose input embedding EAGLE-3 shares.
 
     Raises:
@@ -541,28 +589,11 @@ def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
     """
     path = Path(path)
     cfg = _read_config(path)
-    archs = cfg.get("architectures") or []
-    if cfg.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in archs:
-        embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
-        model = load_eagle3(path, embed)
-        if target_model is not None:
-            n_layers = len(decoder_layers(target_model))
-            if not all(0 <= L < n_layers for L in model.config.aux_layer_ids):
-                raise DraftLoadError(f"{path / 'config.json'}: aux layer ids {model.config.aux_layer_ids} out of "
-                                     f"range for a target with {n_layers} decoder layers")
-        return Eagle3Proposer(model)
-    if cfg.get("model_type") in ("medusa", "mlp_speculator"):
-        from draftsmith.eval.export import ExportError
-        from draftsmith.eval.export_heads import load_medusa, load_mlp_speculator
-
-        try:
-            if cfg["model_type"] == "medusa":
-                return MedusaProposer(load_medusa(path).requires_grad_(False))
-            return MLPSpeculatorProposer(load_mlp_speculator(path).requires_grad_(False))
-        except (ExportError, KeyError) as exc:
-            raise DraftLoadError(f"{path}: {exc}") from exc
-    raise DraftLoadError(f"{path / 'config.json'}: unknown draft format (architectures {archs}, "
-                         f"model_type {cfg.get('model_type')!r})")
+    try:
+        spec = method_of_export(cfg)
+    except UnknownMethodError as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: unknown draft format ({exc})") from None
+    return spec.proposer_factory(path, target_model)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,14 +26,12 @@ from draftsmith.data_prep.target import (
     text_config,
     validate_aux_layer_ids,
 )
+from draftsmith.methods import get_method
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.recipe import Recipe
 from draftsmith.train.launchers import LauncherReport, draft_model_class, validate_launcher
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
-# Parts of draft_parameter_count / head_draft_parameter_count inside the model's _no_split_modules
-# blocks: FSDP shards them as their own units; the rest belongs to the root unit.
-FSDP_BLOCK_PARTS = {"eagle3": ("attention", "mlp"), "medusa": ("resblocks",), "mlp_speculator": ()}
 
 
 def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
@@ -72,17 +70,44 @@ def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
     }
 
 
-def head_draft_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
-    """Trainable parameters of a Medusa or MLP-speculator draft by part (full target vocab)."""
-    H, V = hidden_size, vocab_size
-    if recipe.draft.method == "medusa":
-        m = recipe.draft.medusa
-        return {"resblocks": m.num_heads * m.num_layers * (H * H + H), "lm_heads": m.num_heads * V * H}
-    m = recipe.draft.mlp_speculator
+def medusa_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
+    """Trainable parameters of a Medusa draft by part (full target vocab)."""
+    H, V, m = hidden_size, vocab_size, recipe.draft.medusa
+    return {"resblocks": m.num_heads * m.num_layers * (H * H + H), "lm_heads": m.num_heads * V * H}
+
+
+def mlp_speculator_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
+    """Trainable parameters of an MLP-speculator draft by part (full target vocab)."""
+    H, V, m = hidden_size, vocab_size, recipe.draft.mlp_speculator
     D, P = m.inner_dim or H, m.n_predict
     stages = 1 if m.tie_weights else P  # tied: one emb/head/ln for all stages
     inner_projs = min(P - 1, 1) if m.tie_weights else P - 1  # tied: stages >= 1 share one proj
     return {"emb": stages * V * D, "proj": H * D + inner_projs * D * D, "head": stages * V * D, "ln": stages * 2 * D}
+
+
+def eagle3_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """EAGLE-3 parameter counts by part and the peak bytes of TTT logits per micro-batch: K steps
+    of (B*T, Vd) fp32 logits + their softmax grads, which dominate the activations."""
+    logits_bytes = recipe.train.ttt_steps * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3
+    return draft_parameter_count(cfg), logits_bytes
+
+
+def _head_estimate(counts: dict[str, int], heads: int, recipe: Recipe, vocab_size: int) -> tuple[dict[str, int], int]:
+    counts["frozen_embedding"] = 0  # heads read the target's states, not its embedding
+    # K heads of (B*T, V) logits over the full target vocab + their softmax grads
+    return counts, heads * recipe.train.batch_size * recipe.data.max_length * vocab_size * 4 * 3
+
+
+def medusa_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """Medusa counterpart of :func:`eagle3_parameter_estimate` (``cfg`` gives the hidden size)."""
+    counts = medusa_parameter_count(recipe, cfg.hidden_size, vocab_size)
+    return _head_estimate(counts, recipe.draft.medusa.num_heads, recipe, vocab_size)
+
+
+def mlp_speculator_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """MLP-speculator counterpart of :func:`eagle3_parameter_estimate`."""
+    counts = mlp_speculator_parameter_count(recipe, cfg.hidden_size, vocab_size)
+    return _head_estimate(counts, recipe.draft.mlp_speculator.n_predict, recipe, vocab_size)
 
 
 def per_gpu_memory(memory: dict[str, int], counts: dict[str, int], method: str,
@@ -103,7 +128,8 @@ def per_gpu_memory(memory: dict[str, int], counts: dict[str, int], method: str,
     }
     if launcher.distributed_type == "FSDP":
         trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
-        in_blocks = sum(counts[k] for k in FSDP_BLOCK_PARTS[method]) if launcher.wrap_classes else 0
+        # parts inside the model's _no_split_modules blocks are FSDP units of their own
+        in_blocks = sum(counts[k] for k in get_method(method).fsdp_block_parts) if launcher.wrap_classes else 0
         out["fsdp_gathered_root"] = (trainable - in_blocks) * (2 if launcher.mixed_precision == "bf16" else 4)
     out["total"] = sum(out.values())
     return out
@@ -132,17 +158,8 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     if recipe.data.draft_vocab_size > V:
         raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
     cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids, recipe.draft.norm_before_residual)
-    T, B = recipe.data.max_length, recipe.train.batch_size
-    if recipe.draft.method == "eagle3":
-        counts = draft_parameter_count(cfg)
-        # Activation peak is dominated by K steps of (B*T, Vd) fp32 logits + their softmax grads.
-        logits_bytes = recipe.train.ttt_steps * B * T * cfg.draft_vocab_size * 4 * 3
-    else:
-        counts = head_draft_parameter_count(recipe, cfg.hidden_size, V)
-        counts["frozen_embedding"] = 0  # heads read the target's states, not its embedding
-        heads = recipe.draft.medusa.num_heads if recipe.draft.method == "medusa" else recipe.draft.mlp_speculator.n_predict
-        # K heads of (B*T, V) logits over the full target vocab + their softmax grads
-        logits_bytes = heads * B * T * V * 4 * 3
+    T = recipe.data.max_length
+    counts, logits_bytes = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
     trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
     hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
     tokens = recipe.data.expected_tokens

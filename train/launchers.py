@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from draftsmith.methods import UnknownMethodError, get_method
 from draftsmith.recipe import Recipe
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
@@ -67,24 +68,15 @@ class LauncherError(ValueError):
 
 
 def draft_model_class(method: str) -> type[nn.Module]:
-    """The draft network class trained by ``draft.method``.
+    """The draft network class trained by ``draft.method`` (:mod:`draftsmith.methods`).
 
     Raises:
         LauncherError: unknown method.
     """
-    if method == "eagle3":
-        from draftsmith.models.eagle3 import Eagle3DraftModel
-
-        return Eagle3DraftModel
-    if method == "medusa":
-        from draftsmith.models.medusa import MedusaModel
-
-        return MedusaModel
-    if method == "mlp_speculator":
-        from draftsmith.models.mlp_speculator import MLPSpeculator
-
-        return MLPSpeculator
-    raise LauncherError(f"draft.method: no draft model class for {method!r}")
+    try:
+        return get_method(method).model_class
+    except UnknownMethodError as exc:
+        raise LauncherError(f"draft.method: {exc}") from None
 
 
 def resolve_launcher_path(name: str | Path) -> Path:

@@ -1,0 +1,97 @@
+"""The draft-method registry (draftsmith.methods): every registered method exports and loads
+back with its own functions, unknown names are errors that list the known ones, and the
+registry's facts agree with the classes it points to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
+from draftsmith.models.eagle3 import Eagle3Config
+from draftsmith.models.medusa import MedusaConfig
+from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
+from draftsmith.recipe import DraftConfig
+
+H, V, VD = 32, 64, 48
+
+TINY_CONFIGS = {
+    "eagle3": Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 2]),
+    "medusa": MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2, num_layers=1),
+    "mlp_speculator": MLPSpeculatorConfig(emb_dim=H, inner_dim=H, vocab_size=V, n_predict=2),
+}
+
+
+def test_every_method_has_a_tiny_config_here():
+    assert set(TINY_CONFIGS) == set(registered_methods())
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path, name):
+    spec = get_method(name)
+    torch.manual_seed(0)
+    model = spec.model_class(TINY_CONFIGS[name])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    embed = torch.randn(V, H)
+    if name == "eagle3":
+        model.set_vocab_mapping(torch.arange(VD), torch.arange(V) < VD)
+        model.init_from_target(embed)
+    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens"}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
+    target = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V}
+    (ckpt / "draft_config.json").write_text(json.dumps({"method": name, "config": model.config.to_dict(),
+                                                        "target": target}))
+
+    out = spec.exporter(ckpt, tmp_path / "export", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert method_of_export(config) is spec
+    loaded = spec.export_loader(out, embed) if name == "eagle3" else spec.export_loader(out)
+
+    assert type(loaded) is spec.model_class
+    reloaded = loaded.state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(reloaded[k], v, msg=f"{name}: {k} differs after export + load")
+
+
+def test_unknown_method_is_an_error_listing_the_registered_names():
+    with pytest.raises(UnknownMethodError, match="'dflash'.*eagle3, medusa, mlp_speculator"):
+        get_method("dflash")
+
+
+def test_unknown_export_format_is_an_error_listing_the_registered_names():
+    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator"):
+        method_of_export({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_model_class_declares_the_fsdp_blocks_the_registry_reports(name):
+    spec = get_method(name)
+    assert tuple(spec.model_class._no_split_modules) == spec.fsdp_block_classes
+    model = spec.model_class(TINY_CONFIGS[name])
+    present = {type(m).__name__ for m in model.modules()}
+    assert set(spec.fsdp_block_classes) <= present
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_training_method_and_entry_script_are_the_methods_own(name):
+    spec = get_method(name)
+    assert spec.training_method.name == name
+    assert spec.train_script == f"train/{name}.py"
+    assert spec.train_module == f"draftsmith.train.{name}"
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_recipe_keys_are_draft_section_keys_and_accept_the_method(name):
+    spec = get_method(name)
+    assert set(spec.recipe_keys) <= set(DraftConfig.model_fields)
+    if spec.recipe_config is not None:
+        assert DraftConfig.model_fields[name].annotation is spec.recipe_config
+    assert DraftConfig(method=name).method == name
