@@ -33,8 +33,9 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q tests
 
+# unit tests only (under 2 minutes on 2 cores): no vLLM engine, no launched processes, no end-to-end training
 test-fast: install
-	$(BIN)/python -m pytest -q tests -m "not vllm"
+	$(BIN)/python -m pytest -q tests -m "not vllm and not integration"
 
 bench: install
 	$(BIN)/python eval/bench_hidden_states.py

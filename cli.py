@@ -16,6 +16,18 @@ import importlib
 import sys
 from typing import Callable
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The help layout of every draftsmith command line: the description as written (usage
+    examples keep their lines) and each flag's default appended, unless it has none (None,
+    False, ``[]``) or its help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == [] or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 # subcommand -> (module with main(argv), one-line help); the modules are imported on use only
 STAGES: dict[str, tuple[str, str]] = {
     "prepare": ("draftsmith.data_prep.prepare", "data stages: target, regenerate, tokenize, vocab, hidden-states"),
@@ -52,22 +64,29 @@ def train(argv: list[str]) -> int:
     return _stage_main(get_method(method).train_module)(argv)
 
 
+def build_recipe_parser() -> argparse.ArgumentParser:
+    """The parser of ``draftsmith recipe show|validate|schema``."""
+    from draftsmith.recipe import add_recipe_arguments
+
+    p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.", formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True)
+    for action, text in (("show", "print the resolved recipe (defaults filled in, --set applied)"),
+                         ("validate", "check a recipe; exit 2 naming the key when it is invalid")):
+        add_recipe_arguments(sub.add_parser(action, help=text, description=text, formatter_class=HelpFormatter))
+    text = "every recipe key with its type, default and description"
+    schema = sub.add_parser("schema", help=text, description=text, formatter_class=HelpFormatter)
+    schema.add_argument("--format", choices=["table", "json"], default="table", help="output format")
+    return p
+
+
 def recipe_command(argv: list[str]) -> int:
     import json
 
     import yaml
 
-    from draftsmith.recipe import RecipeError, add_recipe_arguments, load_recipe, recipe_schema
+    from draftsmith.recipe import RecipeError, load_recipe, recipe_schema
 
-    p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sub = p.add_subparsers(dest="action", required=True)
-    for action, text in (("show", "print the resolved recipe (defaults filled in, --set applied)"),
-                         ("validate", "check a recipe; exit 2 naming the key when it is invalid")):
-        add_recipe_arguments(sub.add_parser(action, help=text, description=text))
-    schema = sub.add_parser("schema", help="every recipe key with its type, default and description")
-    schema.add_argument("--format", choices=["table", "json"], default="table", help="output format")
-    args = p.parse_args(argv)
+    args = build_recipe_parser().parse_args(argv)
     if args.action == "schema":
         rows = recipe_schema()
         if args.format == "json":

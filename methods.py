@@ -218,7 +218,7 @@ register(DraftMethodSpec(
     export_detector_path="draftsmith.eval.export_heads:is_medusa_export",
     parameter_estimator_path="draftsmith.train.dry_run:medusa_parameter_estimate",
     proposer_factory_path="draftsmith.eval.spec_decode:medusa_proposer",
-    vllm_serve_check_path="draftsmith.eval.serve_bench:check_vllm_serves_medusa",
+    vllm_serve_check_path="draftsmith.eval.serving.run:check_vllm_serves_medusa",
 ))
 register(DraftMethodSpec(
     name="mlp_speculator",

@@ -20,50 +20,23 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from draftsmith.data_prep import conversations as conv
 from draftsmith.data_prep import hidden_states as hs
+from draftsmith.data_prep.capture import CaptureEngine, LazyCapture, TransformersCapture
+from draftsmith.data_prep.shards import MANIFEST, ShardError, ShardSpec, distributed_rank
 from draftsmith.data_prep import regenerate as regen
 from draftsmith.data_prep import target as tgt
 from draftsmith.data_prep import vocab
+from draftsmith.layout import DataPaths, RunLayout, read_tokenized
 from draftsmith.recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
-
-
-@dataclass
-class DataPaths:
-    root: Path
-
-    @property
-    def target_info(self) -> Path:
-        return self.root / "target.json"
-
-    @property
-    def regen(self) -> Path:
-        return self.root / "regen.jsonl"
-
-    @property
-    def tokenized(self) -> Path:
-        return self.root / "tokenized.jsonl"
-
-    @property
-    def vocab(self) -> Path:
-        return self.root / "vocab.safetensors"
-
-    @property
-    def hidden_states(self) -> Path:
-        return self.root / "hidden_states"
-
-    @property
-    def stats(self) -> Path:
-        return self.root / "stats.json"
 
 
 def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
@@ -209,13 +182,6 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
     return out
 
 
-def read_tokenized(paths: DataPaths) -> list[dict]:
-    if not paths.tokenized.is_file():
-        raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
-    with paths.tokenized.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
-
-
 def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
     V = info["vocab_size"]
     Vd = min(recipe.data.draft_vocab_size, V)
@@ -227,13 +193,6 @@ def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict
     cov = vocab.coverage(counts, t2d)
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of assistant tokens", Vd, V, 100 * cov)
     return {"draft_vocab_size": Vd, "coverage": cov, "distinct_assistant_tokens": len(counts)}
-
-
-def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
-    if not paths.vocab.is_file():
-        raise FileNotFoundError(f"{paths.vocab} missing: run the vocab stage first")
-    t = load_file(str(paths.vocab))
-    return t["d2t"], t["t2d"]
 
 
 def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict],
@@ -249,7 +208,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
     log.info("hidden-states engine: %s (data.hidden_states_engine=%s)", engine, recipe.data.hidden_states_engine)
     target_dir = Path(info["path"])
 
-    def make() -> hs.CaptureEngine:  # built on first use: nothing starts when every shard exists
+    def make() -> CaptureEngine:  # built on first use: nothing starts when every shard exists
         if engine == "vllm":
             v = recipe.eval.vllm
             # the states must be those of the dtype the transformers engine would capture at
@@ -259,11 +218,11 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
                                               trust_remote_code=recipe.target.trust_remote_code)
         model, _ = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                    device=device)
-        return hs.TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
+        return TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
 
-    spec = hs.ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
+    spec = ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
     manifest = hs.generate_hidden_states(
-        hs.LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
+        LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
         recipe.data.capture_batch_tokens, target_id=info["name_or_path"],
     )
     rate = manifest["throughput_tok_s"]
@@ -280,14 +239,14 @@ def stage_outputs(recipe: Recipe, paths: DataPaths) -> dict[str, list[Path]]:
         "regenerate": [paths.tokenized],
         "tokenize": [paths.tokenized],
         "vocab": [paths.vocab],
-        "hidden-states": [] if recipe.data.hidden_states_mode == "online" else [paths.hidden_states / hs.MANIFEST],
+        "hidden-states": [] if recipe.data.hidden_states_mode == "online" else [paths.hidden_states / MANIFEST],
     }
 
 
 def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
     """The stages to run so that ``run_dir/data`` is ready for training: the first stage whose
     output is missing and every stage after it (in :data:`STAGES` order); ``[]`` when ready."""
-    outputs = stage_outputs(recipe, DataPaths(run_dir / "data"))
+    outputs = stage_outputs(recipe, RunLayout(run_dir).data)
     for i, stage in enumerate(STAGES):
         if not all(p.is_file() for p in outputs[stage]):
             return STAGES[i:]
@@ -299,7 +258,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     ``device``: where the transformers engines run the target (default: this process's
     accelerator, :func:`draftsmith.data_prep.target.default_device`)."""
     stages = stages or STAGES
-    paths = DataPaths(run_dir / "data")
+    paths = RunLayout(run_dir).data
     paths.root.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
     t0 = time.perf_counter()
@@ -323,24 +282,31 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
         summary["hidden_states"] = {"tokens": m["num_tokens"], "throughput_tok_s": m["throughput_tok_s"],
                                     "seconds": time.perf_counter() - t}
     summary["seconds"] = time.perf_counter() - t0
-    if hs.distributed_rank()[0] == 0:  # one writer when every rank runs the hidden-states stage
-        (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    if distributed_rank()[0] == 0:  # one writer when every rank runs the hidden-states stage
+        paths.summary.write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``data_prep/prepare.py`` (``draftsmith prepare``)."""
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
-    p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable)")
+    p.add_argument("--run-dir", required=True, type=Path, help="run directory; the data lands in RUN_DIR/data")
+    p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable; default: all)")
     p.add_argument("--device", help=tgt.DEVICE_HELP)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     recipe = recipe_from_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    dump_recipe(recipe, args.run_dir / "recipe.yaml")
+    dump_recipe(recipe, RunLayout(args.run_dir).recipe)
     try:
         summary = prepare(recipe, args.run_dir, args.stage, args.device)
-    except (conv.DataError, hs.ShardError, FileNotFoundError, ValueError) as exc:
+    except (conv.DataError, ShardError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=1))

@@ -162,10 +162,12 @@ def transformers_sampler(model: Any, tokenizer: Any, prefix: str, end: str, temp
     return generate
 
 
-def main(argv: list[str] | None = None) -> int:
-    from draftsmith.data_prep.target import DEVICE_HELP, load_target, resolve_target
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``data_prep/synthesize.py`` (``draftsmith synthesize``)."""
+    from draftsmith.cli import HelpFormatter
+    from draftsmith.data_prep.target import DEVICE_HELP
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",
                    help="target dir, hub id or embedded:SmolLM2-135M-Instruct (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, required=True, help="distinct user messages to keep")
@@ -180,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", type=Path, help="recipe YAML whose eval.vllm gives the vLLM engine settings "
                    "(the vLLM flags override it)")
     add_vllm_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draftsmith.data_prep.target import load_target, resolve_target
+
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         vllm_engine = vllm_config_from_args(args, load_recipe(args.recipe).eval.vllm if args.recipe else None)

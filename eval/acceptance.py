@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from draftsmith.eval.results import AcceptanceResult, write_acceptance
 from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 SPEC_COUNTERS = {
@@ -251,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({m: {k: v for k, v in r.items() if k != "outputs"} for m, r in results.items()},
-                                       indent=1))
+        write_acceptance(args.out, {m: AcceptanceResult.model_validate(r) for m, r in results.items()})
     return 0
 
 

@@ -15,7 +15,7 @@ batch x seq-len / mean step time), all on the same random ``(batch, seq-len)`` t
 
 - ``plain forward``: ``model(input_ids)``, logits over the full vocabulary, no KV cache.
 - ``decoder only``: the decoder stack without ``lm_head``.
-- ``capture``: draftsmith's :func:`~draftsmith.data_prep.hidden_states.capture_batch`: the decoder
+- ``capture``: draftsmith's :func:`~draftsmith.data_prep.capture.capture_batch`: the decoder
   stack with pre-hooks on the aux layers, returning aux ``(B, T, 3H)`` and final normed ``(B, T, H)``
   states. The three forward rows run under ``torch.no_grad`` alike.
 - ``EAGLE-3 train online``: per step, ``capture_batch`` on the target (no grad), then the
@@ -68,7 +68,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from draftsmith.data_prep.hidden_states import capture_batch
+from draftsmith.data_prep.capture import capture_batch
 from draftsmith.data_prep.target import default_aux_layer_ids
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
@@ -349,21 +349,30 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3_8b")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/bench_gpu.py``."""
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3_8b",
+                   help="draft / target shapes to benchmark")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="target dtype and draft autocast dtype; auto = bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 llama3_8b, 128 tiny)")
     p.add_argument("--batch", type=int, help="sequences per step (default: 1 llama3_8b, 2 tiny)")
-    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled TTT steps K")
     p.add_argument("--draft-vocab", type=int, help="draft vocab size Vd (default: 32000 llama3_8b, 512 tiny)")
     p.add_argument("--steps", type=int, default=10, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations before each row")
     p.add_argument("--peak-tflops", type=float, help=f"dense bf16 peak for MFU (default {DEFAULT_PEAK_TFLOPS_GPU:g} "
                    "on CUDA, none on CPU)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     for key in ("seq_len", "batch", "draft_vocab", "steps", "ttt_steps"):
         value = getattr(args, key)

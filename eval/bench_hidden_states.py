@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from draftsmith.data_prep.hidden_states import capture_batch
+from draftsmith.data_prep.capture import capture_batch
 from draftsmith.data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
 
 
@@ -44,15 +44,23 @@ def _time_interleaved(fns: list, repeats: int, device: torch.device = torch.devi
     return [statistics.median(ts) for ts in times]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", default="float32")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/bench_hidden_states.py``."""
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",
+                   help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
+    p.add_argument("--batch", type=int, default=4, help="sequences per forward pass")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--repeats", type=int, default=5, help="timed forward passes")
+    p.add_argument("--dtype", default="float32", help="target dtype (a torch dtype name)")
     p.add_argument("--device", help=DEVICE_HELP)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     path = resolve_target(args.target)
     model, _ = load_target(path, getattr(torch, args.dtype), device=args.device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq)).to(model.device)

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, RunLayout
+
 INDEX_TENSORS = ("d2t", "t2d")
 
 
@@ -71,13 +73,12 @@ def training_figures(run_dir: Path) -> dict[str, Any]:
     """
     from draftsmith.train.checkpoint import find_checkpoints
 
-    ckpts = find_checkpoints(run_dir / "checkpoints")
+    ckpts = find_checkpoints(RunLayout(run_dir).checkpoints)
     if not ckpts:
         raise RunError(f"{run_dir / 'checkpoints'}: no finished checkpoint")
     ckpt = ckpts[-1]
     state = json.loads((ckpt / "train_state.json").read_text())
-    method = json.loads((ckpt / "draft_config.json").read_text()).get("method") \
-        if (ckpt / "draft_config.json").is_file() else None
+    method = DraftCheckpointConfig.read(ckpt).method if (ckpt / DRAFT_CONFIG_FILE).is_file() else None
     return {"method": method, "steps": state["step"], "train_tokens": state["tokens"],
             "train_seconds": state.get("train_seconds"), "checkpoint": str(ckpt)}
 
@@ -97,7 +98,7 @@ def count_parameters(export_dir: Path, run_dir: Path | None = None) -> dict[str,
                     sizes[name] = _numel(fh.get_slice(name).get_shape())
     total = sum(sizes.values())
     frozen = 0
-    recipe_file = run_dir / "recipe.yaml" if run_dir is not None else None
+    recipe_file = RunLayout(run_dir).recipe if run_dir is not None else None
     if recipe_file is not None and recipe_file.is_file():
         recipe = load_recipe(recipe_file)
         if recipe.draft.freeze_lm_head:  # an eagle3 key: the recipe refuses it under other methods
@@ -189,23 +190,30 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/compare_drafts.py`` (``draftsmith compare``)."""
+    from draftsmith.cli import HelpFormatter
     from draftsmith.data_prep.target import DEVICE_HELP
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
     p.add_argument("--run", type=Path, action="append", required=True, help="training run directory (repeat)")
-    p.add_argument("--prompts", default="builtin:eval")
-    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--prompts", default="builtin:eval", help="prompt set: builtin:NAME or a JSONL file")
+    p.add_argument("--max-prompts", type=int, help="use at most this many prompts (default: all)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per round")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
+                   help="how the draft picks its tokens at temperature > 0")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from draftsmith.eval.spec_decode import DraftLoadError

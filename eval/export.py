@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
+from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
 from draftsmith.methods import UnknownMethodError, get_method
 from draftsmith.models.eagle3 import Eagle3Config
 
@@ -66,9 +67,8 @@ def checkpoint_method(ckpt: Path) -> str:
     """The draft method (``eagle3``, ``medusa``, ``mlp_speculator``) a checkpoint was trained with.
 
     Raises:
-        ExportError: ``draft_config.json`` or ``model.safetensors`` missing.
+        ExportError: ``draft_config.json`` or ``model.safetensors`` missing, or the draft config invalid.
     """
-    meta_path = ckpt / "draft_config.json"
     if not (ckpt / "model.safetensors").is_file():
         sharded = [d for d in ("pytorch_model_fsdp_0", "pytorch_model") if (ckpt / d).exists()]
         if sharded:
@@ -76,27 +76,44 @@ def checkpoint_method(ckpt: Path) -> str:
                 f"{ckpt / 'model.safetensors'} missing: {ckpt} holds only the launcher's sharded state ({sharded[0]}/), "
                 "which export does not read; checkpoints written by this draftsmith version always carry the "
                 "consolidated model.safetensors (resume the run for one more checkpoint to get it)")
-    for f in (meta_path, ckpt / "model.safetensors"):
+    require_checkpoint_files(ckpt)
+    return read_draft_config(ckpt).method
+
+
+def require_checkpoint_files(ckpt: Path) -> None:
+    """Raises ExportError naming ``draft_config.json`` or ``model.safetensors`` when missing."""
+    for f in (ckpt / DRAFT_CONFIG_FILE, ckpt / "model.safetensors"):
         if not f.is_file():
             raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
-    return json.loads(meta_path.read_text()).get("method")
 
 
-def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], Eagle3Config, dict[str, torch.Tensor]]:
+def read_draft_config(ckpt: Path) -> DraftCheckpointConfig:
+    """``ckpt/draft_config.json``.
+
+    Raises:
+        ExportError: the file is missing or invalid (the message names it).
+    """
+    try:
+        return DraftCheckpointConfig.read(ckpt)
+    except DraftConfigError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def read_checkpoint(ckpt: Path) -> tuple[DraftCheckpointConfig, Eagle3Config, dict[str, torch.Tensor]]:
     """Load ``draft_config.json`` and the model weights of a training checkpoint.
 
     Raises:
         ExportError: missing files, a non-EAGLE-3 checkpoint, or missing / mis-shaped tensors.
     """
-    meta_path = ckpt / "draft_config.json"
     weights_path = ckpt / "model.safetensors"
-    for f in (meta_path, weights_path):
-        if not f.is_file():
-            raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("method") != "eagle3":
-        raise ExportError(f"{meta_path}: method is {meta.get('method')!r}, this exporter writes eagle3")
-    cfg = Eagle3Config(**meta["config"])
+    require_checkpoint_files(ckpt)
+    meta = read_draft_config(ckpt)
+    if meta.method != "eagle3":
+        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: method is {meta.method!r}, this exporter writes eagle3")
+    try:
+        cfg = Eagle3Config(**meta.config)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: invalid eagle3 config ({exc})") from None
     state = load_file(str(weights_path))
     state = {k.removeprefix("module."): v for k, v in state.items()}
     want = expected_weight_shapes(cfg)
@@ -109,70 +126,20 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], Eagle3Config, dict[str,
     return meta, cfg, {k: state[k] for k in want}
 
 
-def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
-    """The one-layer Llama config vLLM builds the draft layer from."""
-    out = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/rope_scaling.
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": cfg.llama_config().rope_parameters,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias,
-        "tie_word_embeddings": False,
-    }
-    return out
+def speculators_config(meta: DraftCheckpointConfig, cfg: Eagle3Config, num_speculative_tokens: int,
+                       dtype: str) -> dict[str, Any]:
+    """The speculators-format ``config.json`` of checkpoint ``meta`` (:meth:`Eagle3Config.to_speculators`)."""
+    target = meta.target
+    verifier = {"name_or_path": target.get("verifier", target["name_or_path"]),
+                "architectures": target.get("architectures", [])}
+    return cfg.to_speculators(verifier, num_speculative_tokens, dtype, SPECULATORS_VERSION,
+                              {"version": __version__, "ttt_steps": meta.ttt_steps, "target_path": target.get("path")})
 
 
-def speculators_config(meta: dict[str, Any], cfg: Eagle3Config, num_speculative_tokens: int, dtype: str) -> dict[str, Any]:
-    target = meta["target"]
-    return {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                 "verifier_accept_k": 1, "accept_tolerance": 0.0}
-            ],
-            "verifier": {"name_or_path": target.get("verifier", target["name_or_path"]), "architectures": target.get("architectures", [])},
-        },
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "norm_before_residual": cfg.norm_before_residual,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "transformer_layer_config": layer_config(cfg),
-        "draftsmith": {"version": __version__, "ttt_steps": meta.get("ttt_steps"), "target_path": target.get("path")},
-    }
-
-
-def legacy_config(meta: dict[str, Any], cfg: Eagle3Config, dtype: str) -> dict[str, Any]:
-    out = layer_config(cfg)
-    out.update({
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "norm_before_residual": cfg.norm_before_residual,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
-        "torch_dtype": dtype,
-        "draftsmith": {"version": __version__, "verifier": meta["target"].get("verifier", meta["target"]["name_or_path"])},
-    })
-    return out
+def legacy_config(meta: DraftCheckpointConfig, cfg: Eagle3Config, dtype: str) -> dict[str, Any]:
+    """The legacy-format ``config.json`` of checkpoint ``meta`` (:meth:`Eagle3Config.to_legacy`)."""
+    return cfg.to_legacy(dtype, {"version": __version__,
+                                 "verifier": meta.target.get("verifier", meta.target["name_or_path"])})
 
 
 def is_eagle3_export(config: dict[str, Any]) -> bool:
@@ -231,14 +198,24 @@ def export_eagle3(ckpt: Path, out: Path, legacy: bool = False, num_speculative_t
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/export.py`` (``draftsmith export``)."""
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
     p.add_argument("out_dir", type=Path, nargs="?", help="output directory (or --out)")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--legacy", action="store_true", help="legacy LlamaForCausalLMEagle3 layout")
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", type=Path, help="output directory (or OUT_DIR)")
+    p.add_argument("--legacy", action="store_true", help="EAGLE-3: legacy LlamaForCausalLMEagle3 layout")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="EAGLE-3: K written as the default proposal length")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="storage dtype of the floating-point weights")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if (args.out_dir is None) == (args.out is None):
         p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
@@ -256,9 +233,9 @@ def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir."""
     from draftsmith.train.checkpoint import find_checkpoints
 
-    if (path / "draft_config.json").is_file():
+    if (path / DRAFT_CONFIG_FILE).is_file():
         return path
-    ckpts = find_checkpoints(path / "checkpoints")
+    ckpts = find_checkpoints(RunLayout(path).checkpoints)
     if not ckpts:
         raise ExportError(f"{path}: neither a checkpoint nor a run directory with checkpoints")
     return ckpts[-1]

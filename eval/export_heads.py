@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
-from draftsmith.eval.export import ExportError, export
+from draftsmith.eval.export import ExportError, export, read_draft_config, require_checkpoint_files
+from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
@@ -64,8 +65,8 @@ def mlp_speculator_weight_shapes(cfg: MLPSpeculatorConfig) -> dict[str, tuple[in
     return out
 
 
-def _check_target(meta_path: Path, meta: dict[str, Any], hidden: int, vocab: int) -> None:
-    target = meta.get("target") or {}
+def _check_target(meta_path: Path, meta: DraftCheckpointConfig, hidden: int, vocab: int) -> None:
+    target = meta.target
     for key, have in (("hidden_size", hidden), ("vocab_size", vocab)):
         if target.get(key) != have:
             raise ExportError(f"{meta_path}: draft {key} is {have} but the target it was trained on has "
@@ -93,18 +94,16 @@ def _build_mlp_speculator(config: dict[str, Any]) -> tuple[MLPSpeculator, dict[s
 
 
 def _load_model(ckpt: Path, method: str, build: Callable[[dict[str, Any]], tuple[torch.nn.Module, dict[str, tuple[int, ...]], int, int]]
-                ) -> tuple[dict[str, Any], torch.nn.Module]:
-    """Checkpoint ``ckpt`` of ``method`` as a model; ``build(meta["config"])`` returns the model,
+                ) -> tuple[DraftCheckpointConfig, torch.nn.Module]:
+    """Checkpoint ``ckpt`` of ``method`` as a model; ``build(meta.config)`` returns the model,
     its tensor shapes, and its hidden and vocab sizes (checked against the recorded target)."""
-    meta_path, weights_path = ckpt / "draft_config.json", ckpt / "model.safetensors"
-    for f in (meta_path, weights_path):
-        if not f.is_file():
-            raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("method") != method:
-        raise ExportError(f"{meta_path}: method is {meta.get('method')!r}, expected {method!r}")
+    meta_path, weights_path = ckpt / DRAFT_CONFIG_FILE, ckpt / "model.safetensors"
+    require_checkpoint_files(ckpt)
+    meta = read_draft_config(ckpt)
+    if meta.method != method:
+        raise ExportError(f"{meta_path}: method is {meta.method!r}, expected {method!r}")
     try:
-        model, want, hidden, vocab = build(meta["config"])
+        model, want, hidden, vocab = build(meta.config)
         _check_target(meta_path, meta, hidden, vocab)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ExportError):
@@ -145,7 +144,7 @@ def export_medusa(ckpt: Path, out: Path, dtype: str = "float32") -> Path:
         "truncated_vocab_size": None,
         "medusa_fc_bias": True,
         "torch_dtype": dtype,
-        "draftsmith": {"version": __version__, "verifier": _verifier(meta), "head_decay": meta.get("head_decay")},
+        "draftsmith": {"version": __version__, "verifier": meta.verifier, "head_decay": meta.head_decay},
     }
     return _write(out, config, model.state_dict(), "", dtype)
 
@@ -171,14 +170,9 @@ def export_mlp_speculator(ckpt: Path, out: Path, dtype: str = "float32") -> Path
         "tie_weights": cfg.tie_weights,
         "scale_input": cfg.scale_input,
         "torch_dtype": dtype,
-        "draftsmith": {"version": __version__, "verifier": _verifier(meta), "head_decay": meta.get("head_decay")},
+        "draftsmith": {"version": __version__, "verifier": meta.verifier, "head_decay": meta.head_decay},
     }
     return _write(out, config, model.state_dict(), MLP_PREFIX, dtype)
-
-
-def _verifier(meta: dict[str, Any]) -> str | None:
-    target = meta.get("target") or {}
-    return target.get("verifier", target.get("name_or_path"))
 
 
 def _write(out: Path, config: dict[str, Any], state: dict[str, torch.Tensor], prefix: str, dtype: str) -> Path:

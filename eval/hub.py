@@ -2,11 +2,12 @@
 
     python -m draftsmith.eval.hub DRAFT_DIR --out HUB_DIR --repo-id USER/NAME \
         [--recipe RUN/recipe.yaml] [--acceptance RUN/eval_mtbench.json] [--serve RUN/serve/results.json] \
-        [--push [--private]]
+        [--license LICENSE] [--push [--private]]
 
-``DRAFT_DIR`` is an eval/export.py output (speculators or legacy EAGLE-3 format). The folder
-gets a copy of its files and a ``README.md`` model card: YAML front matter (``base_model``,
-``library_name``, ``tags``), the method, aux layer ids, draft vocab size, the training data
+``DRAFT_DIR`` is an eval/export.py output (EAGLE-3 speculators or legacy format, Medusa, MLP
+speculator). The folder gets a copy of its files and a ``README.md`` model card: YAML front
+matter (``base_model`` = the target, ``license``, ``datasets`` = the recipe's Hub dataset
+sources, ``library_name``, ``tags``), the draft's method (any registered in :mod:`draftsmith.methods`) and its shape, the training data
 (from the run's ``recipe.yaml``), measured acceptance (eval/acceptance.py ``--out`` JSON) and
 serving speedup (eval/serve_bench.py ``results.json``) with the commands that produced them,
 and the ``vllm serve`` line.
@@ -20,48 +21,128 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from draftsmith.methods import UnknownMethodError, method_of_export
+from draftsmith.eval.results import AcceptanceResult, ServeResults, read_acceptance
+from draftsmith.methods import DraftMethodSpec, UnknownMethodError, method_of_export
 
 DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json")
+# Hub dataset ids look like "owner/name"; local files and builtin: sets are not listed in the card.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")
 
 
 class HubError(RuntimeError):
     """Preparing or pushing the Hub folder failed; the message names the folder or repo."""
 
 
-def _draft_facts(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Method, verifier and shapes from an exported draft's ``config.json`` (either format).
+@dataclass(frozen=True)
+class _MethodCard:
+    """How the card names a draft method and which facts of its ``config.json`` it lists."""
+
+    title: str
+    summary: str
+    facts: Callable[[dict[str, Any]], list[str]]
+    num_speculative_tokens: Callable[[dict[str, Any]], int | None]
+
+
+def _eagle3_facts(cfg: dict[str, Any]) -> list[str]:
+    layer = cfg.get("transformer_layer_config") or cfg
+    fmt = "speculators" if cfg.get("speculators_config") else "legacy LlamaForCausalLMEagle3"
+    return [f"- method: EAGLE-3 (one Llama decoder layer over three target hidden states), format {fmt}",
+            f"- aux hidden-state layer ids: {_aux_layer_ids(cfg)} (vLLM convention: residual stream after L layers)",
+            f"- draft vocab size: {cfg.get('draft_vocab_size')} of the target's {layer.get('vocab_size')} tokens "
+            "(d2t / t2d included)",
+            f"- hidden size {layer.get('hidden_size')}; norm_before_residual {cfg.get('norm_before_residual')}; "
+            f"default num_speculative_tokens {_eagle3_k(cfg) or 3}"]
+
+
+def _eagle3_k(cfg: dict[str, Any]) -> int | None:
+    spec = cfg.get("speculators_config") or {}
+    return next((p.get("speculative_tokens") for p in spec.get("proposal_methods", [])), None)
+
+
+def _medusa_facts(cfg: dict[str, Any]) -> list[str]:
+    return [f"- method: Medusa, {cfg.get('num_heads')} heads (head k predicts the token k+1 ahead from the "
+            f"target's last hidden state), {cfg.get('num_hidden_layers')} residual block(s) per head",
+            f"- hidden size {cfg.get('hidden_size')}; vocab size {cfg.get('vocab_size')} (the target's)"]
+
+
+def _mlp_speculator_facts(cfg: dict[str, Any]) -> list[str]:
+    return [f"- method: MLP speculator, {cfg.get('n_predict')} stages (each predicts one more token from the "
+            "previous stage's state and token embedding)",
+            f"- embedding size {cfg.get('emb_dim')}, inner size {cfg.get('inner_dim')}; vocab size "
+            f"{cfg.get('vocab_size')} (the target's); tied stages {cfg.get('tie_weights')}"]
+
+
+# Keyed by the registered method name (draftsmith.methods); a method without an entry gets a
+# card with its name only.
+_METHOD_CARDS = {
+    "eagle3": _MethodCard("EAGLE-3", "EAGLE-3 (arXiv:2503.01840)", _eagle3_facts, _eagle3_k),
+    "medusa": _MethodCard("Medusa", "Medusa heads (arXiv:2401.10774)", _medusa_facts, lambda c: c.get("num_heads")),
+    "mlp_speculator": _MethodCard("MLP speculator", "an MLP speculator (arXiv:2404.19124)", _mlp_speculator_facts,
+                                  lambda c: c.get("n_predict")),
+}
+
+
+def _aux_layer_ids(cfg: dict[str, Any]) -> list[int] | None:
+    return cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+
+
+def _method(cfg: dict[str, Any]) -> DraftMethodSpec:
+    """The registered method of an exported draft's ``config.json``.
 
     Raises:
         HubError: no registered method (:mod:`draftsmith.methods`) recognises the export.
     """
     try:
-        method = method_of_export(cfg).vllm_method
+        return method_of_export(cfg)
     except UnknownMethodError as exc:
         raise HubError(f"draft config.json: {exc}") from None
+
+
+def _verifier(cfg: dict[str, Any], recipe: dict[str, Any] | None) -> str | None:
+    """The target the draft was trained for: the export's record of it, else the recipe's (an
+    embedded target by its Hub id)."""
+    from draftsmith.data_prep.target import verifier_name
+
     spec = cfg.get("speculators_config") or {}
-    layer = cfg.get("transformer_layer_config") or cfg
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    verifier = (spec.get("verifier") or {}).get("name_or_path") or (cfg.get("draftsmith") or {}).get("verifier")
-    k = next((p.get("speculative_tokens") for p in spec.get("proposal_methods", [])), None)
-    return {
-        "method": method,
-        "format": "speculators" if spec else "legacy LlamaForCausalLMEagle3",
-        "verifier": verifier,
-        "aux_layer_ids": ids,
-        "draft_vocab_size": cfg.get("draft_vocab_size"),
-        "vocab_size": layer.get("vocab_size"),
-        "hidden_size": layer.get("hidden_size"),
-        "norm_before_residual": cfg.get("norm_before_residual"),
-        "num_speculative_tokens": k or 3,
-    }
+    recorded = (spec.get("verifier") or {}).get("name_or_path") or (cfg.get("draftsmith") or {}).get("verifier")
+    named = ((recipe or {}).get("target") or {}).get("name_or_path")
+    return recorded or (verifier_name(named) if named else None)
+
+
+def hub_datasets(recipe: dict[str, Any] | None) -> list[str]:
+    """The Hub dataset ids among the recipe's ``data.sources`` (local files and ``builtin:`` sets
+    have no Hub id and are named in the card's text only)."""
+    out = []
+    for source in ((recipe or {}).get("data") or {}).get("sources") or []:
+        path = str(source.get("path", ""))
+        if _HUB_ID.match(path) and not path.endswith(_DATA_SUFFIXES) and path not in out:
+            out.append(path)
+    return out
+
+
+def target_license(target: str | None) -> str | None:
+    """The ``license`` of the target's own model card when the target is a local directory."""
+    readme = Path(target) / "README.md" if target else None
+    if readme is None or not readme.is_file():
+        return None
+    parts = readme.read_text(errors="replace").split("---\n", 2)
+    if len(parts) < 3 or parts[0].strip():
+        return None
+    try:
+        front = yaml.safe_load(parts[1])
+    except yaml.YAMLError:
+        return None
+    return front.get("license") if isinstance(front, dict) else None
 
 
 def _training_section(recipe: dict[str, Any] | None) -> list[str]:
@@ -82,7 +163,7 @@ def _training_section(recipe: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _acceptance_section(acc: dict[str, Any] | None, target: str) -> list[str]:
+def _acceptance_section(acc: dict[str, AcceptanceResult] | None, target: str) -> list[str]:
     if not acc:
         return []
     lines = ["### Acceptance (vLLM spec-decode counters)", "",
@@ -90,86 +171,104 @@ def _acceptance_section(acc: dict[str, Any] | None, target: str) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     cmd = None
     for method, r in acc.items():
-        if r.get("mean_acceptance_length") is None:
+        if r.mean_acceptance_length is None:
             continue
-        pp = " / ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or [])
-        lines.append(f"| {method} | {r.get('num_speculative_tokens')} | {r.get('temperature')} | {r.get('num_prompts')} "
-                     f"(`{r.get('prompts')}`) | {r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.1%} | {pp} |")
+        pp = " / ".join(f"{p:.2f}" for p in r.per_position_acceptance or [])
+        rate = "—" if r.acceptance_rate is None else f"{r.acceptance_rate:.1%}"
+        lines.append(f"| {method} | {r.num_speculative_tokens} | {r.temperature} | {r.num_prompts} "
+                     f"(`{r.prompts}`) | {r.mean_acceptance_length:.2f} | {rate} | {pp} |")
         if method != "ngram" and cmd is None:
             cmd = (f"python -m draftsmith.eval.acceptance --target {target} --draft DRAFT_DIR --method {method} "
-                   f"--prompts {r.get('prompts')} --k {r.get('num_speculative_tokens')} --temperature {r.get('temperature')}")
+                   f"--prompts {r.prompts} --k {r.num_speculative_tokens} --temperature {r.temperature}")
     lines += ["", "Acceptance length = 1 + accepted / drafts (counts the bonus token); rate = accepted / proposed.", ""]
     if cmd:
         lines += ["Command (reconstructed from the result file):", "", "```bash", cmd, "```", ""]
     return lines
 
 
-def _serve_section(serve: dict[str, Any] | None) -> list[str]:
+def _serve_section(serve: ServeResults | None) -> list[str]:
     if not serve:
         return []
-    meta = serve.get("meta", {})
+    meta = serve.meta
     lines = ["### Serving speedup (vLLM OpenAI server, `vllm bench serve`)", "",
-             f"Engine {meta.get('vllm_version')}, {'eager' if meta.get('enforce_eager') else 'compiled'}, "
-             f"prompts `{meta.get('prompts')}`, up to {meta.get('max_new_tokens')} output tokens, temperature 0.", "",
+             f"Engine {meta.vllm_version}, {'eager' if meta.enforce_eager else 'compiled'}, "
+             f"prompts `{meta.prompts}`, up to {meta.max_new_tokens} output tokens, temperature 0.", "",
              "| config | output tok/s (geomean) | vs baseline | speedup per concurrency | acceptance length |",
              "|---|---|---|---|---|"]
-    for name, cfg in serve.get("configs", {}).items():
-        s = cfg.get("summary") or {}
-        if cfg.get("status") != "ok" or not s.get("geomean_output_tok_s"):
+    for name, cfg in serve.configs.items():
+        s = cfg.summary
+        if cfg.status != "ok" or s is None or not s.geomean_output_tok_s:
             continue
-        change = s.get("output_tok_s_change_vs_baseline_pct")
-        per = ", ".join(f"c={c}: {v:.2f}x" for c, v in (s.get("speedup_per_level") or {}).items())
-        al = (s.get("acceptance") or {}).get("mean_acceptance_length")
-        lines.append(f"| {name} | {s['geomean_output_tok_s']:.1f} | {'—' if change is None else f'{change:+.1f}%'} | "
+        change = s.output_tok_s_change_vs_baseline_pct
+        per = ", ".join(f"c={c}: {v:.2f}x" for c, v in (s.speedup_per_level or {}).items())
+        al = s.acceptance.mean_acceptance_length if s.acceptance else None
+        lines.append(f"| {name} | {s.geomean_output_tok_s:.1f} | {'—' if change is None else f'{change:+.1f}%'} | "
                      f"{per or '—'} | {'—' if al is None else f'{al:.2f}'} |")
-    lines += ["", "Command:", "", "```bash", str(meta.get("command")), "```", ""]
+    lines += ["", "Command:", "", "```bash", str(meta.command), "```", ""]
     return lines
 
 
 def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None = None,
-               acceptance: dict[str, Any] | None = None, serve: dict[str, Any] | None = None) -> str:
-    """The ``README.md`` of the Hub folder (YAML front matter + Markdown)."""
-    f = _draft_facts(cfg)
-    target = f["verifier"] or "TARGET"
-    spec = {"method": f["method"], "model": repo_id, "num_speculative_tokens": f["num_speculative_tokens"]}
-    front = {"base_model": target, "library_name": "vllm",
-             "tags": ["speculative-decoding", f["method"], "speculators", "draft-model", "draftsmith"]}
+               acceptance: dict[str, AcceptanceResult] | None = None, serve: ServeResults | None = None,
+               card_license: str | None = None) -> str:
+    """The ``README.md`` of the Hub folder: YAML front matter (``base_model`` = the target,
+    ``license``, ``datasets``, ``library_name``, ``tags``) and Markdown for the draft's method.
+
+    Args:
+        card_license: the card's ``license``; default: the target's when it is a local directory whose
+            model card names one, else ``other``.
+
+    Raises:
+        HubError: no registered method recognises ``cfg``.
+    """
+    spec = _method(cfg)
+    card = _METHOD_CARDS.get(spec.name) or _MethodCard(spec.name, f"a {spec.name} draft", lambda c: [], lambda c: None)
+    target = _verifier(cfg, recipe) or "TARGET"
+    k = card.num_speculative_tokens(cfg) or 3
+    serve_spec = {"method": spec.vllm_method, "model": repo_id, "num_speculative_tokens": k}
+    front: dict[str, Any] = {"base_model": target, "license": card_license or target_license(target) or "other"}
+    datasets = hub_datasets(recipe)
+    if datasets:
+        front["datasets"] = datasets
+    front["library_name"] = "vllm"
+    front["tags"] = ["speculative-decoding", spec.name, *(["speculators"] if cfg.get("speculators_config") else []),
+                     "draft-model", "draftsmith"]
+    if spec.servable:
+        use = ["```bash", f"vllm serve {target} --speculative-config '{json.dumps(serve_spec)}'", "```"]
+    else:
+        use = [f"vLLM's `{spec.vllm_method}` method loads this layout up to vLLM 0.32 "
+               f"(`speculative_config` {json.dumps(serve_spec)}); draftsmith's reference decoder "
+               "(`python -m draftsmith.eval.spec_decode`) runs it with any version."]
     out = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
-           f"# EAGLE-3 draft for {target}", "",
-           f"A speculative-decoding draft model (EAGLE-3, arXiv:2503.01840) for `{target}`, trained with draftsmith "
-           "and stored in the format vLLM loads for `method: eagle3`.", "",
-           "## Use with vLLM", "", "```bash",
-           f"vllm serve {target} --speculative-config '{json.dumps(spec)}'", "```", "",
-           "## Draft", "",
-           f"- method: EAGLE-3 (one Llama decoder layer over three target hidden states), format {f['format']}",
-           f"- target (verifier): `{target}`",
-           f"- aux hidden-state layer ids: {f['aux_layer_ids']} (vLLM convention: residual stream after L layers)",
-           f"- draft vocab size: {f['draft_vocab_size']} of the target's {f['vocab_size']} tokens (d2t / t2d included)",
-           f"- hidden size {f['hidden_size']}; norm_before_residual {f['norm_before_residual']}; "
-           f"default num_speculative_tokens {f['num_speculative_tokens']}", "",
+           f"# {card.title} draft for {target}", "",
+           f"A speculative-decoding draft model, {card.summary}, for `{target}`, trained with draftsmith "
+           f"and stored in the format vLLM loads for `method: {spec.vllm_method}`.", "",
+           "## Use with vLLM", "", *use, "",
+           "## Draft", "", *card.facts(cfg), f"- target (verifier): `{target}`", "",
            "## Training data", ""] + _training_section(recipe) + [""]
     measured = _acceptance_section(acceptance, target) + _serve_section(serve)
     out += ["## Measured", ""] + (measured or ["No measurement was attached.", ""])
     return "\n".join(out)
 
 
-def _read_json(path: Path | None, what: str) -> dict[str, Any] | None:
+def _read(path: Path | None, what: str, reader: Callable[[Path], Any]) -> Any:
     if path is None:
         return None
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return reader(Path(path))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not the results schema
         raise HubError(f"{path}: cannot read the {what} ({exc})") from exc
 
 
 def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = None, acceptance: Path | None = None,
-                   serve: Path | None = None) -> Path:
+                   serve: Path | None = None, card_license: str | None = None) -> Path:
     """Copy the exported draft into ``out`` and write the model card; returns ``out``.
 
     Raises:
-        HubError: ``draft`` is not an exported draft, or an attached file is unreadable.
+        HubError: ``draft`` is not an exported draft, or an attached file is unreadable or not
+            the schema of :mod:`draftsmith.eval.results`.
     """
-    cfg = _read_json(draft / "config.json", "draft config (run eval/export.py first)")
+    cfg = _read(draft / "config.json", "draft config (run eval/export.py first)", lambda p: json.loads(p.read_text()))
     if not (draft / "model.safetensors").is_file():
         raise HubError(f"{draft / 'model.safetensors'} missing: not an exported draft")
     rec = None
@@ -178,16 +277,17 @@ def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = N
             rec = yaml.safe_load(Path(recipe).read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise HubError(f"{recipe}: cannot read the recipe ({exc})") from exc
+    card = model_card(cfg, repo_id, rec, _read(acceptance, "acceptance result", read_acceptance),
+                      _read(serve, "serving results", ServeResults.read), card_license)
     out.mkdir(parents=True, exist_ok=True)
     for name in DRAFT_FILES:
         if (draft / name).is_file():
             shutil.copy2(draft / name, out / name)
-    (out / "README.md").write_text(model_card(cfg, repo_id, rec, _read_json(acceptance, "acceptance result"),
-                                              _read_json(serve, "serving results")))
+    (out / "README.md").write_text(card)
     return out
 
 
-def push(folder: Path, repo_id: str, private: bool = True, commit_message: str = "Upload EAGLE-3 draft (draftsmith)") -> str:
+def push(folder: Path, repo_id: str, private: bool = True, commit_message: str = "Upload speculative-decoding draft (draftsmith)") -> str:
     """Create ``repo_id`` if needed and upload ``folder``; returns the commit URL.
 
     Raises:
@@ -218,11 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", type=Path, help="the run's recipe.yaml (training data in the card)")
     p.add_argument("--acceptance", type=Path, help="eval/acceptance.py --out JSON")
     p.add_argument("--serve", type=Path, help="eval/serve_bench.py results.json")
+    p.add_argument("--license", help="the card's license (default: the target's when its local model card "
+                   "names one, else 'other')")
     p.add_argument("--push", action="store_true", help="create the repo and upload the folder")
     p.add_argument("--private", action="store_true", help="create the repo private")
     args = p.parse_args(argv)
     try:
-        folder = prepare_folder(args.draft, args.out, args.repo_id, args.recipe, args.acceptance, args.serve)
+        folder = prepare_folder(args.draft, args.out, args.repo_id, args.recipe, args.acceptance, args.serve,
+                                args.license)
         print(f"Hub folder: {folder}")
         if args.push:
             print(f"pushed {args.repo_id}: {push(folder, args.repo_id, args.private)}")

@@ -6,18 +6,20 @@ Writes ``RUN/serve/report.md`` (answer first, then tables: summary geomeans and 
 baseline, cost, per level, per-position acceptance, K sweep with its recommendation,
 temperature sweep, failed configurations with their log tails) and PNGs beside it
 (matplotlib, Agg): ``throughput_vs_concurrency.png``, ``latency_vs_concurrency.png``,
-``acceptance_vs_k.png``, ``per_position_acceptance.png``. Input schema: see
-:func:`draftsmith.eval.serve_bench.run_study`; JSON turns the integer / float dict keys
-(concurrency, K, temperature) into strings, so they are parsed back here.
+``acceptance_vs_k.png``, ``per_position_acceptance.png``. Input:
+:class:`draftsmith.eval.results.ServeResults` (``results.json`` read back typed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from draftsmith.eval.results import AcceptanceFigures, ConfigResult, ConfigSummary, LevelResult, ServeResults
+
+V = TypeVar("V")
 
 PLOTS = {
     "throughput": "throughput_vs_concurrency.png",
@@ -27,13 +29,9 @@ PLOTS = {
 }
 
 
-def _num_keys(d: dict[str, Any] | None) -> dict[float, Any]:
-    """``{"1": x, "0.7": y}`` -> ``{1: x, 0.7: y}`` (ints stay ints), sorted."""
-    out = {}
-    for k, v in (d or {}).items():
-        f = float(k)
-        out[int(f) if f == int(f) else f] = v
-    return dict(sorted(out.items()))
+def _sorted(d: dict[Any, V] | None) -> dict[Any, V]:
+    """``d`` by ascending key (concurrency, K, temperature); ``{}`` for ``None``."""
+    return dict(sorted((d or {}).items()))
 
 
 def _f(v: Any, spec: str = ".1f", suffix: str = "") -> str:
@@ -55,21 +53,21 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _ok_levels(cfg: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {c: lv for c, lv in _num_keys(cfg.get("levels")).items() if lv.get("output_tok_s")}
+def _ok_levels(cfg: ConfigResult) -> dict[int, LevelResult]:
+    return {c: lv for c, lv in _sorted(cfg.levels).items() if lv.output_tok_s}
 
 
-def _al(acc: dict[str, Any] | None) -> str:
+def _al(acc: AcceptanceFigures | None) -> str:
     """Acceptance length, or why there is none (a speculative server that proposed nothing)."""
     if not acc:
         return "—"
-    return "no drafts" if not acc.get("num_drafts") else f"{acc['mean_acceptance_length']:.2f}"
+    return "no drafts" if not acc.num_drafts else f"{acc.mean_acceptance_length:.2f}"
 
 
-def _per_pos(acc: dict[str, Any] | None) -> str:
-    if not acc or not acc.get("per_position_acceptance"):
+def _per_pos(acc: AcceptanceFigures | None) -> str:
+    if not acc or not acc.per_position_acceptance:
         return "—"
-    return " / ".join(f"{p:.2f}" for p in acc["per_position_acceptance"])
+    return " / ".join(f"{p:.2f}" for p in acc.per_position_acceptance)
 
 
 # ---------------------------------------------------------------------------- plots
@@ -84,21 +82,21 @@ def _concurrency_axis(ax: Any, levels: list[int]) -> None:
     ax.xaxis.set_minor_locator(NullLocator())
 
 
-def _plots(results: dict[str, Any], out_dir: Path) -> list[str]:
+def _plots(results: ServeResults, out_dir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    configs = {n: c for n, c in results["configs"].items() if c["status"] == "ok" and _ok_levels(c)}
+    configs = {n: c for n, c in results.configs.items() if c.status == "ok" and _ok_levels(c)}
     if configs:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, cfg in configs.items():
             lv = _ok_levels(cfg)
-            ax.plot(list(lv), [x["output_tok_s"] for x in lv.values()], marker="o", label=name)
+            ax.plot(list(lv), [x.output_tok_s for x in lv.values()], marker="o", label=name)
         ax.set(xlabel="concurrency (requests in flight)", ylabel="output tokens/s", title="Output throughput vs concurrency")
-        _concurrency_axis(ax, results["meta"]["levels"])
+        _concurrency_axis(ax, results.meta.levels)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -112,11 +110,11 @@ def _plots(results: dict[str, Any], out_dir: Path) -> list[str]:
                 lv = _ok_levels(cfg)
                 color = f"C{i}"
                 for p, style in (("p50", "-"), ("p95", "--")):
-                    ys = [x[metric].get(p) for x in lv.values()]
+                    ys = [getattr(getattr(x, metric), p) for x in lv.values()]
                     if all(y is not None for y in ys):
                         ax.plot(list(lv), ys, style, marker="o", color=color, label=f"{name} {p}")
             ax.set(xlabel="concurrency", ylabel="ms", title=f"{title} (solid p50, dashed p95)")
-            _concurrency_axis(ax, results["meta"]["levels"])
+            _concurrency_axis(ax, results.meta.levels)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
         fig.tight_layout()
@@ -127,13 +125,13 @@ def _plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     sweep = _sweep_rows(results)
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
-        points = [(k, s["acceptance"]["mean_acceptance_length"]) for k, s in sweep
-                  if (s.get("acceptance") or {}).get("mean_acceptance_length") is not None]
+        points = [(k, s.acceptance.mean_acceptance_length) for k, s in sweep
+                  if s.acceptance and s.acceptance.mean_acceptance_length is not None]
         ks = [k for k, _ in points]
         ax.plot(ks, [al for _, al in points], marker="o", label="measured")
         ax.plot(ks, [k + 1 for k in ks], ":", color="gray", label="upper bound K+1")
         ax.set(xlabel="num_speculative_tokens K", ylabel="mean acceptance length",
-               title=f"Acceptance length vs K (concurrency {results['k_sweep']['levels']})")
+               title=f"Acceptance length vs K (concurrency {results.k_sweep.levels})")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -141,13 +139,13 @@ def _plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         plt.close(fig)
         written.append(PLOTS["k"])
 
-    curves = [(f"{n} (K={c['k']})", c["summary"].get("acceptance")) for n, c in configs.items() if c.get("summary")]
-    curves += [(f"sweep K={k}", s.get("acceptance")) for k, s in sweep]
-    curves = [(label, acc) for label, acc in curves if acc and acc.get("per_position_acceptance")]
+    curves = [(f"{n} (K={c.k})", c.summary.acceptance) for n, c in configs.items() if c.summary]
+    curves += [(f"sweep K={k}", s.acceptance) for k, s in sweep]
+    curves = [(label, acc) for label, acc in curves if acc and acc.per_position_acceptance]
     if curves:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, acc in curves:
-            pp = acc["per_position_acceptance"]
+            pp = acc.per_position_acceptance
             ax.plot(range(1, len(pp) + 1), pp, marker="o", label=label)
         ax.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1),
                title="Per-position acceptance")
@@ -160,13 +158,10 @@ def _plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     return written
 
 
-def _sweep_rows(results: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
-    sweep = results.get("k_sweep") or {}
-    rows = []
-    for k, s in _num_keys(sweep.get("k")).items():
-        if s.get("status") == "ok" and s.get("summary"):
-            rows.append((k, s["summary"]))
-    return rows
+def _sweep_rows(results: ServeResults) -> list[tuple[int, ConfigSummary]]:
+    if results.k_sweep is None:
+        return []
+    return [(k, s.summary) for k, s in _sorted(results.k_sweep.k).items() if s.status == "ok" and s.summary]
 
 
 # ---------------------------------------------------------------------------- markdown
@@ -192,73 +187,74 @@ def _where_it_pays(speedup: dict[int, float]) -> str:
     return text
 
 
-def _answer(results: dict[str, Any]) -> list[str]:
+def _answer(results: ServeResults) -> list[str]:
     """The few sentences a user reads first: speedup at the lowest level, where it stops paying off."""
     lines = []
-    for name, cfg in results["configs"].items():
-        sp = _num_keys((cfg.get("summary") or {}).get("speedup_per_level"))
+    for name, cfg in results.configs.items():
+        sp = _sorted(cfg.summary.speedup_per_level if cfg.summary else None)
         if name == "baseline" or not sp:
             continue
         first = next(iter(sp))
         lines.append(f"- **{name}**: {sp[first]:.2f}x baseline output tok/s at concurrency {first}; {_where_it_pays(sp)}; "
-                     f"geomean change {_pct(cfg['summary'].get('output_tok_s_change_vs_baseline_pct'))}.")
-    rec = (results.get("k_sweep") or {}).get("recommendation")
-    if rec and rec.get("k") is not None:
+                     f"geomean change {_pct(cfg.summary.output_tok_s_change_vs_baseline_pct)}.")
+    rec = results.k_sweep.recommendation if results.k_sweep else None
+    if rec and rec.k is not None:
         verdict = ""
-        if "speculation_pays_off" in rec:
-            verdict = (f" ({rec['speedup_vs_baseline']:.2f}x baseline)" if rec["speculation_pays_off"]
-                       else f" — but even it is slower than no speculation ({rec['speedup_vs_baseline']:.2f}x): serve without a draft")
-        lines.append(f"- **Recommended num_speculative_tokens: {rec['k']}**{verdict}. Rule: {rec['rule']}.")
+        if rec.speculation_pays_off is not None:
+            verdict = (f" ({rec.speedup_vs_baseline:.2f}x baseline)" if rec.speculation_pays_off
+                       else f" — but even it is slower than no speculation ({rec.speedup_vs_baseline:.2f}x): serve without a draft")
+        lines.append(f"- **Recommended num_speculative_tokens: {rec.k}**{verdict}. Rule: {rec.rule}.")
     return lines
 
 
-def render_markdown(results: dict[str, Any], plots: list[str]) -> str:
-    meta = results["meta"]
-    price = meta.get("price_per_hour")
+def render_markdown(results: ServeResults, plots: list[str]) -> str:
+    meta = results.meta
+    price = meta.price_per_hour
     out = ["# Serving benchmark", ""]
-    out += [f"- target: `{meta.get('target_name', meta.get('target'))}`; draft: `{meta.get('draft')}`",
-            f"- prompts: `{meta.get('prompts')}`, {_per_level(meta.get('prompts_per_level'))} per level (no prompt shared "
-            f"between levels), up to {meta.get('max_new_tokens')} output tokens each, temperature 0",
-            f"- engine: {meta.get('vllm_version')}, dtype {meta.get('dtype')}, "
-            f"{'eager (--enforce-eager, no torch.compile / graphs)' if meta.get('enforce_eager') else 'compiled'}",
+    target = meta.target_name if "target_name" in meta.model_fields_set else meta.target
+    out += [f"- target: `{target}`; draft: `{meta.draft}`",
+            f"- prompts: `{meta.prompts}`, {_per_level(meta.prompts_per_level)} per level (no prompt shared "
+            f"between levels), up to {meta.max_new_tokens} output tokens each, temperature 0",
+            f"- engine: {meta.vllm_version}, dtype {meta.dtype}, "
+            f"{'eager (--enforce-eager, no torch.compile / graphs)' if meta.enforce_eager else 'compiled'}",
             f"- price: {'$' + format(price, '.2f') + '/hour' if price else 'not given (no cost figures)'}",
-            f"- command: `{meta.get('command')}`", ""]
+            f"- command: `{meta.command}`", ""]
     answer = _answer(results)
     if answer:
         out += ["## Answer", ""] + answer + [""]
 
     out += ["## Summary (geometric mean over concurrency levels)", ""]
     rows = []
-    for name, cfg in results["configs"].items():
-        s = cfg.get("summary") or {}
-        acc = s.get("acceptance") or {}
-        rows.append([name, cfg["status"], _f(s.get("geomean_output_tok_s")), _pct(s.get("output_tok_s_change_vs_baseline_pct")),
-                     _f(s.get("geomean_total_tok_s")), _f(s.get("geomean_p50_ttft_ms")), _f(s.get("geomean_p50_tpot_ms")),
-                     _f(s.get("geomean_median_request_latency_ms"), ".0f"), _pct(s.get("request_latency_change_vs_baseline_pct")),
-                     _al(acc), _f(acc.get("acceptance_rate"), ".1%"),
-                     _f(s.get("cost_per_1m_output_tokens"), ".2f")])
+    for name, cfg in results.configs.items():
+        s = cfg.summary or ConfigSummary()
+        acc = s.acceptance or AcceptanceFigures()
+        rows.append([name, cfg.status, _f(s.geomean_output_tok_s), _pct(s.output_tok_s_change_vs_baseline_pct),
+                     _f(s.geomean_total_tok_s), _f(s.geomean_p50_ttft_ms), _f(s.geomean_p50_tpot_ms),
+                     _f(s.geomean_median_request_latency_ms, ".0f"), _pct(s.request_latency_change_vs_baseline_pct),
+                     _al(s.acceptance), _f(acc.acceptance_rate, ".1%"),
+                     _f(s.cost_per_1m_output_tokens, ".2f")])
     out += [_table(["config", "status", "output tok/s", "vs baseline", "total tok/s", "TTFT p50 ms", "TPOT p50 ms",
                     "median latency ms", "latency vs baseline", "accept. length", "accept. rate", "$ / 1M out tok"], rows), ""]
 
     out += ["## Per concurrency level", ""]
     rows = []
-    for name, cfg in results["configs"].items():
-        sp = _num_keys((cfg.get("summary") or {}).get("speedup_per_level"))
-        for c, lv in _num_keys(cfg.get("levels")).items():
-            if "error" in lv:
-                rows.append([name, str(c), "failed: " + lv["error"].splitlines()[0][:80]] + [""] * 12)
+    for name, cfg in results.configs.items():
+        sp = _sorted(cfg.summary.speedup_per_level if cfg.summary else None)
+        for c, lv in _sorted(cfg.levels).items():
+            if lv.error is not None:
+                rows.append([name, str(c), "failed: " + lv.error.splitlines()[0][:80]] + [""] * 12)
                 continue
-            acc = lv.get("acceptance") or {}
-            t, p, i = lv["ttft_ms"], lv["tpot_ms"], lv["itl_ms"]
-            rows.append([name, str(c), _f(lv.get("output_tok_s")), _f(lv.get("total_tok_s")),
-                         f"{_f(t.get('p50'))} / {_f(t.get('p95'))} / {_f(t.get('p99'))}",
-                         f"{_f(p.get('p50'))} / {_f(p.get('p95'))} / {_f(p.get('p99'))}",
-                         f"{_f(i.get('p50'))} / {_f(i.get('p95'))} / {_f(i.get('p99'))}",
-                         _f(lv.get("median_request_latency_ms"), ".0f"), _al(acc),
-                         _f(acc.get("acceptance_rate"), ".1%"), _f(sp.get(c), ".2f", "x"),
-                         _f(lv.get("outputs_equal_baseline"), ".0%"), f"{lv.get('completed')}/{lv.get('num_prompts')}",
-                         _f((1e6 / lv["output_tok_s"] * price / 3600) if price and lv.get("output_tok_s") else None, ".2f"),
-                         _f(lv.get("duration_s"), ".1f")])
+            acc = lv.acceptance or AcceptanceFigures()
+            t, p, i = lv.ttft_ms, lv.tpot_ms, lv.itl_ms
+            rows.append([name, str(c), _f(lv.output_tok_s), _f(lv.total_tok_s),
+                         f"{_f(t.p50)} / {_f(t.p95)} / {_f(t.p99)}",
+                         f"{_f(p.p50)} / {_f(p.p95)} / {_f(p.p99)}",
+                         f"{_f(i.p50)} / {_f(i.p95)} / {_f(i.p99)}",
+                         _f(lv.median_request_latency_ms, ".0f"), _al(lv.acceptance),
+                         _f(acc.acceptance_rate, ".1%"), _f(sp.get(c), ".2f", "x"),
+                         _f(lv.outputs_equal_baseline, ".0%"), f"{lv.completed}/{lv.num_prompts}",
+                         _f((1e6 / lv.output_tok_s * price / 3600) if price and lv.output_tok_s else None, ".2f"),
+                         _f(lv.duration_s, ".1f")])
     out += [_table(["config", "conc.", "output tok/s", "total tok/s", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99",
                     "ITL ms p50/p95/p99", "median latency ms", "accept. length", "accept. rate", "speedup",
                     "same text as baseline", "completed", "$ / 1M out tok", "duration s"], rows), ""]
@@ -267,53 +263,53 @@ def render_markdown(results: dict[str, Any], plots: list[str]) -> str:
             "= 1 + accepted / drafts. \"Same text as baseline\" is the share of requests whose output equals the "
             "baseline's (greedy speculation is lossless up to batch-dependent numerics).", ""]
 
-    pp_rows = [[name, str(cfg["k"]), _per_pos((cfg.get("summary") or {}).get("acceptance"))]
-               for name, cfg in results["configs"].items() if (cfg.get("summary") or {}).get("acceptance")]
+    pp_rows = [[name, str(cfg.k), _per_pos(cfg.summary.acceptance)]
+               for name, cfg in results.configs.items() if cfg.summary and cfg.summary.acceptance]
     if pp_rows:
         out += ["## Per-position acceptance (accepted at position i / drafts, all levels pooled)", "",
                 _table(["config", "K", "positions 1..K"], pp_rows), ""]
 
-    sweep = results.get("k_sweep")
+    sweep = results.k_sweep
     if sweep:
-        out += [f"## Draft-token sweep ({sweep['method']}, concurrency {sweep['levels']})", ""]
+        out += [f"## Draft-token sweep ({sweep.method}, concurrency {sweep.levels})", ""]
         rows = []
-        for k, s in _num_keys(sweep.get("k")).items():
-            summ = s.get("summary") or {}
-            acc = summ.get("acceptance") or {}
-            sp = [v for v in _num_keys(summ.get("speedup_per_level")).values()]
-            rows.append([str(k), s.get("status", "?"), _f(summ.get("geomean_output_tok_s")),
-                         _pct(summ.get("output_tok_s_change_vs_baseline_pct")), _f(summ.get("geomean_p50_tpot_ms")),
-                         _f(summ.get("geomean_median_request_latency_ms"), ".0f"), _al(acc),
-                         _f(acc.get("acceptance_rate"), ".1%"), _per_pos(acc)])
+        for k, s in _sorted(sweep.k).items():
+            summ = s.summary or ConfigSummary()
+            acc = summ.acceptance or AcceptanceFigures()
+            rows.append([str(k), s.status, _f(summ.geomean_output_tok_s),
+                         _pct(summ.output_tok_s_change_vs_baseline_pct), _f(summ.geomean_p50_tpot_ms),
+                         _f(summ.geomean_median_request_latency_ms, ".0f"), _al(summ.acceptance),
+                         _f(acc.acceptance_rate, ".1%"), _per_pos(summ.acceptance)])
         out += [_table(["K", "status", "output tok/s", "vs baseline", "TPOT p50 ms", "median latency ms",
                         "accept. length", "accept. rate", "per position"], rows), ""]
-        rec = sweep.get("recommendation") or {}
-        if rec.get("k") is not None:
-            out += [f"**Recommendation: K = {rec['k']}.** Rule: {rec['rule']}.", ""]
-        elif rec.get("error"):
-            out += [f"No recommendation: {rec['error']}.", ""]
+        rec = sweep.recommendation
+        if rec and rec.k is not None:
+            out += [f"**Recommendation: K = {rec.k}.** Rule: {rec.rule}.", ""]
+        elif rec and rec.error:
+            out += [f"No recommendation: {rec.error}.", ""]
 
-    temp = results.get("temperature_sweep")
+    temp = results.temperature_sweep
     if temp:
-        out += [f"## Temperature sweep ({temp['method']}, K={temp['k']}, concurrency {temp['concurrency']})", "",
-                f"Measured by: {temp['measured_by']}.", ""]
+        out += [f"## Temperature sweep ({temp.method}, K={temp.k}, concurrency {temp.concurrency})", "",
+                f"Measured by: {temp.measured_by}.", ""]
         rows = []
-        for t, lv in _num_keys(temp["temperatures"]).items():
-            if "error" in lv:
+        for t, lv in _sorted(temp.temperatures).items():
+            if lv.error is not None:
                 rows.append([f"{t:g}", "failed", "", "", ""])
                 continue
-            acc = lv.get("acceptance") or {}
-            rows.append([f"{t:g}", _al(acc), _f(acc.get("acceptance_rate"), ".1%"),
-                         _per_pos(acc), _f(lv.get("output_tok_s"))])
+            acc = lv.acceptance or AcceptanceFigures()
+            rows.append([f"{t:g}", _al(lv.acceptance), _f(acc.acceptance_rate, ".1%"),
+                         _per_pos(lv.acceptance), _f(lv.output_tok_s)])
         out += [_table(["temperature", "accept. length", "accept. rate", "per position", "output tok/s"], rows), ""]
 
-    failed = [(n, c) for n, c in results["configs"].items() if c["status"] != "ok"]
-    failed += [(f"{sweep['method']} K={k}", s) for k, s in _num_keys((sweep or {}).get("k")).items() if s.get("status") != "ok"]
+    failed = [(n, c) for n, c in results.configs.items() if c.status != "ok"]
+    if sweep:
+        failed += [(f"{sweep.method} K={k}", s) for k, s in _sorted(sweep.k).items() if s.status != "ok"]
     if failed:
         out += ["## Failed configurations", ""]
         for name, cfg in failed:
-            tail = "\n".join((cfg.get("log_tail") or "").splitlines()[-30:])
-            out += [f"### {name}", "", f"{cfg.get('error')}", "", "```", tail, "```", ""]
+            tail = "\n".join((cfg.log_tail or "").splitlines()[-30:])
+            out += [f"### {name}", "", f"{cfg.error}", "", "```", tail, "```", ""]
 
     if plots:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -325,12 +321,13 @@ def write_report(run_dir: Path) -> Path:
 
     Raises:
         FileNotFoundError: no ``results.json`` in ``run_dir``.
+        ValueError (pydantic ValidationError): it is not :class:`ServeResults` JSON.
     """
     run_dir = Path(run_dir)
     path = run_dir / "results.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: run `python -m draftsmith.eval.serve_bench --out-dir {run_dir}` first")
-    results = json.loads(path.read_text())
+    results = ServeResults.read(path)
     plots = _plots(results, run_dir)
     report = run_dir / "report.md"
     report.write_text(render_markdown(results, plots))
@@ -343,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         report = write_report(args.run_dir)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(report)

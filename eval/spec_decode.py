@@ -34,7 +34,7 @@ Draft proposers (one per draft type, all behind :class:`Proposer`):
 
 - EAGLE-3 (:class:`Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
   SPEC.md section 1, captured with the same pre-hooks as training,
-  :class:`draftsmith.data_prep.hidden_states.AuxHiddenStateCapture`) and keeps its own KV
+  :class:`draftsmith.data_prep.capture.AuxHiddenStateCapture`) and keeps its own KV
   cache: step-0 keys of committed positions persist, the keys of the chained steps are
   dropped after each proposal (vLLM overwrites those slots the same way).
 - Medusa (:class:`MedusaProposer`): head k at the last committed position t proposes
@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.data_prep.hidden_states import AuxHiddenStateCapture, decoder_layers
+from draftsmith.data_prep.capture import AuxHiddenStateCapture, decoder_layers
 from draftsmith.data_prep.target import DEVICE_HELP
 from draftsmith.methods import UnknownMethodError, method_of_export
 from draftsmith.recipe import add_vllm_arguments
@@ -475,35 +475,18 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3D
             (vLLM shares the target's embedding the same way).
 
     Raises:
-        DraftLoadError: missing / unexpected / mis-shaped tensors, or no embedding anywhere.
+        DraftLoadError: a config.json that is no EAGLE-3 export (:meth:`Eagle3Config.from_export`),
+            missing / unexpected / mis-shaped tensors, or no embedding anywhere.
     """
     from safetensors.torch import load_file
 
-    cfg = _read_config(path)
-    if cfg.get("speculators_model_type") == "eagle3":
-        layer = cfg["transformer_layer_config"]
-        aux = cfg["eagle_aux_hidden_state_layer_ids"]
-        norm_before_residual = cfg.get("norm_before_residual", True)  # vLLM's default here
-    else:
-        layer = cfg
-        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        norm_before_residual = cfg.get("norm_before_residual", False)  # legacy default
-    if not aux:
-        raise DraftLoadError(f"{path / 'config.json'}: no eagle_aux_hidden_state_layer_ids")
-    rope = layer.get("rope_parameters") or {}
-    rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" \
-        else layer.get("rope_scaling")
-    config = Eagle3Config(
-        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-        num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"], aux_layer_ids=list(aux),
-        target_hidden_size=cfg.get("target_hidden_size"), norm_before_residual=norm_before_residual,
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
-        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
-        rope_scaling=rope_scaling or None, max_position_embeddings=layer.get("max_position_embeddings", 4096),
-        attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
-    )
+    raw = _read_config(path)
+    try:
+        config = Eagle3Config.from_export(raw)
+    except KeyError as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise DraftLoadError(f"{weights} missing")
@@ -685,16 +668,19 @@ def _format(name: str, r: dict[str, Any]) -> str:
     return line + ")"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/spec_decode.py`` (``draftsmith spec-decode``)."""
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
     p.add_argument("--draft", type=Path, required=True, help="exported draft directory (eval/export.py)")
-    p.add_argument("--prompts", default="builtin:eval")
-    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--prompts", default="builtin:eval", help="prompt set: builtin:NAME or a JSONL file")
+    p.add_argument("--max-prompts", type=int, help="use at most this many prompts (default: all)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="target sampling temperature (0: greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="target and draft dtype (default: %(default)s; also vLLM's with --compare-vllm)")
     p.add_argument("--device", help=DEVICE_HELP)
@@ -711,7 +697,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from draftsmith.data_prep.target import load_target, resolve_target
     from draftsmith.recipe import RecipeError, VllmConfig, vllm_config_from_args
 

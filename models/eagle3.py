@@ -47,6 +47,25 @@ from transformers.models.llama.modeling_llama import (
 )
 
 
+def rope_theta_and_scaling(rope_parameters: dict[str, Any] | None, rope_theta: float | None = None,
+                           rope_scaling: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from either spelling of a Llama-style RoPE config.
+
+    transformers >= 5 keeps theta and scaling together in ``rope_parameters``; older configs
+    (and older exports) have ``rope_theta`` + ``rope_scaling``. When ``rope_parameters`` is
+    given it wins; ``rope_scaling`` is None for the ``default`` rope type. Theta defaults to
+    10000 (Llama's).
+    """
+    if rope_parameters:
+        theta = rope_parameters.get("rope_theta") or rope_theta
+        scaling = None
+        if rope_parameters.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    else:
+        theta, scaling = rope_theta, rope_scaling
+    return float(theta or 10000.0), (dict(scaling) if scaling else None)
+
+
 @dataclass
 class Eagle3Config:
     """Architecture of an EAGLE-3 draft for one target model.
@@ -109,18 +128,11 @@ class Eagle3Config:
         """Build the draft geometry from a transformers target config (Llama-like or gpt-oss)."""
         text = getattr(target_config, "text_config", None) or target_config
         heads = text.num_attention_heads
-        # transformers >= 5 keeps theta and scaling together in rope_parameters; older configs
-        # have rope_theta + rope_scaling. The draft copies the target's RoPE (YaRN included) so
-        # that draft positions rotate exactly as vLLM rotates them at serving time.
-        rope_params = getattr(text, "rope_parameters", None)
-        if rope_params:
-            rope_theta = rope_params.get("rope_theta")
-            rope_scaling = None
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        else:
-            rope_theta = getattr(text, "rope_theta", None)
-            rope_scaling = getattr(text, "rope_scaling", None)
+        # The draft copies the target's RoPE (YaRN included) so that draft positions rotate
+        # exactly as vLLM rotates them at serving time.
+        rope_theta, rope_scaling = rope_theta_and_scaling(getattr(text, "rope_parameters", None),
+                                                          getattr(text, "rope_theta", None),
+                                                          getattr(text, "rope_scaling", None))
         return cls(
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
@@ -134,22 +146,27 @@ class Eagle3Config:
             norm_before_residual=norm_before_residual,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
             hidden_act=getattr(text, "hidden_act", "silu"),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def llama_config(self) -> LlamaConfig:
-        """The one-layer Llama config the draft layer corresponds to (vLLM's view of it)."""
+    def rope_parameters(self) -> dict[str, Any]:
+        """RoPE in transformers >= 5's ``rope_parameters`` spelling (inverse of
+        :func:`rope_theta_and_scaling`)."""
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope_parameters.update(self.rope_scaling)
             rope_parameters["rope_type"] = self.rope_scaling.get(
                 "rope_type", self.rope_scaling.get("type", "default")
             )
+        return rope_parameters
+
+    def llama_config(self) -> LlamaConfig:
+        """The one-layer Llama config the draft layer corresponds to (vLLM's view of it)."""
         cfg = LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -161,12 +178,147 @@ class Eagle3Config:
             hidden_act=self.hidden_act,
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=rope_parameters,
+            rope_parameters=self.rope_parameters(),
             attention_bias=self.attention_bias,
             mlp_bias=self.mlp_bias,
             tie_word_embeddings=False,
         )
         return cfg
+
+    # ----------------------------------------------------------------------------------
+    # Export formats (SPEC.md section 3): the writer and the reader of each live here.
+
+    def to_layer_config(self) -> dict[str, Any]:
+        """The one-layer Llama config vLLM builds the draft layer from (``transformer_layer_config``
+        of the speculators format; the top level of the legacy format)."""
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/rope_scaling.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": self.rope_parameters(),
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": False,
+        }
+
+    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
+                       version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` of the speculators format (vLLM detects it by ``speculators_config``).
+
+        Args:
+            verifier: ``{"name_or_path", "architectures"}`` of the target.
+            num_speculative_tokens: K of the default (greedy) proposal method.
+            dtype: ``torch_dtype`` of the exported weights.
+            version: ``speculators_version`` (the speculators config schema followed).
+            draftsmith: provenance written under the ``draftsmith`` key (ignored by readers).
+        """
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": version,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                     "verifier_accept_k": 1, "accept_tolerance": 0.0}
+                ],
+                "verifier": verifier,
+            },
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "norm_before_residual": self.norm_before_residual,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "transformer_layer_config": self.to_layer_config(),
+            "draftsmith": draftsmith,
+        }
+
+    def to_legacy(self, dtype: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` of the legacy ``LlamaForCausalLMEagle3`` format (weights ``midlayer.*``)."""
+        out = self.to_layer_config()
+        out.update({
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+            "torch_dtype": dtype,
+            "draftsmith": draftsmith,
+        })
+        return out
+
+    @classmethod
+    def from_layer_config(cls, layer: dict[str, Any], draft_vocab_size: int, aux_layer_ids: list[int],
+                          target_hidden_size: int | None, norm_before_residual: bool) -> Eagle3Config:
+        """The config of a Llama-style layer config plus the EAGLE-3 fields (either format)."""
+        rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
+                                                          layer.get("rope_scaling"))
+        return cls(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"], draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=target_hidden_size, norm_before_residual=norm_before_residual,
+            rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=layer.get("max_position_embeddings", 4096),
+            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
+        )
+
+    @classmethod
+    def from_speculators(cls, config: dict[str, Any]) -> Eagle3Config:
+        """Inverse of :meth:`to_speculators`. ``norm_before_residual`` defaults to True when
+        absent, as in vLLM.
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: no aux layer ids, or an inconsistent geometry.
+        """
+        aux = config.get("eagle_aux_hidden_state_layer_ids")
+        if not aux:
+            raise ValueError("no eagle_aux_hidden_state_layer_ids")
+        return cls.from_layer_config(config["transformer_layer_config"], config["draft_vocab_size"], aux,
+                                     config.get("target_hidden_size"), config.get("norm_before_residual", True))
+
+    @classmethod
+    def from_legacy(cls, config: dict[str, Any]) -> Eagle3Config:
+        """Inverse of :meth:`to_legacy`. ``norm_before_residual`` defaults to False when absent,
+        as in vLLM's legacy loader.
+
+        Raises:
+            KeyError / ValueError: as :meth:`from_speculators`.
+        """
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not aux:
+            raise ValueError("no eagle_aux_hidden_state_layer_ids")
+        return cls.from_layer_config(config, config["draft_vocab_size"], aux, config.get("target_hidden_size"),
+                                     config.get("norm_before_residual", False))
+
+    @classmethod
+    def from_export(cls, config: dict[str, Any]) -> Eagle3Config:
+        """The config of an exported draft's ``config.json``, speculators or legacy format.
+
+        Raises:
+            KeyError / ValueError: as :meth:`from_speculators`.
+        """
+        if config.get("speculators_model_type") == "eagle3":
+            return cls.from_speculators(config)
+        return cls.from_legacy(config)
 
 
 def same_document(document_ids: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.data_prep import conversations as conv
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, ShardError, ShardSpec, generate_hidden_states
-from draftsmith.data_prep.prepare import DataPaths, stage_tokenize, stage_vocab
+from draftsmith.data_prep.hidden_states import generate_hidden_states
+from draftsmith.data_prep.shards import ShardError, ShardSpec
+from draftsmith.train.data import HiddenStateDataset
+from draftsmith.data_prep.prepare import stage_tokenize, stage_vocab
+from draftsmith.layout import DataPaths
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import ExportError, export

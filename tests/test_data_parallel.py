@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -20,6 +21,8 @@ from draftsmith.train.checkpoint import find_checkpoints
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe
+
+pytestmark = pytest.mark.integration  # torchrun / accelerate launch of two training processes
 
 REPO = Path(__file__).resolve().parent.parent
 # Tolerance: the two runs see the same global batches and the loss is normalised by the

@@ -20,6 +20,8 @@ import pytest
 from sharded_runs import SCHEDULE, assert_exact, assert_export_matches_checkpoint, checkpoint_weights, interrupted_copy
 from test_data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
 
+pytestmark = pytest.mark.integration  # accelerate launch of DeepSpeed training
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -134,6 +134,7 @@ def test_target_draft_head_gathers_t2d_rows():
     torch.testing.assert_close(head(h), (h @ lm_head.T)[:, [1, 4, 7]])
 
 
+@pytest.mark.integration
 def test_loss_goes_down_on_a_fixed_batch():
     torch.manual_seed(0)
     cfg = tiny_config()

@@ -22,6 +22,8 @@ from draftsmith.train.trainer import NonFiniteLossError, fit
 
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 
+pytestmark = pytest.mark.integration  # trains the tiny target end to end
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -10,15 +10,9 @@ import sys
 import pytest
 import torch
 
-from draftsmith.data_prep.hidden_states import (
-    HiddenStateDataset,
-    ShardSpec,
-    convert_shards,
-    decode_fp8,
-    encode_fp8,
-    generate_hidden_states,
-    shard_bytes_per_token,
-)
+from draftsmith.data_prep.hidden_states import generate_hidden_states
+from draftsmith.data_prep.shards import ShardSpec, convert_shards, decode_fp8, encode_fp8, shard_bytes_per_token
+from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.target import load_target
 
 from conftest import TINY_AUX
@@ -80,6 +74,7 @@ def test_bf16_shards_without_encoding_still_read_in_their_dtype(tiny, tmp_path):
     assert item["aux_hidden_states"].shape == (len(records[1]["input_ids"]), 3 * model.config.hidden_size)
 
 
+@pytest.mark.integration
 def test_convert_cli_reencodes_bf16_to_fp8_keeping_tokens_and_boundaries(tiny, tmp_path):
     model, _ = tiny
     records = make_records(5, model.config.vocab_size, seed=5)
@@ -100,6 +95,7 @@ def test_convert_cli_reencodes_bf16_to_fp8_keeping_tokens_and_boundaries(tiny, t
     assert (dst / "shard-00000.safetensors").stat().st_mtime_ns == first
 
 
+@pytest.mark.integration
 def test_two_ranks_write_disjoint_shards_whose_union_equals_one_process(tiny, tmp_path):
     model, _ = tiny
     records = make_records(11, model.config.vocab_size, seed=6)

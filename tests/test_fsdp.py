@@ -33,6 +33,7 @@ FSDP_ENV = {
 }
 
 
+@pytest.mark.integration
 def test_fsdp2_two_processes_train_checkpoint_resume_and_export_like_one_process(tiny_target, tmp_path):
     recipe_path = prepare_twin_runs(tiny_target, tmp_path)
     launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29600)
@@ -71,6 +72,7 @@ def _tied_mlp_speculator(tiny_target, prompts, **train):
     return recipe
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method, make_recipe", [("medusa", _medusa), ("mlp_speculator", _tied_mlp_speculator)])
 def test_fsdp2_trains_and_exports_the_head_methods(tiny_target, tmp_path, method, make_recipe):
     # the wrap unit comes from each model (Medusa: its head blocks; MLP speculator: the root, its

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep.hidden_states import capture_batch
+from draftsmith.data_prep.capture import capture_batch
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.regenerate import TransformersChatEngine, VllmChatEngine, draw_reasoning_effort, regenerate
 from draftsmith.eval.export import export
@@ -47,6 +47,7 @@ def build_tiny_gpt_oss(directory):
     return directory
 
 
+@pytest.mark.integration
 def test_gpt_oss_target_capture_train_export(tmp_path):
     target = build_tiny_gpt_oss(tmp_path / "gpt_oss")
     from transformers import AutoModelForCausalLM

@@ -27,16 +27,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from draftsmith.data_prep.hidden_states import TransformersCapture
+from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval.export import expected_weight_shapes, read_checkpoint
-from draftsmith.eval.fault_report import max_param_diff, read_metrics, wait_for_step
 from draftsmith.models.eagle3 import Eagle3DraftModel
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 
 from conftest import TINY_AUX, write_jsonl
+from faults import max_param_diff, read_metrics, wait_for_step
 from test_medusa import medusa_recipe
 from test_mlp_speculator import mlp_recipe
 from test_pipeline import PROMPTS, tiny_recipe

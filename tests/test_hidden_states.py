@@ -7,14 +7,10 @@ import json
 import pytest
 import torch
 
-from draftsmith.data_prep.hidden_states import (
-    HiddenStateDataset,
-    ShardError,
-    ShardSpec,
-    capture_batch,
-    collate,
-    generate_hidden_states,
-)
+from draftsmith.data_prep.capture import capture_batch
+from draftsmith.data_prep.hidden_states import generate_hidden_states
+from draftsmith.data_prep.shards import ShardError, ShardSpec
+from draftsmith.train.data import HiddenStateDataset, collate
 from draftsmith.data_prep.target import default_aux_layer_ids, load_target, validate_aux_layer_ids
 
 from conftest import TINY_AUX, TINY_LAYERS

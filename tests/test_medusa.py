@@ -95,6 +95,7 @@ def trained(tiny_target, tmp_path_factory):
     return recipe, run
 
 
+@pytest.mark.integration
 def test_loss_goes_down_and_export_reloads(trained, tmp_path):
     recipe, run = trained
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -119,6 +120,7 @@ def test_loss_goes_down_and_export_reloads(trained, tmp_path):
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
 
 
+@pytest.mark.integration
 def test_export_cli_dispatches_on_method(trained, tmp_path):
     _, run = trained
     proc = subprocess.run([sys.executable, "-m", "draftsmith.eval.export", str(run), str(tmp_path / "cli")],
@@ -127,6 +129,7 @@ def test_export_cli_dispatches_on_method(trained, tmp_path):
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["model_type"] == "medusa"
 
 
+@pytest.mark.integration
 def test_export_refuses_checkpoint_for_another_target(trained, tmp_path):
     import shutil
 

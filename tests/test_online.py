@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 import torch
 
@@ -15,6 +16,8 @@ from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe
+
+pytestmark = pytest.mark.integration  # trains the tiny target end to end
 
 
 def test_online_and_offline_give_the_same_batches_losses_and_weights(tiny_target, tmp_path):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.data_prep.hidden_states import collate
+from draftsmith.train.data import collate
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.models.eagle3 import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
 from draftsmith.train.eagle3 import Eagle3Method
@@ -182,6 +182,7 @@ def test_packed_loader_yields_every_sequence_once_per_epoch(replicas):
         assert expected == list(range(64))
 
 
+@pytest.mark.integration
 def test_trainer_trains_on_packed_rows(tiny_target, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
     recipe = tiny_recipe(tiny_target, prompts, max_steps=3, packing=True, pack_tokens=192, batch_size=2)

@@ -19,6 +19,8 @@ from draftsmith.train.trainer import fit
 
 from conftest import CPU_VLLM, TINY_AUX, write_jsonl
 
+pytestmark = pytest.mark.integration  # prepare -> train -> export on the tiny target
+
 PROMPTS = [
     "Translate to French: good morning.", "Write a haiku about autumn.", "What is the capital of Italy?",
     "Summarize: the meeting moved to Tuesday.", "def add(a, b): explain this.", "Return JSON with name and age.",

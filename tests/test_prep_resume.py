@@ -17,11 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, load_manifest
-from draftsmith.eval.fault_report import PREP_KILLER
+import pytest
+
+from draftsmith.data_prep.shards import load_manifest
+from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.regenerate import regenerate
 
+from faults import PREP_KILLER
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
+
+pytestmark = pytest.mark.integration  # kills and reruns data_prep/prepare.py processes
 
 REPO = Path(__file__).resolve().parent.parent
 

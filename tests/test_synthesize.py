@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import torch
 
 from draftsmith.data_prep.synthesize import keep_prompt, main, synthesize, transformers_sampler, user_turn_prefix
@@ -41,6 +42,7 @@ def test_tiny_target_synthesises_user_messages(tiny_target):
     assert all("<|im_end|>" not in t for t, _ in samples)
 
 
+@pytest.mark.integration
 def test_cli_runs_the_transformers_engine_on_the_given_device_and_accepts_the_vllm_flags(tiny_target, tmp_path, capsys):
     out = tmp_path / "magpie.jsonl"
     assert main(["--target", str(tiny_target), "--num-prompts", "2", "--out", str(out), "--engine", "transformers",

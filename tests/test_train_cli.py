@@ -35,6 +35,7 @@ def train(cwd: Path, *args: str, env: dict | None = None) -> subprocess.Complete
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.integration
 def test_recipe_alone_prepares_into_runs_recipe_name_then_trains(tiny_target, tmp_path):
     recipe = write_recipe(tiny_target, tmp_path)
     done = train(tmp_path, recipe)
@@ -61,6 +62,7 @@ def test_recipe_alone_prepares_into_runs_recipe_name_then_trains(tiny_target, tm
     assert (run / "data" / "hidden_states" / "manifest.json").stat().st_mtime_ns == manifest
 
 
+@pytest.mark.integration
 def test_no_prepare_names_the_prepare_command_in_one_line(tiny_target, tmp_path):
     recipe = write_recipe(tiny_target, tmp_path)
     done = train(tmp_path, recipe, "--no-prepare")
@@ -72,6 +74,7 @@ def test_no_prepare_names_the_prepare_command_in_one_line(tiny_target, tmp_path)
     assert not (tmp_path / "runs" / "tiny" / "data" / "target.json").exists()
 
 
+@pytest.mark.integration
 def test_wandb_offline_and_tensorboard_write_their_runs_into_the_run_dir(tiny_target, tmp_path):
     pytest.importorskip("wandb")  # in the test install (pyproject extras); the error path is tested below
     pytest.importorskip("tensorboard")
@@ -118,6 +121,7 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
     assert [p.name for p in find_checkpoints(ckpt_dir)] == ["step-3"]
 
 
+@pytest.mark.integration
 def test_two_processes_on_a_fresh_run_dir_prepare_once_and_capture_by_rank(tiny_target, tmp_path):
     # rank 0 regenerates / tokenises / builds the vocab while rank 1 waits; both capture shards
     recipe = write_recipe(tiny_target, tmp_path)

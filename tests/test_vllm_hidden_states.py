@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from draftsmith.data_prep import vllm_hidden_states as vhs
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, TransformersCapture
+from draftsmith.data_prep.capture import TransformersCapture
+from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
 from draftsmith.train.eagle3 import Eagle3Method

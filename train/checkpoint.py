@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from draftsmith.layout import RunLayout
+
 log = logging.getLogger("draftsmith.train")
 
 CHECKPOINT_PREFIX = "step-"
@@ -93,7 +95,7 @@ def latest_checkpoint(path: Path) -> Path:
     """
     if (path / "train_state.json").is_file() or (path / WEIGHTS_NAME).is_file():
         return path
-    ckpts = find_checkpoints(path / "checkpoints")
+    ckpts = find_checkpoints(RunLayout(path).checkpoints)
     if not ckpts:
         raise FileNotFoundError(f"{path}: neither a checkpoint directory nor a run directory with checkpoints")
     return ckpts[-1]
@@ -112,9 +114,9 @@ def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 def training_outputs(run_dir: Path) -> list[Path]:
     """What a training run writes into ``run_dir`` (``data/`` is the data stage's, not listed)."""
-    names = ("checkpoints", "metrics.jsonl", "train_state.json", "logs")
-    return [run_dir / n for n in names if (run_dir / n).exists()
-            and not ((run_dir / n).is_dir() and not any((run_dir / n).iterdir()))]
+    layout = RunLayout(run_dir)
+    paths = (layout.checkpoints, layout.metrics, run_dir / "train_state.json", layout.logs)
+    return [p for p in paths if p.exists() and not (p.is_dir() and not any(p.iterdir()))]
 
 
 def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

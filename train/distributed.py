@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from draftsmith.recipe import Recipe
+from draftsmith.layout import RunLayout
 from draftsmith.train.launchers import check_runtime
 
 log = logging.getLogger("draftsmith.train")
@@ -107,7 +108,7 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum_steps,
         log_with=list(cfg.report_to) or None,
-        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(RunLayout(run_dir).logs)),
         # the schedule counts optimizer steps; accelerate's default would step it once per process
         step_scheduler_with_optimizer=False,
         mixed_precision=cpu_mixed_precision(),

@@ -10,7 +10,6 @@ hidden-state shards. Writes checkpoints under ``RUN_DIR/checkpoints`` and metric
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.data_prep.prepare import read_vocab
+from draftsmith.layout import DraftCheckpointConfig, read_vocab
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
 from draftsmith.recipe import Recipe
 from draftsmith.train.losses import TargetDraftHead, ttt_loss
@@ -86,9 +85,8 @@ class Eagle3Method(TargetDataMethod):
         return loss, self.step_metrics(loss, m)
 
     def checkpoint_extras(self, directory: Path) -> None:
-        (directory / "draft_config.json").write_text(json.dumps(
-            {"method": self.name, "config": self.config.to_dict(), "target": self.target_info,
-             "ttt_steps": self.recipe.train.ttt_steps}, indent=1))
+        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info,
+                              ttt_steps=self.recipe.train.ttt_steps).write(directory)
         save_file({"d2t": self.d2t, "t2d": self.t2d}, str(directory / "vocab.safetensors"))
 
 

@@ -11,6 +11,7 @@ trained with per-head cross-entropy (:func:`~draftsmith.train.losses.head_loss`)
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.data_prep.hidden_states import HiddenStateDataset, TokenizedDataset, capture_batch
-from draftsmith.data_prep.prepare import DataPaths
+from draftsmith.data_prep.capture import capture_batch
+from draftsmith.train.data import HiddenStateDataset, TokenizedDataset
 from draftsmith.data_prep.target import load_target, load_target_head_tensors
+from draftsmith.layout import DraftCheckpointConfig, RunLayout
 from draftsmith.recipe import Recipe
 from draftsmith.train.losses import HeadTargets, StepMetrics, head_loss, head_targets
 
@@ -41,7 +43,7 @@ class TargetDataMethod:
     name = "base"
 
     def __init__(self, recipe: Recipe, run_dir: Path, load_target_model: bool = False):
-        self.recipe, self.paths = recipe, DataPaths(run_dir / "data")
+        self.recipe, self.paths = recipe, RunLayout(run_dir).data
         if not self.paths.target_info.is_file():
             raise FileNotFoundError(f"{self.paths.target_info} missing: run data_prep/prepare.py first")
         self.target_info = json.loads(self.paths.target_info.read_text())
@@ -142,9 +144,8 @@ class HeadMethod(TargetDataMethod):
         raise NotImplementedError
 
     def checkpoint_extras(self, directory: Path) -> None:
-        (directory / "draft_config.json").write_text(json.dumps(
-            {"method": self.name, "config": self.draft_config(), "target": self.target_info,
-             "head_decay": self.recipe.train.head_decay}, indent=1))
+        DraftCheckpointConfig(method=self.name, config=self.draft_config(), target=self.target_info,
+                              head_decay=self.recipe.train.head_decay).write(directory)
 
 
 class DataNotPreparedError(RuntimeError):
@@ -175,7 +176,7 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     import logging
     import time
 
-    from draftsmith.data_prep.prepare import missing_stages, prepare, stage_outputs, DataPaths as Paths
+    from draftsmith.data_prep.prepare import missing_stages, prepare, stage_outputs
 
     todo = missing_stages(recipe, run_dir)
     if not todo:
@@ -187,7 +188,7 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     log = logging.getLogger("draftsmith.train")
     device = str(accelerator.device)
     early = [s for s in todo if s != "hidden-states"]
-    outputs = stage_outputs(recipe, Paths(run_dir / "data"))
+    outputs = stage_outputs(recipe, RunLayout(run_dir).data)
 
     def wait_for(stages: list[str], what: str) -> None:
         files = [f for s in stages for f in outputs[s]]
@@ -221,29 +222,12 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     return todo
 
 
-def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
-    """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
-    ``--dry-run`` (size and launcher report) or prepare what data is missing and
-    :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
+    from draftsmith.cli import HelpFormatter
+    from draftsmith.recipe import add_recipe_arguments
 
-    The run directory defaults to ``runs/<recipe name>``, so ``accelerate launch
-    train/eagle3.py RECIPE.yaml`` alone prepares and trains.
-
-    Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
-    data); 2 (recipe invalid or for another method, run directory in use).
-    """
-    import argparse
-    import sys
-
-    from draftsmith.data_prep.conversations import DataError
-    from draftsmith.data_prep.hidden_states import ShardError
-    from draftsmith.recipe import RecipeError, add_recipe_arguments, recipe_from_args, require_method
-    from draftsmith.train.checkpoint import CheckpointError, claim_run_dir
-    from draftsmith.train.distributed import build_accelerator
-    from draftsmith.train.launchers import LauncherError
-    from draftsmith.train.trainer import fit
-
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
@@ -256,7 +240,31 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
     p.add_argument("--launcher", type=Path,
                    help="with --dry-run: accelerate launcher YAML to validate (default: the recipe's `launcher`)")
-    args = p.parse_args(argv)
+    return p
+
+
+def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
+    """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
+    ``--dry-run`` (size and launcher report) or prepare what data is missing and
+    :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
+
+    The run directory defaults to ``runs/<recipe name>``, so ``accelerate launch
+    train/eagle3.py RECIPE.yaml`` alone prepares and trains.
+
+    Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
+    data); 2 (recipe invalid or for another method, run directory in use).
+    """
+    import sys
+
+    from draftsmith.data_prep.conversations import DataError
+    from draftsmith.data_prep.shards import ShardError
+    from draftsmith.recipe import RecipeError, recipe_from_args, require_method
+    from draftsmith.train.checkpoint import CheckpointError, claim_run_dir
+    from draftsmith.train.distributed import build_accelerator
+    from draftsmith.train.launchers import LauncherError
+    from draftsmith.train.trainer import fit
+
+    args = build_parser(doc).parse_args(argv)
     recipe = recipe_from_args(args)
     try:
         require_method(recipe, method_cls.name, script)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.data_prep.hidden_states import capture_batch
+from draftsmith.data_prep.capture import capture_batch
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.recipe import Recipe
 from draftsmith.train.losses import HeadTargets

@@ -37,7 +37,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from draftsmith.data_prep.hidden_states import collate
+from draftsmith.layout import RunLayout
+from draftsmith.train.data import collate
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import (
     CheckpointManager,
@@ -62,7 +63,7 @@ class DraftMethod(Protocol):
 
     def dataset(self) -> torch.utils.data.Dataset:
         """Map-style dataset of sequences with a ``lengths()`` method; items collate with
-        :func:`draftsmith.data_prep.hidden_states.collate`."""
+        :func:`draftsmith.train.data.collate`."""
 
     def setup(self, accelerator: Any) -> None:
         """Move frozen helpers (e.g. the target head) to the accelerator's device and keep
@@ -223,7 +224,7 @@ def init_trackers(accelerator: Any, recipe: Recipe, run_dir: Path) -> None:
     cfg = recipe.train
     if not cfg.report_to:
         return
-    logs = run_dir / "logs"
+    logs = RunLayout(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
     name = cfg.run_name or recipe.name
@@ -272,7 +273,8 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     run_dir = Path(run_dir)
     if accelerator is None:
         accelerator = build_accelerator(recipe, run_dir)
-    ckpt_dir = run_dir / "checkpoints"
+    layout = RunLayout(run_dir)
+    ckpt_dir = layout.checkpoints
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         claim_run_dir(run_dir, resume, overwrite)
@@ -313,11 +315,11 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, state.step, state.epoch, state.batch_in_epoch)
     meta_json = json.dumps(run_metadata(argv or sys.argv), indent=1)
     if accelerator.is_main_process:
-        dump_recipe(recipe, run_dir / "recipe.yaml")
+        dump_recipe(recipe, layout.recipe)
         (run_dir / "run_meta.json").write_text(meta_json)
     init_trackers(accelerator, recipe, run_dir)
 
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = layout.metrics
     if accelerator.is_main_process:
         dropped = truncate_metrics(metrics_path, state.step)
         if dropped:

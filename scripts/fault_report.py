@@ -1,6 +1,6 @@
 """Fault and bad-input report: what draftsmith does with bad data and what survives a crash.
 
-    python -m draftsmith.eval.fault_report [--workdir DIR] [--seed 0]
+    python scripts/fault_report.py [--workdir DIR] [--seed 0]     (from the repository root)
 
 Runs on the test-suite's tiny random target (``tests/conftest.py``: H=128, 6 layers, V=512,
 built in code; minutes on CPU). Prints two Markdown tables:
@@ -12,8 +12,10 @@ built in code; minutes on CPU). Prints two Markdown tables:
   steps lost, tokens recomputed, and the max |param diff| of the resumed run against an
   uninterrupted one (fp32 CPU: expected 0).
 
-The fault injectors (:class:`FaultyEagle3`, :data:`PREP_KILLER`) and helpers are shared
-with ``tests/test_resume.py`` and ``tests/test_prep_resume.py``.
+It lives outside the package because it is built from the test-suite: the fault injectors and
+helpers come from ``tests/faults.py`` (shared with ``tests/test_resume.py`` and
+``tests/test_prep_resume.py``), the tiny target and recipe from ``tests/conftest.py`` and
+``tests/test_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -31,128 +33,30 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from draftsmith.recipe import Recipe, dump_recipe
-from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.checkpoint import find_checkpoints
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 
-# 8 tiny sequences, batch 2, accumulation 2 -> 2 optimizer steps per epoch: resumes land at
-# epoch starts and mid-epoch; checkpoints every 3 steps, metrics every 2 (a checkpoint falls
-# between two logged steps and carries the metrics window not yet logged).
-FAULT_TRAIN = {"max_steps": 24, "batch_size": 2, "grad_accum_steps": 2, "checkpoint_every": 3,
-               "log_every": 2, "keep_checkpoints": 2, "warmup_ratio": 0.1}
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
-# Run as a script: prepare.main in a child that SIGKILLs itself at a chosen point, so a
-# test or this report never races the target: ``shard N`` dies after the N-th hidden-state
-# shard's temp file is written and before its atomic rename; ``regenerate N`` dies when the
-# N-th regeneration batch starts (the earlier batches are flushed to the cache).
-PREP_KILLER = '''
-import os, signal, sys
-from draftsmith.data_prep import hidden_states as hs, prepare, regenerate as rg
+from conftest import build_tiny_target, write_jsonl  # noqa: E402
+from faults import (  # noqa: E402
+    FAULT_TRAIN,
+    PREP_KILLER,
+    FaultyEagle3,
+    checkpoint_step,
+    curve_diff,
+    final_params,
+    max_param_diff,
+    read_metrics,
+    train_cmd,
+    wait_for_step,
+)
+from test_pipeline import PROMPTS, tiny_recipe  # noqa: E402
 
-where, n = sys.argv[1], int(sys.argv[2])
-calls = [0]
-
-def hit():
-    calls[0] += 1
-    if calls[0] == n:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-if where == "shard":
-    save = hs.save_file
-    def save_then_maybe_die(tensors, path, *a, **k):
-        save(tensors, path, *a, **k)
-        hit()
-    hs.save_file = save_then_maybe_die
-else:
-    gen = rg.TransformersChatEngine.generate
-    def maybe_die_then_generate(self, *a, **k):
-        hit()
-        return gen(self, *a, **k)
-    rg.TransformersChatEngine.generate = maybe_die_then_generate
-sys.exit(prepare.main(sys.argv[3:]))
-'''
-
-
-class FaultyEagle3(Eagle3Method):
-    """EAGLE-3 with injected faults: a NaN loss on the listed micro-batch calls (0-based), and/or
-    an exception in the ``crash_on_save``-th checkpoint save, after accelerate wrote the weights
-    into ``.tmp-step-N`` and before the rename that publishes it."""
-
-    def __init__(self, recipe: Recipe, run_dir: Path, nan_calls: tuple[int, ...] = (), crash_on_save: int = 0):
-        super().__init__(recipe, run_dir)
-        self.nan_calls, self.crash_on_save = set(nan_calls), crash_on_save
-        self.calls = self.saves = 0
-
-    def compute_loss(self, model, batch):
-        loss, metrics = super().compute_loss(model, batch)
-        if self.calls in self.nan_calls:
-            loss = loss * float("nan")
-        self.calls += 1
-        return loss, metrics
-
-    def checkpoint_extras(self, directory: Path) -> None:
-        self.saves += 1
-        if self.saves == self.crash_on_save:
-            raise OSError(f"injected crash while writing {directory}")
-        super().checkpoint_extras(directory)
-
-
-def train_cmd(recipe: Recipe, run: Path, *extra: str) -> list[str]:
-    """``python train/eagle3.py`` on ``recipe`` (written into ``run``)."""
-    path = run / "recipe.in.yaml"
-    run.mkdir(parents=True, exist_ok=True)
-    dump_recipe(recipe, path)
-    return [sys.executable, str(REPO / "train" / "eagle3.py"), str(path), "--run-dir", str(run), *extra]
-
-
-def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.is_file() else []
-
-
-def final_params(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(find_checkpoints(run / "checkpoints")[-1] / "model.safetensors"))
-
-
-def checkpoint_step(run: Path) -> int:
-    return json.loads((find_checkpoints(run / "checkpoints")[-1] / "train_state.json").read_text())["step"]
-
-
-def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """max |a - b| over the floating-point tensors of two state dicts with the same keys."""
-    if a.keys() != b.keys():
-        raise ValueError(f"different tensors: {sorted(a.keys() ^ b.keys())}")
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
-
-
-def curve_diff(got: list[dict], want: list[dict]) -> float:
-    """max |diff| over every logged metric except wall-clock throughput; inf when the logged
-    steps differ (a duplicate or a gap)."""
-    if [m["step"] for m in got] != [m["step"] for m in want]:
-        return float("inf")
-    return max((abs(g[k] - w[k]) for g, w in zip(got, want) for k in w if k != "tokens_per_s"), default=0.0)
-
-
-def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> int:
-    """Poll ``metrics.jsonl`` until it shows ``step`` or later; returns the last step seen.
-
-    Raises:
-        RuntimeError: the process exited first. TimeoutError: ``step`` not reached in time.
-    """
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"training exited (code {proc.returncode}) before step {step}")
-        lines = read_metrics(run)
-        if lines and lines[-1]["step"] >= step:
-            return lines[-1]["step"]
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached in {timeout}s")
+from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
+from draftsmith.train.checkpoint import find_checkpoints  # noqa: E402
+from draftsmith.train.eagle3 import Eagle3Method  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,10 +67,6 @@ def tiny_setup(work: Path) -> tuple[Recipe, Path, Path]:
     """Build the tiny target, prompts and recipe of the test-suite and prepare its data.
 
     Returns ``(recipe, prepared run dir, target dir)``."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_target, write_jsonl
-    from test_pipeline import PROMPTS, tiny_recipe
-
     from draftsmith.data_prep.prepare import prepare
 
     target = build_tiny_target(work / "target")
@@ -198,7 +98,7 @@ def outcome_of(fn: Callable[[], str | None]) -> tuple[str, str]:
 
 def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list[tuple[str, str, str]]:
     from draftsmith.data_prep import conversations as conv
-    from draftsmith.data_prep.hidden_states import HiddenStateDataset
+    from draftsmith.train.data import HiddenStateDataset
     from draftsmith.data_prep.prepare import DataPaths, stage_tokenize, stage_vocab
     from draftsmith.data_prep.target import validate_aux_layer_ids
     from draftsmith.eval.acceptance import check_draft_matches_target
@@ -430,7 +330,7 @@ def faults(work: Path, recipe: Recipe, prepared: Path, seed: int) -> list[dict[s
 
 
 def prep_faults(work: Path, recipe: Recipe, prepared: Path) -> list[dict[str, Any]]:
-    from draftsmith.data_prep.hidden_states import load_manifest
+    from draftsmith.data_prep.shards import load_manifest
 
     script = work / "prep_killer.py"
     script.write_text(PREP_KILLER)
