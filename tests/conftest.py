@@ -127,3 +127,17 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for r in rows:
             fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+def write_draft_checkpoint(model: torch.nn.Module, directory: Path, method: str, target: dict, **fields) -> dict:
+    """Save ``model`` as a training checkpoint export reads (``model.safetensors`` without the
+    frozen ``embed_tokens``, plus ``draft_config.json``); returns the saved tensors."""
+    from safetensors.torch import save_file
+
+    from draftsmith.layout import DraftCheckpointConfig
+
+    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens"}
+    directory.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    DraftCheckpointConfig(method=method, config=model.config.to_dict(), target=target, **fields).write(directory)
+    return state

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import load_eagle3
-from draftsmith.layout import DraftCheckpointConfig
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, rope_theta_and_scaling
+
+from conftest import write_draft_checkpoint
 
 H, V, VD = 32, 64, 48
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -98,11 +98,8 @@ def test_exported_draft_loads_back_equal(tmp_path, name, legacy):
     embed = torch.randn(V, H)
     model.set_vocab_mapping(torch.arange(VD), torch.arange(V) < VD)
     model.init_from_target(embed)
-    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens"}
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
-    DraftCheckpointConfig(method="eagle3", config=cfg.to_dict(), target={"name_or_path": "tiny"}, ttt_steps=3).write(ckpt)
+    state = write_draft_checkpoint(model, ckpt, "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
 
     loaded = load_eagle3(export(ckpt, tmp_path / "export", legacy=legacy), embed)
 

@@ -8,13 +8,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.models.medusa import MedusaConfig
 from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
 from draftsmith.recipe import DraftConfig
+
+from conftest import write_draft_checkpoint
 
 H, V, VD = 32, 64, 48
 
@@ -42,13 +43,9 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
     if name == "eagle3":
         model.set_vocab_mapping(torch.arange(VD), torch.arange(V) < VD)
         model.init_from_target(embed)
-    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens"}
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
     target = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V}
-    (ckpt / "draft_config.json").write_text(json.dumps({"method": name, "config": model.config.to_dict(),
-                                                        "target": target}))
+    state = write_draft_checkpoint(model, ckpt, name, target)
 
     out = spec.exporter(ckpt, tmp_path / "export", dtype="float32")
     config = json.loads((out / "config.json").read_text())

@@ -86,21 +86,6 @@ def find_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
-def latest_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: a checkpoint directory itself, or the last one of a run
-    directory (``RUN/checkpoints/step-N`` with the highest N).
-
-    Raises:
-        FileNotFoundError: ``path`` is neither.
-    """
-    if (path / "train_state.json").is_file() or (path / WEIGHTS_NAME).is_file():
-        return path
-    ckpts = find_checkpoints(RunLayout(path).checkpoints)
-    if not ckpts:
-        raise FileNotFoundError(f"{path}: neither a checkpoint directory nor a run directory with checkpoints")
-    return ckpts[-1]
-
-
 def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Delete ``.tmp-step-N`` directories left by a crash mid-save; returns what was removed."""
     if not ckpt_dir.is_dir():

@@ -33,29 +33,18 @@ import torch
 
 from draftsmith.recipe import Recipe
 from draftsmith.layout import RunLayout
-from draftsmith.train.launchers import check_runtime
+from draftsmith.train.launchers import check_runtime, requested_distributed_type
 
 log = logging.getLogger("draftsmith.train")
 
 TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
-def requested_distributed_type() -> str | None:
-    """``"DEEPSPEED"`` / ``"FSDP"`` when the launcher asked for one (accelerate's env), else None."""
-    if _flag("ACCELERATE_USE_DEEPSPEED"):
-        return "DEEPSPEED"
-    if _flag("ACCELERATE_USE_FSDP"):
-        return "FSDP"
-    return None
-
-
 def runs_on_cpu() -> bool:
     """True when this process trains on CPU: ``ACCELERATE_USE_CPU`` or no accelerator at all."""
-    return _flag("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
 
 
 def cpu_mixed_precision() -> str | None:
@@ -144,7 +133,8 @@ def note_recipe_launcher(recipe: Recipe, accelerator: Any) -> None:
 
 def _route_fsdp_on_cpu(accelerator: Any) -> None:
     """Make accelerate 1.15 run FSDP2 on CPU (gloo): set the shared state's distributed type to
-    FSDP with the plugin built from the launcher's ``FSDP_*`` environment."""
+    FSDP with the plugin built from the launcher's ``FSDP_*`` environment. The process count is
+    already right (gloo handler or MULTI_CPU); ``check_runtime`` then refuses FSDP1."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -153,13 +143,7 @@ def _route_fsdp_on_cpu(accelerator: Any) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     plugin = getattr(accelerator.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()
-    if plugin.fsdp_version != 2:
-        raise ValueError(f"FSDP on CPU runs through FSDP2 only (FSDP_VERSION={plugin.fsdp_version}); set fsdp_version: 2")
     log.info("FSDP on CPU: accelerate chose %s; routing to FSDP2 over gloo", accelerator.distributed_type.value)
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if PartialState._shared_state.get("num_processes", 1) != dist.get_world_size():
-        PartialState._shared_state["num_processes"] = dist.get_world_size()
-        PartialState._shared_state["process_index"] = dist.get_rank()
-        PartialState._shared_state["local_process_index"] = int(os.environ.get("LOCAL_RANK", dist.get_rank()))

@@ -338,6 +338,17 @@ def validate_launcher(recipe: Recipe, launcher_path: str | Path, model_cls: type
                           sharded=sharded)
 
 
+# what ``accelerate launch`` exports for a launcher's distributed_type
+REQUEST_ENV = {"ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_FSDP": "FSDP"}
+
+
+def requested_distributed_type() -> str | None:
+    """``"DEEPSPEED"`` / ``"FSDP"`` when the launcher asked for one (accelerate's env), else None."""
+    from accelerate.utils import parse_flag_from_env
+
+    return next((asked for env, asked in REQUEST_ENV.items() if parse_flag_from_env(env)), None)
+
+
 def check_runtime(accelerator: Any, recipe: Recipe) -> None:
     """Refuse a run whose distributed setup is not what the launcher asked for, and make the
     DeepSpeed config follow the recipe. Call right after building the ``Accelerator`` and
@@ -366,12 +377,12 @@ def check_runtime(accelerator: Any, recipe: Recipe) -> None:
 
     got = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
     n = accelerator.num_processes
-    for env, asked in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+    for env, asked in REQUEST_ENV.items():
         if parse_flag_from_env(env) and got != asked:
             raise LauncherError(
                 f"{env}=true: the launcher asked for {asked} but accelerate chose {got} with {n} process(es); "
-                f"refusing to train without {asked} (accelerate 1.15 never selects FSDP on CPU; there use "
-                "torchrun with ACCELERATE_USE_CPU=1 for plain data parallel)"
+                f"refusing to train without {asked} (on CPU draftsmith.train.distributed routes DeepSpeed and FSDP "
+                "itself; for plain data parallel use torchrun with ACCELERATE_USE_CPU=1)"
             )
     if got == "FSDP" and accelerator.state.fsdp_plugin.fsdp_version != 2:
         raise LauncherError(f"FSDP_VERSION={accelerator.state.fsdp_plugin.fsdp_version}: FSDP1 is not supported; "

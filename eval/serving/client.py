@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from draftsmith.eval.serving.metrics import BENCH_PERCENTILES, LATENCY_METRICS
-from draftsmith.eval.serving.server import log_tail
+from draftsmith.eval.serving.server import command_log, log_tail
 
 def load_prompt_texts(path: str) -> list[str]:
     """First user turn of every usable record of ``path`` (any format
@@ -79,10 +78,7 @@ def run_bench(args: list[str], result_path: Path, log_path: Path, timeout_s: flo
         RuntimeError: the benchmark failed or saved nothing (log tail in the message).
     """
     cmd = [sys.executable, "-m", "draftsmith.eval.serve_bench", "--bench-worker", *args]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log_file:
-        log_file.write("$ " + shlex.join(cmd) + "\n")
-        log_file.flush()
+    with command_log(log_path, cmd) as log_file:
         proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if proc.returncode != 0 or not result_path.is_file():

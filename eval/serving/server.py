@@ -80,6 +80,16 @@ def log_tail(path: Path, chars: int = 4000) -> str:
         return ""
 
 
+@contextlib.contextmanager
+def command_log(log_path: Path, cmd: list[str]) -> Iterator[Any]:
+    """``log_path`` opened for a child process's output, headed by the command line (``$ ...``)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log_file:
+        log_file.write("$ " + shlex.join(cmd) + "\n")
+        log_file.flush()
+        yield log_file
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to ``proc``'s process group (the server and its engine workers), SIGKILL to
     the group if the server is still alive after ``grace_s`` seconds, and reap it."""
@@ -114,10 +124,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
     cmd = server_command(target, port, spec, opts)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log_file:
-        log_file.write("$ " + shlex.join(cmd) + "\n")
-        log_file.flush()
+    with command_log(log_path, cmd) as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base_url = f"http://127.0.0.1:{port}"
