@@ -1,11 +1,12 @@
 """The whole EAGLE-3 pipeline in one command (what ``make demo`` runs).
 
     python -m draftsmith.demo recipes/smollm2_135m.yaml --run-dir runs/smollm2_135m
-        [--eval-prompts ../shared/data/mt_bench.jsonl] [--set key=value ...]
+        [--eval-prompts builtin:mt_bench] [--set key=value ...]
 
 Stages: prepare data (target, regenerate, tokenize, vocab, hidden states) -> train
 (TTT) -> export (speculators format) -> acceptance in vLLM on the recipe's held-out prompts
-(and any extra prompt files), beside vLLM's ``ngram`` method on the same prompts.
+(and any extra prompt sets: ``builtin:mt_bench`` fetches MT-bench from the Hub with ``datasets``,
+a local FastChat ``question.jsonl`` works too), beside vLLM's ``ngram`` method on the same prompts.
 Each stage skips work already on disk, so a rerun continues where the last one stopped.
 """
 
@@ -22,7 +23,7 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.acceptance import format_row, measure
 from draftsmith.eval.export import export
 from draftsmith.recipe import add_recipe_arguments, dump_recipe, recipe_from_args
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     e = recipe.eval
     common = dict(target=target_dir, k=e.num_speculative_tokens, temperature=e.temperature,
-                  max_new_tokens=e.max_new_tokens, max_prompts=e.max_prompts, seed=recipe.seed, engine=e.vllm,
+                  max_new_tokens=e.max_new_tokens, max_prompts=e.max_prompts, seed=recipe.seed, engine=recipe.vllm,
                   ngram_min=e.ngram_prompt_lookup_min, ngram_max=e.ngram_prompt_lookup_max)
     prompt_sets = ([recipe.data.eval_prompts] if recipe.data.eval_prompts else []) + args.eval_prompts
     acceptance: dict[str, dict] = {}

@@ -41,19 +41,17 @@ class DraftMethodSpec:
     Attributes:
         name: ``draft.method`` in recipes, ``method`` in ``draft_config.json`` of checkpoints.
         vllm_method: ``speculative_config["method"]`` vLLM serves the export as.
-        recipe_keys: keys of the recipe's ``draft`` section this method owns (set for another
-            method they are a recipe error).
         fsdp_block_classes: the model class's ``_no_split_modules`` (FSDP wrap units).
         fsdp_block_parts: keys of the dry-run parameter estimate inside those blocks.
-        train_script: entry script, relative to the package root.
+        train_script: thin entry script, relative to the package root (``accelerate launch`` runs it).
         supports_gradient_checkpointing: ``train.gradient_checkpointing`` applies to it.
         export_options: keyword options of ``eval/export.py``'s ``export`` the exporter takes
             besides ``dtype`` (``legacy``, ``num_speculative_tokens``, ``embed_tokens``).
         servable: ``eval/serve_bench.py`` serves its exports with ``vllm serve``.
-        recipe_config_path: the pydantic class of its ``draft.<name>`` section; None: its keys
-            sit directly under ``draft`` (EAGLE-3, for recipes written before the registry).
+        recipe_config_path: the pydantic class of its recipe ``draft`` section (a member of
+            ``recipe.DraftConfig``, the union discriminated by ``method``).
         model_class_path: the draft ``nn.Module``, built from its config.
-        training_method_path: the ``train/`` method class (``name``, ``build_model``, ...).
+        training_method_path: the ``train/method_<name>.py`` class (``name``, ``build_model``, ...).
         exporter_path: ``exporter(ckpt, out, dtype=..., **export_options) -> out``.
         export_loader_path: ``loader(export_dir) -> model`` (float32, eval mode); EAGLE-3
             takes the target embedding as a second argument when the export has none.
@@ -70,14 +68,13 @@ class DraftMethodSpec:
 
     name: str
     vllm_method: str
-    recipe_keys: tuple[str, ...]
     fsdp_block_classes: tuple[str, ...]
     fsdp_block_parts: tuple[str, ...]
     train_script: str
     supports_gradient_checkpointing: bool
     export_options: tuple[str, ...]
     servable: bool
-    recipe_config_path: str | None
+    recipe_config_path: str
     model_class_path: str
     training_method_path: str
     exporter_path: str
@@ -89,8 +86,8 @@ class DraftMethodSpec:
     target_check_path: str | None = None
 
     @property
-    def recipe_config(self) -> type | None:
-        return _resolve(self.recipe_config_path) if self.recipe_config_path else None
+    def recipe_config(self) -> type:
+        return _resolve(self.recipe_config_path)
 
     @property
     def model_class(self) -> type:
@@ -103,7 +100,7 @@ class DraftMethodSpec:
     @property
     def train_module(self) -> str:
         """The importable module of the entry script (its ``main(argv)`` trains)."""
-        return self.training_method_path.partition(":")[0]
+        return "draftsmith." + self.train_script.removesuffix(".py").replace("/", ".")
 
     @property
     def exporter(self) -> Any:
@@ -183,16 +180,15 @@ def method_of_export(config: dict[str, Any]) -> DraftMethodSpec:
 register(DraftMethodSpec(
     name="eagle3",
     vllm_method="eagle3",
-    recipe_keys=("norm_before_residual", "init_lm_head_from_target", "freeze_lm_head"),
     fsdp_block_classes=("Eagle3DecoderLayer",),
     fsdp_block_parts=("attention", "mlp"),
     train_script="train/eagle3.py",
     supports_gradient_checkpointing=True,
     export_options=("legacy", "num_speculative_tokens", "embed_tokens"),
     servable=True,
-    recipe_config_path=None,
+    recipe_config_path="draftsmith.recipe:Eagle3DraftConfig",
     model_class_path="draftsmith.models.eagle3:Eagle3DraftModel",
-    training_method_path="draftsmith.train.eagle3:Eagle3Method",
+    training_method_path="draftsmith.train.method_eagle3:Eagle3Method",
     exporter_path="draftsmith.eval.export:export_eagle3",
     export_loader_path="draftsmith.eval.spec_decode:load_eagle3",
     export_detector_path="draftsmith.eval.export:is_eagle3_export",
@@ -203,7 +199,6 @@ register(DraftMethodSpec(
 register(DraftMethodSpec(
     name="medusa",
     vllm_method="medusa",
-    recipe_keys=("medusa",),
     fsdp_block_classes=("MedusaBlock",),
     fsdp_block_parts=("resblocks",),
     train_script="train/medusa.py",
@@ -212,7 +207,7 @@ register(DraftMethodSpec(
     servable=True,
     recipe_config_path="draftsmith.recipe:MedusaDraftConfig",
     model_class_path="draftsmith.models.medusa:MedusaModel",
-    training_method_path="draftsmith.train.medusa:MedusaMethod",
+    training_method_path="draftsmith.train.method_medusa:MedusaMethod",
     exporter_path="draftsmith.eval.export_heads:export_medusa",
     export_loader_path="draftsmith.eval.export_heads:load_medusa",
     export_detector_path="draftsmith.eval.export_heads:is_medusa_export",
@@ -223,7 +218,6 @@ register(DraftMethodSpec(
 register(DraftMethodSpec(
     name="mlp_speculator",
     vllm_method="mlp_speculator",
-    recipe_keys=("mlp_speculator",),
     fsdp_block_classes=(),
     fsdp_block_parts=(),
     train_script="train/mlp_speculator.py",
@@ -232,7 +226,7 @@ register(DraftMethodSpec(
     servable=False,
     recipe_config_path="draftsmith.recipe:MLPSpeculatorDraftConfig",
     model_class_path="draftsmith.models.mlp_speculator:MLPSpeculator",
-    training_method_path="draftsmith.train.mlp_speculator:MLPSpeculatorMethod",
+    training_method_path="draftsmith.train.method_mlp_speculator:MLPSpeculatorMethod",
     exporter_path="draftsmith.eval.export_heads:export_mlp_speculator",
     export_loader_path="draftsmith.eval.export_heads:load_mlp_speculator",
     export_detector_path="draftsmith.eval.export_heads:is_mlp_speculator_export",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,17 +113,50 @@ class DataConfig(_Strict):
     capture_batch_tokens: int = Field(4096, ge=16, description="Padded tokens per target forward when capturing with transformers.")
 
 
-class MedusaDraftConfig(_Strict):
+class _DraftSection(_Strict):
+    """Base of the per-method ``draft`` sections. ``draft`` is a discriminated union on
+    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``."""
+
+    def check_recipe(self, recipe: "Recipe") -> None:
+        """Cross-section checks of this method (raise ValueError); the default has none."""
+
+
+class Eagle3DraftConfig(_DraftSection):
+    """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
+    low/mid/high aux hidden states, trained with training-time test."""
+
+    method: Literal["eagle3"] = Field("eagle3", description="Draft architecture (draftsmith.methods); train it with train/<method>.py.")
+    norm_before_residual: bool = Field(
+        True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
+    )
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
+    )
+    freeze_lm_head: bool = Field(
+        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
+                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
+    )
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "Eagle3DraftConfig":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
+class MedusaDraftConfig(_DraftSection):
     """Medusa-1 heads (arXiv:2401.10774), ``draft.method: medusa``."""
 
+    method: Literal["medusa"] = Field("medusa", description="Draft architecture (draftsmith.methods).")
     num_heads: int = Field(3, ge=1, le=16, description="Heads K; head k predicts x_{t+k+2} (vLLM: K >= num_speculative_tokens).")
     num_layers: int = Field(1, ge=1, le=8, description="ResBlocks per head (Medusa-1: 1).")
     init_from_target: bool = Field(True, description="Start every head's lm_head from the target lm_head (Medusa's init).")
 
 
-class MLPSpeculatorDraftConfig(_Strict):
+class MLPSpeculatorDraftConfig(_DraftSection):
     """IBM MLP speculator (arXiv:2404.19124), ``draft.method: mlp_speculator``."""
 
+    method: Literal["mlp_speculator"] = Field("mlp_speculator", description="Draft architecture (draftsmith.methods).")
     n_predict: int = Field(3, ge=1, le=16, description="Stages P = tokens proposed per step.")
     inner_dim: int = Field(0, ge=0, description="Width of every stage's state; 0 = the target hidden size.")
     tie_weights: bool = Field(False, description="Share emb/head/ln across stages and proj across stages >= 1 (fms-extras).")
@@ -141,37 +174,68 @@ class MLPSpeculatorDraftConfig(_Strict):
             raise ValueError("tie_weights needs n_predict >= 2")
         return self
 
+    def check_recipe(self, recipe: "Recipe") -> None:
+        if recipe.train.packing and self.stage2_start_step is not None:
+            # stage 2 continues one prompt per row; a packed row holds several
+            raise ValueError("train.packing cannot be combined with draft.stage2_start_step "
+                             "(stage 2 generates from one prompt per row); set one of them")
 
-class DraftConfig(_Strict):
-    method: Literal[registered_methods()] = Field(  # type: ignore[valid-type]
-        "eagle3", description="Draft architecture (draftsmith.methods); train it with train/<method>.py.")
-    norm_before_residual: bool = Field(
-        True, description="eagle3: residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
-    )
-    init_lm_head_from_target: bool = Field(
-        True, description="eagle3: start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
-    )
-    freeze_lm_head: bool = Field(
-        False, description="eagle3: keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
-                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
-    )
-    medusa: MedusaDraftConfig = Field(default_factory=MedusaDraftConfig, description="method medusa only.")
-    mlp_speculator: MLPSpeculatorDraftConfig = Field(
-        default_factory=MLPSpeculatorDraftConfig, description="method mlp_speculator only."
-    )
 
-    @model_validator(mode="after")
-    def _sections_match_method(self) -> "DraftConfig":
-        # Settings for another method are a recipe mistake, not something to ignore. Compared
-        # with the defaults (not "was it written") because a resolved recipe dump lists every key.
-        defaults = DraftConfig.model_construct()
-        for owner in registered_methods():
-            for key in get_method(owner).recipe_keys:
-                if owner != self.method and getattr(self, key) != getattr(defaults, key):
-                    raise ValueError(f"draft.{key} is set for {owner} but draft.method is {self.method!r}")
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
+DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
+    cls.model_fields["method"].default: cls
+    for cls in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig)
+}
+"""``draft.method`` -> its section class; each registered method (draftsmith.methods) names its
+class here as ``recipe_config``."""
+
+DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminator="method")]
+"""The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
+
+
+def upgrade_draft_section(draft: Any) -> Any:
+    """The ``draft`` mapping in the union's layout (the method's keys directly under ``draft``).
+
+    Accepts the layout recipes had before the union: a method's keys in a sub-section named
+    after it (``draft: {method: medusa, medusa: {num_heads: 3}}``) and, in resolved recipe dumps
+    (checkpoints' ``recipe.yaml``), every other method's keys at their defaults, which are
+    dropped. A missing ``method`` means ``eagle3``.
+
+    Raises:
+        ValueError: a key of another method set to a non-default value, naming it and the
+            method it belongs to.
+    """
+    if draft is None:
+        return {"method": "eagle3"}
+    if not isinstance(draft, dict):
+        return draft
+    method = draft.get("method", "eagle3")
+    if method not in DRAFT_SECTIONS:
+        return draft  # the union's own error lists the methods
+    own = DRAFT_SECTIONS[method].model_fields
+    out: dict[str, Any] = {"method": method}
+    for key, value in draft.items():
+        if key == "method":
+            continue
+        if key in DRAFT_SECTIONS and isinstance(value, dict):  # legacy draft.<method>: {...}
+            if key == method:
+                for k, v in value.items():
+                    if k in draft and k != "method":
+                        raise ValueError(f"draft.{k} is given twice (draft.{k} and draft.{key}.{k})")
+                    out[k] = v
+                continue
+            defaults = DRAFT_SECTIONS[key]().model_dump()
+            changed = sorted(k for k, v in value.items() if k != "method" and defaults.get(k, object()) != v)
+            if changed:
+                raise ValueError(f"draft.{key}.{changed[0]} is set for {key} but draft.method is {method!r}")
+            continue
+        if key not in own:
+            owners = [m for m, cls in DRAFT_SECTIONS.items() if key in cls.model_fields]
+            if owners and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in owners):
+                continue  # another method's key at its default (a resolved recipe dump)
+            if owners:
+                raise ValueError(f"draft.{key} is a key of {' / '.join(owners)} but draft.method is {method!r}")
+        out[key] = value  # unknown keys fall through to the section's own 'unknown key' error
+    return out
 
 
 def require_method(recipe: "Recipe", method: str, script: str) -> None:
@@ -294,7 +358,7 @@ class VllmConfig(_Strict):
         for key in v:
             owner = _TYPED_ENGINE_KEYS.get(_engine_key(key))
             if owner is not None:
-                raise ValueError(f"extra_engine_args key {key!r} duplicates eval.vllm.{owner}; set it there")
+                raise ValueError(f"extra_engine_args key {key!r} duplicates vllm.{owner}; set it there")
         return v
 
     @staticmethod
@@ -319,8 +383,8 @@ class VllmConfig(_Strict):
 
     def _merge(self, on_gpu: bool, fixed: dict[str, Any]) -> dict[str, Any]:
         args = self._typed_args(on_gpu)
-        owner = {_engine_key(k): "eval.vllm" for k in args}
-        for source, name in ((self.extra_engine_args, "eval.vllm.extra_engine_args"), (fixed, "the caller")):
+        owner = {_engine_key(k): "vllm" for k in args}
+        for source, name in ((self.extra_engine_args, "vllm.extra_engine_args"), (fixed, "the caller")):
             for key, value in source.items():
                 first = owner.get(_engine_key(key))
                 if first is not None:
@@ -343,7 +407,7 @@ class VllmConfig(_Strict):
                 of ``extra_engine_args`` that the caller also sets (names the key).
         """
         if self.data_parallel_size > 1:
-            raise ValueError(f"eval.vllm.data_parallel_size={self.data_parallel_size}: vLLM's offline LLM runs one "
+            raise ValueError(f"vllm.data_parallel_size={self.data_parallel_size}: vLLM's offline LLM runs one "
                              "replica per process; use tensor_parallel_size here (data parallelism: the OpenAI "
                              "server, eval/serve_bench.py)")
         args = self._merge(self._on_gpu(on_gpu), fixed)
@@ -404,7 +468,7 @@ def add_vllm_arguments(parser, prefix: str = "") -> None:
     import argparse
 
     group = parser.add_argument_group(
-        "vLLM engine", "draftsmith.recipe.VllmConfig: these flags override the recipe's eval.vllm (scripts that "
+        "vLLM engine", "draftsmith.recipe.VllmConfig: these flags override the recipe's vllm section (scripts that "
         "take a recipe), which overrides the defaults shown (GPU values)")
     for name, field in VllmConfig.model_fields.items():
         if name == "extra_engine_args":
@@ -426,7 +490,7 @@ def add_vllm_arguments(parser, prefix: str = "") -> None:
 
 def vllm_config_from_args(args, base: VllmConfig | None = None) -> VllmConfig:
     """The engine config: flags given on the command line (:func:`add_vllm_arguments`) over
-    ``base`` (a recipe's ``eval.vllm``) over the defaults.
+    ``base`` (a recipe's ``vllm``) over the defaults.
 
     Raises:
         RecipeError: a flag value that does not validate (names the field).
@@ -472,7 +536,6 @@ class EvalConfig(_Strict):
     compare_ngram: bool = Field(True, description="Also measure vLLM's ngram (prompt-lookup) drafting on the same prompts.")
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram drafting: longest n-gram matched.")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram drafting: shortest n-gram matched.")
-    vllm: VllmConfig = Field(default_factory=VllmConfig, description="The one vLLM engine config (regeneration, capture, acceptance, serving, synthesis).")
     export_legacy: bool = Field(False, description="Also write the legacy LlamaForCausalLMEagle3 format.")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving benchmark (eval/serve_bench.py).")
 
@@ -493,9 +556,34 @@ class Recipe(_Strict):
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target (verifier) model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data preparation (data_prep/).")
-    draft: DraftConfig = Field(default_factory=DraftConfig, description="The draft model.")
+    draft: DraftConfig = Field(
+        default_factory=Eagle3DraftConfig,
+        description="The draft model: 'method' picks the architecture; the other keys are that method's.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training (train/).")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Export and evaluation (eval/).")
+    vllm: VllmConfig = Field(
+        default_factory=VllmConfig,
+        description="The one vLLM engine config: regeneration, hidden-state capture, acceptance, serving, synthesis.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_layout(cls, data: Any) -> Any:
+        # Recipes written before the draft union and the top-level vllm section (and checkpoints'
+        # recipe.yaml dumps of them) keep loading: see upgrade_draft_section; eval.vllm -> vllm.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "draft" in data:
+            data["draft"] = upgrade_draft_section(data["draft"])
+        ev = data.get("eval")
+        if isinstance(ev, dict) and "vllm" in ev:
+            ev = dict(ev)
+            old = ev.pop("vllm")
+            data["eval"] = ev
+            if "vllm" in data and data["vllm"] != old:
+                raise ValueError("both vllm and eval.vllm are given; eval.vllm is the old place of vllm, keep one")
+            data["vllm"] = old
+        return data
 
     @field_validator("name")
     @classmethod
@@ -513,14 +601,10 @@ class Recipe(_Strict):
             if self.train.pack_tokens is not None and self.train.pack_tokens < self.data.max_length:
                 raise ValueError(f"train.pack_tokens={self.train.pack_tokens} is below data.max_length="
                                  f"{self.data.max_length}: a full-length sequence would not fit a row")
-            # draft.mlp_speculator differs from its defaults only under method mlp_speculator
-            if self.draft.mlp_speculator.stage2_start_step is not None:
-                # stage 2 continues one prompt per row; a packed row holds several
-                raise ValueError("train.packing cannot be combined with draft.mlp_speculator.stage2_start_step "
-                                 "(stage 2 generates from one prompt per row); set one of them")
         if self.train.gradient_checkpointing and not get_method(self.draft.method).supports_gradient_checkpointing:
             raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
                              "no per-step activations worth recomputing")
+        self.draft.check_recipe(self)
         return self
 
 
@@ -632,6 +716,21 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
+        if typing.get_origin(ann) is Union:  # the draft union: the discriminator, then each method's keys
+            rows.append({"key": key, "type": "section", "default": "{method: eagle3}",
+                         "description": field.description or ""})
+            seen = set()
+            for cls in typing.get_args(ann):
+                method = cls.model_fields["method"].default
+                for row in recipe_schema(cls, f"{key}."):
+                    if row["key"] == f"{key}.method":
+                        if row["key"] not in seen:
+                            seen.add(row["key"])
+                            rows.append({**row, "type": " | ".join(repr(m) for m in DRAFT_SECTIONS),
+                                         "default": "eagle3"})
+                        continue
+                    rows.append({**row, "description": f"(method {method}) {row['description']}"})
+            continue
         item = typing.get_args(ann)[0] if typing.get_origin(ann) is list and typing.get_args(ann) else None
         section = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         default = "(required)" if field.is_required() else field.get_default(call_default_factory=True)

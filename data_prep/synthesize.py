@@ -10,7 +10,7 @@ be trained from the target alone.
         --num-prompts 1000 --out runs/x/magpie.jsonl [--engine vllm|transformers] [--temperature 1.0]
 
 The vLLM engine takes its settings from the vLLM flags (``--dtype``, ``--enforce-eager``,
-``--gpu-memory-utilization``, ... see ``--help``) over ``--recipe``'s ``eval.vllm`` over
+``--gpu-memory-utilization``, ... see ``--help``) over ``--recipe``'s ``vllm`` over
 :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU values; on CPU use a CPU recipe such as
 ``recipes/smollm2_135m.yaml`` or the flags). The transformers engine runs on ``--device``.
 """
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="samples per generation call (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--device", help=DEVICE_HELP)
-    p.add_argument("--recipe", type=Path, help="recipe YAML whose eval.vllm gives the vLLM engine settings "
+    p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the vLLM engine settings "
                    "(the vLLM flags override it)")
     add_vllm_arguments(p)
     return p
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        vllm_engine = vllm_config_from_args(args, load_recipe(args.recipe).eval.vllm if args.recipe else None)
+        vllm_engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

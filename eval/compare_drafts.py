@@ -1,17 +1,17 @@
 """Compare trained drafts of different types on one target: acceptance at each temperature,
 per-position acceptance, parameters and training cost, as one Markdown table.
 
-    python -m draftsmith.eval.compare_drafts --target embedded:SmolLM2-135M-Instruct \\
-        --run runs/smollm2_135m --run runs/smollm2_135m_medusa --run runs/smollm2_135m_mlp \\
-        --prompts ../shared/data/mt_bench.jsonl --max-prompts 20 --max-new-tokens 128 \\
+    draftsmith compare --target embedded:SmolLM2-135M-Instruct \\
+        --run runs/smollm2_135m --run runs/smollm2_135m_medusa --run runs/smollm2_135m_mlp_speculator \\
+        --prompts builtin:mt_bench --max-prompts 20 --max-new-tokens 128 \\
         --k 3 --temperatures 0,0.7 --out runs/compare/compare.json
 
 Every draft is measured with the reference speculative decoder (:mod:`draftsmith.eval.spec_decode`),
-because vLLM >= 0.33 no longer loads Medusa or MLP speculators (SPEC.md section 4), so one
+because vLLM >= 0.33 no longer loads Medusa or MLP speculators, so one
 decoder measures all three types the same way: chain drafting, batch 1, K draft tokens per
 round, greedy acceptance at T=0 and lossless rejection sampling at T>0 with the draft tokens
 chosen as ``--draft-sampling`` says (default greedy, vLLM's default). The figures follow
-vLLM's definitions (SPEC.md section 5): mean acceptance length ``1 + accepted / drafts``
+vLLM's definitions: mean acceptance length ``1 + accepted / drafts``
 and per-position acceptance ``accepted at position i / drafts``.
 
 Each ``--run`` is a training run directory: the exported draft is read from
@@ -101,7 +101,7 @@ def count_parameters(export_dir: Path, run_dir: Path | None = None) -> dict[str,
     recipe_file = RunLayout(run_dir).recipe if run_dir is not None else None
     if recipe_file is not None and recipe_file.is_file():
         recipe = load_recipe(recipe_file)
-        if recipe.draft.freeze_lm_head:  # an eagle3 key: the recipe refuses it under other methods
+        if getattr(recipe.draft, "freeze_lm_head", False):  # an eagle3 key (other sections have none)
             frozen = sum(v for k, v in sizes.items() if k.startswith("lm_head."))
     return {"parameters": total, "trained_parameters": total - frozen}
 

@@ -7,7 +7,7 @@
 
 Engine settings: the vLLM flags (``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``,
 ``--max-model-len``, ``--tensor-parallel-size``, ``--data-parallel-size``, ... see ``--help``)
-over ``--recipe``'s ``eval.vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
+over ``--recipe``'s ``vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
 values; on CPU use a CPU recipe or the flags); ``max_num_seqs`` is raised to the highest level.
 
 For every configuration (no speculation; the trained draft (eagle3, or medusa where the
@@ -69,7 +69,7 @@ def _floats(s: str) -> list[float]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", type=Path, help="recipe YAML: target and eval.serve / eval.vllm defaults")
+    p.add_argument("--recipe", type=Path, help="recipe YAML: target and eval.serve / vllm defaults")
     p.add_argument("--target", help="target directory, hub id or embedded:SmolLM2-135M-Instruct")
     p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
     p.add_argument("--draft-model", type=Path, help="a smaller model of the target's family (method draft_model)")
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
-    """CLI over recipe (``eval.serve``, ``eval.vllm``, ``target``) over defaults.
+    """CLI over recipe (``eval.serve``, ``vllm``, ``target``) over defaults.
 
     Raises:
         ValueError / RecipeError / FileNotFoundError: bad prompt file, too few prompts, a bad recipe,
@@ -116,7 +116,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         check = served_method(args.draft).target_check
         if check is not None:
             check(args.draft, target)
-    engine = vllm_config_from_args(args, ev.vllm)
+    engine = vllm_config_from_args(args, recipe.vllm if recipe else None)
     # every level's requests must run at once: the server batches at least the highest concurrency
     engine = engine.model_copy(update={"max_num_seqs": max(engine.max_num_seqs, max(levels))})
     return Study(

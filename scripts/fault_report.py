@@ -56,7 +56,7 @@ from test_pipeline import PROMPTS, tiny_recipe  # noqa: E402
 
 from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
 from draftsmith.train.checkpoint import find_checkpoints  # noqa: E402
-from draftsmith.train.eagle3 import Eagle3Method  # noqa: E402
+from draftsmith.train.method_eagle3 import Eagle3Method  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import STAGES, main
-from draftsmith.recipe import Recipe, dump_recipe, recipe_schema
+from draftsmith.recipe import MedusaDraftConfig, Recipe, dump_recipe, recipe_schema
 
 from conftest import write_jsonl
 from test_pipeline import PROMPTS, tiny_recipe
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_schema_lists_every_key_with_a_description(capsys):
     rows = recipe_schema()
     keys = {r["key"] for r in rows}
-    assert {"train.lr", "eval.vllm.tensor_parallel_size", "data.sources[].path", "train.report_to"} <= keys
+    assert {"train.lr", "vllm.tensor_parallel_size", "data.sources[].path", "train.report_to"} <= keys
     assert not [r["key"] for r in rows if not r["description"]]
     # every leaf of a resolved recipe is in the schema (list items under `[]`)
     def leaves(tree, prefix=""):
@@ -51,7 +51,7 @@ def test_recipe_validate_names_the_bad_key(capsys):
 def test_train_dispatches_on_the_recipes_method(tiny_target, tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
     recipe = tiny_recipe(tiny_target, prompts)
-    recipe.draft.method = "medusa"
+    recipe.draft = MedusaDraftConfig()
     path = tmp_path / "medusa.yaml"
     dump_recipe(recipe, path)
     assert main(["train", str(path), "--dry-run"]) == 0

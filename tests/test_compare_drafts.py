@@ -17,8 +17,8 @@ from draftsmith.eval.compare_drafts import RunError, compare, count_parameters, 
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import Proposal, Proposer, evaluate, prompt_token_ids
 from draftsmith.recipe import MedusaDraftConfig, RecipeError, load_recipe
-from draftsmith.train.eagle3 import Eagle3Method
-from draftsmith.train.medusa import MedusaMethod
+from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.train.method_medusa import MedusaMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -37,8 +37,7 @@ def runs(tiny_target, tmp_path_factory):
     export(find_checkpoints(root / "eagle3" / "checkpoints")[-1], root / "eagle3" / "export" / "eagle3")
 
     medusa = tiny_recipe(tiny_target, prompts, max_steps=6)
-    medusa.draft.method = "medusa"
-    medusa.draft.medusa = MedusaDraftConfig(num_heads=3, num_layers=1)
+    medusa.draft = MedusaDraftConfig(num_heads=3, num_layers=1)
     (root / "medusa").mkdir()
     (root / "medusa" / "data").symlink_to(root / "eagle3" / "data")  # the same prepared data
     fit(medusa, MedusaMethod(medusa, root / "medusa"), root / "medusa", progress=False)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.recipe import dump_recipe
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import NonFiniteLossError, fit
 

@@ -67,8 +67,7 @@ def _tied_mlp_speculator(tiny_target, prompts, **train):
     from test_pipeline import tiny_recipe
 
     recipe = tiny_recipe(tiny_target, prompts, **train)
-    recipe.draft.method = "mlp_speculator"
-    recipe.draft.mlp_speculator = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, tie_weights=True)
+    recipe.draft = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, tie_weights=True)
     return recipe
 
 

@@ -18,7 +18,7 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.regenerate import TransformersChatEngine, VllmChatEngine, draw_reasoning_effort, regenerate
 from draftsmith.eval.export import export
 from draftsmith.recipe import load_recipe
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

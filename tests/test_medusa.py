@@ -21,7 +21,8 @@ from draftsmith.eval.export_heads import load_medusa, medusa_weight_shapes
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.recipe import MedusaDraftConfig
 from draftsmith.train.losses import head_loss, head_targets
-from draftsmith.train.medusa import MedusaMethod, main
+from draftsmith.train.medusa import main
+from draftsmith.train.method_medusa import MedusaMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -80,8 +81,7 @@ def test_head_loss_weights_head_k_by_decay_to_the_k():
 
 def medusa_recipe(tiny_target: Path, prompts: Path, **train):
     recipe = tiny_recipe(tiny_target, prompts, **train)
-    recipe.draft.method = "medusa"
-    recipe.draft.medusa = MedusaDraftConfig(num_heads=3, num_layers=1)
+    recipe.draft = MedusaDraftConfig(num_heads=3, num_layers=1)
     return recipe
 
 

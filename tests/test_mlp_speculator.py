@@ -17,7 +17,7 @@ from draftsmith.eval.export import export
 from draftsmith.eval.export_heads import load_mlp_speculator
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.recipe import MLPSpeculatorDraftConfig, RecipeError, load_recipe
-from draftsmith.train.mlp_speculator import MLPSpeculatorMethod
+from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -74,14 +74,13 @@ def test_tie_weights_share_stages_like_fms_extras():
     n = sum(p.numel() for p in model.parameters())
     assert n == 20 * 12 + 8 * 12 + 12 * 12 + 20 * 12 + 2 * 12
     with pytest.raises(RecipeError, match="tie_weights needs n_predict >= 2"):
-        load_recipe(None, ["draft.method=mlp_speculator", "draft.mlp_speculator.tie_weights=true",
-                           "draft.mlp_speculator.n_predict=1"])
+        load_recipe(None, ["draft.method=mlp_speculator", "draft.tie_weights=true",
+                           "draft.n_predict=1"])
 
 
 def mlp_recipe(tiny_target: Path, prompts: Path, **spec):
     recipe = tiny_recipe(tiny_target, prompts, max_steps=20, lr=0.01)
-    recipe.draft.method = "mlp_speculator"
-    recipe.draft.mlp_speculator = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, **spec)
+    recipe.draft = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, **spec)
     return recipe
 
 

@@ -13,7 +13,7 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import ExportError, export, expected_weight_shapes, read_checkpoint
 from draftsmith.models.eagle3 import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -46,7 +46,7 @@ def tiny_recipe(tiny_target: Path, prompts: Path, **train):
         "train.warmup_ratio=0.0",
         "train.log_every=1",
         "train.checkpoint_every=1000",
-        f"eval.vllm={json.dumps(CPU_VLLM)}",
+        f"vllm={json.dumps(CPU_VLLM)}",
     ] + [f"train.{k}={v}" for k, v in train.items()]
     return load_recipe(None, overrides)
 

@@ -13,7 +13,7 @@ from draftsmith.methods import UnknownMethodError, get_method, method_of_export,
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.models.medusa import MedusaConfig
 from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
-from draftsmith.recipe import DraftConfig
+from draftsmith.recipe import DRAFT_SECTIONS, load_recipe
 
 from conftest import write_draft_checkpoint
 
@@ -85,10 +85,13 @@ def test_training_method_and_entry_script_are_the_methods_own(name):
     assert spec.train_module == f"draftsmith.train.{name}"
 
 
+def test_every_registered_method_has_one_draft_section():
+    assert tuple(DRAFT_SECTIONS) == registered_methods()
+
+
 @pytest.mark.parametrize("name", registered_methods())
-def test_recipe_keys_are_draft_section_keys_and_accept_the_method(name):
+def test_the_draft_union_picks_the_methods_section(name):
     spec = get_method(name)
-    assert set(spec.recipe_keys) <= set(DraftConfig.model_fields)
-    if spec.recipe_config is not None:
-        assert DraftConfig.model_fields[name].annotation is spec.recipe_config
-    assert DraftConfig(method=name).method == name
+    assert spec.recipe_config is DRAFT_SECTIONS[name]
+    recipe = load_recipe(None, [f"draft.method={name}"])
+    assert type(recipe.draft) is spec.recipe_config and recipe.draft.method == name

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
 from draftsmith.train.trainer import fit
 

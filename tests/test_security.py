@@ -15,7 +15,7 @@ import pytest
 from draftsmith.data_prep.shards import ShardError
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.recipe import RecipeError, load_recipe, safe_path
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import REDACTED, fit, redact_argv
 
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)

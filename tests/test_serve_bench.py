@@ -262,7 +262,7 @@ def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     """Whole run on the tiny target: 3 servers, 2 levels, 2 prompts each; nothing left running."""
     from draftsmith.data_prep.prepare import prepare
     from draftsmith.eval.export import export
-    from draftsmith.train.eagle3 import Eagle3Method
+    from draftsmith.train.method_eagle3 import Eagle3Method
     from draftsmith.train.checkpoint import find_checkpoints
     from draftsmith.train.trainer import fit
 

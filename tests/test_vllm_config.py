@@ -1,4 +1,4 @@
-"""``eval.vllm`` (``recipe.VllmConfig``): the one engine config, and what it hands to
+"""The recipe's ``vllm`` section (``recipe.VllmConfig``): the one engine config, and what it hands to
 ``vllm.LLM``, to the OpenAI server's command line and to the engine process's environment.
 No vLLM is started here."""
 
@@ -62,15 +62,15 @@ def test_extra_engine_args_pass_through_unchanged():
 
 @pytest.mark.parametrize("key", ["max_model_len", "max-model-len", "dtype", "kv_cache_memory_bytes"])
 def test_an_extra_arg_duplicating_a_typed_field_is_an_error_naming_the_key(key):
-    with pytest.raises(ValidationError, match=f"extra_engine_args key '{key}' duplicates eval.vllm"):
+    with pytest.raises(ValidationError, match=f"extra_engine_args key '{key}' duplicates vllm"):
         VllmConfig(extra_engine_args={key: 1})
-    with pytest.raises(RecipeError, match=f"eval.vllm.extra_engine_args: .*'{key}'"):
-        load_recipe(None, [f"eval.vllm.extra_engine_args={{{key}: 1}}"])
+    with pytest.raises(RecipeError, match=f"vllm.extra_engine_args: .*'{key}'"):
+        load_recipe(None, [f"vllm.extra_engine_args={{{key}: 1}}"])
 
 
 def test_an_extra_arg_the_caller_sets_itself_is_an_error_naming_the_key():
     c = VllmConfig(extra_engine_args={"seed": 1})
-    with pytest.raises(ValueError, match="'seed' is set by both eval.vllm.extra_engine_args and the caller"):
+    with pytest.raises(ValueError, match="'seed' is set by both vllm.extra_engine_args and the caller"):
         c.llm_kwargs(on_gpu=False, model="/t", seed=0)
 
 
@@ -111,7 +111,7 @@ def test_a_bad_flag_value_is_an_error_naming_the_flag():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_recipe_validates_and_builds_its_engine_arguments(path):
-    engine = load_recipe(path).eval.vllm
+    engine = load_recipe(path).vllm
     on_gpu = not path.stem.startswith("smollm2")
     kwargs = engine.llm_kwargs(on_gpu=on_gpu, model="/t")
     assert kwargs["model"] == "/t"

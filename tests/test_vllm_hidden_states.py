@@ -16,7 +16,7 @@ from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import fit
 
 from conftest import TINY_AUX, write_jsonl
@@ -79,7 +79,7 @@ def vllm_run(tiny_target, tmp_path_factory):
     recipe = tiny_recipe(tiny_target, prompts, max_steps=2)
     recipe.data.hidden_states_engine = "vllm"
     recipe.data.hidden_states_dtype = "float32"
-    recipe.eval.vllm.max_model_len = 256
+    recipe.vllm.max_model_len = 256
     summary = prepare(recipe, run)
     return recipe, run, summary
 

@@ -29,7 +29,7 @@ from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
-from draftsmith.train.eagle3 import Eagle3Method
+from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

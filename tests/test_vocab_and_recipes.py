@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from draftsmith.data_prep.vocab import (
     build_draft_vocab,
@@ -14,7 +15,14 @@ from draftsmith.data_prep.vocab import (
     draft_to_target_ids,
     target_to_draft_ids,
 )
-from draftsmith.recipe import RecipeError, load_recipe
+from draftsmith.recipe import (
+    Eagle3DraftConfig,
+    MedusaDraftConfig,
+    MLPSpeculatorDraftConfig,
+    RecipeError,
+    dump_recipe,
+    load_recipe,
+)
 
 RECIPE_DIR = Path(__file__).parent.parent / "recipes"
 RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
@@ -80,7 +88,7 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
 
 @pytest.mark.parametrize("recipe_file,overrides,message", [
     ("smollm2_135m_medusa.yaml", ["train.gradient_checkpointing=true"], "gradient_checkpointing applies to eagle3 only"),
-    ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.mlp_speculator.stage2"),
+    ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.stage2_start_step"),
 ])
 def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrides, message):
     with pytest.raises(RecipeError, match=message):
@@ -88,4 +96,43 @@ def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrid
     # without the conflicting key the recipe is fine, and stage 1 alone packs
     load_recipe(RECIPE_DIR / recipe_file)
     load_recipe(RECIPE_DIR / "smollm2_135m_mlp_speculator.yaml",
-                ["train.packing=true", "draft.mlp_speculator.stage2_start_step=null"])
+                ["train.packing=true", "draft.stage2_start_step=null"])
+
+
+def test_draft_section_is_the_methods_own_keys():
+    r = load_recipe(None, ["draft.method=medusa", "draft.num_heads=4"])
+    assert isinstance(r.draft, MedusaDraftConfig) and r.draft.num_heads == 4
+    assert load_recipe(None).draft == Eagle3DraftConfig()  # no draft section: EAGLE-3 defaults
+    with pytest.raises(RecipeError, match=r"draft.num_heads is a key of medusa but draft.method is 'eagle3'"):
+        load_recipe(None, ["draft.num_heads=4"])
+    with pytest.raises(RecipeError, match="draft: Input tag 'dflash2' found using 'method' does not match"):
+        load_recipe(None, ["draft.method=dflash2"])
+
+
+def test_recipes_in_the_layout_before_the_draft_union_still_load(tmp_path):
+    # checkpoints' recipe.yaml dumps list every method's keys; the old layout nested a method's
+    # keys under draft.<method> and the vLLM engine under eval.vllm
+    old = {"draft": {"method": "medusa", "norm_before_residual": True, "init_lm_head_from_target": True,
+                     "freeze_lm_head": False, "medusa": {"num_heads": 2, "num_layers": 1, "init_from_target": True},
+                     "mlp_speculator": MLPSpeculatorDraftConfig().model_dump(exclude={"method"})},
+           "eval": {"num_speculative_tokens": 2, "vllm": {"dtype": "float32", "max_num_seqs": 8}}}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    r = load_recipe(path)
+    assert r.draft == MedusaDraftConfig(num_heads=2)
+    assert (r.vllm.dtype, r.vllm.max_num_seqs, r.eval.num_speculative_tokens) == ("float32", 8, 2)
+    # a setting of another method is still an error, not something to drop
+    with pytest.raises(RecipeError, match="draft.mlp_speculator.n_predict is set for mlp_speculator but "
+                                          "draft.method is 'medusa'"):
+        load_recipe(path, ["draft.mlp_speculator.n_predict=5"])
+    with pytest.raises(RecipeError, match="draft.norm_before_residual is a key of eagle3"):
+        load_recipe(path, ["draft.norm_before_residual=false"])
+    with pytest.raises(RecipeError, match="both vllm and eval.vllm are given"):
+        load_recipe(path, ["vllm.dtype=bfloat16"])
+
+
+def test_a_resolved_recipe_dump_loads_back_equal(tmp_path):
+    for name in ("smollm2_135m.yaml", "smollm2_135m_medusa.yaml", "smollm2_135m_mlp_speculator.yaml"):
+        r = load_recipe(RECIPE_DIR / name)
+        dump_recipe(r, tmp_path / name)
+        assert load_recipe(tmp_path / name) == r

@@ -72,13 +72,13 @@ def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
 
 def medusa_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
     """Trainable parameters of a Medusa draft by part (full target vocab)."""
-    H, V, m = hidden_size, vocab_size, recipe.draft.medusa
+    H, V, m = hidden_size, vocab_size, recipe.draft
     return {"resblocks": m.num_heads * m.num_layers * (H * H + H), "lm_heads": m.num_heads * V * H}
 
 
 def mlp_speculator_parameter_count(recipe: Recipe, hidden_size: int, vocab_size: int) -> dict[str, int]:
     """Trainable parameters of an MLP-speculator draft by part (full target vocab)."""
-    H, V, m = hidden_size, vocab_size, recipe.draft.mlp_speculator
+    H, V, m = hidden_size, vocab_size, recipe.draft
     D, P = m.inner_dim or H, m.n_predict
     stages = 1 if m.tie_weights else P  # tied: one emb/head/ln for all stages
     inner_projs = min(P - 1, 1) if m.tie_weights else P - 1  # tied: stages >= 1 share one proj
@@ -101,13 +101,13 @@ def _head_estimate(counts: dict[str, int], heads: int, recipe: Recipe, vocab_siz
 def medusa_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
     """Medusa counterpart of :func:`eagle3_parameter_estimate` (``cfg`` gives the hidden size)."""
     counts = medusa_parameter_count(recipe, cfg.hidden_size, vocab_size)
-    return _head_estimate(counts, recipe.draft.medusa.num_heads, recipe, vocab_size)
+    return _head_estimate(counts, recipe.draft.num_heads, recipe, vocab_size)
 
 
 def mlp_speculator_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
     """MLP-speculator counterpart of :func:`eagle3_parameter_estimate`."""
     counts = mlp_speculator_parameter_count(recipe, cfg.hidden_size, vocab_size)
-    return _head_estimate(counts, recipe.draft.mlp_speculator.n_predict, recipe, vocab_size)
+    return _head_estimate(counts, recipe.draft.n_predict, recipe, vocab_size)
 
 
 def per_gpu_memory(memory: dict[str, int], counts: dict[str, int], method: str,
@@ -157,7 +157,8 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     V = int(text.vocab_size)
     if recipe.data.draft_vocab_size > V:
         raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
-    cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids, recipe.draft.norm_before_residual)
+    # the target's shapes for every method's estimator (norm_before_residual changes no count)
+    cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids)
     T = recipe.data.max_length
     counts, logits_bytes = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
     trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")

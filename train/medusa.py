@@ -11,45 +11,12 @@ arXiv:2401.10774). Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics
 (``loss_{k}``, ``acc_{k}`` per head) to ``RUN_DIR/metrics.jsonl``.
 """
 
-from __future__ import annotations
-
+# An entry script run as a file (`accelerate launch train/medusa.py`), so its imports are absolute;
+# the method itself lives in train/method_medusa.py.
 import sys
-from pathlib import Path
-from typing import Any
 
-import torch
-from torch import nn
-
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import HeadTargets
-from draftsmith.train.method_base import HeadMethod, train_main
-
-
-class MedusaMethod(HeadMethod):
-    """Medusa-1: K ResBlock heads on the final hidden state, full-vocab lm_heads, optionally
-    started from the target's ``lm_head`` (``draft.medusa.init_from_target``)."""
-
-    name = "medusa"
-
-    def __init__(self, recipe: Recipe, run_dir: Path):
-        super().__init__(recipe, run_dir)
-        H, V = self.check_target_vocab()
-        cfg = recipe.draft.medusa
-        self.config = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=cfg.num_heads, num_layers=cfg.num_layers)
-        self.num_heads = cfg.num_heads
-
-    def build_model(self) -> MedusaModel:
-        model = MedusaModel(self.config)
-        if self.recipe.draft.medusa.init_from_target:
-            model.init_from_target(self.heads["lm_head"].float())
-        return model
-
-    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
-        return model(final).squeeze(2)  # (K, M, 1, V) -> (K, M, V)
-
-    def draft_config(self) -> dict[str, Any]:
-        return self.config.to_dict()
+from draftsmith.train.method_base import train_main
+from draftsmith.train.method_medusa import MedusaMethod
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 
 Stage 1 trains on the prepared data (``RUN_DIR/data``: final hidden states from the shards,
 or from the target in online mode) with teacher forcing: stage i at position t reads
-x_{t+1+i} and predicts x_{t+2+i}. From optimizer step ``draft.mlp_speculator.stage2_start_step``
+x_{t+1+i} and predicts x_{t+2+i}. From optimizer step ``draft.stage2_start_step``
 on (stage 2), each batch is replaced by sequences the frozen target generates itself: the
 prompt part of each row (up to its first assistant token) is continued for
 ``stage2_new_tokens`` tokens (greedy, or sampled at ``stage2_temperature``), the target is run
@@ -13,111 +13,12 @@ on the result for its final normed hidden states, and the loss covers the genera
 Per-stage cross-entropy weighted ``train.head_decay**i``; metrics ``loss_{i}``, ``acc_{i}``.
 """
 
-from __future__ import annotations
-
+# An entry script run as a file (`accelerate launch train/mlp_speculator.py`), so its imports are absolute;
+# the method itself lives in train/method_mlp_speculator.py.
 import sys
-from pathlib import Path
-from typing import Any
 
-import torch
-from torch import nn
-
-from draftsmith.data_prep.capture import capture_batch
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import HeadTargets
-from draftsmith.train.method_base import HeadMethod, train_main
-
-
-class MLPSpeculatorMethod(HeadMethod):
-    """MLP speculator: P chained stages on the final hidden state and the teacher-forced
-    tokens; the target is loaded in the job when stage 2 is configured."""
-
-    name = "mlp_speculator"
-
-    def __init__(self, recipe: Recipe, run_dir: Path):
-        cfg = recipe.draft.mlp_speculator
-        super().__init__(recipe, run_dir, load_target_model=cfg.stage2_start_step is not None)
-        H, V = self.check_target_vocab()
-        self.config = MLPSpeculatorConfig(emb_dim=H, inner_dim=cfg.inner_dim or H, vocab_size=V,
-                                          n_predict=cfg.n_predict, tie_weights=cfg.tie_weights,
-                                          scale_input=cfg.scale_input)
-        self.num_heads = cfg.n_predict
-        self.step = 0
-
-    def build_model(self) -> MLPSpeculator:
-        return MLPSpeculator(self.config)
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
-    @property
-    def in_stage2(self) -> bool:
-        start = self.recipe.draft.mlp_speculator.stage2_start_step
-        return start is not None and self.step >= start
-
-    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
-        # row m is the length-1 sequence at position t: it needs x_t .. x_{t+P} (T + P = 1 + P)
-        return model(final, targets.tokens[:, : self.num_heads + 1]).squeeze(2)  # (P, M, V)
-
-    def batch_states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not self.in_stage2:
-            return super().batch_states(batch)
-        return self.generate_batch(batch)
-
-    @torch.no_grad()
-    def generate_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stage 2: the target continues each row's prompt; returns ``input_ids``, ``loss_mask``
-        (1 on generated tokens, up to and including end-of-sequence), ``attention_mask``
-        (right-padded, ``(B, P + N)``) and ``final_hidden_states (B, P + N, H)``."""
-        cfg = self.recipe.draft.mlp_speculator
-        ids, mask, att = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-        B = ids.shape[0]
-        # prompt = everything before the first assistant token (rows without one: the whole row)
-        has_reply = mask.bool().any(1)
-        prompt_len = torch.where(has_reply, mask.float().argmax(1).long(), att.sum(1)).tolist()
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        P = max(prompt_len)
-        # generate() wants left padding so that every row's continuation starts at column P
-        prompts = ids.new_full((B, P), pad_id)
-        prompt_att = torch.zeros_like(prompts)
-        for b, n in enumerate(prompt_len):
-            prompts[b, P - n :] = ids[b, :n]
-            prompt_att[b, P - n :] = 1
-        T = cfg.stage2_temperature
-        # plain temperature sampling: top_k=0 / top_p=1 override the target's generation_config
-        sampling = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
-        out = self.target.generate(input_ids=prompts, attention_mask=prompt_att, max_new_tokens=cfg.stage2_new_tokens,
-                                   pad_token_id=pad_id, **sampling)
-        new = out[:, P:]  # (B, N)
-        eos = self.target.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        rows = []
-        for b, n in enumerate(prompt_len):
-            gen = new[b].tolist()
-            stop = next((j + 1 for j, t in enumerate(gen) if t in eos), len(gen))
-            rows.append((ids[b, :n].tolist(), gen[:stop]))
-        L = max(len(p) + len(g) for p, g in rows)
-        seq = ids.new_full((B, L), pad_id)
-        loss_mask = torch.zeros_like(seq)
-        attention = torch.zeros_like(seq)
-        for b, (p, g) in enumerate(rows):
-            seq[b, : len(p) + len(g)] = torch.tensor(p + g, device=seq.device)
-            loss_mask[b, len(p) : len(p) + len(g)] = 1
-            attention[b, : len(p) + len(g)] = 1
-        _, final = capture_batch(self.target, seq, attention, self.target_info["aux_layer_ids"])
-        self.generated_tokens = int(loss_mask.sum())
-        return {"input_ids": seq, "loss_mask": loss_mask, "attention_mask": attention, "final_hidden_states": final}
-
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, metrics = super().compute_loss(model, batch)
-        metrics["stage"] = 2.0 if self.in_stage2 else 1.0
-        if self.in_stage2:
-            metrics["stage2_generated_tokens"] = float(self.generated_tokens)
-        return loss, metrics
-
-    def draft_config(self) -> dict[str, Any]:
-        return self.config.to_dict()
+from draftsmith.train.method_base import train_main
+from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
 
 
 def main(argv: list[str] | None = None) -> int:

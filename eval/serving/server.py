@@ -51,7 +51,7 @@ def free_port() -> int:
 
 @dataclass
 class ServerOptions:
-    """Settings shared by every configuration's server: the engine (``eval.vllm``), the
+    """Settings shared by every configuration's server: the engine (the recipe's ``vllm``), the
     engine seed, and how long to wait for start (seconds) and stop (seconds)."""
 
     engine: VllmConfig = field(default_factory=VllmConfig)
@@ -65,7 +65,7 @@ def server_command(target: Path, port: int, spec: dict[str, Any] | None, opts: S
     :meth:`draftsmith.recipe.VllmConfig.server_args`).
 
     Raises:
-        ValueError: a key of ``eval.vllm.extra_engine_args`` that the server command sets itself.
+        ValueError: a key of ``vllm.extra_engine_args`` that the server command sets itself.
     """
     head = (["vllm", "serve", str(target)] if vllm_cli_works()
             else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)])
