@@ -33,7 +33,7 @@ class TargetConfig(_Strict):
 
 
 class DataSource(_Strict):
-    path: str = Field(description="Local JSON/JSONL/Parquet file, hub dataset id, or builtin:train / builtin:eval.")
+    path: str = Field(description="Local JSON/JSONL/Parquet file, hub dataset id, or builtin:train / builtin:eval (the project prompt sets) / builtin:mt_bench (HuggingFaceH4/mt_bench_prompts).")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt", "tokenized", "mt_bench"] = Field(
         "auto", description="Row format; auto detects it from the first row's keys.")
     split: str = Field("train", description="Split of a hub dataset (ignored for local files).")

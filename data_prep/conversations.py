@@ -7,6 +7,9 @@ Accepted row shapes (``format: auto`` detects them per row):
 - ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}]}``
 - ``alpaca``: ``{"instruction": str, "input": str?, "output": str}``
 - ``prompt``: ``{"prompt": str}`` (a user turn whose response the target will generate)
+- ``mt_bench``: ``{"turns": [str, ...]}`` (FastChat's ``question.jsonl``) or ``{"prompt": [str, ...]}``
+  (``HuggingFaceH4/mt_bench_prompts``, what ``builtin:mt_bench`` loads): user turns, of which
+  the first is kept as the prompt
 - ``tokenized``: ``{"input_ids": [int], "loss_mask": [0|1]}`` (used as is)
 
 A normalised record is ``{"id": str, "messages": [...]}`` or ``{"id", "input_ids", "loss_mask"}``.
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "prompts"
+# builtin sets that are not shipped but fetched from the Hub with ``datasets``
+BUILTIN_HUB = {"mt_bench": "HuggingFaceH4/mt_bench_prompts"}
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -70,9 +75,12 @@ class LoadReport:
 
 
 def resolve_source_path(path: str) -> str:
-    """``builtin:train`` / ``builtin:eval`` -> the project prompt set files."""
+    """``builtin:train`` / ``builtin:eval`` -> the project prompt set files;
+    ``builtin:mt_bench`` -> the Hub dataset ``HuggingFaceH4/mt_bench_prompts``."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
+        if name in BUILTIN_HUB:
+            return BUILTIN_HUB[name]
         f = BUILTIN_DIR / f"{name}.jsonl"
         if not f.is_file():
             raise FileNotFoundError(f"no builtin prompt set '{name}' (looked for {f})")
@@ -101,6 +109,14 @@ def iter_rows(path: str, split: str = "train") -> Iterable[tuple[int, Any]]:
         suffix = local.suffix.lstrip(".") if local.is_file() else "json"
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(suffix, suffix)
         ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+    elif path in BUILTIN_HUB.values():
+        try:
+            ds = datasets.load_dataset(path, split="train")
+        except Exception as exc:  # offline, no Hub access, or the dataset moved
+            raise DataError(
+                f"could not load the Hub dataset {path} ({type(exc).__name__}: {exc}); pass a local copy "
+                "with --prompts path/to/mt_bench.jsonl (FastChat's question.jsonl, rows with 'turns')"
+            ) from exc
     else:
         ds = datasets.load_dataset(path, split=split)
     for i, row in enumerate(ds, start=1):
@@ -119,7 +135,7 @@ def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: row is {type(row).__name__}, expected a JSON object")
     if fmt == "auto":
         fmt = detect_format(row, where)
-    rid = str(row.get("id", row.get("question_id", where)))
+    rid = str(row.get("id", row.get("question_id", row.get("prompt_id", where))))
     if fmt == "tokenized":
         ids, mask = row.get("input_ids"), row.get("loss_mask")
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
@@ -159,11 +175,11 @@ def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
         if row.get("output") is not None:
             messages.append({"role": "assistant", "content": row["output"]})
     elif fmt in ("prompt", "mt_bench"):
-        if fmt == "prompt":
-            messages = [{"role": "user", "content": row.get("prompt")}]
-        else:
-            turns = row.get("turns") or []
+        turns = row.get("prompt") if fmt == "prompt" else row.get("turns", row.get("prompt"))
+        if isinstance(turns, list):  # MT-bench user turns (FastChat ``turns``, HuggingFaceH4 ``prompt``)
             messages = [{"role": "user", "content": turns[0] if turns else None}]
+        else:
+            messages = [{"role": "user", "content": turns}]
     else:
         raise DataError(f"{where}: unknown format '{fmt}'")
     validate_messages(messages, where)

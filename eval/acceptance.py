@@ -7,7 +7,7 @@ Each configuration runs vLLM's offline ``LLM`` in a fresh subprocess (vLLM keeps
 processes and memory until its process exits), generates on the prompts, and reads
 ``llm.get_metrics()`` (``disable_log_stats=False``). Engine settings: the vLLM flags
 (``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``, ... see ``--help``) over
-``--recipe``'s ``eval.vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
+``--recipe``'s ``vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
 values: on CPU pass e.g. ``--dtype float32 --enforce-eager --gpu-memory-utilization 0.2
 --max-model-len 2048 --max-num-seqs 32``, or a CPU recipe). Metrics follow SPEC.md section 5:
 
@@ -66,28 +66,39 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     Raises:
         DraftMismatchError: hidden size, vocab size (target vocab, ``t2d`` length, draft vocab
             larger than the target's), verifier architecture, or aux layer ids (not three, or out
-            of range for the target) that do not fit the target.
+            of range for the target) that do not fit the target; the export of another method.
     """
     from transformers import AutoConfig
 
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    layer = cfg.get("transformer_layer_config", cfg)
+    from draftsmith.methods import UnknownMethodError, method_of_export
+    from draftsmith.models.eagle3 import Eagle3Config
+
+    config_path = draft_dir / "config.json"
+    cfg = json.loads(config_path.read_text())
+    try:
+        method = method_of_export(cfg).name
+    except UnknownMethodError:
+        method = None  # not recognisably any format: checked as the EAGLE-3 export it is meant to be
+    if method not in (None, "eagle3"):
+        raise DraftMismatchError(f"{config_path}: a {method} export, not an EAGLE-3 draft")
+    # the EAGLE-3 keys as the format's owner (and vLLM) reads them, in either export format
+    facts = Eagle3Config.export_facts(cfg)
     tcfg = AutoConfig.from_pretrained(target_dir)
     text = getattr(tcfg, "text_config", None) or tcfg
     problems = []
-    if layer.get("hidden_size") != text.hidden_size:
-        problems.append(f"draft hidden_size {layer.get('hidden_size')} != target {text.hidden_size}")
-    if cfg.get("target_hidden_size", text.hidden_size) != text.hidden_size:
-        problems.append(f"draft target_hidden_size {cfg['target_hidden_size']} != target {text.hidden_size}")
-    if layer.get("vocab_size") != text.vocab_size:
-        problems.append(f"draft vocab_size {layer.get('vocab_size')} != target {text.vocab_size}")
-    if (cfg.get("draft_vocab_size") or 0) > text.vocab_size:
-        problems.append(f"draft_vocab_size {cfg['draft_vocab_size']} > target vocab {text.vocab_size}")
-    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    if facts.hidden_size != text.hidden_size:
+        problems.append(f"draft hidden_size {facts.hidden_size} != target {text.hidden_size}")
+    if facts.target_hidden_size is not None and facts.target_hidden_size != text.hidden_size:
+        problems.append(f"draft target_hidden_size {facts.target_hidden_size} != target {text.hidden_size}")
+    if facts.vocab_size != text.vocab_size:
+        problems.append(f"draft vocab_size {facts.vocab_size} != target {text.vocab_size}")
+    if (facts.draft_vocab_size or 0) > text.vocab_size:
+        problems.append(f"draft_vocab_size {facts.draft_vocab_size} > target vocab {text.vocab_size}")
+    verifier = facts.verifier
     target_arch = list(getattr(tcfg, "architectures", None) or [])
     if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
         problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, target is {target_arch}")
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = facts.aux_layer_ids
     if ids is not None and len(ids) != 3:
         problems.append(f"aux layer ids {ids}: an EAGLE-3 draft needs exactly 3")
     if ids and not all(0 <= i < text.num_hidden_layers for i in ids):
@@ -208,7 +219,7 @@ def format_row(name: str, r: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
-    p.add_argument("--recipe", type=Path, help="recipe YAML whose eval.vllm gives the engine settings "
+    p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
                    "(the vLLM flags below override it)")
     p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "none"])
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
     try:
-        engine = vllm_config_from_args(args, load_recipe(args.recipe).eval.vllm if args.recipe else None)
+        engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

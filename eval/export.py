@@ -9,7 +9,9 @@ Formats (SPEC.md section 3):
   ``architectures ["Eagle3DraftModel"]``, ``speculators_model_type "eagle3"``, the verifier,
   ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``,
   ``norm_before_residual`` (always written: vLLM assumes True when absent) and a one-layer
-  ``transformer_layer_config``; weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``.
+  ``transformer_layer_config``; weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
+  (with ``attention_bias`` / ``mlp_bias`` also the ``{q,k,v,o}_proj`` / ``{gate,up,down}_proj`` biases,
+  which vLLM's ``llama_eagle3`` loads when the layer config sets those keys).
 - legacy (``--legacy``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
   ``eagle_config``, weights under ``midlayer.*``.
 
@@ -41,10 +43,23 @@ class ExportError(ValueError):
 
 
 def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict[str, tuple[int, ...]]:
-    """Every tensor an exported EAGLE-3 draft holds, with its shape."""
+    """Every tensor an exported EAGLE-3 draft holds, with its shape.
+
+    With ``attention_bias`` the draft layer has ``{q,k,v,o}_proj.bias`` and with ``mlp_bias``
+    ``{gate,up,down}_proj.bias``: vLLM's ``llama_eagle3`` reads both keys from the layer config
+    (``attention_bias`` -> ``qkv_proj`` and ``o_proj`` bias, ``mlp_bias`` -> ``gate_up_proj`` and
+    ``down_proj`` bias) and loads the biases under these names, so they are exported too.
+    """
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    return {
+    biases: dict[str, tuple[int, ...]] = {}
+    if cfg.attention_bias:
+        biases.update({f"{prefix}self_attn.q_proj.bias": (nh * hd,), f"{prefix}self_attn.k_proj.bias": (nkv * hd,),
+                       f"{prefix}self_attn.v_proj.bias": (nkv * hd,), f"{prefix}self_attn.o_proj.bias": (H,)})
+    if cfg.mlp_bias:
+        biases.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
+                       f"{prefix}mlp.down_proj.bias": (H,)})
+    return biases | {
         "fc.weight": (H, 3 * Ht),
         f"{prefix}self_attn.q_proj.weight": (nh * hd, 2 * H),
         f"{prefix}self_attn.k_proj.weight": (nkv * hd, 2 * H),

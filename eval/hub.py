@@ -54,19 +54,25 @@ class _MethodCard:
 
 
 def _eagle3_facts(cfg: dict[str, Any]) -> list[str]:
-    layer = cfg.get("transformer_layer_config") or cfg
-    fmt = "speculators" if cfg.get("speculators_config") else "legacy LlamaForCausalLMEagle3"
+    facts = _eagle3_export_facts(cfg)
+    fmt = "speculators" if facts.format == "speculators" else "legacy LlamaForCausalLMEagle3"
     return [f"- method: EAGLE-3 (one Llama decoder layer over three target hidden states), format {fmt}",
-            f"- aux hidden-state layer ids: {_aux_layer_ids(cfg)} (vLLM convention: residual stream after L layers)",
-            f"- draft vocab size: {cfg.get('draft_vocab_size')} of the target's {layer.get('vocab_size')} tokens "
+            f"- aux hidden-state layer ids: {facts.aux_layer_ids} (vLLM convention: residual stream after L layers)",
+            f"- draft vocab size: {facts.draft_vocab_size} of the target's {facts.vocab_size} tokens "
             "(d2t / t2d included)",
-            f"- hidden size {layer.get('hidden_size')}; norm_before_residual {cfg.get('norm_before_residual')}; "
+            f"- hidden size {facts.hidden_size}; norm_before_residual {facts.norm_before_residual}; "
             f"default num_speculative_tokens {_eagle3_k(cfg) or 3}"]
 
 
 def _eagle3_k(cfg: dict[str, Any]) -> int | None:
-    spec = cfg.get("speculators_config") or {}
-    return next((p.get("speculative_tokens") for p in spec.get("proposal_methods", [])), None)
+    return _eagle3_export_facts(cfg).num_speculative_tokens
+
+
+def _eagle3_export_facts(cfg: dict[str, Any]):
+    """The EAGLE-3 keys of the export as their format's owner (and vLLM) reads them, either layout."""
+    from draftsmith.models.eagle3 import Eagle3Config  # torch: imported only for an EAGLE-3 card
+
+    return Eagle3Config.export_facts(cfg)
 
 
 def _medusa_facts(cfg: dict[str, Any]) -> list[str]:
@@ -90,10 +96,6 @@ _METHOD_CARDS = {
     "mlp_speculator": _MethodCard("MLP speculator", "an MLP speculator (arXiv:2404.19124)", _mlp_speculator_facts,
                                   lambda c: c.get("n_predict")),
 }
-
-
-def _aux_layer_ids(cfg: dict[str, Any]) -> list[int] | None:
-    return cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
 def _method(cfg: dict[str, Any]) -> DraftMethodSpec:

@@ -289,11 +289,11 @@ class Eagle3Config:
             KeyError: a required key is missing.
             ValueError: no aux layer ids, or an inconsistent geometry.
         """
-        aux = config.get("eagle_aux_hidden_state_layer_ids")
-        if not aux:
+        facts = Eagle3ExportFacts.read(config, "speculators")
+        if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
-        return cls.from_layer_config(config["transformer_layer_config"], config["draft_vocab_size"], aux,
-                                     config.get("target_hidden_size"), config.get("norm_before_residual", True))
+        return cls.from_layer_config(config["transformer_layer_config"], config["draft_vocab_size"],
+                                     facts.aux_layer_ids, facts.target_hidden_size, facts.norm_before_residual)
 
     @classmethod
     def from_legacy(cls, config: dict[str, Any]) -> Eagle3Config:
@@ -303,11 +303,11 @@ class Eagle3Config:
         Raises:
             KeyError / ValueError: as :meth:`from_speculators`.
         """
-        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not aux:
+        facts = Eagle3ExportFacts.read(config, "legacy")
+        if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
-        return cls.from_layer_config(config, config["draft_vocab_size"], aux, config.get("target_hidden_size"),
-                                     config.get("norm_before_residual", False))
+        return cls.from_layer_config(config, config["draft_vocab_size"], facts.aux_layer_ids,
+                                     facts.target_hidden_size, facts.norm_before_residual)
 
     @classmethod
     def from_export(cls, config: dict[str, Any]) -> Eagle3Config:
@@ -316,9 +316,71 @@ class Eagle3Config:
         Raises:
             KeyError / ValueError: as :meth:`from_speculators`.
         """
-        if config.get("speculators_model_type") == "eagle3":
+        if Eagle3ExportFacts.export_format(config) == "speculators":
             return cls.from_speculators(config)
         return cls.from_legacy(config)
+
+    @staticmethod
+    def export_facts(config: dict[str, Any]) -> Eagle3ExportFacts:
+        """The EAGLE-3 facts of an exported draft's ``config.json`` (either format) that tools
+        report or check against a target, read as :meth:`from_export` and vLLM read them but
+        without requiring the full layer geometry (see :class:`Eagle3ExportFacts`). Never raises
+        for a missing key: absent facts are None."""
+        return Eagle3ExportFacts.read(config)
+
+
+@dataclass(frozen=True)
+class Eagle3ExportFacts:
+    """What an EAGLE-3 export's ``config.json`` says about the draft, in either format.
+
+    The one reader of these keys (:meth:`Eagle3Config.from_speculators` / ``from_legacy`` and the
+    tools that check or describe an export, ``eval/acceptance.py`` and ``eval/hub.py``, all go
+    through it), with vLLM's defaults: ``norm_before_residual`` True when absent in the
+    speculators format, False in the legacy one. Other facts are None when absent.
+
+    Attributes:
+        format: ``"speculators"`` (vLLM's rule: a ``speculators_config`` is present; or
+            ``speculators_model_type`` is ``eagle3``) or ``"legacy"`` (``LlamaForCausalLMEagle3``).
+        aux_layer_ids: ``eagle_aux_hidden_state_layer_ids`` (legacy: under ``eagle_config``).
+        draft_vocab_size: Vd. vocab_size, hidden_size: of the layer config (V, H).
+        target_hidden_size: as written (vLLM uses ``hidden_size`` when absent).
+        num_speculative_tokens: K of the first proposal method (speculators format only).
+        verifier: ``speculators_config.verifier`` (``{}`` when absent).
+    """
+
+    format: str
+    aux_layer_ids: list[int] | None
+    draft_vocab_size: int | None
+    vocab_size: int | None
+    hidden_size: int | None
+    target_hidden_size: int | None
+    norm_before_residual: bool
+    num_speculative_tokens: int | None
+    verifier: dict[str, Any]
+
+    @staticmethod
+    def export_format(config: dict[str, Any]) -> str:
+        """``"speculators"`` or ``"legacy"`` (see :attr:`format`)."""
+        speculators = config.get("speculators_config") is not None or config.get("speculators_model_type") == "eagle3"
+        return "speculators" if speculators else "legacy"
+
+    @classmethod
+    def read(cls, config: dict[str, Any], fmt: str | None = None) -> Eagle3ExportFacts:
+        """The facts of ``config`` read as format ``fmt`` (default: :meth:`export_format`)."""
+        fmt = fmt or cls.export_format(config)
+        if fmt == "speculators":
+            layer = config.get("transformer_layer_config") or {}
+            aux = config.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            layer = config
+            aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        spec = config.get("speculators_config") or {}
+        k = next((m.get("speculative_tokens") for m in spec.get("proposal_methods") or []), None)
+        return cls(format=fmt, aux_layer_ids=list(aux) if aux is not None else None,
+                   draft_vocab_size=config.get("draft_vocab_size"), vocab_size=layer.get("vocab_size"),
+                   hidden_size=layer.get("hidden_size"), target_hidden_size=config.get("target_hidden_size"),
+                   norm_before_residual=config.get("norm_before_residual", fmt == "speculators"),
+                   num_speculative_tokens=k, verifier=dict(spec.get("verifier") or {}))
 
 
 def same_document(document_ids: torch.Tensor) -> torch.Tensor:

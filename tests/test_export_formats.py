@@ -29,6 +29,7 @@ CONFIGS = {
     "default_rope": tiny(),
     "llama3_rope": tiny(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, norm_before_residual=False),
     "wide_target": tiny(target_hidden_size=48, rms_norm_eps=1e-6, hidden_act="gelu"),
+    "biases": tiny(attention_bias=True, mlp_bias=True),
 }
 
 
@@ -118,3 +119,46 @@ def test_loading_an_export_without_aux_layer_ids_names_the_config_file(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(written))
     with pytest.raises(DraftLoadError, match=r"config\.json: no eagle_aux_hidden_state_layer_ids"):
         load_eagle3(tmp_path, torch.zeros(V, H))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["speculators", "legacy"])
+def test_biases_are_exported_under_the_names_and_config_keys_vllm_reads(tmp_path, legacy):
+    # vLLM's llama_eagle3 layer: attention_bias -> qkv_proj and o_proj biases, mlp_bias -> gate_up_proj and
+    # down_proj biases, read from the layer config and loaded from {q,k,v,o}_proj.bias / {gate,up,down}_proj.bias
+    from safetensors.torch import load_file
+
+    cfg = tiny(attention_bias=True, mlp_bias=False)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    ckpt = tmp_path / "ckpt"
+    state = write_draft_checkpoint(model, ckpt, "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
+    out = export(ckpt, tmp_path / "export", legacy=legacy)
+    written = load_file(str(out / "model.safetensors"))
+    prefix = "midlayer." if legacy else "layers.0."
+    biases = sorted(k for k in written if k.endswith(".bias"))
+    assert biases == sorted(f"{prefix}self_attn.{p}_proj.bias" for p in "qkvo")
+    for k in biases:
+        assert torch.equal(written[k], state[k.replace("midlayer.", "layers.0.")])
+    config = json.loads((out / "config.json").read_text())
+    layer = config if legacy else config["transformer_layer_config"]
+    assert (layer["attention_bias"], layer["mlp_bias"]) == (True, False)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["speculators", "legacy"])
+def test_export_facts_read_either_format_as_from_export_does(legacy):
+    from draftsmith.models.eagle3 import Eagle3ExportFacts
+
+    cfg = tiny(target_hidden_size=48, norm_before_residual=False)
+    verifier = {"name_or_path": "t", "architectures": ["LlamaForCausalLM"]}
+    written = json.loads(json.dumps(cfg.to_legacy("float32", {}) if legacy else
+                                    cfg.to_speculators(verifier, 5, "float32", "0.3.0", {})))
+    facts = Eagle3Config.export_facts(written)
+    assert facts == Eagle3ExportFacts(
+        format="legacy" if legacy else "speculators", aux_layer_ids=[0, 2, 3], draft_vocab_size=VD, vocab_size=V,
+        hidden_size=H, target_hidden_size=48, norm_before_residual=False,
+        num_speculative_tokens=None if legacy else 5, verifier={} if legacy else verifier)
+    del written["norm_before_residual"]  # vLLM's defaults, as from_export
+    assert Eagle3Config.export_facts(written).norm_before_residual is (not legacy)
+    assert Eagle3Config.from_export(written).norm_before_residual is (not legacy)
