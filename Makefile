@@ -38,14 +38,14 @@ test-fast: install
 	$(BIN)/python -m pytest -q tests -m "not vllm and not integration"
 
 bench: install
-	$(BIN)/python eval/bench_hidden_states.py
+	$(BIN)/python -m draftsmith.eval.bench_hidden_states
 
 # On a GPU machine, with the Python whose torch has CUDA (not the CPU .venv above), after
 # `pip install -e ".[gpu]"`: Llama-3.1-8B-geometry capture and EAGLE-3 training figures.
 GPU_PY ?= python
 BENCH_GPU_ARGS ?= --out runs/bench_gpu.json
 bench-gpu:
-	$(GPU_PY) eval/bench_gpu.py $(BENCH_GPU_ARGS)
+	$(GPU_PY) -m draftsmith.eval.bench_gpu $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

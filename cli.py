@@ -48,8 +48,8 @@ def _stage_main(module: str) -> Callable[[list[str]], int]:
 
 def train(argv: list[str]) -> int:
     """``train/<draft.method>.py`` of the recipe given first (its own flags follow)."""
-    from draftsmith.methods import get_method
-    from draftsmith.recipe import RecipeError, load_recipe
+    from .methods import get_method
+    from .recipe import RecipeError, load_recipe
 
     if not argv or argv[0].startswith("-"):
         print("usage: draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--overwrite] [--set k=v ...] "
@@ -66,7 +66,7 @@ def train(argv: list[str]) -> int:
 
 def build_recipe_parser() -> argparse.ArgumentParser:
     """The parser of ``draftsmith recipe show|validate|schema``."""
-    from draftsmith.recipe import add_recipe_arguments
+    from .recipe import add_recipe_arguments
 
     p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
@@ -84,7 +84,7 @@ def recipe_command(argv: list[str]) -> int:
 
     import yaml
 
-    from draftsmith.recipe import RecipeError, load_recipe, recipe_schema
+    from .recipe import RecipeError, load_recipe, recipe_schema
 
     args = build_recipe_parser().parse_args(argv)
     if args.action == "schema":

@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.data_prep.prepare import prepare
-from draftsmith.eval.acceptance import format_row, measure
-from draftsmith.eval.export import export
-from draftsmith.recipe import add_recipe_arguments, dump_recipe, recipe_from_args
-from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.trainer import fit
+from .data_prep.prepare import prepare
+from .eval.acceptance import format_row, measure
+from .eval.export import export
+from .recipe import add_recipe_arguments, dump_recipe, recipe_from_args
+from .train.method_eagle3 import Eagle3Method
+from .train.checkpoint import find_checkpoints
+from .train.trainer import fit
 
 log = logging.getLogger("draftsmith.demo")
 

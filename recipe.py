@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from draftsmith.methods import get_method, registered_methods
+from .methods import get_method, registered_methods
 
 
 class _Strict(BaseModel):

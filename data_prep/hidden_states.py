@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.data_prep.capture import TransformersCapture
-from draftsmith.data_prep.shards import (
+from .capture import TransformersCapture
+from .shards import (
     FORMAT_VERSION,
     HEADER_KEYS,
     MANIFEST,

@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.data_prep import conversations as conv
-from draftsmith.data_prep import hidden_states as hs
-from draftsmith.data_prep.capture import CaptureEngine, LazyCapture, TransformersCapture
-from draftsmith.data_prep.shards import MANIFEST, ShardError, ShardSpec, distributed_rank
-from draftsmith.data_prep import regenerate as regen
-from draftsmith.data_prep import target as tgt
-from draftsmith.data_prep import vocab
-from draftsmith.layout import DataPaths, RunLayout, read_tokenized
-from draftsmith.recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
+from . import conversations as conv
+from . import hidden_states as hs
+from .capture import CaptureEngine, LazyCapture, TransformersCapture
+from .shards import MANIFEST, ShardError, ShardSpec, distributed_rank
+from . import regenerate as regen
+from . import target as tgt
+from . import vocab
+from ..layout import DataPaths, RunLayout, read_tokenized
+from ..recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
@@ -202,7 +202,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: l
     transformers engine runs the target on ``device`` (default: this process's accelerator,
     :func:`draftsmith.data_prep.target.default_device`); vLLM runs with the recipe's
     ``vllm`` at ``target.dtype``, its context raised to ``data.max_length`` if shorter."""
-    from draftsmith.data_prep import vllm_hidden_states as vhs
+    from . import vllm_hidden_states as vhs
 
     engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
     log.info("hidden-states engine: %s (data.hidden_states_engine=%s)", engine, recipe.data.hidden_states_engine)
@@ -289,7 +289,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``data_prep/prepare.py`` (``draftsmith prepare``)."""
-    from draftsmith.cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_recipe_arguments(p)

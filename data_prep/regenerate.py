@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from draftsmith.recipe import VllmConfig
+from ..recipe import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class VllmChatEngine:
     """
 
     def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
-        from draftsmith.runtime import configure_vllm_env
+        from ..runtime import configure_vllm_env
 
         engine = engine or VllmConfig()
         kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.recipe import safe_path
+from ..recipe import safe_path
 
 MANIFEST = "manifest.json"
 PART_MANIFEST_GLOB = "manifest.rank-*-of-*.json"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
+from ..recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 log = logging.getLogger("draftsmith.synthesize")
 _SENTINEL = "\x00DRAFTSMITH_USER_MESSAGE\x00"
@@ -120,7 +120,7 @@ def vllm_sampler(target_dir: Path, prefix: str, end: str, temperature: float, ma
     Raises:
         ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
     """
-    from draftsmith.runtime import configure_vllm_env
+    from ..runtime import configure_vllm_env
 
     engine = engine or VllmConfig()
     kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed)
@@ -164,8 +164,8 @@ def transformers_sampler(model: Any, tokenizer: Any, prefix: str, end: str, temp
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``data_prep/synthesize.py`` (``draftsmith synthesize``)."""
-    from draftsmith.cli import HelpFormatter
-    from draftsmith.data_prep.target import DEVICE_HELP
+    from ..cli import HelpFormatter
+    from .target import DEVICE_HELP
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from draftsmith.data_prep.target import load_target, resolve_target
+    from .target import load_target, resolve_target
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from draftsmith.data_prep.regenerate import vllm_available
+    from .regenerate import vllm_available
 
     target_dir = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(target_dir)

@@ -42,8 +42,8 @@ from typing import Any, Iterator
 
 import torch
 
-from draftsmith.data_prep import target as tgt
-from draftsmith.recipe import VllmConfig
+from . import target as tgt
+from ..recipe import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class VllmHiddenStateCapture:
 
     def __init__(self, target_dir: Path, layer_ids: list[int], engine: VllmConfig | None = None, seed: int = 0,
                  work_dir: Path | None = None, trust_remote_code: bool = False):
-        from draftsmith.runtime import configure_vllm_env
+        from ..runtime import configure_vllm_env
 
         engine = engine or VllmConfig()
         engine.llm_kwargs()  # refuse what the offline engine cannot run before any work

@@ -1,6 +1,6 @@
 """Acceptance of a draft measured by vLLM's own spec-decode counters.
 
-    python eval/acceptance.py --target TARGET_DIR --draft DRAFT_DIR [--method eagle3|ngram|none]
+    draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method eagle3|ngram|none]
         [--prompts FILE.jsonl] [--k 3] [--temperature 0] [--max-new-tokens 256] [--out result.json]
 
 Each configuration runs vLLM's offline ``LLM`` in a fresh subprocess (vLLM keeps engine
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from draftsmith.eval.results import AcceptanceResult, write_acceptance
-from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
+from .results import AcceptanceResult, write_acceptance
+from ..recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -70,8 +70,8 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     """
     from transformers import AutoConfig
 
-    from draftsmith.methods import UnknownMethodError, method_of_export
-    from draftsmith.models.eagle3 import Eagle3Config
+    from ..methods import UnknownMethodError, method_of_export
+    from ..models.eagle3 import Eagle3Config
 
     config_path = draft_dir / "config.json"
     cfg = json.loads(config_path.read_text())
@@ -118,13 +118,13 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
 
 def _worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one vLLM engine, one configuration."""
-    from draftsmith.runtime import configure_vllm_env
+    from ..runtime import configure_vllm_env
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
     from vllm import LLM, SamplingParams
 
-    from draftsmith.data_prep.conversations import load_records
+    from ..data_prep.conversations import load_records
 
     records, _ = load_records(args.prompts, max_rows=args.max_prompts)
     convs = [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]

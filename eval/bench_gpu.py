@@ -1,8 +1,8 @@
 """GPU benchmark: target hidden-state capture and EAGLE-3 training at Llama-3.1-8B geometry.
 
-    python eval/bench_gpu.py [--geometry llama3_8b] [--device cuda] [--seq-len 2048] [--batch 1]
+    python -m draftsmith.eval.bench_gpu [--geometry llama3_8b] [--device cuda] [--seq-len 2048] [--batch 1]
         [--ttt-steps 7] [--draft-vocab 32000] [--steps 10] [--warmup 3] [--peak-tflops 790] [--out results.json]
-    python eval/bench_gpu.py --geometry tiny --device cpu     # the same code path on a CPU, in seconds
+    python -m draftsmith.eval.bench_gpu --geometry tiny --device cpu     # the same code path on a CPU, in seconds
 
 The target is a random-init ``LlamaForCausalLM`` built in code from the geometry (no download).
 ``llama3_8b``: H 4096, 32 layers, MLP 14336, 32 query / 8 key-value heads of 128, V 128256,
@@ -68,10 +68,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from draftsmith.data_prep.capture import capture_batch
-from draftsmith.data_prep.target import default_aux_layer_ids
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
-from draftsmith.train.losses import TargetDraftHead, ttt_loss
+from ..data_prep.capture import capture_batch
+from ..data_prep.target import default_aux_layer_ids
+from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
+from ..train.losses import TargetDraftHead, ttt_loss
 
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -351,7 +351,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/bench_gpu.py``."""
-    from draftsmith.cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3_8b",

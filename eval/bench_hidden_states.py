@@ -1,6 +1,6 @@
 """Benchmark: hidden-state capture vs a plain target forward on the same batch (tokens/s).
 
-    python eval/bench_hidden_states.py [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
+    python -m draftsmith.eval.bench_hidden_states [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
         [--device cuda:0]
 
 Prints tokens/s for (a) the plain causal-LM forward (``model(input_ids)``, logits included),
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from draftsmith.data_prep.capture import capture_batch
-from draftsmith.data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
+from ..data_prep.capture import capture_batch
+from ..data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
 
 
 def _time_interleaved(fns: list, repeats: int, device: torch.device = torch.device("cpu")) -> list[float]:
@@ -46,7 +46,7 @@ def _time_interleaved(fns: list, repeats: int, device: torch.device = torch.devi
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/bench_hidden_states.py``."""
-    from draftsmith.cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",

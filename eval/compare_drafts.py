@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, RunLayout
+from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, RunLayout
 
 INDEX_TENSORS = ("d2t", "t2d")
 
@@ -57,7 +57,7 @@ def find_export(run_dir: Path) -> Path:
     found = sorted(p.parent for p in root.glob("*/config.json"))
     if len(found) != 1:
         raise RunError(f"{root}: expected one exported draft (a folder with config.json), found "
-                       f"{[str(p) for p in found] or 'none'}; run `python eval/export.py {run_dir}` first")
+                       f"{[str(p) for p in found] or 'none'}; run `draftsmith export {run_dir}` first")
     return found[0]
 
 
@@ -71,7 +71,7 @@ def training_figures(run_dir: Path) -> dict[str, Any]:
     Raises:
         RunError: no checkpoint with ``train_state.json``.
     """
-    from draftsmith.train.checkpoint import find_checkpoints
+    from ..train.checkpoint import find_checkpoints
 
     ckpts = find_checkpoints(RunLayout(run_dir).checkpoints)
     if not ckpts:
@@ -88,7 +88,7 @@ def count_parameters(export_dir: Path, run_dir: Path | None = None) -> dict[str,
     how many of them were trained (a frozen EAGLE-3 ``lm_head`` is not)."""
     from safetensors import safe_open
 
-    from draftsmith.recipe import load_recipe
+    from ..recipe import load_recipe
 
     sizes: dict[str, int] = {}
     for f in sorted(export_dir.glob("*.safetensors")):
@@ -151,8 +151,8 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         RunError: a run without export or checkpoint (before anything is measured).
         DraftLoadError: an export that does not fit the target.
     """
-    from draftsmith.data_prep.target import load_target, resolve_target
-    from draftsmith.eval.spec_decode import Target, evaluate, load_draft, plain_generate, prompt_token_ids, stop_token_ids
+    from ..data_prep.target import load_target, resolve_target
+    from .spec_decode import Target, evaluate, load_draft, plain_generate, prompt_token_ids, stop_token_ids
 
     runs = {}
     for run in run_dirs:  # everything checked before the first (slow) measurement
@@ -192,8 +192,8 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/compare_drafts.py`` (``draftsmith compare``)."""
-    from draftsmith.cli import HelpFormatter
-    from draftsmith.data_prep.target import DEVICE_HELP
+    from ..cli import HelpFormatter
+    from ..data_prep.target import DEVICE_HELP
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from draftsmith.eval.spec_decode import DraftLoadError
+    from .spec_decode import DraftLoadError
 
     try:
         temps = [float(x) for x in args.temperatures.split(",") if x.strip()]

@@ -1,6 +1,6 @@
 """Export a trained EAGLE-3 checkpoint into a directory vLLM loads (``method: eagle3``).
 
-    python eval/export.py RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
+    draftsmith export RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
     python -m draftsmith.eval.export CKPT OUT_DIR   # any method: its exporter in draftsmith.methods
 
 Formats (SPEC.md section 3):
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import __version__
-from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
-from draftsmith.methods import UnknownMethodError, get_method
-from draftsmith.models.eagle3 import Eagle3Config
+from .. import __version__
+from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
+from ..methods import UnknownMethodError, get_method
+from ..models.eagle3 import Eagle3Config
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows
 
@@ -215,7 +215,7 @@ def export_eagle3(ckpt: Path, out: Path, legacy: bool = False, num_speculative_t
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/export.py`` (``draftsmith export``)."""
-    from draftsmith.cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir."""
-    from draftsmith.train.checkpoint import find_checkpoints
+    from ..train.checkpoint import find_checkpoints
 
     if (path / DRAFT_CONFIG_FILE).is_file():
         return path

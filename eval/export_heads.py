@@ -30,11 +30,11 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import __version__
-from draftsmith.eval.export import ExportError, export, read_draft_config, require_checkpoint_files
-from draftsmith.layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from .. import __version__
+from .export import ExportError, export, read_draft_config, require_checkpoint_files
+from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig
+from ..models.medusa import MedusaConfig, MedusaModel
+from ..models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
 MLP_PREFIX = "speculator."
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import yaml
 
-from draftsmith.eval.results import AcceptanceResult, ServeResults, read_acceptance
-from draftsmith.methods import DraftMethodSpec, UnknownMethodError, method_of_export
+from .results import AcceptanceResult, ServeResults, read_acceptance
+from ..methods import DraftMethodSpec, UnknownMethodError, method_of_export
 
 DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json")
 # Hub dataset ids look like "owner/name"; local files and builtin: sets are not listed in the card.
@@ -70,7 +70,7 @@ def _eagle3_k(cfg: dict[str, Any]) -> int | None:
 
 def _eagle3_export_facts(cfg: dict[str, Any]):
     """The EAGLE-3 keys of the export as their format's owner (and vLLM) reads them, either layout."""
-    from draftsmith.models.eagle3 import Eagle3Config  # torch: imported only for an EAGLE-3 card
+    from ..models.eagle3 import Eagle3Config  # torch: imported only for an EAGLE-3 card
 
     return Eagle3Config.export_facts(cfg)
 
@@ -113,7 +113,7 @@ def _method(cfg: dict[str, Any]) -> DraftMethodSpec:
 def _verifier(cfg: dict[str, Any], recipe: dict[str, Any] | None) -> str | None:
     """The target the draft was trained for: the export's record of it, else the recipe's (an
     embedded target by its Hub id)."""
-    from draftsmith.data_prep.target import verifier_name
+    from ..data_prep.target import verifier_name
 
     spec = cfg.get("speculators_config") or {}
     recorded = (spec.get("verifier") or {}).get("name_or_path") or (cfg.get("draftsmith") or {}).get("verifier")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from draftsmith.eval.results import AcceptanceFigures, ConfigResult, ConfigSummary, LevelResult, ServeResults
+from .results import AcceptanceFigures, ConfigResult, ConfigSummary, LevelResult, ServeResults
 
 V = TypeVar("V")
 

@@ -53,10 +53,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from draftsmith.eval.serving.client import bench_worker, load_prompt_texts, split_prompts
-from draftsmith.eval.serving.run import Study, configurations, run_study, served_method
-from draftsmith.eval.serving.server import ServerOptions
-from draftsmith.recipe import add_vllm_arguments
+from .serving.client import bench_worker, load_prompt_texts, split_prompts
+from .serving.run import Study, configurations, run_study, served_method
+from .serving.server import ServerOptions
+from ..recipe import add_vllm_arguments
 
 
 def _ints(s: str) -> list[int]:
@@ -96,8 +96,8 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         ValueError / RecipeError / FileNotFoundError: bad prompt file, too few prompts, a bad recipe,
             an unknown target or a draft vLLM cannot serve.
     """
-    from draftsmith.data_prep.target import resolve_target
-    from draftsmith.recipe import EvalConfig, load_recipe, vllm_config_from_args
+    from ..data_prep.target import resolve_target
+    from ..recipe import EvalConfig, load_recipe, vllm_config_from_args
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     ev = recipe.eval if recipe else EvalConfig()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _raise_on_signal)
     study.out_dir.mkdir(parents=True, exist_ok=True)
     results = run_study(study)
-    from draftsmith.eval.report import write_report
+    from .report import write_report
 
     report = write_report(study.out_dir)
     print(f"results: {study.out_dir / 'results.json'}\nreport:  {report}")

@@ -63,11 +63,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.data_prep.capture import AuxHiddenStateCapture, decoder_layers
-from draftsmith.data_prep.target import DEVICE_HELP
-from draftsmith.methods import UnknownMethodError, method_of_export
-from draftsmith.recipe import add_vllm_arguments
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
+from ..data_prep.capture import AuxHiddenStateCapture, decoder_layers
+from ..data_prep.target import DEVICE_HELP
+from ..methods import UnknownMethodError, method_of_export
+from ..recipe import add_vllm_arguments
+from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
 
 
 class DraftLoadError(ValueError):
@@ -527,7 +527,7 @@ def eagle3_proposer(path: Path, target_model: Any | None = None) -> Eagle3Propos
 
 
 def _head_export(loader: Any, path: Path) -> Any:
-    from draftsmith.eval.export import ExportError
+    from .export import ExportError
 
     try:
         return loader(path).requires_grad_(False)
@@ -541,7 +541,7 @@ def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaPropos
     Raises:
         DraftLoadError: the folder does not load.
     """
-    from draftsmith.eval.export_heads import load_medusa
+    from .export_heads import load_medusa
 
     return MedusaProposer(_head_export(load_medusa, path))
 
@@ -552,7 +552,7 @@ def mlp_speculator_proposer(path: Path, target_model: Any | None = None) -> MLPS
     Raises:
         DraftLoadError: the folder does not load.
     """
-    from draftsmith.eval.export_heads import load_mlp_speculator
+    from .export_heads import load_mlp_speculator
 
     return MLPSpeculatorProposer(_head_export(load_mlp_speculator, path))
 
@@ -587,7 +587,7 @@ def prompt_token_ids(tokenizer: Any, prompts: str, max_prompts: int | None = Non
     """Prompts through :func:`draftsmith.data_prep.conversations.load_records` (the loaders
     ``eval/acceptance.py`` uses; MT-bench keeps its first turn), assistant turns dropped,
     rendered with the target's chat template and a generation prompt."""
-    from draftsmith.data_prep.conversations import load_records
+    from ..data_prep.conversations import load_records
 
     records, _ = load_records(prompts, max_rows=max_prompts)
     out = []
@@ -621,7 +621,7 @@ def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[
         tokens/s), ``identical_to_plain`` (prompts whose outputs match; at T=0 all must),
         and the ``outputs`` (token ids per prompt).
     """
-    from draftsmith.eval.acceptance import summarise
+    from .acceptance import summarise
 
     target = Target(model, proposer.aux_layer_ids)
     stops = stop_token_ids(model, tokenizer)
@@ -670,7 +670,7 @@ def _format(name: str, r: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/spec_decode.py`` (``draftsmith spec-decode``)."""
-    from draftsmith.cli import HelpFormatter
+    from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
@@ -698,8 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from draftsmith.data_prep.target import load_target, resolve_target
-    from draftsmith.recipe import RecipeError, VllmConfig, vllm_config_from_args
+    from ..data_prep.target import load_target, resolve_target
+    from ..recipe import RecipeError, VllmConfig, vllm_config_from_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -723,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_new_tokens, args.seed, args.plain)}
     print(_format("reference", results["reference"]), flush=True)
     if args.compare_vllm:
-        from draftsmith.eval.acceptance import measure
+        from .acceptance import measure
 
         results["vllm"] = measure(target_dir, args.prompts, "eagle3", args.draft, args.k, args.temperature,
                                   args.max_new_tokens, args.max_prompts, args.seed, engine)

@@ -343,7 +343,7 @@ def prep_faults(work: Path, recipe: Recipe, prepared: Path) -> list[dict[str, An
         args = [str(path), "--run-dir", str(run)] + [a for o in overrides for a in ("--set", o)]
         args += [a for s in stages for a in ("--stage", s)]
         cmd = [sys.executable, str(script), kill[0], str(kill[1]), *args] if kill else \
-              [sys.executable, str(REPO / "data_prep" / "prepare.py"), *args]
+              [sys.executable, "-m", "draftsmith.data_prep.prepare", *args]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if kill is None and done.returncode != 0:
             raise RuntimeError(f"prepare failed ({done.returncode}):\n{done.stderr[-3000:]}")

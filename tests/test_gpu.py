@@ -341,7 +341,7 @@ def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tin
     assert [m["loss"] for m in curve] == pytest.approx([m["loss"] for m in curve_ref], rel=RESUME_TOL, abs=RESUME_TOL)
 
     out = tmp_path / "export"
-    exported = subprocess.run([sys.executable, str(REPO / "eval" / "export.py"), str(run), "--out", str(out)],
+    exported = subprocess.run([sys.executable, "-m", "draftsmith.eval.export", str(run), "--out", str(out)],
                               capture_output=True, text=True, env=child_env(), timeout=TIMEOUT_S)
     assert exported.returncode == 0, exported.stderr[-4000:]
     _, cfg, _ = read_checkpoint(final)

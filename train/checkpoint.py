@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from draftsmith.layout import RunLayout
+from ..layout import RunLayout
 
 log = logging.getLogger("draftsmith.train")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data_prep.shards import ShardReader
+from ..data_prep.shards import ShardReader
 
 
 class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):

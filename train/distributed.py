@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.recipe import Recipe
-from draftsmith.layout import RunLayout
-from draftsmith.train.launchers import check_runtime, requested_distributed_type
+from ..recipe import Recipe
+from ..layout import RunLayout
+from .launchers import check_runtime, requested_distributed_type
 
 log = logging.getLogger("draftsmith.train")
 
@@ -115,7 +115,7 @@ def note_recipe_launcher(recipe: Recipe, accelerator: Any) -> None:
     """Log a warning when the recipe names a launcher (``launcher:``) that this run does not use,
     with the command that would: ``accelerate launch`` without ``--config_file`` reads accelerate's
     default config (one process when there is none)."""
-    from draftsmith.train.launchers import LauncherConfig, resolve_launcher_path
+    from .launchers import LauncherConfig, resolve_launcher_path
 
     if not recipe.launcher:
         return

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data_prep.target import (
+from ..data_prep.target import (
     EMBEDDED_PREFIX,
     default_aux_layer_ids,
     num_decoder_layers,
@@ -26,10 +26,10 @@ from draftsmith.data_prep.target import (
     text_config,
     validate_aux_layer_ids,
 )
-from draftsmith.methods import get_method
-from draftsmith.models.eagle3 import Eagle3Config
-from draftsmith.recipe import Recipe
-from draftsmith.train.launchers import LauncherReport, draft_model_class, validate_launcher
+from ..methods import get_method
+from ..models.eagle3 import Eagle3Config
+from ..recipe import Recipe
+from .launchers import LauncherReport, draft_model_class, validate_launcher
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
 

@@ -48,8 +48,8 @@ from typing import Any
 import yaml
 from torch import nn
 
-from draftsmith.methods import UnknownMethodError, get_method
-from draftsmith.recipe import Recipe
+from ..methods import UnknownMethodError, get_method
+from ..recipe import Recipe
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
 SUPPORTED_MIXED_PRECISION = ("no", "bf16")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.models.eagle3 import shift_left, ttt_prediction_mask
+from ..models.eagle3 import shift_left, ttt_prediction_mask
 
 
 class TargetDraftHead(nn.Module):

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.data_prep.capture import capture_batch
-from draftsmith.train.data import HiddenStateDataset, TokenizedDataset
-from draftsmith.data_prep.target import load_target, load_target_head_tensors
-from draftsmith.layout import DraftCheckpointConfig, RunLayout
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import HeadTargets, StepMetrics, head_loss, head_targets
+from ..data_prep.capture import capture_batch
+from .data import HiddenStateDataset, TokenizedDataset
+from ..data_prep.target import load_target, load_target_head_tensors
+from ..layout import DraftCheckpointConfig, RunLayout
+from ..recipe import Recipe
+from .losses import HeadTargets, StepMetrics, head_loss, head_targets
 
 
 class TargetDataMethod:
@@ -45,7 +45,7 @@ class TargetDataMethod:
     def __init__(self, recipe: Recipe, run_dir: Path, load_target_model: bool = False):
         self.recipe, self.paths = recipe, RunLayout(run_dir).data
         if not self.paths.target_info.is_file():
-            raise FileNotFoundError(f"{self.paths.target_info} missing: run data_prep/prepare.py first")
+            raise FileNotFoundError(f"{self.paths.target_info} missing: run `draftsmith prepare` first")
         self.target_info = json.loads(self.paths.target_info.read_text())
         self.target_dir = Path(self.target_info["path"])
         self.heads = load_target_head_tensors(self.target_dir)
@@ -176,7 +176,7 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     import logging
     import time
 
-    from draftsmith.data_prep.prepare import missing_stages, prepare, stage_outputs
+    from ..data_prep.prepare import missing_stages, prepare, stage_outputs
 
     todo = missing_stages(recipe, run_dir)
     if not todo:
@@ -224,8 +224,8 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
 
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
-    from draftsmith.cli import HelpFormatter
-    from draftsmith.recipe import add_recipe_arguments
+    from ..cli import HelpFormatter
+    from ..recipe import add_recipe_arguments
 
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -256,13 +256,13 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     """
     import sys
 
-    from draftsmith.data_prep.conversations import DataError
-    from draftsmith.data_prep.shards import ShardError
-    from draftsmith.recipe import RecipeError, recipe_from_args, require_method
-    from draftsmith.train.checkpoint import CheckpointError, claim_run_dir
-    from draftsmith.train.distributed import build_accelerator
-    from draftsmith.train.launchers import LauncherError
-    from draftsmith.train.trainer import fit
+    from ..data_prep.conversations import DataError
+    from ..data_prep.shards import ShardError
+    from ..recipe import RecipeError, recipe_from_args, require_method
+    from .checkpoint import CheckpointError, claim_run_dir
+    from .distributed import build_accelerator
+    from .launchers import LauncherError
+    from .trainer import fit
 
     args = build_parser(doc).parse_args(argv)
     recipe = recipe_from_args(args)
@@ -272,7 +272,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         print(f"{args.recipe}: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from draftsmith.train.dry_run import dry_run, format_report
+        from .dry_run import dry_run, format_report
 
         try:
             print(format_report(dry_run(recipe, args.target_config, args.launcher)))

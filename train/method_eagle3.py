@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.layout import DraftCheckpointConfig, read_vocab
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import TargetDraftHead, ttt_loss
-from draftsmith.train.method_base import TargetDataMethod
+from ..layout import DraftCheckpointConfig, read_vocab
+from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
+from ..recipe import Recipe
+from .losses import TargetDraftHead, ttt_loss
+from .method_base import TargetDataMethod
 
 log = logging.getLogger("draftsmith.train.eagle3")
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import HeadTargets
-from draftsmith.train.method_base import HeadMethod
+from ..models.medusa import MedusaConfig, MedusaModel
+from ..recipe import Recipe
+from .losses import HeadTargets
+from .method_base import HeadMethod
 
 
 class MedusaMethod(HeadMethod):

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.data_prep.capture import capture_batch
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.recipe import Recipe
-from draftsmith.train.losses import HeadTargets
-from draftsmith.train.method_base import HeadMethod
+from ..data_prep.capture import capture_batch
+from ..models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from ..recipe import Recipe
+from .losses import HeadTargets
+from .method_base import HeadMethod
 
 
 class MLPSpeculatorMethod(HeadMethod):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.data import collate
+from .data import collate
 
 
 def first_fit_packs(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:

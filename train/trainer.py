@@ -37,10 +37,10 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from draftsmith.layout import RunLayout
-from draftsmith.train.data import collate
-from draftsmith.recipe import Recipe, dump_recipe
-from draftsmith.train.checkpoint import (
+from ..layout import RunLayout
+from .data import collate
+from ..recipe import Recipe, dump_recipe
+from .checkpoint import (
     CheckpointManager,
     TrainState,
     claim_run_dir,
@@ -49,7 +49,7 @@ from draftsmith.train.checkpoint import (
     remove_partial_checkpoints,
     truncate_metrics,
 )
-from draftsmith.train.packing import PackedDataset, collate_packed
+from .packing import PackedDataset, collate_packed
 
 log = logging.getLogger("draftsmith.train")
 
@@ -267,7 +267,7 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     from tqdm.auto import tqdm
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    from draftsmith.train.distributed import build_accelerator
+    from .distributed import build_accelerator
 
     cfg = recipe.train
     run_dir = Path(run_dir)

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftsmith.eval.serving.metrics import BENCH_PERCENTILES, LATENCY_METRICS
-from draftsmith.eval.serving.server import command_log, log_tail
+from .metrics import BENCH_PERCENTILES, LATENCY_METRICS
+from .server import command_log, log_tail
 
 def load_prompt_texts(path: str) -> list[str]:
     """First user turn of every usable record of ``path`` (any format
@@ -20,7 +20,7 @@ def load_prompt_texts(path: str) -> list[str]:
     Raises:
         DataError: no usable rows (from ``load_records``).
     """
-    from draftsmith.data_prep.conversations import load_records
+    from ...data_prep.conversations import load_records
 
     records, _ = load_records(path)
     texts = []

@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-from draftsmith.eval.acceptance import summarise
+from ..acceptance import summarise
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

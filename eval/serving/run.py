@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.eval.results import ServeResults
-from draftsmith.eval.serving.client import bench_args, run_bench, write_custom_dataset
-from draftsmith.eval.serving.metrics import diff_counters, level_metrics, recommend_k, summarise_config
-from draftsmith.eval.serving.server import ServerOptions, ServerStartError, fetch_spec_counters, log_tail, vllm_server, warm_up
-from draftsmith.methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
+from ..results import ServeResults
+from .client import bench_args, run_bench, write_custom_dataset
+from .metrics import diff_counters, level_metrics, recommend_k, summarise_config
+from .server import ServerOptions, ServerStartError, fetch_spec_counters, log_tail, vllm_server, warm_up
+from ...methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
 
 # speculative_config methods of the registered drafts vllm serve runs here (configuration names too)
 SERVED_METHODS = tuple(get_method(m).vllm_method for m in registered_methods() if get_method(m).servable)

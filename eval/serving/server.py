@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith.eval.serving.metrics import parse_spec_counters
-from draftsmith.recipe import VllmConfig
+from .metrics import parse_spec_counters
+from ...recipe import VllmConfig
 
 # The server is on loopback: never route its requests through an http_proxy from the environment.
 _LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -119,7 +119,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
         ServerStartError: the server exited, or ``/health`` did not answer 200 within
             ``opts.startup_timeout_s``; the message holds the log tail.
     """
-    from draftsmith.runtime import configure_vllm_env
+    from ...runtime import configure_vllm_env
 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
