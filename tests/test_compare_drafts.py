@@ -175,7 +175,7 @@ def test_a_run_without_export_is_named(runs, tmp_path, capsys):
     with pytest.raises(RunError, match=str(tmp_path / "export")):
         find_export(tmp_path)
     assert main(["--target", "unused", "--run", str(tmp_path)]) == 1
-    assert "eval/export.py" in capsys.readouterr().err
+    assert "draftsmith export" in capsys.readouterr().err
 
 
 @pytest.mark.integration
