@@ -5,6 +5,7 @@
     draftsmith export CKPT_OR_RUN --out DIR          vLLM-loadable draft
     draftsmith acceptance|spec-decode|compare|serve-bench|report|hub|synthesize ...
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
+    draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
 
 Each subcommand is the stage's own command line (``draftsmith SUBCOMMAND --help``).
 """
@@ -64,6 +65,42 @@ def train(argv: list[str]) -> int:
     return _stage_main(get_method(method).train_module)(argv)
 
 
+def build_verify_parser() -> argparse.ArgumentParser:
+    """The parser of ``draftsmith verify``."""
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(
+        prog="draftsmith verify", formatter_class=HelpFormatter,
+        description="Fully check every hidden-state shard of a run (file size, safetensors header, sha256 "
+                    "against the manifest) and print a summary; exit 1 on any bad shard.")
+    p.add_argument("run_dir", type=Path, help="run directory (its shards are RUN_DIR/data/hidden_states), "
+                                              "or a shard directory holding manifest.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def verify(argv: list[str]) -> int:
+    """``draftsmith verify RUN_DIR``: exit 0 when every shard checks out, 1 otherwise."""
+    import json
+
+    from .data_prep.shards import MANIFEST, verify_shards
+    from .layout import RunLayout
+
+    args = build_verify_parser().parse_args(argv)
+    directory = args.run_dir
+    if not (directory / MANIFEST).is_file() and not any(directory.glob("manifest.rank-*.json")):
+        directory = RunLayout(args.run_dir).data.hidden_states
+    result = verify_shards(directory, progress=not args.no_progress)
+    for problem in result["problems"]:
+        print(f"error: {problem}", file=sys.stderr)
+    for bad in result["bad"]:
+        print(f"bad shard: {bad['error']}", file=sys.stderr)
+    print(json.dumps({"dir": result["dir"], "shards": result["shards"], "bytes": result["bytes"],
+                      "seconds": result["seconds"], "bad_files": [b["file"] for b in result["bad"]],
+                      "ok": not (result["bad"] or result["problems"])}, indent=1))
+    return 1 if result["bad"] or result["problems"] else 0
+
+
 def build_recipe_parser() -> argparse.ArgumentParser:
     """The parser of ``draftsmith recipe show|validate|schema``."""
     from .recipe import add_recipe_arguments
@@ -111,7 +148,8 @@ def recipe_command(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {**{k: v[1] for k, v in STAGES.items()}, "train": "train the recipe's draft method",
-                "recipe": "show / validate a recipe, or print the schema of every key"}
+                "recipe": "show / validate a recipe, or print the schema of every key",
+                "verify": "hash every hidden-state shard of a run against its manifest"}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
         return 0 if argv else 2
@@ -120,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return train(rest)
     if command == "recipe":
         return recipe_command(rest)
+    if command == "verify":
+        return verify(rest)
     if command not in STAGES:
         print(f"draftsmith: unknown subcommand {command!r}; one of: {', '.join(commands)}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ stages, as typed objects.
 
     RUN_DIR/
       recipe.yaml           resolved recipe (data_prep/prepare.py, train/)
-      data/                 :class:`DataPaths`: target.json, regen.jsonl, tokenized.jsonl,
+      data/                 :class:`DataPaths`: target.json, regen.jsonl, tokenized/ (Arrow),
                             stats.json, vocab.safetensors, hidden_states/, summary.json
       checkpoints/step-N/   model, optimizer, ..., draft_config.json (:class:`DraftCheckpointConfig`)
       export/               eval/export.py output (vLLM-loadable draft)
@@ -48,7 +48,21 @@ class DataPaths:
 
     @property
     def tokenized(self) -> Path:
-        """``tokenized.jsonl``: ``{id, input_ids, loss_mask}`` per sequence."""
+        """``tokenized/``: a ``datasets`` Arrow dataset (``save_to_disk``), one row per sequence with
+        columns ``id`` (str), ``input_ids`` (int32 list), ``loss_mask`` (int8 list), ``length`` (int).
+        Read memory-mapped with :func:`read_tokenized`."""
+        return self.root / "tokenized"
+
+    @property
+    def tokenized_done(self) -> Path:
+        """``tokenized/state.json``: present once the dataset is complete (it is renamed into place
+        as a whole, so a killed write leaves only a ``.tokenized.tmp-*`` directory)."""
+        return self.tokenized / "state.json"
+
+    @property
+    def tokenized_jsonl(self) -> Path:
+        """``tokenized.jsonl``: the layout of runs prepared before the Arrow dataset (legacy;
+        :func:`read_tokenized` converts it once)."""
         return self.root / "tokenized.jsonl"
 
     @property
@@ -107,16 +121,115 @@ class RunLayout:
         return self.run_dir / "metrics.jsonl"
 
 
-def read_tokenized(paths: DataPaths) -> list[dict]:
-    """The rows of ``tokenized.jsonl``: ``{"id", "input_ids", "loss_mask"}`` each.
+TOKENIZED_TMP_PREFIX = ".tokenized.tmp-"
+
+
+def tokenized_features():
+    """The ``datasets.Features`` of the tokenised dataset (:attr:`DataPaths.tokenized`)."""
+    import datasets
+
+    return datasets.Features({
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int64"),
+    })
+
+
+def tokenized_temp_dir(paths: DataPaths) -> Path:
+    """A fresh temporary directory next to :attr:`DataPaths.tokenized` (same file system, so the
+    finished dataset is renamed into place)."""
+    import tempfile
+
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=TOKENIZED_TMP_PREFIX, dir=paths.root))
+
+
+def remove_stale_tokenized_temps(paths: DataPaths) -> None:
+    """Remove the temporary directories of tokenised writes a killed run did not finish."""
+    import shutil
+
+    for stale in paths.root.glob(TOKENIZED_TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_tokenized(paths: DataPaths, dataset: Any, tmp: Path | None = None, replace: bool = True) -> None:
+    """Write ``dataset`` (columns of :func:`tokenized_features`) to :attr:`DataPaths.tokenized`
+    atomically: ``save_to_disk`` into a temporary directory, then rename it into place (an
+    existing dataset is replaced, or with ``replace=False`` kept: several ranks converting the same
+    legacy file race harmlessly). ``tmp``: the temporary directory to use (removed after)."""
+    import shutil
+
+    own_tmp = tmp is None
+    tmp = tmp if tmp is not None else tokenized_temp_dir(paths)
+    try:
+        staged = tmp / "dataset"
+        dataset.save_to_disk(str(staged))
+        if paths.tokenized.exists() and (replace or not paths.tokenized_done.is_file()):
+            shutil.rmtree(paths.tokenized)
+        try:
+            staged.rename(paths.tokenized)
+        except OSError:
+            if not paths.tokenized_done.is_file():  # not another process's finished copy
+                raise
+    finally:
+        if own_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_tokenized_rows(paths: DataPaths, rows: Any, replace: bool = True) -> None:
+    """Write an iterable of ``{"id", "input_ids", "loss_mask"}`` rows as the tokenised dataset
+    (streamed through ``Dataset.from_generator``: the rows are never all in memory)."""
+    import shutil
+    import uuid
+
+    import datasets
+
+    tmp = tokenized_temp_dir(paths)
+    try:
+        def gen():
+            for r in rows:
+                yield {"id": str(r["id"]), "input_ids": r["input_ids"], "loss_mask": r["loss_mask"],
+                       "length": len(r["input_ids"])}
+
+        ds = datasets.Dataset.from_generator(gen, features=tokenized_features(), cache_dir=str(tmp / "cache"),
+                                             fingerprint=uuid.uuid4().hex)
+        save_tokenized(paths, ds, tmp, replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_tokenized(paths: DataPaths, format: str | None = "numpy") -> Any:
+    """The tokenised dataset, memory-mapped (``datasets.load_from_disk``): a ``datasets.Dataset``
+    with columns ``id``, ``input_ids``, ``loss_mask``, ``length`` in ``format`` (``numpy``,
+    ``torch``, ``arrow`` or None for Python objects). Rows are read from the Arrow files on
+    access; nothing is loaded up front.
+
+    A run prepared before the Arrow layout (``tokenized.jsonl``, no ``tokenized/``) is converted
+    once, line by line, and then read like any other.
 
     Raises:
         FileNotFoundError: the tokenize stage has not run.
     """
-    if not paths.tokenized.is_file():
-        raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
-    with paths.tokenized.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
+    import datasets
+
+    if not paths.tokenized_done.is_file():
+        if not paths.tokenized_jsonl.is_file():
+            raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
+        import logging
+
+        logging.getLogger("draftsmith.layout").info(
+            "converting the legacy %s to the Arrow dataset %s (once)", paths.tokenized_jsonl, paths.tokenized)
+
+        def legacy_rows():
+            with paths.tokenized_jsonl.open(encoding="utf-8") as fh:
+                for line in fh:
+                    if line.strip():
+                        yield json.loads(line)
+
+        write_tokenized_rows(paths, legacy_rows(), replace=False)
+    ds = datasets.load_from_disk(str(paths.tokenized))
+    return ds.with_format(format) if format else ds
 
 
 def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,8 +42,12 @@ class DataSource(_Strict):
 
 class RegenerateConfig(_Strict):
     enabled: bool = Field(True, description="Replace assistant replies with the target's own (self-distillation).")
-    engine: Literal["auto", "vllm", "transformers"] = Field(
-        "auto", description="'auto' uses vLLM when importable, else transformers generate()."
+    engine: Literal["auto", "vllm", "vllm-server", "transformers"] = Field(
+        "auto", description="'vllm': in-process vllm.LLM (offline, batched); 'vllm-server': vLLM's OpenAI server "
+        "(started from the recipe's vllm section, tensor/data parallel there, or server_urls) queried by an async "
+        "client, each conversation appended to the cache as it finishes; 'transformers': generate(). "
+        "'auto': vllm-server on GPU, in-process vllm on CPU (no server process; scripts/bench_regenerate.py "
+        "compares them), transformers without vLLM.",
     )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per regenerated reply (longer replies are cut).")
     temperatures: list[float] = Field(
@@ -55,6 +59,15 @@ class RegenerateConfig(_Strict):
         description="gpt-oss (harmony templates) only: weights of the reasoning efforts to regenerate with, "
         "e.g. {low: 1, medium: 2, high: 1}; each conversation draws one, seeded by seed and its row id. "
         "null: the template's default. Set for a non-harmony target: an error.",
+    )
+    concurrency: int = Field(64, ge=1, description="vllm-server: conversations (so requests) in flight at once, "
+                             "spread round-robin over the servers.")
+    max_retries: int = Field(5, ge=0, description="vllm-server: retries per request on transient errors "
+                             "(connection errors, 408/409/429/5xx), with exponential backoff.")
+    server_urls: list[str] = Field(
+        default_factory=list, description="vllm-server: OpenAI base URLs of servers you run yourself "
+        "(e.g. http://host:8000/v1), queried round-robin; empty: one server is started from the recipe's vllm "
+        "section (tensor_parallel_size, data_parallel_size) and stopped when regeneration ends.",
     )
 
     @field_validator("temperatures")
@@ -111,6 +124,10 @@ class DataConfig(_Strict):
     )
     sequences_per_shard: int = Field(128, ge=1, description="Sequences per hidden-state shard file (the unit of resume and of rank sharding).")
     capture_batch_tokens: int = Field(4096, ge=16, description="Padded tokens per target forward when capturing with transformers.")
+    num_proc: int = Field(1, ge=1, description="Processes for the tokenize stage (datasets map num_proc).")
+    max_samples: int | None = Field(
+        None, ge=1, description="Conversations taken over all sources together (in source order); null: all. "
+        "Each source stops reading once it reaches this many rows.")
 
 
 class _DraftSection(_Strict):

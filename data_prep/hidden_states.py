@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .capture import TransformersCapture
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def generate_hidden_states(
     model: Any,
-    records: list[dict],
+    records: Any,
     out_dir: Path,
     spec: ShardSpec,
     sequences_per_shard: int = 64,
@@ -53,6 +54,9 @@ def generate_hidden_states(
     world_size: int | None = None,
 ) -> dict:
     """Capture aux + final hidden states for ``records`` (``input_ids``/``loss_mask``) into shards.
+
+    ``records``: the memory-mapped tokenised dataset (:func:`draftsmith.layout.read_tokenized`;
+    each rank reads only the index ranges of its own shards) or a list of dicts.
 
     Records are assigned to shards by index (``sequences_per_shard`` each); a shard already
     listed in the manifest with a matching spec is skipped, so reruns only compute what is
@@ -109,7 +113,8 @@ def generate_hidden_states(
             stale.unlink(missing_ok=True)
     log.info("hidden states: %d of %d shards already on disk (kept, not recomputed); computing %d",
              len(mine) - len(todo), len(mine), len(todo))
-    bar = tqdm(total=sum(len(r["input_ids"]) for i in todo for r in _shard_records(records, i, sequences_per_shard)),
+    lengths_all = _record_lengths(records)
+    bar = tqdm(total=sum(int(lengths_all[i * sequences_per_shard : (i + 1) * sequences_per_shard].sum()) for i in todo),
                unit="tok", desc=f"hidden states ({engine.name})", disable=not progress)
 
     def write_own() -> None:
@@ -136,7 +141,7 @@ def generate_hidden_states(
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         })
         name = f"shard-{index:05d}.safetensors"
-        sha = write_shard(out_dir / name, tensors)
+        sha, size = write_shard(out_dir / name, tensors)
         done[index] = {
             "index": index,
             "file": name,
@@ -144,6 +149,7 @@ def generate_hidden_states(
             "num_tokens": int(lengths.sum()),
             "ids": [r["id"] for r in chunk],
             "sha256": sha,
+            "bytes": size,
         }
         captured_tokens += int(lengths.sum())
         bar.update(int(lengths.sum()))
@@ -165,8 +171,27 @@ def generate_hidden_states(
     return manifest
 
 
-def _shard_records(records: list[dict], index: int, per_shard: int) -> list[dict]:
-    return records[index * per_shard : (index + 1) * per_shard]
+def _is_dataset(records: Any) -> bool:
+    return hasattr(records, "column_names") and hasattr(records, "select")
+
+
+def _record_lengths(records: Any) -> np.ndarray:
+    """Tokens per record: the ``length`` column of a tokenised dataset (no rows read), else
+    ``len(input_ids)`` of each dict."""
+    if _is_dataset(records):
+        return np.asarray(records.select_columns(["length"]).with_format("numpy")[:]["length"], dtype=np.int64)
+    return np.array([len(r["input_ids"]) for r in records], dtype=np.int64)
+
+
+def _shard_records(records: Any, index: int, per_shard: int) -> list[dict]:
+    """The records of shard ``index`` as ``{"id", "input_ids", "loss_mask"}`` dicts; from a
+    tokenised dataset only this index range is read (one shard in memory at a time)."""
+    lo, hi = index * per_shard, min((index + 1) * per_shard, len(records))
+    if _is_dataset(records):
+        cols = records.with_format(None)[lo:hi]
+        return [{"id": i, "input_ids": ids, "loss_mask": m}
+                for i, ids, m in zip(cols["id"], cols["input_ids"], cols["loss_mask"])]
+    return records[lo:hi]
 
 
 def main(argv: list[str] | None = None) -> int:

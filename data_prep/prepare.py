@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,112 +65,177 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
 
 
 def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
+    """Every source's records, concatenated. With more than one source, each id is prefixed
+    with its source's index (``"{i}:{id}"``), so two sources that both number their rows from 0
+    keep all their rows (in the regeneration cache, too); within one source,
+    :func:`~draftsmith.data_prep.conversations.load_records` already renames repeated ids."""
     records, reports = [], []
-    for src in recipe.data.sources:
+    multi = len(recipe.data.sources) > 1
+    for i, src in enumerate(recipe.data.sources):
         recs, report = conv.load_records(src.path, src.format, src.split, src.max_rows, recipe.data.strict)
         log.info(report.summary())
         reports.append(report.summary())
+        if multi:
+            recs = [dict(r, id=f"{i}:{r['id']}") for r in recs]
         records.extend(recs)
     return records, reports
 
 
-def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None):
-    """``() -> ChatEngine`` for ``data.regenerate.engine``: vLLM with the recipe's ``vllm``,
-    or transformers on ``device`` (:func:`draftsmith.data_prep.target.default_device`)."""
-    engine = recipe.data.regenerate.engine
-    if engine == "auto":
-        engine = "vllm" if regen.vllm_available() else "transformers"
-    log.info("regeneration engine: %s", engine)
+def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None, log_path: Path | None = None):
+    """``() -> ChatEngine`` for ``data.regenerate.engine`` (``auto`` resolved by
+    :func:`~draftsmith.data_prep.regenerate.resolve_engine`): in-process vLLM or the vLLM
+    server (with ``log_path`` for its log) with the recipe's ``vllm``, or transformers on
+    ``device`` (:func:`draftsmith.data_prep.target.default_device`). The factory's ``engine``
+    attribute names the resolved engine."""
+    cfg = recipe.data.regenerate
+    engine = regen.resolve_engine(cfg.engine, recipe.vllm)
+    log.info("regeneration engine: %s (data.regenerate.engine=%s)", engine, cfg.engine)
 
     def make():
         if engine == "vllm":
             return regen.VllmChatEngine(target_dir, recipe.seed, recipe.vllm,
                                         trust_remote_code=recipe.target.trust_remote_code)
+        if engine == "vllm-server":
+            return regen.ServerChatEngine(target_dir, recipe.seed, recipe.vllm, concurrency=cfg.concurrency,
+                                          max_retries=cfg.max_retries, server_urls=cfg.server_urls,
+                                          log_path=log_path, trust_remote_code=recipe.target.trust_remote_code)
         model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                      device=device)
         return regen.TransformersChatEngine(model, tok, recipe.seed)
 
+    make.engine = engine
     return make
 
 
 def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str | None = None) -> list[dict]:
+    """The sources with the target's replies (``data.regenerate``), cached in ``regen.jsonl``
+    with a fingerprint per row (:func:`~draftsmith.data_prep.regenerate.regenerate`); the
+    engine (and the server it may have started) is shut down before this returns."""
     records, reports = load_sources(recipe)
     cfg = recipe.data.regenerate
     if cfg.enabled:
-        harmony = False
-        if cfg.reasoning_effort:  # only harmony (gpt-oss) templates read reasoning_effort
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            harmony = conv.is_harmony_template(
-                AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
+        # only harmony (gpt-oss) templates read reasoning_effort
+        harmony = conv.is_harmony_template(tok) if cfg.reasoning_effort else False
+        factory = _engine_factory(recipe, Path(info["path"]), device, log_path=paths.root / "regen_server.log")
+        base = {"target": regen.target_id(info["name_or_path"], info["path"]),
+                "chat_template_sha256": regen.chat_template_sha256(tok),
+                "engine": regen.ENGINE_FAMILY[factory.engine]}
         records = regen.regenerate(
-            records, paths.regen, _engine_factory(recipe, Path(info["path"]), device), cfg.temperatures,
+            records, paths.regen, factory, cfg.temperatures,
             cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,
-            seed=recipe.seed,
+            seed=recipe.seed, fingerprint_base=base,
         )
     return records, reports
 
 
-def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict], reports: list[str]) -> list[dict]:
-    """Tokenise, mask, and apply the over-long policy; writes ``tokenized.jsonl`` and stats.
+class _TokenizeRow:
+    """The tokenize stage's per-row function (``datasets.map``; picklable for ``num_proc``): one
+    ``{"record": JSON}`` row -> the tokenised columns plus ``status`` (``ok`` or the skip reason),
+    ``error``, ``truncated`` (counted as truncated) and ``assistant_tokens``."""
+
+    def __init__(self, tok, max_len: int, channels, vocab_size: int, overlong: str):
+        self.tok, self.max_len, self.channels, self.vocab_size, self.overlong = tok, max_len, channels, vocab_size, overlong
+
+    def __call__(self, row: dict) -> dict:
+        r = json.loads(row["record"])
+        out = {"id": str(r["id"]), "input_ids": [], "loss_mask": [], "length": 0, "status": "ok", "error": None,
+               "truncated": False, "assistant_tokens": 0}
+        try:
+            if "input_ids" in r:
+                ids, mask = r["input_ids"], r["loss_mask"]
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise conv.DataError(
+                        f"row {r['id']}: token id {bad[0]} outside the target vocab of {self.vocab_size} "
+                        "(tokenised with another tokenizer?)"
+                    )
+                is_long = len(ids) > self.max_len
+                t = {"input_ids": ids[: self.max_len], "loss_mask": mask[: self.max_len], "truncated": is_long}
+            else:
+                conv.validate_messages(r["messages"], f"row {r['id']}")
+                if not conv.has_assistant_turn(r):
+                    return dict(out, status="no_assistant_turn")
+                # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
+                t = conv.tokenize_conversation(self.tok, r["messages"], self.max_len, self.channels,
+                                               r.get("reasoning_effort"))
+        except conv.DataError as exc:
+            return dict(out, status="invalid", error=str(exc))
+        if t["truncated"]:
+            if self.overlong == "drop":
+                return dict(out, status="overlong_dropped")
+            out["truncated"] = True
+        n_asst = int(sum(t["loss_mask"]))
+        if n_asst < 2:
+            return dict(out, status="no_assistant_turn")
+        return dict(out, input_ids=[int(x) for x in t["input_ids"]], loss_mask=[int(x) for x in t["loss_mask"]],
+                    length=len(t["input_ids"]), assistant_tokens=n_asst)
+
+
+def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict], reports: list[str]):
+    """Tokenise, mask, and apply the over-long policy with ``datasets.map`` (``data.num_proc``
+    processes); writes the Arrow dataset ``tokenized/`` (atomically: saved to a temporary
+    directory, then renamed into place) and stats. Returns the dataset, memory-mapped.
 
     Raises:
-        DataError: the data yields zero trainable (assistant) tokens.
+        DataError: the data yields zero trainable (assistant) tokens; in strict mode, the first
+            invalid row.
     """
+    import uuid
+
+    import datasets
+    import numpy as np
     from transformers import AutoTokenizer
+
+    from ..layout import remove_stale_tokenized_temps, save_tokenized, tokenized_features, tokenized_temp_dir
 
     tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
     max_len = recipe.data.max_length
     channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
     if channels is not None:
         log.info("harmony chat template: loss on assistant channels %s", channels)
-    out, skipped = [], {"no_assistant_turn": 0, "invalid": 0, "overlong_dropped": 0}
-    truncated = 0
-    first_bad = None
-    for r in records:
-        try:
-            if "input_ids" in r:
-                ids, mask = r["input_ids"], r["loss_mask"]
-                bad = [t for t in ids if not 0 <= t < info["vocab_size"]]
-                if bad:
-                    raise conv.DataError(
-                        f"row {r['id']}: token id {bad[0]} outside the target vocab of {info['vocab_size']} "
-                        "(tokenised with another tokenizer?)"
-                    )
-                is_long = len(ids) > max_len
-                t = {"input_ids": ids[:max_len], "loss_mask": mask[:max_len], "truncated": is_long}
-            else:
-                conv.validate_messages(r["messages"], f"row {r['id']}")
-                if not conv.has_assistant_turn(r):
-                    skipped["no_assistant_turn"] += 1
-                    continue
-                # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
-                t = conv.tokenize_conversation(tok, r["messages"], max_len, channels, r.get("reasoning_effort"))
-        except conv.DataError as exc:
-            if recipe.data.strict:
-                raise
-            skipped["invalid"] += 1
-            first_bad = first_bad or str(exc)
-            continue
-        if t["truncated"]:
-            if recipe.data.overlong == "drop":
-                skipped["overlong_dropped"] += 1
-                continue
-            truncated += 1
-        if sum(t["loss_mask"]) < 2:
-            skipped["no_assistant_turn"] += 1
-            continue
-        out.append({"id": r["id"], "input_ids": t["input_ids"], "loss_mask": t["loss_mask"]})
-    n_tok = sum(len(r["input_ids"]) for r in out)
-    n_asst = sum(sum(r["loss_mask"]) for r in out)
-    if n_asst == 0:
-        raise conv.DataError(f"the data yields zero trainable assistant tokens (skipped: {skipped}; first: {first_bad})")
-    with paths.tokenized.open("w", encoding="utf-8") as fh:
-        for r in out:
-            fh.write(json.dumps(r) + "\n")
+    remove_stale_tokenized_temps(paths)  # of a killed run: never taken as a finished dataset
+    tmp = tokenized_temp_dir(paths)
+    try:
+        def rows():
+            for r in records:
+                yield {"record": json.dumps(r, default=str)}
+
+        cache = str(tmp / "cache")
+        raw = datasets.Dataset.from_generator(rows, features=datasets.Features({"record": datasets.Value("string")}),
+                                              cache_dir=cache, fingerprint=uuid.uuid4().hex)
+        features = tokenized_features().copy()
+        features.update({"status": datasets.Value("string"), "error": datasets.Value("string"),
+                         "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64")})
+        num_proc = min(recipe.data.num_proc, max(1, len(raw)))
+        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info["vocab_size"], recipe.data.overlong),
+                         remove_columns=["record"], features=features, num_proc=num_proc if num_proc > 1 else None,
+                         new_fingerprint=uuid.uuid4().hex, desc="tokenize")
+        meta = mapped.select_columns(["status", "truncated", "assistant_tokens", "length"]).with_format("numpy")[:]
+        status = np.asarray(meta["status"]).astype(str)
+        ok = status == "ok"
+        skipped = {k: int((status == k).sum()) for k in ("no_assistant_turn", "invalid", "overlong_dropped")}
+        invalid = np.flatnonzero(status == "invalid")
+        first_bad = mapped[int(invalid[0])]["error"] if len(invalid) else None
+        if recipe.data.strict and first_bad is not None:
+            raise conv.DataError(first_bad)
+        truncated = int(np.asarray(meta["truncated"]).sum())
+        n_seq = int(ok.sum())
+        n_tok = int(np.asarray(meta["length"])[ok].sum())
+        n_asst = int(np.asarray(meta["assistant_tokens"])[ok].sum())
+        if n_asst == 0:
+            raise conv.DataError(f"the data yields zero trainable assistant tokens (skipped: {skipped}; first: {first_bad})")
+        kept = mapped.select(np.flatnonzero(ok)).select_columns(list(tokenized_features()))
+        save_tokenized(paths, kept, tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     stats = {
         "sources": reports,
-        "sequences": len(out),
+        "sequences": n_seq,
         "tokens": n_tok,
         "assistant_tokens": n_asst,
         "truncated": truncated,
@@ -178,11 +244,12 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
     }
     paths.stats.write_text(json.dumps(stats, indent=1))
     log.info("tokenised %d sequences, %d tokens (%d assistant); truncated %d; skipped %s",
-             len(out), n_tok, n_asst, truncated, skipped)
-    return out
+             n_seq, n_tok, n_asst, truncated, skipped)
+    return read_tokenized(paths)
 
 
-def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict]) -> dict:
+def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records) -> dict:
+    """Draft vocab from ``records`` (the memory-mapped tokenised dataset, counted in batches)."""
     V = info["vocab_size"]
     Vd = min(recipe.data.draft_vocab_size, V)
     if recipe.data.draft_vocab_size > V:
@@ -195,7 +262,7 @@ def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict
     return {"draft_vocab_size": Vd, "coverage": cov, "distinct_assistant_tokens": len(counts)}
 
 
-def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict],
+def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records,
                         device: str | None = None) -> dict:
     """Capture the shards with ``data.hidden_states_engine``; under torchrun / accelerate each
     rank computes its share of the shards (``hidden_states.generate_hidden_states``). The
@@ -236,8 +303,8 @@ def stage_outputs(recipe: Recipe, paths: DataPaths) -> dict[str, list[Path]]:
     completed by rerunning it, so it counts as done once ``tokenize`` is)."""
     return {
         "target": [paths.target_info],
-        "regenerate": [paths.tokenized],
-        "tokenize": [paths.tokenized],
+        "regenerate": [paths.tokenized_done],
+        "tokenize": [paths.tokenized_done],
         "vocab": [paths.vocab],
         "hidden-states": [] if recipe.data.hidden_states_mode == "online" else [paths.hidden_states / MANIFEST],
     }
@@ -246,11 +313,28 @@ def stage_outputs(recipe: Recipe, paths: DataPaths) -> dict[str, list[Path]]:
 def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
     """The stages to run so that ``run_dir/data`` is ready for training: the first stage whose
     output is missing and every stage after it (in :data:`STAGES` order); ``[]`` when ready."""
-    outputs = stage_outputs(recipe, RunLayout(run_dir).data)
+    paths = RunLayout(run_dir).data
+    outputs = stage_outputs(recipe, paths)
+
+    def done(p: Path) -> bool:  # a legacy tokenized.jsonl counts: read_tokenized converts it
+        return p.is_file() or (p == paths.tokenized_done and paths.tokenized_jsonl.is_file())
+
     for i, stage in enumerate(STAGES):
-        if not all(p.is_file() for p in outputs[stage]):
+        if not all(done(p) for p in outputs[stage]):
             return STAGES[i:]
     return []
+
+
+def _cap_sources(recipe: Recipe) -> Recipe:
+    """``recipe`` with every source's ``max_rows`` capped at ``data.max_samples``, so no source
+    is read past it (the concatenation is then cut to ``max_samples`` by :func:`prepare`)."""
+    cap = recipe.data.max_samples
+    if cap is None:
+        return recipe
+    capped = recipe.model_copy(deep=True)
+    for src in capped.data.sources:
+        src.max_rows = cap if src.max_rows is None else min(src.max_rows, cap)
+    return capped
 
 
 def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None) -> dict:
@@ -266,7 +350,11 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     records = None
     if "regenerate" in stages or "tokenize" in stages:
         t = time.perf_counter()
-        raw, reports = stage_regenerate(recipe, paths, info, device)
+        raw, reports = stage_regenerate(_cap_sources(recipe), paths, info, device)
+        if recipe.data.max_samples is not None and len(raw) > recipe.data.max_samples:
+            log.info("data.max_samples=%d: taking the first %d of %d conversations", recipe.data.max_samples,
+                     recipe.data.max_samples, len(raw))
+            raw = raw[: recipe.data.max_samples]
         summary["regenerate_s"] = time.perf_counter() - t
         if "tokenize" in stages:
             records = stage_tokenize(recipe, paths, info, raw, reports)
@@ -287,6 +375,100 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     return summary
 
 
+EARLY_DONE = ".early-stages.done"  # RUN_DIR/data marker: the main process finished the early stages
+
+
+def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None,
+                        poll_s: float = 5.0, timeout_s: float = 48 * 3600.0) -> dict:
+    """:func:`prepare`, rank-safe under a distributed launcher (``RANK`` / ``WORLD_SIZE``; one
+    process: just :func:`prepare`).
+
+    Rank 0 runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` (it first removes the done
+    marker ``RUN_DIR/data/.early-stages.done`` of an earlier run, then all ranks pass one short
+    barrier) while the others poll the file system for the marker it writes when those stages
+    are finished (not a collective: a regeneration can outlast any process-group timeout; stale
+    stage outputs never release them); then every rank captures its own
+    hidden-state shards on its own device (``device``, else ``cuda:LOCAL_RANK`` with CUDA, else
+    cpu) and all wait until the shard manifest is complete. Only rank 0 writes ``summary.json``.
+    The run directory must be on a file system every node sees.
+
+    Raises:
+        TimeoutError: waited ``timeout_s`` for files; the message names them.
+    """
+    stages = [s for s in STAGES if s in (stages or STAGES)]
+    rank, world = distributed_rank()
+    if world == 1:
+        return prepare(recipe, run_dir, stages, device)
+    if device is None:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    paths = RunLayout(run_dir).data
+    outputs = stage_outputs(recipe, paths)
+    marker = paths.root / EARLY_DONE
+    early = [s for s in stages if s != "hidden-states"]
+    summary: dict = {}
+
+    def wait_for(files: list[Path], what: str) -> None:
+        t0 = time.monotonic()
+        last = -60.0
+        while True:
+            missing = [f for f in files if not f.exists()]
+            if not missing:
+                return
+            waited = time.monotonic() - t0
+            if waited > timeout_s:
+                raise TimeoutError(f"rank {rank}: waited {waited:.0f} s for {what}; still missing: "
+                                   + ", ".join(str(f) for f in missing))
+            if waited - last >= 60:
+                log.info("rank %d: waiting for %s (%.0f s)", rank, what, waited)
+                last = waited
+            time.sleep(poll_s)
+
+    if early:
+        if rank == 0:
+            paths.root.mkdir(parents=True, exist_ok=True)
+            marker.unlink(missing_ok=True)  # a marker from an earlier run must not release the others
+        _barrier()  # no rank looks for the marker before the stale one is gone
+        if rank == 0:
+            summary = prepare(recipe, run_dir, early, device)
+            from .shards import atomic_write_bytes
+
+            atomic_write_bytes(marker, json.dumps({"stages": early}).encode())
+        else:
+            wait_for([marker], "rank 0 to run " + ", ".join(early))
+    if "hidden-states" in stages:
+        t = time.perf_counter()
+        summary.update(prepare(recipe, run_dir, ["hidden-states"], device))  # this rank's shards
+        wait_for(outputs["hidden-states"], "the other ranks' hidden-state shards")
+        if "hidden_states" in summary:  # this rank's throughput; the tokens of every rank's shards
+            from .shards import load_manifest
+
+            m = load_manifest(paths.hidden_states)
+            summary["hidden_states"]["tokens"] = sum(sh["num_tokens"] for sh in m["shards"])
+        summary["seconds"] = summary.get("seconds", 0.0) + time.perf_counter() - t
+    if rank == 0:
+        paths.summary.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _barrier() -> None:
+    """One short barrier over the launched processes: the job's process group when there is
+    one, else a temporary gloo group (torchrun sets ``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        return
+    if not (dist.is_available() and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        log.warning("no process group and no MASTER_ADDR/MASTER_PORT: ranks start without a barrier")
+        return
+    dist.init_process_group("gloo")
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``data_prep/prepare.py`` (``draftsmith prepare``)."""
     from ..cli import HelpFormatter
@@ -303,13 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     recipe = recipe_from_args(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    dump_recipe(recipe, RunLayout(args.run_dir).recipe)
+    if distributed_rank()[0] == 0:
+        dump_recipe(recipe, RunLayout(args.run_dir).recipe)
     try:
-        summary = prepare(recipe, args.run_dir, args.stage, args.device)
-    except (conv.DataError, ShardError, FileNotFoundError, ValueError) as exc:
+        summary = prepare_distributed(recipe, args.run_dir, args.stage, args.device)
+    except (conv.DataError, ShardError, FileNotFoundError, ValueError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=1))
+    if distributed_rank()[0] == 0:
+        print(json.dumps(summary, indent=1))
     return 0
 
 

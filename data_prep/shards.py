@@ -7,9 +7,16 @@ With ``dtype: float8_e4m3fn`` the states are stored row-scaled (see ``encode_fp8
 more tensors hold the scales: ``aux_hidden_states_scale [N, 3]`` and
 ``final_hidden_states_scale [N, 1]`` (float32); the manifest's ``encoding`` names the scheme
 (absent in shards written before it existed = plain).
-``manifest.json`` lists every finished shard with its sequence/token counts and sha256.
-Shards and the manifest are written atomically (temp file, fsync, rename), so a killed run
-resumes at the first missing shard.
+``manifest.json`` lists every finished shard with its sequence/token counts, ``sha256`` and
+``bytes`` (file size), both computed from the bytes in memory as the shard is written (no
+re-read). Shards and the manifest are written atomically (temp file, fsync, rename), so a
+killed run resumes at the first missing shard.
+
+Opening a shard directory (:class:`ShardReader`) checks every shard cheaply by default
+(``verify="header"``: the file exists, its size is the manifest's ``bytes``, and its safetensors
+header holds the expected tensors, shapes, dtypes and sequence count; only the header and the
+small ``offsets`` tensor are read); ``verify="full"`` also hashes every file against its
+``sha256`` (``--verify-shards`` on training, ``draftsmith verify RUN_DIR``).
 
 Several ranks (torchrun / accelerate: ``RANK``/``WORLD_SIZE``) split the shards without
 overlap: rank r computes shards ``i % world_size == r`` and records them in its own
@@ -30,7 +37,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
 from ..recipe import safe_path
 
@@ -107,14 +114,6 @@ def encode_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[st
     return {"aux_hidden_states": aux.to(t), "final_hidden_states": final.to(t)}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as fh:
@@ -124,14 +123,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write a safetensors shard atomically; returns its sha256."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    with tmp.open("rb") as fh:
+def save_file(tensors: dict[str, torch.Tensor], path: Path | str, data: bytes | None = None) -> None:
+    """Write the safetensors file of ``tensors`` to ``path`` and fsync it; ``data``: its
+    serialised bytes when the caller already has them (see :func:`write_shard`)."""
+    if data is None:
+        data = save_bytes({k: v.contiguous() for k, v in tensors.items()})
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
         os.fsync(fh.fileno())
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Write a safetensors shard atomically; returns ``(sha256, bytes)`` of the file, hashed in
+    memory from the serialised bytes (the file is never re-read)."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    data = save_bytes(tensors)
+    sha = hashlib.sha256(data).hexdigest()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, tmp, data=data)
     os.replace(tmp, path)
-    return _sha256(path)
+    return sha, len(data)
 
 
 def _read_json(f: Path) -> dict:
@@ -188,6 +200,125 @@ def part_manifest_name(rank: int, world_size: int) -> str:
     return f"manifest.rank-{rank:05d}-of-{world_size:05d}.json"
 
 
+VERIFY_MODES = ("header", "full")
+_ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """``(tensor name -> {dtype, shape, data_offsets}, data start)`` of a safetensors file,
+    reading only its header (8-byte length + JSON).
+
+    Raises:
+        ShardError: the header is cut short, not JSON, or points outside the file.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ShardError(f"{path}: unreadable shard (file of {size} bytes has no safetensors header)")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, 100 << 20):
+            raise ShardError(f"{path}: unreadable shard (header length {n} does not fit a {size}-byte file)")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        header.pop("__metadata__", None)
+        tensors = {k: {"dtype": str(v["dtype"]), "shape": [int(x) for x in v["shape"]],
+                       "data_offsets": [int(x) for x in v["data_offsets"]]} for k, v in header.items()}
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ShardError(f"{path}: unreadable shard (corrupt safetensors header: {exc})") from None
+    end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
+    if 8 + n + end != size:
+        raise ShardError(f"{path}: unreadable shard (header describes {8 + n + end} bytes, file has {size}; "
+                         "truncated or corrupt)")
+    for name, t in tensors.items():
+        a, b = t["data_offsets"]
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        if not 0 <= a <= b or (t["dtype"] in _ST_ITEMSIZE and b - a != numel * _ST_ITEMSIZE[t["dtype"]]):
+            raise ShardError(f"{path}: unreadable shard (tensor {name}: {b - a} bytes for shape {t['shape']} "
+                             f"{t['dtype']})")
+    return tensors, 8 + n
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_shard(directory: Path, manifest: dict, s: dict, verify: str = "header") -> list[int]:
+    """Check shard entry ``s`` of ``manifest`` against its file; returns its sequence offsets
+    (``num_sequences + 1`` values). ``verify="header"`` reads the header and the ``offsets``
+    tensor only; ``"full"`` also hashes the file against ``sha256``.
+
+    Raises:
+        ShardError: naming the file and what differs.
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: one of {VERIFY_MODES}")
+    try:  # the manifest is data: a file name in it must not point outside the directory
+        path = safe_path(directory, s["file"], key=f"{directory / MANIFEST}: shard {s['index']} file")
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
+    if not path.is_file():
+        raise ShardError(f"{path}: listed in the manifest but missing")
+    size = path.stat().st_size
+    if s.get("bytes") is not None and size != s["bytes"]:
+        raise ShardError(f"{path}: size {size} bytes, manifest says {s['bytes']} (truncated or corrupt shard)")
+    tensors, data_start = read_safetensors_header(path)
+    H, T = manifest["hidden_size"], s["num_tokens"]
+    scaled = manifest.get("encoding") is not None
+
+    def want(name: str, shape: list[int], dtype: str | None) -> None:
+        t = tensors.get(name)
+        if t is None:
+            raise ShardError(f"{path}: no tensor {name!r} (has {sorted(tensors)})")
+        if t["shape"] != shape:
+            raise ShardError(f"{path}: {name} shape {t['shape']}, manifest says {shape}")
+        if dtype is not None and t["dtype"] != dtype:
+            raise ShardError(f"{path}: {name} dtype {t['dtype']}, want {dtype}")
+
+    want("aux_hidden_states", [T, 3 * H], None)
+    if _st_dtype(manifest["dtype"]) != tensors["aux_hidden_states"]["dtype"]:
+        raise ShardError(f"{path}: dtype {tensors['aux_hidden_states']['dtype']}, manifest says {manifest['dtype']}")
+    want("final_hidden_states", [T, H], _st_dtype(manifest["dtype"]))
+    if scaled:
+        t = tensors.get("aux_hidden_states_scale")
+        if t is None or t["shape"] != [T, 3]:
+            raise ShardError(f"{path}: aux_hidden_states_scale shape {t and t['shape']}, want [{T}, 3]")
+        want("final_hidden_states_scale", [T, 1], "F32")
+    want("input_ids", [T], "I32")
+    want("loss_mask", [T], "U8")
+    n_seq = s.get("num_sequences")
+    if n_seq is None:
+        n_seq = tensors.get("offsets", {"shape": [1]})["shape"][0] - 1
+    want("offsets", [n_seq + 1], "I64")
+    a, b = tensors["offsets"]["data_offsets"]
+    with path.open("rb") as fh:
+        fh.seek(data_start + a)
+        raw = fh.read(b - a)
+    offsets = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    if not offsets or offsets[0] != 0 or offsets[-1] != T or any(x > y for x, y in zip(offsets, offsets[1:])):
+        raise ShardError(f"{path}: offsets {offsets[:4]}...{offsets[-1:]} do not split {T} tokens into "
+                         f"{n_seq} sequences (corrupt shard)")
+    if verify == "full" and file_sha256(path) != s["sha256"]:
+        raise ShardError(f"{path}: checksum mismatch (corrupt or truncated shard)")
+    return offsets
+
+
+def _verify_mode(verify: bool | str) -> str:
+    if verify is True:
+        return "full"
+    if verify is False:
+        return "header"
+    return verify
+
+
 class ShardReader:
     """A finished shard directory opened for reading; item i is one sequence:
 
@@ -196,14 +327,23 @@ class ShardReader:
     to ``decode_dtype``. Shards are memory-mapped and sliced per sequence; the manifest may
     be the union of per-rank parts.
 
+    ``verify``: ``"header"`` (default; also ``False``) checks each shard's size against the
+    manifest's ``bytes`` (when recorded) and its safetensors header (tensor names, shapes,
+    dtypes, sequence offsets) without reading the tensor data; ``"full"`` (also ``True``)
+    hashes every file against its ``sha256`` as well.
+
     Raises:
-        ShardError: missing manifest or shard, incomplete shard set, or (``verify=True``)
-            a checksum / shape / dtype that disagrees with the manifest.
+        ShardError: missing manifest or shard, incomplete shard set, or a size / header /
+            (``verify="full"``) checksum that disagrees with the manifest; the message names
+            the shard file.
     """
 
-    def __init__(self, directory: Path | str, verify: bool = True, max_length: int | None = None,
+    def __init__(self, directory: Path | str, verify: bool | str = "header", max_length: int | None = None,
                  decode_dtype: torch.dtype = torch.float32):
         self.dir = Path(directory)
+        verify = _verify_mode(verify)
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: one of {VERIFY_MODES}")
         manifest = load_manifest(self.dir)
         if manifest is None:
             raise ShardError(f"{self.dir}: no {MANIFEST}; run the hidden-states stage first")
@@ -220,31 +360,9 @@ class ShardReader:
             raise ShardError(f"{self.dir / MANIFEST}: unknown encoding {manifest['encoding']!r}")
         self.decode_dtype = decode_dtype
         self.index: list[tuple[str, int, int]] = []  # (file, start, end)
-        H = manifest["hidden_size"]
         for s in manifest["shards"]:
-            try:  # the manifest is data: a file name in it must not point outside the directory
-                path = safe_path(self.dir, s["file"], key=f"{self.dir / MANIFEST}: shard {s['index']} file")
-            except ValueError as exc:
-                raise ShardError(str(exc)) from None
-            if not path.is_file():
-                raise ShardError(f"{path}: listed in the manifest but missing")
-            if verify and _sha256(path) != s["sha256"]:
-                raise ShardError(f"{path}: checksum mismatch (corrupt or truncated shard)")
-            try:
-                with safe_open(path, framework="pt") as fh:
-                    offsets = fh.get_tensor("offsets")
-                    aux = fh.get_slice("aux_hidden_states")
-                    shape, dtype = aux.get_shape(), aux.get_dtype()
-                    scale_shape = fh.get_slice("aux_hidden_states_scale").get_shape() if self.scaled else None
-            except Exception as exc:
-                raise ShardError(f"{path}: unreadable shard ({exc})") from exc
-            if shape != [s["num_tokens"], 3 * H]:
-                raise ShardError(f"{path}: aux_hidden_states shape {shape}, manifest says [{s['num_tokens']}, {3 * H}]")
-            if _st_dtype(manifest["dtype"]) != dtype:
-                raise ShardError(f"{path}: dtype {dtype}, manifest says {manifest['dtype']}")
-            if self.scaled and scale_shape != [s["num_tokens"], 3]:
-                raise ShardError(f"{path}: aux_hidden_states_scale shape {scale_shape}, want [{s['num_tokens']}, 3]")
-            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            offsets = check_shard(self.dir, manifest, s, verify)
+            for a, b in zip(offsets[:-1], offsets[1:]):
                 self.index.append((s["file"], a, b))
         self._handles: dict[str, Any] = {}
 
@@ -301,7 +419,7 @@ def convert_shards(src: Path, dst: Path, dtype: str, progress: bool = True) -> d
     """
     from tqdm.auto import tqdm
 
-    source = ShardReader(src, verify=True)
+    source = ShardReader(src, verify="full")
     m = source.manifest
     spec = ShardSpec(m["hidden_size"], m["aux_layer_ids"], dtype)
     header = {k: v for k, v in m.items() if k not in ("shards", "num_tokens", "throughput_tok_s", "encoding")}
@@ -323,13 +441,59 @@ def convert_shards(src: Path, dst: Path, dtype: str, progress: bool = True) -> d
                                 source._states(fh, "final_hidden_states", 0, n), dtype)
         for key in ("input_ids", "loss_mask", "offsets"):
             tensors[key] = fh.get_tensor(key)
-        done[s["index"]] = dict(s, sha256=write_shard(dst / s["file"], tensors))
+        sha, size = write_shard(dst / s["file"], tensors)
+        done[s["index"]] = dict(s, sha256=sha, bytes=size)
         atomic_write_bytes(dst / MANIFEST, json.dumps(dict(header, shards=[done[i] for i in sorted(done)]),
                                                       indent=1).encode())
     manifest = dict(header, shards=[done[i] for i in sorted(done)])
     manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
     atomic_write_bytes(dst / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def verify_shards(directory: Path | str, progress: bool = True) -> dict:
+    """Fully check every shard of ``directory`` (size, header, sha256), not stopping at the
+    first bad one.
+
+    Returns:
+        ``{"shards", "bytes", "seconds", "bad": [{"file", "error"}], "problems": [...]}``;
+        ``problems`` holds directory-level errors (no / corrupt / incomplete manifest).
+    """
+    import time
+
+    from tqdm.auto import tqdm
+
+    directory = Path(directory)
+    t0 = time.perf_counter()
+    out: dict = {"dir": str(directory), "shards": 0, "bytes": 0, "seconds": 0.0, "bad": [], "problems": []}
+    try:
+        manifest = load_manifest(directory)
+    except ShardError as exc:
+        manifest = None
+        out["problems"].append(str(exc))
+    if manifest is None:
+        if not out["problems"]:
+            out["problems"].append(f"{directory}: no {MANIFEST}; run the hidden-states stage first")
+        return out
+    expected = (manifest["num_records"] + manifest["sequences_per_shard"] - 1) // manifest["sequences_per_shard"]
+    if len(manifest["shards"]) != expected:
+        out["problems"].append(f"{directory}: manifest lists {len(manifest['shards'])} of {expected} shards "
+                               "(the hidden-states stage did not finish)")
+    total = sum(int(s.get("bytes") or 0) for s in manifest["shards"])
+    bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="verify shards", disable=not progress)
+    for s in manifest["shards"]:
+        out["shards"] += 1
+        try:
+            check_shard(directory, manifest, s, "full")
+            size = (directory / s["file"]).stat().st_size
+            out["bytes"] += size
+        except ShardError as exc:
+            out["bad"].append({"file": str(s.get("file")), "error": str(exc)})
+            size = int(s.get("bytes") or 0)
+        bar.update(int(s.get("bytes") or 0) if total else 0)
+    bar.close()
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
 
 
 def shard_bytes_per_token(directory: Path | str) -> float:

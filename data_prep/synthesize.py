@@ -80,12 +80,13 @@ def keep_prompt(text: str, finished: bool, min_chars: int = 12, max_chars: int =
 
 
 def synthesize(
-    generate_fn, num_prompts: int, batch_size: int = 64, max_rounds: int = 20
+    generate_fn, num_prompts: int, batch_size: int = 64, max_rounds: int = 20, progress: bool = True
 ) -> tuple[list[str], dict[str, int]]:
     """Sample until ``num_prompts`` distinct, filtered user messages exist (or ``max_rounds``).
 
     Args:
         generate_fn: ``(n) -> list[(text, finished)]``, n samples from the user-turn prefix.
+        progress: a bar of the prompts kept so far (one update per sampling round).
 
     Returns:
         ``(prompts, counts)``: counts of ``sampled``, ``kept``, ``duplicate`` and each drop reason.
@@ -93,7 +94,12 @@ def synthesize(
     kept: list[str] = []
     seen: set[str] = set()
     counts: dict[str, int] = {"sampled": 0, "kept": 0, "duplicate": 0}
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=num_prompts, desc="synthesize", unit="prompt", disable=not progress)
     for _ in range(max_rounds):
+        bar.update(len(kept) - bar.n)
+        bar.set_postfix(sampled=counts["sampled"], refresh=False)
         if len(kept) >= num_prompts:
             break
         for text, finished in generate_fn(batch_size):
@@ -109,6 +115,8 @@ def synthesize(
             counts["kept"] += 1
             if len(kept) >= num_prompts:
                 break
+    bar.update(len(kept) - bar.n)
+    bar.close()
     return kept, counts
 
 

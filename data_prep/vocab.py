@@ -11,13 +11,37 @@ Draft ids are assigned in ascending target-id order, so ``d2t`` is non-decreasin
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
 
-def count_assistant_tokens(records: Iterable[dict]) -> Counter:
-    """Token counts over positions with ``loss_mask == 1``."""
+def count_assistant_tokens(records: Iterable[dict] | Any, batch_size: int = 4096) -> Counter:
+    """Token counts over positions with ``loss_mask == 1``.
+
+    ``records``: a tokenised ``datasets.Dataset`` (:func:`draftsmith.layout.read_tokenized`),
+    counted in Arrow batches of ``batch_size`` rows with ``numpy.bincount`` (memory: one batch
+    and a ``[max id + 1]`` count array), or any iterable of ``{"input_ids", "loss_mask"}`` dicts.
+    """
+    if hasattr(records, "column_names") and hasattr(records, "with_format"):
+        import numpy as np
+
+        totals = np.zeros(0, dtype=np.int64)
+        for batch in records.with_format("arrow").iter(batch_size=batch_size):
+            ids = batch.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            mask = batch.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            picked = ids[mask.astype(bool)].astype(np.int64)
+            if picked.size == 0:
+                continue
+            if picked.min() < 0:
+                bad = int(picked[picked < 0][0])
+                return Counter({bad: 1})  # reported as out of vocab by build_draft_vocab
+            binc = np.bincount(picked)
+            if binc.size > totals.size:
+                totals = np.pad(totals, (0, binc.size - totals.size))
+            totals[: binc.size] += binc
+        nz = np.flatnonzero(totals)
+        return Counter(dict(zip(nz.tolist(), totals[nz].tolist())))
     counts: Counter = Counter()
     for r in records:
         counts.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def _worker(args: argparse.Namespace) -> None:
                                   seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
-    outs = llm.chat(convs, params, use_tqdm=False)
+    outs = llm.chat(convs, params, use_tqdm=True)  # the bar goes to the log; the parent mirrors it
     elapsed = time.perf_counter() - t0
     counters: dict[str, Any] = {}
     for m in llm.get_metrics():
@@ -199,12 +200,50 @@ def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | No
         log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
-            proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1", **engine.engine_env()))
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **engine.engine_env()))
+            _follow(proc, log_path, timeout_s, f"acceptance ({method})")
         if proc.returncode != 0 or not result_path.is_file():
             tail = log_path.read_text()[-4000:]
             raise RuntimeError(f"vLLM run ({method}) failed with exit code {proc.returncode}:\n{tail}")
         return json.loads(result_path.read_text())
+
+
+_BAR = re.compile(rb"(\d+)/(\d+) \[")
+
+
+def _follow(proc: subprocess.Popen, log_path: Path, timeout_s: float | None, desc: str) -> None:
+    """Wait for the vLLM worker, mirroring the prompt progress it logs (its tqdm bar, in
+    ``log_path``) as a bar here.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout_s`` (the worker is killed).
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.monotonic()
+    bar = None
+    try:
+        while proc.poll() is None:
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            try:
+                with log_path.open("rb") as fh:
+                    fh.seek(max(0, log_path.stat().st_size - 4096))
+                    found = _BAR.findall(fh.read())
+            except OSError:
+                found = []
+            if found:
+                done, total = (int(x) for x in found[-1])
+                if bar is None:
+                    bar = tqdm(total=total, desc=desc, unit="prompt")
+                bar.update(done - bar.n)
+            time.sleep(0.5)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def format_row(name: str, r: dict[str, Any]) -> str:

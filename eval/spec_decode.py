@@ -612,8 +612,10 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[int]], k: int = 3,
-             temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0, plain: bool = True) -> dict[str, Any]:
-    """Speculative (and, with ``plain``, plain) decoding of every prompt, one at a time.
+             temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0, plain: bool = True,
+             progress: bool = True) -> dict[str, Any]:
+    """Speculative (and, with ``plain``, plain) decoding of every prompt, one at a time (a
+    progress bar over the prompts unless ``progress`` is False).
 
     Returns:
         :func:`draftsmith.eval.acceptance.summarise` figures plus ``counters``, output token
@@ -628,8 +630,10 @@ def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[
     counters = SpecCounters(k)
     generator = torch.Generator(device=target.device).manual_seed(seed)
     t0 = time.perf_counter()
+    from tqdm.auto import tqdm
+
     outputs = [speculative_generate(target, proposer, p, k, temperature, max_new_tokens, stops, generator, counters)
-               for p in prompts]
+               for p in tqdm(prompts, desc="speculative decode", unit="prompt", disable=not progress)]
     spec_s = time.perf_counter() - t0
     n_spec = sum(len(o) for o in outputs)
     result: dict[str, Any] = {
@@ -641,7 +645,8 @@ def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[
         plain_target = Target(model)
         generator = torch.Generator(device=target.device).manual_seed(seed)
         t0 = time.perf_counter()
-        plain_outputs = [plain_generate(plain_target, p, temperature, max_new_tokens, stops, generator) for p in prompts]
+        plain_outputs = [plain_generate(plain_target, p, temperature, max_new_tokens, stops, generator)
+                         for p in tqdm(prompts, desc="plain decode", unit="prompt", disable=not progress)]
         plain_s = time.perf_counter() - t0
         n_plain = sum(len(o) for o in plain_outputs)
         result.update({

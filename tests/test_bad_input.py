@@ -100,8 +100,16 @@ def test_truncated_shard_is_refused_with_and_without_checksums(shard_dir, tmp_pa
     d = edited_copy(shard_dir, tmp_path / "d")
     shard = d / "shard-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(ShardError, match="shard-00001.safetensors: checksum mismatch"):
+    # the size check (default) and the full hash both catch it
+    with pytest.raises(ShardError, match=r"shard-00001.safetensors: size \d+ bytes, manifest says \d+"):
         HiddenStateDataset(d)
+    with pytest.raises(ShardError, match=r"shard-00001.safetensors: size \d+ bytes"):
+        HiddenStateDataset(d, verify="full")
+    # a manifest written before sizes were recorded: the header check still refuses it
+    manifest = json.loads((d / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        del s["bytes"]
+    (d / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ShardError, match="shard-00001.safetensors: unreadable shard"):
         HiddenStateDataset(d, verify=False)
 

@@ -19,7 +19,8 @@ def test_run_layout_names_every_stage_path():
     assert run.data == DataPaths(Path("runs/x/data"))
     assert run.data.target_info == Path("runs/x/data/target.json")
     assert run.data.regen == Path("runs/x/data/regen.jsonl")
-    assert run.data.tokenized == Path("runs/x/data/tokenized.jsonl")
+    assert run.data.tokenized == Path("runs/x/data/tokenized")
+    assert run.data.tokenized_jsonl == Path("runs/x/data/tokenized.jsonl")  # legacy, converted on read
     assert run.data.vocab == Path("runs/x/data/vocab.safetensors")
     assert run.data.hidden_states == Path("runs/x/data/hidden_states")
     assert (run.checkpoints, run.export, run.eval, run.logs) == tuple(

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import ExportError, export, expected_weight_shapes, read_checkpoint
+from draftsmith.layout import DataPaths, read_tokenized
 from draftsmith.models.eagle3 import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
@@ -71,7 +72,7 @@ def test_prepare_writes_every_stage(prepared):
     vocab = load_file(str(data / "vocab.safetensors"))
     assert vocab["d2t"].shape == (128,) and vocab["t2d"].shape == (512,) and int(vocab["t2d"].sum()) == 128
     assert summary["hidden_states"]["tokens"] == sum(
-        len(json.loads(line)["input_ids"]) for line in (data / "tokenized.jsonl").read_text().splitlines())
+        len(ids) for ids in read_tokenized(DataPaths(data))["input_ids"])
 
 
 def test_regeneration_cache_skips_finished_rows(prepared):

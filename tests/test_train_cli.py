@@ -41,7 +41,7 @@ def test_recipe_alone_prepares_into_runs_recipe_name_then_trains(tiny_target, tm
     done = train(tmp_path, recipe)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
-    for f in ("target.json", "tokenized.jsonl", "vocab.safetensors", "hidden_states/manifest.json"):
+    for f in ("target.json", "tokenized/state.json", "vocab.safetensors", "hidden_states/manifest.json"):
         assert (run / "data" / f).is_file(), f
     assert json.loads(done.stdout[done.stdout.index("{"):])["run_dir"] == "runs/tiny"
     assert [c.name for c in find_checkpoints(run / "checkpoints")] == ["step-2"]

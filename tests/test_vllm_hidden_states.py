@@ -90,7 +90,9 @@ def test_vllm_engine_states_match_the_transformers_engine(vllm_run, tiny_target)
     recipe, run, _ = vllm_run
     ds = HiddenStateDataset(run / "data" / "hidden_states")
     assert ds.manifest["engine"] == "vllm"
-    records = [json.loads(line) for line in (run / "data" / "tokenized.jsonl").read_text().splitlines()]
+    from draftsmith.layout import DataPaths, read_tokenized
+
+    records = read_tokenized(DataPaths(run / "data"), format=None).to_list()
     assert len(ds) == len(records) > 0
     model, _ = load_target(tiny_target)
     ref = {j: (aux, final) for j, aux, final in TransformersCapture(model, TINY_AUX).capture(records)}

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..data_prep.shards import ShardReader
+from ..layout import DataPaths, read_tokenized
 
 
 class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):
@@ -26,28 +28,54 @@ class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
-    """Token ids and loss masks only (``tokenized.jsonl``), for online training where the
-    target computes hidden states on the fly. Items: ``{"input_ids" (T,), "loss_mask" (T,)}``,
-    in the same order and with the same lengths as the shards built from the same file."""
+    """Token ids and loss masks only (the tokenised Arrow dataset, ``RUN_DIR/data/tokenized/``),
+    for online training where the target computes hidden states on the fly. Items:
+    ``{"input_ids" (T,), "loss_mask" (T,)}``, in the same order and with the same lengths as the
+    shards built from the same data.
 
-    def __init__(self, path: Path | str, max_length: int | None = None):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path} missing: run the tokenize stage first")
-        with self.path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh]
-        self.rows = [(r["input_ids"][:max_length], r["loss_mask"][:max_length]) if max_length else
-                     (r["input_ids"], r["loss_mask"]) for r in rows]
+    The dataset is memory-mapped (:func:`draftsmith.layout.read_tokenized`): rows are read by
+    index when asked for and lengths come from the ``length`` column, so no process holds the
+    corpus in memory.
+
+    Args:
+        source: the ``tokenized/`` directory, a legacy ``tokenized.jsonl`` (converted once), a
+            :class:`~draftsmith.layout.DataPaths`, or an opened ``datasets.Dataset``.
+    """
+
+    def __init__(self, source: Any, max_length: int | None = None):
+        if isinstance(source, DataPaths):
+            ds = read_tokenized(source)
+        elif isinstance(source, (str, Path)):
+            path = Path(source)
+            paths = DataPaths(path.parent)
+            if path.suffix == ".jsonl" or path == paths.tokenized:
+                ds = read_tokenized(paths)  # converts a legacy tokenized.jsonl once
+            elif (path / "state.json").is_file():
+                import datasets
+
+                ds = datasets.load_from_disk(str(path))
+            else:
+                raise FileNotFoundError(f"{path} missing: run the tokenize stage first")
+        else:
+            ds = source
+        self.path = Path(source) if isinstance(source, (str, Path)) else None
+        self.data = ds.with_format("numpy", columns=["input_ids", "loss_mask"])
+        self.max_length = max_length
+        self._lengths = ds.select_columns(["length"]).with_format("numpy")[:]["length"]
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.data)
 
     def lengths(self) -> list[int]:
-        return [len(ids) for ids, _ in self.rows]
+        lengths = self._lengths if not self.max_length else np.minimum(self._lengths, self.max_length)
+        return lengths.tolist()
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids, mask = self.rows[i]
-        return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+        row = self.data[int(i)]
+        ids, mask = row["input_ids"], row["loss_mask"]
+        if self.max_length:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+        return {"input_ids": torch.from_numpy(ids.astype(np.int64)), "loss_mask": torch.from_numpy(mask.astype(np.int64))}
 
 
 def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ class TargetDataMethod:
     """
 
     name = "base"
+    verify_shards = "header"  # ShardReader verify mode; "full" with --verify-shards
 
     def __init__(self, recipe: Recipe, run_dir: Path, load_target_model: bool = False):
         self.recipe, self.paths = recipe, RunLayout(run_dir).data
@@ -58,8 +59,10 @@ class TargetDataMethod:
 
     def dataset(self) -> torch.utils.data.Dataset:
         if self.recipe.data.hidden_states_mode == "online":
-            return TokenizedDataset(self.paths.tokenized, self.recipe.data.max_length)
-        return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length)
+            # memory-mapped Arrow rows read by index (a legacy tokenized.jsonl is converted once)
+            return TokenizedDataset(self.paths, self.recipe.data.max_length)
+        return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length,
+                                  verify=self.verify_shards)
 
     def setup(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -156,15 +159,13 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
                     poll_s: float = 5.0) -> list[str]:
     """Run the data stages whose outputs are missing from ``RUN_DIR/data``, rank-safe.
 
-    The main process runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` (it first removes
-    the outputs of the stages it reruns, so no rank reads a stale file) while the other ranks wait
-    for those files; then every rank captures its share of the hidden-state shards (``RANK`` /
-    ``WORLD_SIZE``, :func:`draftsmith.data_prep.hidden_states.generate_hidden_states`) on its own
-    device (with transformers when the job has several processes: one vLLM engine per rank would
-    contend for the same GPUs), and all wait until the shard manifest is complete. Waiting polls the file system rather
-    than a collective: regeneration can outlast any process-group timeout (if the main process
-    fails, the launcher stops the others). The run directory must be on a file system every node
-    sees.
+    The missing stages run through :func:`draftsmith.data_prep.prepare.prepare_distributed`: the
+    main process runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` while the other ranks
+    poll for its outputs (not a collective: regeneration can outlast any process-group timeout;
+    if the main process fails, the launcher stops the others); then every rank captures its share
+    of the hidden-state shards on its own device (with transformers when the job has several
+    processes: one vLLM engine per rank would contend for the same GPUs), and all wait until the
+    shard manifest is complete. The run directory must be on a file system every node sees.
 
     Returns:
         The stages that were missing (``[]`` when the data was ready).
@@ -174,9 +175,8 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
             naming the prepare command.
     """
     import logging
-    import time
 
-    from ..data_prep.prepare import missing_stages, prepare, stage_outputs
+    from ..data_prep.prepare import missing_stages, prepare_distributed
 
     todo = missing_stages(recipe, run_dir)
     if not todo:
@@ -186,39 +186,18 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
             f"{run_dir / 'data'} is not prepared (stages missing: {', '.join(todo)}); run: python -m "
             f"draftsmith.data_prep.prepare {recipe_arg} --run-dir {run_dir}   (or drop --no-prepare)")
     log = logging.getLogger("draftsmith.train")
-    device = str(accelerator.device)
-    early = [s for s in todo if s != "hidden-states"]
-    outputs = stage_outputs(recipe, RunLayout(run_dir).data)
-
-    def wait_for(stages: list[str], what: str) -> None:
-        files = [f for s in stages for f in outputs[s]]
-        waited = 0.0
-        while not all(f.is_file() for f in files):
-            if waited % 60 < poll_s:
-                log.info("rank %d: waiting for %s (%.0f s)", accelerator.process_index, what, waited)
-            time.sleep(poll_s)
-            waited += poll_s
-
-    if early:
-        if accelerator.is_main_process:
-            log.info("data stages missing in %s: %s; preparing them now", run_dir / "data", ", ".join(todo))
-            for stage in early:
-                for f in outputs[stage]:
-                    f.unlink(missing_ok=True)
-            prepare(recipe, run_dir, early, device=device)
-        else:
-            wait_for(early, "the main process to prepare " + ", ".join(early))
-    if "hidden-states" in todo:
-        capture = recipe
-        if accelerator.num_processes > 1 and recipe.data.hidden_states_engine != "transformers":
-            # one vLLM engine per training rank would contend for the same GPUs; inside the job each
-            # rank captures with transformers on its own device (run prepare alone for vLLM capture)
-            log.info("hidden states inside a %d-process job: transformers capture on each rank's device",
-                     accelerator.num_processes)
-            capture = recipe.model_copy(deep=True)
-            capture.data.hidden_states_engine = "transformers"
-        prepare(capture, run_dir, ["hidden-states"], device=device)  # this rank's shards
-        wait_for(["hidden-states"], "the other ranks' hidden-state shards")
+    if accelerator.is_main_process:
+        log.info("data stages missing in %s: %s; preparing them now", run_dir / "data", ", ".join(todo))
+    capture = recipe
+    if ("hidden-states" in todo and accelerator.num_processes > 1
+            and recipe.data.hidden_states_engine != "transformers"):
+        # one vLLM engine per training rank would contend for the same GPUs; inside the job each
+        # rank captures with transformers on its own device (run prepare alone for vLLM capture)
+        log.info("hidden states inside a %d-process job: transformers capture on each rank's device",
+                 accelerator.num_processes)
+        capture = recipe.model_copy(deep=True)
+        capture.data.hidden_states_engine = "transformers"
+    prepare_distributed(capture, run_dir, todo, device=str(accelerator.device), poll_s=poll_s)
     return todo
 
 
@@ -235,6 +214,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="start over in a RUN_DIR that holds an earlier run's checkpoints/metrics (data/ is kept)")
     p.add_argument("--no-prepare", action="store_true",
                    help="fail instead of running the data stages whose outputs are missing from RUN_DIR/data")
+    p.add_argument("--verify-shards", action="store_true",
+                   help="hash every hidden-state shard against its manifest sha256 before training "
+                        "(default: a size and header check only)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the recipe (and its launcher) and print size estimates; no weights")
     p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
@@ -287,7 +269,9 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
             run_dir.mkdir(parents=True, exist_ok=True)
             claim_run_dir(run_dir, args.resume, args.overwrite)
         ensure_prepared(recipe, run_dir, accelerator, args.recipe, allow=not args.no_prepare)
-        result = fit(recipe, method_cls(recipe, run_dir), run_dir, resume=args.resume,
+        method = method_cls(recipe, run_dir)
+        method.verify_shards = "full" if args.verify_shards else "header"
+        result = fit(recipe, method, run_dir, resume=args.resume,
                      argv=sys.argv if argv is None else argv, accelerator=accelerator)
     except (CheckpointError, LauncherError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
