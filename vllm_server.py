@@ -19,7 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from .recipe import VllmConfig
 
@@ -111,10 +111,8 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, log_path: Path,
-                command: Callable[..., list[str]] | None = None) -> Iterator[dict[str, Any]]:
+def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, log_path: Path) -> Iterator[dict[str, Any]]:
     """Serve ``target`` (with ``spec`` as ``--speculative-config``) for the ``with`` block.
-    ``command``: builds the command line (default :func:`server_command`, same arguments).
 
     Yields ``{"base_url", "port", "pgid", "command"}``. The server runs in its own process
     group (a new session), so a Ctrl-C at the terminal reaches only this process, whose
@@ -128,7 +126,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
-    cmd = (command or server_command)(target, port, spec, opts)
+    cmd = server_command(target, port, spec, opts)
     with command_log(log_path, cmd) as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -388,8 +388,8 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
     barrier) while the others poll the file system for the marker it writes when those stages
     are finished (not a collective: a regeneration can outlast any process-group timeout; stale
     stage outputs never release them); then every rank captures its own
-    hidden-state shards on its own device (``device``, else ``cuda:LOCAL_RANK`` with CUDA, else
-    cpu) and all wait until the shard manifest is complete. Only rank 0 writes ``summary.json``.
+    hidden-state shards on its own device (``device``, else
+    :func:`draftsmith.data_prep.target.default_device`: one per local rank) and all wait until the shard manifest is complete. Only rank 0 writes ``summary.json``.
     The run directory must be on a file system every node sees.
 
     Raises:
@@ -399,9 +399,6 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
     rank, world = distributed_rank()
     if world == 1:
         return prepare(recipe, run_dir, stages, device)
-    if device is None:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     paths = RunLayout(run_dir).data
     outputs = stage_outputs(recipe, paths)
     marker = paths.root / EARLY_DONE

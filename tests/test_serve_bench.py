@@ -19,6 +19,7 @@ from draftsmith.eval.serving import client, metrics
 from draftsmith.eval.serving import run as runner
 from draftsmith.eval.serving import server as srv
 from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
+from draftsmith import vllm_server as lifecycle
 from draftsmith.recipe import VllmConfig
 
 from conftest import CPU_VLLM, write_jsonl
@@ -187,7 +188,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monkeypatch):
-    monkeypatch.setattr(srv, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
+    monkeypatch.setattr(lifecycle, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
     opts = srv.ServerOptions(startup_timeout_s=60, stop_grace_s=0.5)
     with pytest.raises(KeyboardInterrupt):
         with srv.vllm_server(tmp_path, None, opts, tmp_path / "server.log") as server:
@@ -199,7 +200,7 @@ def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monke
 
 
 def test_a_server_that_fails_to_start_is_reported_with_its_log_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(srv, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
+    monkeypatch.setattr(lifecycle, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
     study = runner.Study(target=tmp_path, out_dir=tmp_path, prompt_sets={1: ["hi"]}, configs=[])
     r = runner.serve_configuration(study, runner.ServeConfiguration("ngram", {"method": "ngram"}, 3), [1])
     assert r["status"] == "failed" and "exited with code 3" in r["error"]

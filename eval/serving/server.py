@@ -5,12 +5,9 @@ import from this module keeps working. What only the benchmark asks of the serve
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .metrics import parse_spec_counters
-from ... import vllm_server as _lifecycle
 from ...vllm_server import (  # noqa: F401  (re-exported)
     _LOOPBACK,
     ServerOptions,
@@ -20,6 +17,7 @@ from ...vllm_server import (  # noqa: F401  (re-exported)
     log_tail,
     server_command,
     stop_process_group,
+    vllm_server,
     vllm_cli_works,
     warm_up,
 )
@@ -29,11 +27,3 @@ def fetch_spec_counters(base_url: str) -> dict[str, Any]:
     with _LOOPBACK.open(f"{base_url}/metrics", timeout=30) as r:
         return parse_spec_counters(r.read().decode())
 
-
-@contextlib.contextmanager
-def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, log_path: Path) -> Iterator[dict[str, Any]]:
-    """:func:`draftsmith.vllm_server.vllm_server` with the command line from this module's
-    ``server_command`` (looked up at call time, so it can be replaced here, e.g. in tests)."""
-    with _lifecycle.vllm_server(target, spec, opts, log_path,
-                                command=lambda *a: server_command(*a)) as server:
-        yield server
