@@ -7,7 +7,7 @@ RECIPE ?= recipes/smollm2_135m.yaml
 RUN ?= runs/smollm2_135m
 DEMO_ARGS ?=
 
-.PHONY: install demo test test-fast bench bench-gpu clean
+.PHONY: install demo test test-fast bench bench-regenerate bench-gpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,13 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m draftsmith.eval.bench_hidden_states
+
+# regeneration tok/s (in-process vLLM, the vLLM server, vLLM's own offline throughput), then the
+# demo's prepare stage timed with the code before issue 15 and with this checkout
+BEFORE_REF ?= 16c8679
+bench-regenerate: install
+	$(BIN)/python -m draftsmith.eval.bench_regenerate
+	$(BIN)/python -m draftsmith.eval.bench_regenerate --demo-prepare --before-ref $(BEFORE_REF)
 
 # On a GPU machine, with the Python whose torch has CUDA (not the CPU .venv above), after
 # `pip install -e ".[gpu]"`: Llama-3.1-8B-geometry capture and EAGLE-3 training figures.

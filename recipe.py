@@ -46,7 +46,7 @@ class RegenerateConfig(_Strict):
         "auto", description="'vllm': in-process vllm.LLM (offline, batched); 'vllm-server': vLLM's OpenAI server "
         "(started from the recipe's vllm section, tensor/data parallel there, or server_urls) queried by an async "
         "client, each conversation appended to the cache as it finishes; 'transformers': generate(). "
-        "'auto': vllm-server on GPU, in-process vllm on CPU (no server process; scripts/bench_regenerate.py "
+        "'auto': vllm-server on GPU, in-process vllm on CPU (no server process; eval/bench_regenerate.py "
         "compares them), transformers without vLLM.",
     )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per regenerated reply (longer replies are cut).")

@@ -22,7 +22,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -239,17 +239,24 @@ def has_assistant_turn(record: dict) -> bool:
     return any(m["role"] == "assistant" for m in record["messages"])
 
 
-def load_records(
-    path: str, fmt: str = "auto", split: str = "train", max_rows: int | None = None, strict: bool = False
-) -> tuple[list[dict], LoadReport]:
-    """Load and normalise a dataset. Bad rows are skipped and counted (``strict``: raised).
+def iter_records(
+    path: str, fmt: str = "auto", split: str = "train", max_rows: int | None = None, strict: bool = False,
+    report: LoadReport | None = None,
+) -> Iterator[dict]:
+    """Normalised records of one dataset, read lazily (one row in memory at a time). Bad rows
+    are skipped and counted in ``report`` (``strict``: raised); a repeated id gets ``#row``
+    appended. Stops after ``max_rows`` kept rows.
 
     Raises:
-        DataError: in strict mode, at the first bad row; always when no row survives.
+        DataError: in strict mode, at the first bad row; when the source is exhausted and no
+            row survived.
     """
     path = resolve_source_path(path)
-    report = LoadReport(source=path)
-    records, seen_ids = [], set()
+    report = report if report is not None else LoadReport(source=path)
+    report.source = path
+    seen_ids: set = set()
+    if max_rows is not None and max_rows <= 0:
+        return
     for i, row in iter_rows(path, split):
         report.rows += 1
         where = f"{path}:{i}"
@@ -263,12 +270,25 @@ def load_records(
         if rec["id"] in seen_ids:
             rec["id"] = f"{rec['id']}#{i}"
         seen_ids.add(rec["id"])
-        records.append(rec)
         report.kept += 1
+        yield rec
         if max_rows is not None and report.kept >= max_rows:
-            break
-    if not records:
+            return
+    if not report.kept:
         raise DataError(f"{path}: no usable rows ({report.summary()})")
+
+
+def load_records(
+    path: str, fmt: str = "auto", split: str = "train", max_rows: int | None = None, strict: bool = False
+) -> tuple[list[dict], LoadReport]:
+    """:func:`iter_records` as a list, with its report (for prompt sets and tests; the data
+    stages stream).
+
+    Raises:
+        DataError: in strict mode, at the first bad row; always when no row survives.
+    """
+    report = LoadReport(source=path)
+    records = list(iter_records(path, fmt, split, max_rows, strict, report))
     return records, report
 
 

@@ -16,12 +16,14 @@ splits its shards across processes launched with ``RANK``/``WORLD_SIZE`` (torchr
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -64,20 +66,41 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
     return info
 
 
-def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
-    """Every source's records, concatenated. With more than one source, each id is prefixed
-    with its source's index (``"{i}:{id}"``), so two sources that both number their rows from 0
-    keep all their rows (in the regeneration cache, too); within one source,
-    :func:`~draftsmith.data_prep.conversations.load_records` already renames repeated ids."""
-    records, reports = [], []
+def iter_sources(recipe: Recipe, reports: list[str] | None = None) -> Iterator[dict]:
+    """Every source's records in order, read lazily, and no more than ``data.max_samples`` of
+    them in all: a source is read only as far as the budget left reaches (and each no further
+    than its own ``max_rows``). With more than one source, each id is prefixed with its
+    source's index (``"{i}:{id}"``), so two sources that both number their rows from 0 keep all
+    their rows (in the regeneration cache, too); within one source,
+    :func:`~draftsmith.data_prep.conversations.iter_records` already renames repeated ids.
+    Each finished source's :meth:`~draftsmith.data_prep.conversations.LoadReport.summary` is
+    logged and appended to ``reports``.
+
+    Raises:
+        DataError: a source with no usable row (strict mode: the first bad row), naming it.
+    """
+    left = recipe.data.max_samples
     multi = len(recipe.data.sources) > 1
     for i, src in enumerate(recipe.data.sources):
-        recs, report = conv.load_records(src.path, src.format, src.split, src.max_rows, recipe.data.strict)
+        if left is not None and left <= 0:
+            log.info("data.max_samples=%d reached: source %d (%s) and later ones not read",
+                     recipe.data.max_samples, i, src.path)
+            break
+        cap = src.max_rows if left is None else min(left, src.max_rows or left)
+        report = conv.LoadReport(source=src.path)
+        for r in conv.iter_records(src.path, src.format, src.split, cap, recipe.data.strict, report):
+            yield dict(r, id=f"{i}:{r['id']}") if multi else r
+        if left is not None:
+            left -= report.kept
         log.info(report.summary())
-        reports.append(report.summary())
-        if multi:
-            recs = [dict(r, id=f"{i}:{r['id']}") for r in recs]
-        records.extend(recs)
+        if reports is not None:
+            reports.append(report.summary())
+
+
+def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
+    """:func:`iter_sources` as a list, with the sources' reports."""
+    reports: list[str] = []
+    records = list(iter_sources(recipe, reports))
     return records, reports
 
 
@@ -107,11 +130,15 @@ def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None,
     return make
 
 
-def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str | None = None) -> list[dict]:
+def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str | None = None
+                     ) -> tuple[Iterator[dict], list[str]]:
     """The sources with the target's replies (``data.regenerate``), cached in ``regen.jsonl``
-    with a fingerprint per row (:func:`~draftsmith.data_prep.regenerate.regenerate`); the
-    engine (and the server it may have started) is shut down before this returns."""
-    records, reports = load_sources(recipe)
+    with a fingerprint per row (:func:`~draftsmith.data_prep.regenerate.iter_regenerated`).
+    Streams: returns an iterator over the records and the list the sources' reports are
+    appended to as each source is read to its end; the engine (and the server it may have
+    started) is shut down before the last records are handed on."""
+    reports: list[str] = []
+    records = iter_sources(recipe, reports)
     cfg = recipe.data.regenerate
     if cfg.enabled:
         from transformers import AutoTokenizer
@@ -123,7 +150,7 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str |
         base = {"target": regen.target_id(info["name_or_path"], info["path"]),
                 "chat_template_sha256": regen.chat_template_sha256(tok),
                 "engine": regen.ENGINE_FAMILY[factory.engine]}
-        records = regen.regenerate(
+        records = regen.iter_regenerated(
             records, paths.regen, factory, cfg.temperatures,
             cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,
             seed=recipe.seed, fingerprint_base=base,
@@ -174,9 +201,10 @@ class _TokenizeRow:
                     length=len(t["input_ids"]), assistant_tokens=n_asst)
 
 
-def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[dict], reports: list[str]):
+def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterable[dict], reports: list[str]):
     """Tokenise, mask, and apply the over-long policy with ``datasets.map`` (``data.num_proc``
-    processes); writes the Arrow dataset ``tokenized/`` (atomically: saved to a temporary
+    processes) over ``records`` streamed into an Arrow dataset (``reports``: the sources'
+    summaries, complete once ``records`` is exhausted); writes the Arrow dataset ``tokenized/`` (atomically: saved to a temporary
     directory, then renamed into place) and stats. Returns the dataset, memory-mapped.
 
     Raises:
@@ -204,8 +232,14 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: list[d
                 yield {"record": json.dumps(r, default=str)}
 
         cache = str(tmp / "cache")
-        raw = datasets.Dataset.from_generator(rows, features=datasets.Features({"record": datasets.Value("string")}),
-                                              cache_dir=cache, fingerprint=uuid.uuid4().hex)
+        try:
+            raw = datasets.Dataset.from_generator(rows, features=datasets.Features({"record": datasets.Value("string")}),
+                                                  cache_dir=cache, fingerprint=uuid.uuid4().hex)
+        except datasets.exceptions.DatasetGenerationError as exc:
+            # the records stream (a source, the regeneration) failed: raise its own error
+            if exc.__cause__ is not None:
+                raise exc.__cause__ from None
+            raise
         features = tokenized_features().copy()
         features.update({"status": datasets.Value("string"), "error": datasets.Value("string"),
                          "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64")})
@@ -325,18 +359,6 @@ def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
     return []
 
 
-def _cap_sources(recipe: Recipe) -> Recipe:
-    """``recipe`` with every source's ``max_rows`` capped at ``data.max_samples``, so no source
-    is read past it (the concatenation is then cut to ``max_samples`` by :func:`prepare`)."""
-    cap = recipe.data.max_samples
-    if cap is None:
-        return recipe
-    capped = recipe.model_copy(deep=True)
-    for src in capped.data.sources:
-        src.max_rows = cap if src.max_rows is None else min(src.max_rows, cap)
-    return capped
-
-
 def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None) -> dict:
     """Run the data stages in order; returns a summary dict (also saved as ``data/summary.json``).
     ``device``: where the transformers engines run the target (default: this process's
@@ -350,14 +372,13 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     records = None
     if "regenerate" in stages or "tokenize" in stages:
         t = time.perf_counter()
-        raw, reports = stage_regenerate(_cap_sources(recipe), paths, info, device)
-        if recipe.data.max_samples is not None and len(raw) > recipe.data.max_samples:
-            log.info("data.max_samples=%d: taking the first %d of %d conversations", recipe.data.max_samples,
-                     recipe.data.max_samples, len(raw))
-            raw = raw[: recipe.data.max_samples]
-        summary["regenerate_s"] = time.perf_counter() - t
-        if "tokenize" in stages:
+        raw, reports = stage_regenerate(recipe, paths, info, device)
+        if "tokenize" in stages:  # regeneration streams into tokenisation: one time for both
             records = stage_tokenize(recipe, paths, info, raw, reports)
+            summary["regenerate_tokenize_s"] = time.perf_counter() - t
+        else:
+            collections.deque(raw, maxlen=0)
+            summary["regenerate_s"] = time.perf_counter() - t
     if "vocab" in stages:
         records = records if records is not None else read_tokenized(paths)
         summary["vocab"] = stage_vocab(recipe, paths, info, records)

@@ -7,7 +7,7 @@ earlier replies. Generation runs on vLLM (offline ``LLM.chat``) when it is impor
 otherwise on transformers ``generate``.
 
 Engines: ``vllm`` (in-process ``vllm.LLM``, batched rounds; the faster one on a small CPU
-machine by default; compare with ``scripts/bench_regenerate.py``), ``vllm-server`` (:class:`ServerChatEngine`:
+machine by default; compare with ``eval/bench_regenerate.py``), ``vllm-server`` (:class:`ServerChatEngine`:
 vLLM's OpenAI server, started from the recipe's ``vllm`` section or given as URLs, queried by an
 async client with ``concurrency`` conversations in flight; the scalable one on GPUs) and
 ``transformers`` (``generate``). :func:`resolve_engine` picks one for ``auto``.
@@ -37,7 +37,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -336,7 +336,7 @@ def resolve_engine(engine: str, vllm_config: VllmConfig | None = None) -> str:
     requests keep the engine's batch full; tensor/data parallel come with the server) and
     whenever ``vllm_config.data_parallel_size > 1`` (the offline LLM refuses it), the in-process
     ``vllm`` on CPU (no extra API-server process on the few cores; on an idle 2-core machine
-    ``scripts/bench_regenerate.py --n 24 --max-new-tokens 128 --concurrencies 24`` measured
+    ``eval/bench_regenerate.py --n 24 --max-new-tokens 128 --concurrencies 24`` measured
     52.2 output tok/s in-process against 43.4 for the server, engine start included), and
     ``transformers`` when vLLM is not installed."""
     if engine != "auto":
@@ -434,19 +434,56 @@ def _drop_torn_tail(path: Path) -> None:
         log.warning("%s: dropped a torn last line left by a killed run", path)
 
 
-def _rewrite_cache_without(path: Path, drop: set) -> None:
-    """Rewrite the cache without the rows whose id is in ``drop`` (and without torn lines),
-    atomically (temp file + rename), so the rerun's appended rows are the only ones with
-    those ids."""
+class _CacheIndex:
+    """The regeneration cache without its replies in memory: for each id the byte offset of
+    its last row (a later row with the same id supersedes an earlier one) and that row's
+    fingerprint id; the fingerprints themselves are kept once per distinct setting. Torn lines
+    (a write killed mid-row) are skipped; :meth:`read` loads one row from the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: dict[str, tuple[int, str | None]] = {}
+        self.fingerprints: dict[str, dict] = {}
+        self.superseded = 0
+        if not path.is_file():
+            return
+        offset = 0
+        with path.open("rb") as fh:
+            for line in fh:
+                at, offset = offset, offset + len(line)
+                if not line.endswith(b"\n"):
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                fp = row.get("fingerprint")
+                fid = fingerprint_id(fp) if isinstance(fp, dict) else None
+                if fid is not None:
+                    self.fingerprints.setdefault(fid, fp)
+                self.superseded += row["id"] in self.rows
+                self.rows[row["id"]] = (at, fid)
+
+    def stale_reason(self, row_id: str, want: dict) -> str | None:
+        """:func:`stale_reason` of the cached row ``row_id`` (which must be in :attr:`rows`)."""
+        return stale_reason({"fingerprint": self.fingerprints.get(self.rows[row_id][1])}, want)
+
+    def read(self, fh, row_id: str) -> dict:
+        fh.seek(self.rows[row_id][0])
+        return json.loads(fh.readline())
+
+
+def _compact_cache(path: Path) -> None:
+    """Rewrite the cache with only the last row of each id (superseded stale rows and torn
+    lines dropped), atomically (temp file + rename). Streams: holds the offsets, not the rows."""
+    keep = {at for at, _ in _CacheIndex(path).rows.values()}
     tmp = path.with_name(path.name + ".tmp")
-    with path.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
+    offset = 0
+    with path.open("rb") as src, tmp.open("wb") as dst:
         for line in src:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("id") not in drop:
-                dst.write(line if line.endswith("\n") else line + "\n")
+            if offset in keep:
+                dst.write(line)
+            offset += len(line)
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(tmp, path)
@@ -461,8 +498,17 @@ def _close(engine: Any) -> None:
 FSYNC_EVERY = 50  # rows between fsyncs of the cache on the server path
 
 
-def regenerate(
-    records: list[dict],
+REGEN_WINDOW = 4096  # conversations read, generated and handed on at a time when streaming
+
+
+def regenerate(records: list[dict], cache_path: Path, engine_factory, temperatures: list[float], max_new_tokens: int,
+               batch_size: int = 64, **kwargs) -> list[dict]:
+    """:func:`iter_regenerated` as a list (prompt sets, benchmarks, tests; the data stages stream)."""
+    return list(iter_regenerated(records, cache_path, engine_factory, temperatures, max_new_tokens, batch_size, **kwargs))
+
+
+def iter_regenerated(
+    records: Iterable[dict],
     cache_path: Path,
     engine_factory,
     temperatures: list[float],
@@ -473,25 +519,34 @@ def regenerate(
     harmony: bool = False,
     seed: int = 0,
     fingerprint_base: dict | None = None,
-) -> list[dict]:
-    """Regenerate the assistant turns of ``records`` (``{"id", "messages"}``).
+    window: int = REGEN_WINDOW,
+) -> Iterator[dict]:
+    """Regenerate the assistant turns of ``records`` (``{"id", "messages"}``), streaming: the
+    records are taken ``window`` at a time, that window's missing or stale replies generated and
+    appended to the cache, and the window handed on in input order, so memory holds one window
+    (and the cache's offsets, :class:`_CacheIndex`), never the corpus.
 
     Args:
-        records: normalised conversations; already tokenised records pass through unchanged.
-        cache_path: JSONL cache; cached rows whose :func:`fingerprint` matches the current
-            settings are kept, the others (and rows without one) are regenerated.
+        records: normalised conversations (any iterable); already tokenised records pass
+            through unchanged.
+        cache_path: JSONL cache; a cached row whose :func:`fingerprint` matches the current
+            settings is read back, the others (and rows without one) are regenerated. A
+            regenerated row is appended (the newest row of an id wins); when rows were
+            superseded the cache is compacted once every record has been handed on.
         engine_factory: ``() -> ChatEngine``, called only if something is left to generate; the
-            engine is closed (``close()``, when it has one) before this returns. An engine with
-            ``run_conversations`` (:class:`ServerChatEngine`) gets every conversation at once
-            and each row is appended as it finishes; others are called in batched rounds.
+            engine is closed (``close()``, when it has one) after the last window's replies,
+            before they are handed on. An engine with ``run_conversations``
+            (:class:`ServerChatEngine`) gets a window's conversations at once and each row is
+            appended as it finishes; others are called in batched rounds of ``batch_size``.
         temperatures: record i is sampled at ``temperatures[i % len(temperatures)]``.
         reasoning_effort: ``data.regenerate.reasoning_effort``, weights of ``low`` / ``medium``
             / ``high``; each record draws one with :func:`draw_reasoning_effort` (``seed``).
         harmony: whether the target's chat template is harmony (gpt-oss).
         fingerprint_base: ``{"target", "chat_template_sha256", "engine"}`` of this run (see
             :func:`target_id`, :func:`chat_template_sha256`, :data:`ENGINE_FAMILY`).
+        window: conversations per window (:data:`REGEN_WINDOW`).
 
-    Returns:
+    Yields:
         Records in input order with the target's replies (``"temperature"``, ``"fingerprint"``,
         ``"fingerprint_id"`` and, with a mix, ``"reasoning_effort"`` noted per row).
 
@@ -505,82 +560,110 @@ def regenerate(
         raise ValueError("data.regenerate.reasoning_effort is set, but the target's chat template is not harmony "
                          "(gpt-oss): other templates ignore reasoning_effort; remove the key")
 
-    done: dict[str, dict] = {}
-    if cache_path.is_file():
-        with cache_path.open(encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a killed run: regenerate that row
-                done[row["id"]] = row
-
     def temp_of(i: int) -> float:
         return temperatures[i % len(temperatures)]
 
     def effort_of(r: dict) -> str | None:
         return draw_reasoning_effort(str(r["id"]), reasoning_effort, seed) if reasoning_effort else None
 
-    todo, stale = [], collections.Counter()
-    for i, r in enumerate(records):
-        if "messages" not in r:
-            continue
-        row = done.get(r["id"])
-        if row is not None:
-            reason = stale_reason(row, fingerprint(fingerprint_base, temp_of(i), max_new_tokens, effort_of(r)))
-            if reason is None:
-                continue
-            stale[reason] += 1
-            del done[r["id"]]
-        todo.append((i, r))
-    if stale:
-        why = next(iter(stale)) if len(stale) == 1 else ", ".join(f"{k}: {n}" for k, n in stale.most_common())
-        log.info("regenerate: %d cached rows are stale (%s), %d to generate", sum(stale.values()), why, len(todo))
-        _rewrite_cache_without(cache_path, {r["id"] for _, r in todo})
-    if not todo:
-        return [done.get(r["id"], r) if "messages" in r else r for r in records]
-
-    log.info("regenerating %d conversations (%d cached)", len(todo), len(done))
-    engine = engine_factory()
+    index = _CacheIndex(cache_path)
+    numbered = enumerate(records)
+    total = len(records) if hasattr(records, "__len__") else None
+    engine = None
+    stale, n_generated = collections.Counter(), 0
+    bar = tqdm(total=total, desc="regenerate", unit="conv", disable=not progress)
     try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_tail(cache_path)
-        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
-        with cache_path.open("a", encoding="utf-8") as fh:
-            def finish(i: int, r: dict, messages: list[dict], effort: str | None) -> None:
-                fp = fingerprint(fingerprint_base, temp_of(i), max_new_tokens, effort)
-                row = {"id": r["id"], "messages": messages, "temperature": temp_of(i)}
-                if reasoning_effort:
-                    row["reasoning_effort"] = effort
-                row["fingerprint"], row["fingerprint_id"] = fp, fingerprint_id(fp)
-                done[r["id"]] = row
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-            if hasattr(engine, "run_conversations"):
-                written = [0]
-
-                def on_done(key: int, messages: list[dict]) -> None:
-                    i, r = todo[key]
-                    finish(i, r, messages, effort_of(r))
-                    fh.flush()  # a kill loses only the conversations in flight
-                    written[0] += 1
-                    if written[0] % FSYNC_EVERY == 0:
-                        os.fsync(fh.fileno())
-                    bar.update(1)
-
-                jobs = [(k, prompt_turns(r["messages"]), temp_of(i), effort_of(r)) for k, (i, r) in enumerate(todo)]
-                try:
-                    engine.run_conversations(jobs, max_new_tokens, on_done)
-                finally:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            else:
-                _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of,
-                                    bool(reasoning_effort), finish, fh, bar)
-        bar.close()
+        win = list(itertools.islice(numbered, window))
+        while win:
+            todo, win_stale = [], collections.Counter()
+            for i, r in win:
+                if "messages" not in r:
+                    continue
+                if r["id"] in index.rows:
+                    reason = index.stale_reason(r["id"], fingerprint(fingerprint_base, temp_of(i), max_new_tokens,
+                                                                       effort_of(r)))
+                    if reason is None:
+                        continue
+                    win_stale[reason] += 1
+                todo.append((i, r))
+            if win_stale:
+                why = (next(iter(win_stale)) if len(win_stale) == 1
+                       else ", ".join(f"{k}: {n}" for k, n in win_stale.most_common()))
+                log.info("regenerate: %d cached rows are stale (%s), %d to generate", sum(win_stale.values()), why,
+                         len(todo))
+                stale.update(win_stale)
+            new: dict[str, dict] = {}
+            if todo:
+                log.info("regenerating %d conversations (%d cached)", len(todo), len(win) - len(todo))
+                if engine is None:
+                    engine = engine_factory()
+                    cache_path.parent.mkdir(parents=True, exist_ok=True)
+                    _drop_torn_tail(cache_path)
+                with cache_path.open("a", encoding="utf-8") as fh:
+                    _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, reasoning_effort,
+                                     fingerprint_base, new, fh, bar)
+                n_generated += len(todo)
+            bar.update(len(win) - len(todo))
+            following = list(itertools.islice(numbered, window))
+            if not following and engine is not None:
+                _close(engine)  # before the last window goes on to the next stage
+                engine = None
+            with contextlib.ExitStack() as stack:
+                rd = stack.enter_context(cache_path.open("rb")) if len(new) < len(win) and index.rows else None
+                for _, r in win:
+                    if "messages" not in r:
+                        yield r
+                    elif r["id"] in new:
+                        yield new[r["id"]]
+                    else:
+                        yield index.read(rd, r["id"])
+            win = following
     finally:
-        _close(engine)
-    return [done.get(r["id"], r) if "messages" in r else r for r in records]
+        if engine is not None:
+            _close(engine)
+        bar.close()
+    if stale or index.superseded:
+        _compact_cache(cache_path)
+    if n_generated:
+        log.info("regenerate: %d conversations generated (%d of them stale), the rest read from %s", n_generated,
+                 sum(stale.values()), cache_path)
+
+
+def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, reasoning_effort,
+                     fingerprint_base, new, fh, bar):
+    """Generate the replies of ``todo`` (``(index, record)`` pairs) into ``new`` (id -> row),
+    appending each row to the cache ``fh``."""
+
+    def finish(i: int, r: dict, messages: list[dict], effort: str | None) -> None:
+        fp = fingerprint(fingerprint_base, temp_of(i), max_new_tokens, effort)
+        row = {"id": r["id"], "messages": messages, "temperature": temp_of(i)}
+        if reasoning_effort:
+            row["reasoning_effort"] = effort
+        row["fingerprint"], row["fingerprint_id"] = fp, fingerprint_id(fp)
+        new[r["id"]] = row
+        fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    if hasattr(engine, "run_conversations"):
+        written = [0]
+
+        def on_done(key: int, messages: list[dict]) -> None:
+            i, r = todo[key]
+            finish(i, r, messages, effort_of(r))
+            fh.flush()  # a kill loses only the conversations in flight
+            written[0] += 1
+            if written[0] % FSYNC_EVERY == 0:
+                os.fsync(fh.fileno())
+            bar.update(1)
+
+        jobs = [(k, prompt_turns(r["messages"]), temp_of(i), effort_of(r)) for k, (i, r) in enumerate(todo)]
+        try:
+            engine.run_conversations(jobs, max_new_tokens, on_done)
+        finally:
+            fh.flush()
+            os.fsync(fh.fileno())
+    else:
+        _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, bool(reasoning_effort),
+                            finish, fh, bar)
 
 
 def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, with_efforts, finish, fh, bar):

@@ -235,6 +235,34 @@ def test_rows_without_a_fingerprint_are_stale(tmp_path, caplog):
     assert [r["id"] for r in cached_rows(cache)] == ["a", "b"]
 
 
+def test_streaming_windows_read_back_the_cache_and_close_the_engine_before_the_last_window(tmp_path):
+    """10 records, windows of 3: cached rows come back from the file in input order, only the
+    missing ones are generated, the engine is closed before the last window is handed on, and
+    a superseded stale row is compacted away at the end."""
+    cache = tmp_path / "regen.jsonl"
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(10)]
+    base = {"target": "t", "chat_template_sha256": "h", "engine": "vllm"}
+    regen.regenerate(records[::2], cache, CountingEngine, [0.0], 8, progress=False, fingerprint_base=base)
+    rows = cached_rows(cache)
+    rows[0]["fingerprint"] = dict(rows[0]["fingerprint"], target="other")  # p0 is now stale
+    cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    engine = CountingEngine()
+    stream = regen.iter_regenerated(iter(records), cache, lambda: engine, [0.0], 8, progress=False,
+                                    fingerprint_base=base, window=3)
+    out, closed_at = [], []
+    for r in stream:
+        out.append(r)
+        closed_at.append(engine.closed)
+    assert [r["id"] for r in out] == [f"p{i}" for i in range(10)]
+    assert engine.asked == ["q0", "q1", "q3", "q5", "q7", "q9"]
+    assert [r["messages"][-1]["content"] for r in out] == ["r0.0"] * 10
+    assert closed_at == [False] * 9 + [True]  # the last window (p9) is handed on after the close
+    final = cached_rows(cache)
+    assert sorted(r["id"] for r in final) == sorted(r["id"] for r in records)  # stale p0 compacted away
+    assert next(r for r in final if r["id"] == "p0")["fingerprint"]["target"] == "t"
+
+
 def test_target_id_uses_the_snapshot_revision_or_a_content_hash(tmp_path):
     snap = tmp_path / "models--x" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)

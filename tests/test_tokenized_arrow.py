@@ -98,6 +98,59 @@ def test_max_samples_limits_rows(tiny_target, source, tmp_path):
     assert json.loads(paths.stats.read_text())["sequences"] == 5
 
 
+def test_max_samples_is_exact_over_several_sources_and_reads_no_further(tiny_target, source, tmp_path, caplog):
+    """4 rows of the first source, 2 of the second, and the third (a file that does not even
+    exist) is never opened: max_samples counts over the sources together, in order."""
+    import logging
+
+    first = write_jsonl(tmp_path / "first.jsonl", CONVERSATIONS[:4])
+    recipe = recipe_for(tiny_target, source, "data.max_samples=6", "data.sources=[{path: %s}, {path: %s}, {path: %s}]"
+                        % (first, source, tmp_path / "never-read.jsonl"))
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    prepare(recipe, tmp_path / "run", ["target", "tokenize"])
+    paths = RunLayout(tmp_path / "run").data
+    assert read_tokenized(paths).with_format(None)["id"][:] == ["0:c0", "0:c1", "0:c2", "0:c3", "1:c0", "1:c1"]
+    stats = json.loads(paths.stats.read_text())
+    assert [r.split(": ", 1)[1] for r in stats["sources"]] == ["4/4 rows kept", "2/2 rows kept"]
+    assert "source 2 (%s) and later ones not read" % (tmp_path / "never-read.jsonl") in caplog.text
+
+
+def test_sources_are_streamed_not_listed(tiny_target, source, tmp_path, monkeypatch):
+    """The tokenize stage pulls records from the sources one at a time: when the 3rd record is
+    read, the first has already reached the Arrow writer (no list of the corpus in between)."""
+    import draftsmith.data_prep.prepare as prep
+
+    events: list[str] = []
+    real_iter = conv.iter_records
+
+    def spy(*args, **kwargs):
+        for r in real_iter(*args, **kwargs):
+            events.append("read " + r["id"])
+            yield r
+
+    real_dumps = prep.json.dumps
+
+    def dumps(obj, *a, **k):
+        if isinstance(obj, dict) and "messages" in obj:
+            events.append("write " + obj["id"])
+        return real_dumps(obj, *a, **k)
+
+    monkeypatch.setattr(prep.conv, "iter_records", spy)
+    monkeypatch.setattr(prep.json, "dumps", dumps)
+    prepare(recipe_for(tiny_target, source), tmp_path / "run", ["target", "tokenize"])
+    assert events.index("write c0") < events.index("read c2")
+    assert len([e for e in events if e.startswith("write")]) == len(CONVERSATIONS)
+
+
+def test_a_bad_source_in_the_stream_raises_its_own_error(tiny_target, source, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("{not json\n")
+    recipe = recipe_for(tiny_target, source, f"data.sources=[{{path: {source}}}, {{path: {empty}}}]")
+    with pytest.raises(conv.DataError, match="empty.jsonl: no usable rows"):
+        prepare(recipe, tmp_path / "run", ["target", "tokenize"])
+    assert not RunLayout(tmp_path / "run").data.tokenized_done.exists()
+
+
 def test_legacy_jsonl_run_is_converted_and_read(tmp_path):
     paths = DataPaths(tmp_path / "data")
     paths.root.mkdir()
