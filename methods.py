@@ -1,6 +1,6 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A method (EAGLE-3, Medusa, MLP speculator; DFlash and P-EAGLE next) is one
+A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE) is one
 :class:`DraftMethodSpec`: its recipe section, draft model class, FSDP block classes, training
 method and entry script, exporter and export loader, the vLLM ``speculative_config`` method its
 export serves as, the dry run's parameter estimator and the reference decoder's proposer
@@ -64,6 +64,7 @@ class DraftMethodSpec:
             no longer serves it; None: nothing to check.
         target_check_path: ``check(export_dir, target_dir)`` raising when the export does not
             fit the target; None: nothing to check.
+        vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
     """
 
     name: str
@@ -84,6 +85,14 @@ class DraftMethodSpec:
     proposer_factory_path: str
     vllm_serve_check_path: str | None = None
     target_check_path: str | None = None
+    vllm_extra: tuple[tuple[str, Any], ...] = ()
+
+    def speculative_config(self, model: str, num_speculative_tokens: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` serving an export of this method: ``method``,
+        ``model``, ``num_speculative_tokens`` and the method's :attr:`vllm_extra` (P-EAGLE:
+        ``parallel_drafting``)."""
+        return {"method": self.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
+                **dict(self.vllm_extra)}
 
     @property
     def recipe_config(self) -> type:
@@ -232,4 +241,43 @@ register(DraftMethodSpec(
     export_detector_path="draftsmith.eval.export_heads:is_mlp_speculator_export",
     parameter_estimator_path="draftsmith.train.dry_run:mlp_speculator_parameter_estimate",
     proposer_factory_path="draftsmith.eval.spec_decode:mlp_speculator_proposer",
+))
+register(DraftMethodSpec(
+    name="dflash",
+    vllm_method="dflash",
+    fsdp_block_classes=("DFlashDecoderLayer",),
+    fsdp_block_parts=("attention", "mlp"),
+    train_script="train/dflash.py",
+    supports_gradient_checkpointing=True,
+    export_options=(),
+    servable=True,
+    recipe_config_path="draftsmith.recipe:DFlashDraftConfig",
+    model_class_path="draftsmith.models.dflash:DFlashDraftModel",
+    training_method_path="draftsmith.train.method_dflash:DFlashMethod",
+    exporter_path="draftsmith.eval.dflash:export_dflash",
+    export_loader_path="draftsmith.eval.dflash:load_dflash",
+    export_detector_path="draftsmith.eval.dflash:is_dflash_export",
+    parameter_estimator_path="draftsmith.train.dry_run:dflash_parameter_estimate",
+    proposer_factory_path="draftsmith.eval.dflash:dflash_proposer",
+    target_check_path="draftsmith.eval.dflash:check_dflash_matches_target",
+))
+register(DraftMethodSpec(
+    name="peagle",
+    vllm_method="eagle3",
+    fsdp_block_classes=("PEagleDecoderLayer",),
+    fsdp_block_parts=("attention", "mlp"),
+    train_script="train/peagle.py",
+    supports_gradient_checkpointing=True,
+    export_options=(),
+    servable=True,
+    recipe_config_path="draftsmith.recipe:PEagleDraftConfig",
+    model_class_path="draftsmith.models.peagle:PEagleDraftModel",
+    training_method_path="draftsmith.train.method_peagle:PEagleMethod",
+    exporter_path="draftsmith.eval.peagle:export_peagle",
+    export_loader_path="draftsmith.eval.peagle:load_peagle",
+    export_detector_path="draftsmith.eval.peagle:is_peagle_export",
+    parameter_estimator_path="draftsmith.train.dry_run:peagle_parameter_estimate",
+    proposer_factory_path="draftsmith.eval.peagle:peagle_proposer",
+    target_check_path="draftsmith.eval.peagle:check_peagle_matches_target",
+    vllm_extra=(("parallel_drafting", True),),
 ))

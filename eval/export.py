@@ -114,6 +114,45 @@ def read_draft_config(ckpt: Path) -> DraftCheckpointConfig:
         raise ExportError(str(exc)) from None
 
 
+def check_tensor_set(tensors: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]], where: str,
+                     layout: str) -> None:
+    """Refuse any difference between ``tensors`` and the names / shapes ``want`` of the layout
+    vLLM reads. vLLM's draft loaders are not strict (a missing tensor stays uninitialised, an
+    extra one may be ignored or assert), so the exporters check the exact set.
+
+    Raises:
+        ExportError: naming the missing, unexpected and mis-shaped tensors of ``where``
+            (``layout``: e.g. "DFlash", for the message).
+    """
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {want[k]}" for k in set(want) & set(tensors)
+                    if tuple(tensors[k].shape) != want[k])
+    if missing or extra or shaped:
+        raise ExportError(f"{where}: the tensors do not match the {layout} layout vLLM loads (vLLM would not "
+                          f"complain): missing {missing}, unexpected {extra}, mis-shaped {shaped}")
+
+
+def read_method_checkpoint(ckpt: Path, method: str, config_cls: type) -> tuple[DraftCheckpointConfig, Any,
+                                                                               dict[str, torch.Tensor]]:
+    """``(draft_config.json, config_cls(**its config), weights)`` of a ``method`` training
+    checkpoint; weight names lose a ``module.`` prefix (a wrapped model's state dict).
+
+    Raises:
+        ExportError: missing files, a checkpoint of another method, an invalid config.
+    """
+    require_checkpoint_files(ckpt)
+    meta = read_draft_config(ckpt)
+    if meta.method != method:
+        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: method is {meta.method!r}, this exporter writes {method}")
+    try:
+        cfg = config_cls(**meta.config)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: invalid {method} config ({exc})") from None
+    state = {k.removeprefix("module."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    return meta, cfg, state
+
+
 def read_checkpoint(ckpt: Path) -> tuple[DraftCheckpointConfig, Eagle3Config, dict[str, torch.Tensor]]:
     """Load ``draft_config.json`` and the model weights of a training checkpoint.
 
@@ -121,16 +160,7 @@ def read_checkpoint(ckpt: Path) -> tuple[DraftCheckpointConfig, Eagle3Config, di
         ExportError: missing files, a non-EAGLE-3 checkpoint, or missing / mis-shaped tensors.
     """
     weights_path = ckpt / "model.safetensors"
-    require_checkpoint_files(ckpt)
-    meta = read_draft_config(ckpt)
-    if meta.method != "eagle3":
-        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: method is {meta.method!r}, this exporter writes eagle3")
-    try:
-        cfg = Eagle3Config(**meta.config)
-    except (TypeError, ValueError) as exc:
-        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: invalid eagle3 config ({exc})") from None
-    state = load_file(str(weights_path))
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    meta, cfg, state = read_method_checkpoint(ckpt, "eagle3", Eagle3Config)
     want = expected_weight_shapes(cfg)
     missing = sorted(set(want) - set(state))
     if missing:

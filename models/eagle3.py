@@ -457,17 +457,20 @@ def ttt_attention(
 
 class Eagle3Attention(nn.Module):
     """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H); queries of TTT step k
-    attend the keys/values of steps 0..k (``past`` plus this step's own)."""
+    attend the keys/values of steps 0..k (``past`` plus this step's own).
 
-    def __init__(self, config: Eagle3Config):
+    ``input_size`` defaults to 2H (the EAGLE-3 layer); P-EAGLE's layers >= 1 read H."""
+
+    def __init__(self, config: Eagle3Config, input_size: int | None = None):
         super().__init__()
         self.nh = config.num_attention_heads
         self.nkv = config.num_key_value_heads
         self.hd = config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(2 * config.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(2 * config.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(2 * config.hidden_size, self.nkv * self.hd, bias=bias)
+        d_in = input_size or 2 * config.hidden_size
+        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, config.hidden_size, bias=bias)
 
     def forward(

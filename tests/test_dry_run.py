@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.methods import registered_methods
 from draftsmith.recipe import load_recipe
 from draftsmith.train.dry_run import dry_run, format_report
 
@@ -39,8 +40,10 @@ TARGET_LAYERS = {"gptoss120b": 36, "gptoss20b": 24, "llama3_1_8b": 32, "qwen3_8b
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipe_passes_dry_run(path, tmp_path):
     recipe = load_recipe(path)
-    # Medusa / MLP-speculator recipes share their target (and its config) with the EAGLE-3 one
-    target = path.stem.removesuffix("_medusa").removesuffix("_mlp_speculator")
+    # the other methods' recipes (<target>_<method>.yaml) share their target's config with the EAGLE-3 one
+    target = path.stem
+    for method in registered_methods():
+        target = target.removesuffix(f"_{method}")
     cfg = target_config(target)
     config_file = None
     if cfg is not None:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.methods import get_method, registered_methods
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = {"tests", "scripts", "runs", "docs", "recipes", ".venv", "build"}
-ENTRY_SCRIPTS = {"train/eagle3.py", "train/medusa.py", "train/mlp_speculator.py"}
+ENTRY_SCRIPTS = {get_method(m).train_script for m in registered_methods()}  # run as files
 # what each top-level folder may import from the others (the flow of the pipeline)
 MAY_IMPORT = {
     "models": set(),

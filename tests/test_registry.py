@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
+from draftsmith.models.dflash import DFlashConfig
 from draftsmith.models.eagle3 import Eagle3Config
 from draftsmith.models.medusa import MedusaConfig
 from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
+from draftsmith.models.peagle import PEagleConfig
 from draftsmith.recipe import DRAFT_SECTIONS, load_recipe
 
 from conftest import write_draft_checkpoint
@@ -24,7 +26,15 @@ TINY_CONFIGS = {
                            head_dim=16, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 2]),
     "medusa": MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2, num_layers=1),
     "mlp_speculator": MLPSpeculatorConfig(emb_dim=H, inner_dim=H, vocab_size=V, n_predict=2),
+    "dflash": DFlashConfig(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=VD,
+                           aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6),
+    "peagle": PEagleConfig(hidden_size=H, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 2], num_layers=2,
+                           num_depths=3, mask_token_id=5),
 }
+# the methods whose drafts share the target's embedding (the loader takes it as its second argument)
+SHARED_EMBEDDING = {"eagle3", "dflash", "peagle"}
 
 
 def test_every_method_has_a_tiny_config_here():
@@ -40,7 +50,7 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
         for p in model.parameters():
             p.normal_()
     embed = torch.randn(V, H)
-    if name == "eagle3":
+    if name in SHARED_EMBEDDING:
         model.set_vocab_mapping(torch.arange(VD), torch.arange(V) < VD)
         model.init_from_target(embed)
     ckpt = tmp_path / "ckpt"
@@ -50,7 +60,7 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
     out = spec.exporter(ckpt, tmp_path / "export", dtype="float32")
     config = json.loads((out / "config.json").read_text())
     assert method_of_export(config) is spec
-    loaded = spec.export_loader(out, embed) if name == "eagle3" else spec.export_loader(out)
+    loaded = spec.export_loader(out, embed) if name in SHARED_EMBEDDING else spec.export_loader(out)
 
     assert type(loaded) is spec.model_class
     reloaded = loaded.state_dict()
@@ -59,12 +69,12 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
 
 
 def test_unknown_method_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="'dflash'.*eagle3, medusa, mlp_speculator"):
-        get_method("dflash")
+    with pytest.raises(UnknownMethodError, match="'eagle4'.*eagle3, medusa, mlp_speculator, dflash, peagle"):
+        get_method("eagle4")
 
 
 def test_unknown_export_format_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator"):
+    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator, dflash, peagle"):
         method_of_export({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
 
 

@@ -92,6 +92,51 @@ def eagle3_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int
     return draft_parameter_count(cfg), logits_bytes
 
 
+def dflash_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """DFlash counterpart of :func:`eagle3_parameter_estimate` (``cfg`` gives the target's shapes
+    and aux ids): ``draft.num_layers`` Qwen3-style layers (q_norm / k_norm per head), ``fc`` over
+    every aux state, and the peak bytes of block logits per micro-batch: up to
+    ``min(num_anchors, max_length)`` blocks of ``block_size`` fp32 rows per sequence, plus their
+    softmax grads."""
+    d = recipe.draft
+    H, Ht, I, hd = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    counts = {
+        "fc": len(cfg.aux_layer_ids) * Ht * H,
+        "attention": d.num_layers * (H * (q + 2 * kv) + q * H + 2 * hd),
+        "mlp": d.num_layers * 3 * H * I,
+        "norms": (2 * d.num_layers + 2) * H,
+        "lm_head": cfg.draft_vocab_size * H,
+        "frozen_embedding": vocab_size * H,
+    }
+    blocks = min(d.num_anchors, recipe.data.max_length)
+    logits_bytes = recipe.train.batch_size * blocks * d.block_size * cfg.draft_vocab_size * 4 * 3
+    return counts, logits_bytes
+
+
+def peagle_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """P-EAGLE counterpart of :func:`eagle3_parameter_estimate`: ``draft.num_layers`` layers (layer
+    0 with 2H q/k/v inputs, the rest H), ``mask_hidden``, and the embedding counted as trainable
+    under ``draft.train_embeddings``. Peak logits: COD keeps up to ``sum_d max(r**d, r_min)``
+    elements per position over ``draft.num_depths`` depths, each (Vd,) fp32 logits + softmax grads."""
+    d = recipe.draft
+    counts = draft_parameter_count(cfg)
+    H = cfg.hidden_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    extra = d.num_layers - 1
+    counts["attention"] += extra * (H * (q + 2 * kv) + q * H)
+    counts["mlp"] *= d.num_layers
+    counts["norms"] += extra * 2 * H
+    counts["mask_hidden"] = 3 * cfg.target_hidden_size
+    if d.train_embeddings:
+        counts["embed_tokens"] = counts.pop("frozen_embedding")
+        counts["frozen_embedding"] = 0
+    per_position = 1 + sum(max(d.down_sample_ratio**k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
+    logits_bytes = int(per_position * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3)
+    return counts, logits_bytes
+
+
 def _head_estimate(counts: dict[str, int], heads: int, recipe: Recipe, vocab_size: int) -> tuple[dict[str, int], int]:
     counts["frozen_embedding"] = 0  # heads read the target's states, not its embedding
     # K heads of (B*T, V) logits over the full target vocab + their softmax grads

@@ -234,7 +234,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     train/eagle3.py RECIPE.yaml`` alone prepares and trains.
 
     Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
-    data); 2 (recipe invalid or for another method, run directory in use).
+    data, a mask token that occurs in the data); 2 (recipe invalid or for another method, run directory in use).
     """
     import sys
 
@@ -244,6 +244,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .checkpoint import CheckpointError, claim_run_dir
     from .distributed import build_accelerator
     from .launchers import LauncherError
+    from .mask_token import MaskTokenError
     from .trainer import fit
 
     args = build_parser(doc).parse_args(argv)
@@ -276,7 +277,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     except (CheckpointError, LauncherError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
-    except (DataNotPreparedError, DataError, ShardError, FileNotFoundError) as exc:
+    except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 1
     if accelerator.is_main_process:

@@ -19,8 +19,8 @@ from .metrics import diff_counters, level_metrics, recommend_k, summarise_config
 from .server import ServerOptions, ServerStartError, fetch_spec_counters, log_tail, vllm_server, warm_up
 from ...methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
 
-# speculative_config methods of the registered drafts vllm serve runs here (configuration names too)
-SERVED_METHODS = tuple(get_method(m).vllm_method for m in registered_methods() if get_method(m).servable)
+# the registered draft methods vllm serve runs here (their configurations are named after them)
+SERVED_METHODS = tuple(m for m in registered_methods() if get_method(m).servable)
 
 
 @dataclass
@@ -81,8 +81,8 @@ def configurations(draft: Path | None, k: int, draft_model: Path | None = None, 
     importable) and a smaller same-family ``draft_model`` (when given)."""
     out = [ServeConfiguration("baseline", None)]
     if draft is not None:
-        m = draft_method(draft)
-        out.append(ServeConfiguration(m, {"method": m, "model": str(draft), "num_speculative_tokens": k}, k))
+        spec = served_method(draft)
+        out.append(ServeConfiguration(spec.name, spec.speculative_config(str(draft), k), k))
     if ngram:
         out.append(ServeConfiguration("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                                 "prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}, k))

@@ -1,0 +1,645 @@
+"""DFlash block-diffusion draft (z-lab, arXiv:2602.06036) in the layout vLLM 0.32 serves
+(``model_executor/models/qwen3_dflash.py``, ``v1/spec_decode/dflash.py``).
+
+The draft is a Qwen3-style stack (per-head ``q_norm`` / ``k_norm``, SiLU-GLU MLP) that drafts a
+whole block of ``B = block_size`` positions in one forward pass. The target's aux hidden states
+``g_t`` (ascending vLLM aux ids, concatenated) are the *context*:
+
+    C_t   = hidden_norm(fc(g_t))                          # (T, H), every committed position
+    K_ctx = RoPE(k_norm(k_proj_l(C_t)), t)                # per layer l; V_ctx = v_proj_l(C_t)
+    block = embed([x_a, M, M, ..., M]) at positions a..a+B-1   # anchor token + B-1 mask tokens
+    h     = layers(block)  # keys/values = cat(K_ctx[t < a], K_block); the block is bidirectional
+    logits_k = lm_head(norm(h_k))                         # slot k predicts x_{a+k} (same position)
+
+No EAGLE shift: block slot k (k = 1..B-1) predicts the token *at* position a+k, whose target
+distribution is ``p_{a+k-1}`` (SPEC_DFLASH_PEAGLE.md 2.3 / 2.4 pitfall 1). Context reaches
+each layer only through that layer's k/v projections (no ``input_layernorm``, no separate
+context projections).
+
+Training (:meth:`DFlashDraftModel.forward`) runs many anchor blocks of one sequence at once,
+each block attending to the context strictly before its anchor (and within its document for
+packed rows) and to its own block; inference (:meth:`DFlashDraftModel.append_context` +
+:meth:`DFlashDraftModel.propose_block`) runs exactly what vLLM runs (SPEC 2.2).
+
+Shapes: B batch, T sequence length (tokens), A anchors per row, Bk block size, H hidden size,
+Ht target hidden size, n number of aux layers, Vd draft vocab size, nh / nkv query / key-value
+heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
+
+from .eagle3 import Eagle3Config, rope_theta_and_scaling
+
+
+@dataclass
+class DFlashConfig:
+    """Architecture of a DFlash draft for one target model.
+
+    Attributes:
+        hidden_size: H, equal to the target's (vLLM shares the target embedding of that width).
+        intermediate_size: MLP width of each draft layer.
+        num_layers: L draft decoder layers.
+        num_attention_heads / num_key_value_heads / head_dim: attention geometry (head_dim is
+            written explicitly: Qwen3 configs do not derive it).
+        vocab_size: V, the target vocabulary (size of ``t2d``, rows of the shared embedding).
+        draft_vocab_size: Vd, rows of ``lm_head`` (size of ``d2t``).
+        aux_layer_ids: vLLM aux ids (target layer *inputs*, HF ``hidden_states[id]``), strictly
+            ascending, in ``[1, num_target_layers - 1]``; ``fc`` reads ``len(aux_layer_ids) * Ht``.
+        block_size: Bk = anchor + Bk-1 mask slots; served with ``num_speculative_tokens = Bk-1``.
+        mask_token_id: the id embedded in the mask slots; must never occur in the data.
+        target_hidden_size: Ht, width of each aux hidden state (default H).
+        num_target_layers: decoder layers of the target (validates the aux ids), or None.
+        rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings: as the
+            target's (the draft's RoPE must rotate as vLLM rotates it).
+        attention_bias: q/k/v/o biases (Qwen3's ``attention_bias``).
+
+    Raises:
+        ValueError: aux ids not strictly ascending, 0, or not below ``num_target_layers``; a
+            draft vocab larger than the vocab; ``block_size < 2``; a mask id outside the vocab.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    target_hidden_size: int | None = None
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        ids = self.aux_layer_ids
+        if not ids:
+            raise ValueError("aux_layer_ids is empty: DFlash needs at least one target layer as context")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"aux_layer_ids must be strictly ascending (vLLM concatenates aux states in layer "
+                             f"order), got {ids}")
+        if ids[0] < 1:
+            raise ValueError(f"aux_layer_ids {ids}: aux id 0 is the embedding output, not a decoder layer's "
+                             "(z-lab target_layer_ids are aux id - 1: add 1 when converting)")
+        if self.num_target_layers is not None and ids[-1] >= self.num_target_layers:
+            raise ValueError(f"aux_layer_ids {ids}: ids must be < the target's {self.num_target_layers} layers "
+                             "(aux id N would be HF's post-norm hidden_states[N], which vLLM never captures)")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} must be >= 2 (anchor + at least one mask slot)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocab of {self.vocab_size}")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """z-lab / ModelOpt ``dflash_config.target_layer_ids``: vLLM aux id - 1."""
+        return [i - 1 for i in self.aux_layer_ids]
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], num_layers: int,
+                    block_size: int, mask_token_id: int) -> DFlashConfig:
+        """The draft geometry of a transformers target config (Llama-like, Qwen3 or gpt-oss):
+        hidden / MLP / attention sizes, norm eps and RoPE copied from the target."""
+        text = getattr(target_config, "text_config", None) or target_config
+        heads = text.num_attention_heads
+        rope_theta, rope_scaling = rope_theta_and_scaling(getattr(text, "rope_parameters", None),
+                                                          getattr(text, "rope_theta", None),
+                                                          getattr(text, "rope_scaling", None))
+        return cls(
+            hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab_size=text.vocab_size,
+            draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids), block_size=block_size,
+            mask_token_id=mask_token_id, target_hidden_size=text.hidden_size,
+            num_target_layers=text.num_hidden_layers, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
+            hidden_act=getattr(text, "hidden_act", "silu"), rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """RoPE in the ``rope_parameters`` spelling (the same conversion as EAGLE-3's)."""
+        return Eagle3Config.rope_parameters(self)  # reads only rope_theta / rope_scaling
+
+    def llama_config(self) -> LlamaConfig:
+        """A Llama config with this geometry (for the shared RoPE and MLP modules)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=self.rope_parameters(), attention_bias=self.attention_bias, mlp_bias=False,
+            tie_word_embeddings=False,
+        )
+
+    # ----------------------------------------------------------------------------------
+    # Export formats (SPEC_DFLASH_PEAGLE.md 2.1): Format A (speculators) and B (z-lab / ModelOpt).
+
+    def to_layer_config(self) -> dict[str, Any]:
+        """The flat Qwen3 config vLLM builds the draft stack from."""
+        return {
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "hidden_act": self.hidden_act, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            # both spellings: vLLM reads rope_parameters and defaults theta to 1e6 without it
+            "rope_theta": self.rope_theta, "rope_parameters": self.rope_parameters(), "rope_scaling": self.rope_scaling,
+            "attention_bias": self.attention_bias, "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_layers, "use_sliding_window": False, "sliding_window": None,
+            "tie_word_embeddings": False,
+        }
+
+    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str, version: str,
+                       draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """Format A: the speculators ``"dflash"`` ``config.json`` (vLLM's ``algos.py`` hook).
+
+        ``sliding_window_non_causal`` is written True: the speculators library's default False
+        makes vLLM 0.32 run every layer causally (vLLM PR #56692), a silent mismatch with the
+        bidirectional block this draft was trained on.
+        """
+        return {
+            "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "speculators_version": version,
+            "speculators_config": {
+                "algorithm": "dflash",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": verifier,
+            },
+            "transformer_layer_config": self.to_layer_config(),
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "block_size": self.block_size,
+            "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "sliding_window_non_causal": True,
+            "sample_from_anchor": False,
+            "torch_dtype": dtype,
+            "draftsmith": dict(draftsmith, num_target_layers=self.num_target_layers),
+        }
+
+    def to_native(self, dtype: str) -> dict[str, Any]:
+        """Format B: the flat z-lab / ModelOpt ``DFlashDraftModel`` config (``dflash_config``
+        with z-lab ``target_layer_ids`` = aux id - 1 and ``causal: false``)."""
+        out = self.to_layer_config()
+        out.update({
+            "architectures": ["DFlashDraftModel"], "draft_vocab_size": self.draft_vocab_size,
+            "torch_dtype": dtype, "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
+                              "causal": False},
+        })
+        return out
+
+    @classmethod
+    def _from_layer(cls, layer: dict[str, Any], **fields: Any) -> DFlashConfig:
+        rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
+                                                          layer.get("rope_scaling"))
+        return cls(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_layers=layer["num_hidden_layers"], num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"], rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+            hidden_act=layer.get("hidden_act", "silu"), rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=layer.get("max_position_embeddings", 4096),
+            attention_bias=layer.get("attention_bias", False), **fields,
+        )
+
+    @classmethod
+    def from_export(cls, config: dict[str, Any]) -> DFlashConfig:
+        """Read Format A (``speculators_model_type: "dflash"``) or Format B (``dflash_config``).
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: neither format; a causal export (the draft is trained bidirectional);
+                invalid layer ids (see the class).
+        """
+        if config.get("speculators_model_type") == "dflash":
+            if config.get("sliding_window_non_causal", True) is not True:
+                raise ValueError("sliding_window_non_causal is false: vLLM would run this DFlash draft causally")
+            extra = config.get("draftsmith") or {}
+            layer = config["transformer_layer_config"]
+            return cls._from_layer(
+                layer, draft_vocab_size=config.get("draft_vocab_size", layer["vocab_size"]),
+                aux_layer_ids=config["aux_hidden_state_layer_ids"], block_size=int(config.get(
+                    "block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1)),
+                mask_token_id=config["mask_token_id"], target_hidden_size=config.get("target_hidden_size"),
+                num_target_layers=extra.get("num_target_layers"))
+        if "dflash_config" in config:
+            dc = config["dflash_config"]
+            if dc.get("causal", False):
+                raise ValueError("dflash_config.causal is true: this pipeline trains and serves bidirectional blocks")
+            aux = [int(i) + 1 for i in dc["target_layer_ids"]]
+            explicit = config.get("eagle_aux_hidden_state_layer_ids")
+            if explicit is not None and list(explicit) != aux:
+                raise ValueError(f"eagle_aux_hidden_state_layer_ids {explicit} != dflash_config.target_layer_ids + 1 "
+                                 f"= {aux} (vLLM would capture the former)")
+            return cls._from_layer(
+                config, draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"], aux_layer_ids=aux,
+                block_size=int(config.get("block_size", 16)), mask_token_id=dc["mask_token_id"],
+                target_hidden_size=config.get("target_hidden_size"),
+                num_target_layers=config.get("num_target_layers"))
+        raise ValueError("not a DFlash config: neither speculators_model_type 'dflash' nor a dflash_config")
+
+
+# --------------------------------------------------------------------------------------
+# Layers
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE (HF ``rotate_half``, vLLM's default for DFlash): ``x (B, heads, S, hd)``,
+    ``cos`` / ``sin`` ``(B, S, hd)``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                    v_blk: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Anchor blocks attending to the context and bidirectionally to their own block.
+
+    Args:
+        q: ``(B, nh, A, Bk, hd)`` block queries.
+        k_ctx / v_ctx: ``(B, nh, T, hd)`` context keys / values (shared by all blocks).
+        k_blk / v_blk: ``(B, nh, A, Bk, hd)`` each block's own keys / values.
+        ctx_allow: ``(B, A, T)`` bool, block j may see context position t.
+        block_valid: ``(B, A)`` bool; invalid (padding) blocks see nothing and output zeros.
+        scale: softmax scale (hd ** -0.5).
+
+    Returns:
+        ``(B, nh, A, Bk, hd)``. Scores are ``(B, nh, A, Bk, T + Bk)``: each block's keys are the
+        context plus its own block only, never the other blocks (a dense ``A*Bk x (T + A*Bk)``
+        mask would be mostly empty). Masked scores take the dtype's minimum instead of -inf, so
+        all-masked rows stay finite in forward and backward and are then zeroed (SDPA with a
+        boolean mask gives NaN there).
+    """
+    s_ctx = torch.einsum("bhaqd,bhtd->bhaqt", q, k_ctx).float() * scale  # (B, nh, A, Bk, T)
+    s_blk = torch.einsum("bhaqd,bhakd->bhaqk", q, k_blk).float() * scale  # (B, nh, A, Bk, Bk)
+    neg = torch.finfo(torch.float32).min
+    s_ctx = s_ctx.masked_fill(~(ctx_allow & block_valid[..., None])[:, None, :, None, :], neg)
+    s_blk = s_blk.masked_fill(~block_valid[:, None, :, None, None], neg)
+    probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(q.dtype)
+    probs = probs * block_valid[:, None, :, None, None].to(q.dtype)
+    T = k_ctx.shape[2]
+    out = torch.einsum("bhaqt,bhtd->bhaqd", probs[..., :T], v_ctx)
+    return out + torch.einsum("bhaqk,bhakd->bhaqd", probs[..., T:], v_blk)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention of one draft layer: per-head ``q_norm`` / ``k_norm`` before RoPE; the same
+    ``k_proj`` / ``v_proj`` / ``k_norm`` project the context rows (vLLM's fused context KV)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        H, self.nh, self.nkv, self.hd = (config.hidden_size, config.num_attention_heads,
+                                         config.num_key_value_heads, config.head_dim)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=bias)
+        self.q_norm = LlamaRMSNorm(self.hd, eps=config.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(self.hd, eps=config.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x (B, S, H)`` -> keys ``k_norm`` + RoPE and values, each ``(B, nh, S, hd)`` (GQA
+        groups repeated)."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        k = apply_rope(k, cos, sin)
+        g = self.nh // self.nkv
+        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
+                v_ctx: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
+        """``x (B, A, Bk, H)`` normed block inputs, ``cos`` / ``sin`` ``(B, A*Bk, hd)`` at the block
+        positions, context keys / values ``(B, nh, T, hd)`` -> ``(B, A, Bk, H)``."""
+        B, A, Bk, H = x.shape
+        flat = x.reshape(B, A * Bk, H)
+        q = self.q_norm(self.q_proj(flat).view(B, A * Bk, self.nh, self.hd)).transpose(1, 2)  # (B, nh, A*Bk, hd)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(flat, cos, sin)  # (B, nh, A*Bk, hd)
+        split = lambda t: t.view(B, self.nh, A, Bk, self.hd)  # noqa: E731
+        out = block_attention(split(q), k_ctx, v_ctx, split(k), split(v), ctx_allow, block_valid,
+                              1.0 / math.sqrt(self.hd))
+        return self.o_proj(out.permute(0, 2, 3, 1, 4).reshape(B, A, Bk, self.nh * self.hd))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """One draft layer (vLLM ``DFlashQwen3DecoderLayer``): pre-norm attention over context +
+    block, pre-norm SiLU-GLU MLP, residual adds."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config.llama_config())
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor, ctx_cos: torch.Tensor, ctx_sin: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, ctx_allow: torch.Tensor,
+                block_valid: torch.Tensor) -> torch.Tensor:
+        """``h (B, A, Bk, H)``, ``context (B, T, H)`` = hidden_norm(fc(aux)) -> ``(B, A, Bk, H)``."""
+        k_ctx, v_ctx = self.self_attn.kv(context, ctx_cos, ctx_sin)  # context: no input_layernorm
+        return self.attend(h, k_ctx, v_ctx, cos, sin, ctx_allow, block_valid)
+
+    def attend(self, h: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
+        """As :meth:`forward` with precomputed context keys / values ``(B, nh, T, hd)``."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, ctx_allow, block_valid)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashKVCache:
+    """Per-layer context keys / values ``(1, nh, n, hd)`` of the committed positions (inference;
+    vLLM keeps them in its paged cache). Only committed positions are appended, so nothing is
+    ever cropped: the block's own keys are recomputed each proposal."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return 0 if not self.keys else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer == len(self.keys):
+            self.keys.append(k), self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash draft: ``fc`` + ``hidden_norm`` over the aux states, L Qwen3-style layers, ``norm``,
+    ``lm_head [Vd, H]``.
+
+    The target's token embedding is a frozen, non-persistent buffer (not trained, not in
+    checkpoints, not exported: vLLM shares the target's). ``d2t`` / ``t2d`` are persistent buffers
+    (:mod:`draftsmith.data_prep.vocab`). ``gradient_checkpointing`` recomputes each layer in backward.
+    """
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.gradient_checkpointing = False
+        H, n = config.hidden_size, len(config.aux_layer_ids)
+        self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
+        self.fc = nn.Linear(n * config.target_hidden_size, H, bias=False)
+        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_layers)])
+        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+
+    @torch.no_grad()
+    def init_from_target(self, embed_tokens: torch.Tensor, lm_head_draft_rows: torch.Tensor | None = None,
+                         final_norm: torch.Tensor | None = None) -> None:
+        """Load the frozen target embedding ``[V, H]``; optionally start ``lm_head`` from the
+        target ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from its final norm ``[H]``.
+
+        Raises:
+            ValueError: the embedding is not ``(vocab_size, hidden_size)``.
+        """
+        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
+            raise ValueError(f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
+                             f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)")
+        self.embed_tokens.copy_(embed_tokens)
+        if lm_head_draft_rows is not None:
+            self.lm_head.weight.copy_(lm_head_draft_rows)
+        if final_norm is not None:
+            self.norm.weight.copy_(final_norm)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocab: ``d2t`` int64 ``[Vd]`` offsets, ``t2d`` bool ``[V]``.
+
+        Raises:
+            ValueError: shapes that do not match the config.
+        """
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(B, T, n*Ht)`` aux states -> context rows ``hidden_norm(fc(.))`` ``(B, T, H)``."""
+        return self.hidden_norm(self.fc(aux_hidden_states))
+
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, A)`` anchor tokens -> ``(B, A, Bk, H)`` embeddings of ``[x_a, M, ..., M]``."""
+        B, A = anchor_ids.shape
+        ids = torch.full((B, A, self.config.block_size), self.config.mask_token_id, dtype=torch.long,
+                         device=anchor_ids.device)
+        ids[..., 0] = anchor_ids
+        return F.embedding(ids, self.embed_tokens)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
+                anchor_valid: torch.Tensor, label_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Training forward over A anchor blocks per row (SPEC_DFLASH_PEAGLE.md 2.3).
+
+        Args:
+            input_ids: ``(B, T)`` target tokens (right-padded).
+            aux_hidden_states: ``(B, T, n*Ht)`` aux states at every position, unshifted.
+            anchors: ``(B, A)`` anchor positions a (:func:`sample_anchors`).
+            anchor_valid: ``(B, A)`` bool; False marks padding anchors (outputs zero, no NaN).
+            label_mask: optional ``(B, A, Bk)`` bool (:func:`block_labels`): return logits only
+                at those slots.
+            position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per document);
+                default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.
+            document_ids: optional ``(B, T)`` document per position (packed rows): blocks see
+                only their anchor's document.
+
+        Returns:
+            ``(B, A, Bk, Vd)`` logits (slot k predicts x_{a+k}; slot 0 is the anchor's own), or
+            ``(M, Vd)`` at the M slots ``label_mask`` selects, in row-major order.
+        """
+        B, T = input_ids.shape
+        Bk = self.config.block_size
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        t = torch.arange(T, device=input_ids.device)
+        ctx_allow = t[None, None, :] < anchors[..., None]  # (B, A, T): strictly before the anchor
+        if document_ids is not None:
+            anchor_doc = document_ids.gather(1, anchors)  # (B, A)
+            ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
+        q_pos = position_ids.gather(1, anchors)[..., None] + torch.arange(Bk, device=input_ids.device)  # (B, A, Bk)
+        context = self.context(aux_hidden_states)  # (B, T, H)
+        ctx_cos, ctx_sin = self.rotary_emb(context, position_ids)  # (B, T, hd)
+        cos, sin = self.rotary_emb(context, q_pos.flatten(1))  # (B, A*Bk, hd)
+        h = self.block_embeddings(input_ids.gather(1, anchors)).to(context.dtype)  # (B, A, Bk, H)
+        for layer in self.layers:
+            args = (h, context, ctx_cos, ctx_sin, cos, sin, ctx_allow, anchor_valid)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                h = layer(*args)
+        if label_mask is not None:
+            h = h[label_mask]  # (M, H)
+        return self.compute_logits(h)
+
+    # ----------------------------------------------------------------------------------
+    # Inference, as vLLM runs it (SPEC_DFLASH_PEAGLE.md 2.2)
+
+    @torch.no_grad()
+    def append_context(self, cache: DFlashKVCache, aux_hidden_states: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+        """Write the context keys / values of newly committed positions into ``cache``
+        (vLLM's ``precompute_and_store_context_kv``).
+
+        Args:
+            aux_hidden_states: ``(n, n_aux*Ht)`` target aux states of those positions.
+            positions: ``(n,)`` their token positions.
+        """
+        context = self.context(aux_hidden_states.unsqueeze(0))  # (1, n, H)
+        cos, sin = self.rotary_emb(context, positions.unsqueeze(0))
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(context, cos, sin)  # (1, nh, n, hd)
+            cache.append(i, k, v)
+
+    @torch.no_grad()
+    def propose_block(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
+        """One draft forward: the block ``[bonus, M * k]`` at positions ``position..position+k``
+        attends to every cached context position and (non-causally) to itself.
+
+        Args:
+            cache: context of positions ``0..position-1`` (:meth:`append_context`).
+            bonus_token: the pending token at ``position`` (target id).
+            position: its token position P.
+            k: drafts wanted, ``1 <= k <= block_size - 1``.
+
+        Returns:
+            ``(k, Vd)`` float32 logits; row i-1 drafts the token at position P+i.
+
+        Raises:
+            ValueError: ``k`` outside ``[1, block_size - 1]``.
+        """
+        Bk = self.config.block_size
+        if not 1 <= k <= Bk - 1:
+            raise ValueError(f"k={k} drafts, but this DFlash draft was trained with block_size={Bk}: "
+                             f"it proposes 1..{Bk - 1} tokens per block")
+        device = self.fc.weight.device
+        ids = torch.full((1, 1, k + 1), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[..., 0] = bonus_token
+        h = F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)  # (1, 1, k+1, H)
+        pos = torch.arange(position, position + k + 1, device=device).unsqueeze(0)
+        cos, sin = self.rotary_emb(h, pos)
+        ctx_allow = torch.ones(1, 1, len(cache), dtype=torch.bool, device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        for i, layer in enumerate(self.layers):
+            h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, ctx_allow, valid)
+        return self.compute_logits(h[0, 0, 1:]).float()  # the anchor row's output is discarded
+
+
+# --------------------------------------------------------------------------------------
+# Training examples: anchors and labels
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, T)`` bool: positions a with ``m[a] == 1`` and ``m[a+1] == 1`` (so a <= T-2; SpecForge's
+    rule), a and a+1 in the same document for packed rows."""
+    m = loss_mask.bool()
+    nxt = torch.zeros_like(m)
+    nxt[:, :-1] = m[:, 1:]
+    ok = m & nxt
+    if document_ids is not None:
+        same = torch.zeros_like(m)
+        same[:, :-1] = document_ids[:, 1:] == document_ids[:, :-1]
+        ok = ok & same
+    return ok
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+                   document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to ``num_anchors`` distinct valid anchors per row (:func:`valid_anchor_mask`),
+    uniformly without replacement, sorted ascending.
+
+    Args:
+        loss_mask: ``(B, T)``.
+        num_anchors: cap per row.
+        generator: CPU RNG (seeded per step by the caller for reproducible runs).
+
+    Returns:
+        ``(anchors (B, A) long, anchor_valid (B, A) bool)`` with ``A = min(num_anchors, most valid
+        positions of any row)`` (at least 1); padding anchors are position 0 with valid False.
+    """
+    valid = valid_anchor_mask(loss_mask, document_ids)  # (B, T)
+    B, T = valid.shape
+    A = max(1, min(num_anchors, int(valid.sum(1).max())))
+    noise = torch.rand(B, T, generator=generator).to(valid.device)
+    score = torch.where(valid, noise, torch.full_like(noise, -1.0))
+    top = score.topk(A, dim=1)
+    keep = top.values >= 0
+    anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
+    # sort kept anchors ascending, padding last
+    order = torch.where(keep, anchors, torch.full_like(anchors, T)).argsort(dim=1)
+    return anchors.gather(1, order), keep.gather(1, order)
+
+
+def block_labels(anchors: torch.Tensor, anchor_valid: torch.Tensor, loss_mask: torch.Tensor, block_size: int,
+                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels of each block slot (no EAGLE shift).
+
+    Returns:
+        ``(label_pos (B, A, Bk) long, label_mask (B, A, Bk) bool)``: slot k of block j predicts
+        the token at ``t = a_j + k`` (clamped to T-1 where invalid); it is trained when k >= 1,
+        t < T, ``m[t] == 1``, t is in a_j's document and the anchor is valid. Its teacher
+        distribution is the target's at t-1.
+    """
+    B, T = loss_mask.shape
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors[..., None] + k  # (B, A, Bk)
+    inside = pos < T
+    pos = pos.clamp(max=T - 1)
+    flat = pos.flatten(1)
+    ok = inside & loss_mask.bool().gather(1, flat).view_as(pos) & anchor_valid[..., None] & (k >= 1)
+    if document_ids is not None:
+        ok = ok & (document_ids.gather(1, flat).view_as(pos) == document_ids.gather(1, anchors)[..., None])
+    return pos, ok
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """``(Bk,)`` loss weight of each block slot: 0 for the anchor, ``exp(-(k-1)/gamma)`` for k >= 1
+    (the z-lab paper's fixed exponential decay)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))

@@ -1,0 +1,467 @@
+"""DFlash draft: training forward == vLLM's inference arithmetic, context / block visibility,
+anchors, labels and loss weights, export tensor set and config formats, mask-token check,
+and an end-to-end run on the tiny target whose speculative output equals plain decoding."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from draftsmith.eval.dflash import (
+    DFlashProposer,
+    check_dflash_matches_target,
+    dflash_proposer,
+    expected_dflash_weights,
+    export_dflash,
+    is_dflash_export,
+    load_dflash,
+)
+from draftsmith.eval.export import ExportError
+from draftsmith.models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DFlashKVCache,
+    block_attention,
+    block_labels,
+    sample_anchors,
+    slot_weights,
+    valid_anchor_mask,
+)
+from draftsmith.train.method_dflash import dflash_loss, teacher_for_labels
+
+from conftest import write_draft_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_config(**kw) -> DFlashConfig:
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
+                mask_token_id=7, target_hidden_size=24, num_target_layers=6, rope_theta=500.0)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def random_model(cfg: DFlashConfig, seed: int = 0) -> DFlashDraftModel:
+    """Random weights everywhere, norms included (ones would hide a norm applied in the wrong place)."""
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        model.set_vocab_mapping(d2t, t2d)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------
+# A vLLM-style reference written from SPEC_DFLASH_PEAGLE.md 2.2, independent of the model code
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_neox(x, pos, theta):  # x (S, heads, hd), pos (S,)
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    f = pos[:, None].float() * inv  # (S, hd/2)
+    cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@torch.no_grad()
+def vllm_style_block(model: DFlashDraftModel, g_ctx: torch.Tensor, bonus: int, P: int, k: int) -> torch.Tensor:
+    """Context K/V precomputed (fc -> hidden_norm -> k/v_proj -> k_norm -> RoPE at 0..P-1), then
+    one non-causal query block [bonus, M*k] at P..P+k. -> (k, Vd) logits."""
+    c = model.config
+    eps, nh, nkv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    cn = rms(g_ctx @ model.fc.weight.T, model.hidden_norm.weight, eps)  # (P, H)
+    ctx_pos, q_pos = torch.arange(P), torch.arange(P, P + k + 1)
+    h = model.embed_tokens[torch.tensor([bonus] + [c.mask_token_id] * k)]
+    for layer in model.layers:
+        a = layer.self_attn
+        kc = rope_neox(rms((cn @ a.k_proj.weight.T).view(P, nkv, hd), a.k_norm.weight, eps), ctx_pos, c.rope_theta)
+        vc = (cn @ a.v_proj.weight.T).view(P, nkv, hd)
+        x = rms(h, layer.input_layernorm.weight, eps)
+        q = rope_neox(rms((x @ a.q_proj.weight.T).view(k + 1, nh, hd), a.q_norm.weight, eps), q_pos, c.rope_theta)
+        kb = rope_neox(rms((x @ a.k_proj.weight.T).view(k + 1, nkv, hd), a.k_norm.weight, eps), q_pos, c.rope_theta)
+        vb = (x @ a.v_proj.weight.T).view(k + 1, nkv, hd)
+        K, V = torch.cat([kc, kb]).transpose(0, 1), torch.cat([vc, vb]).transpose(0, 1)  # (nkv, P+k+1, hd)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), K.repeat_interleave(nh // nkv, 0),
+                                             V.repeat_interleave(nh // nkv, 0), is_causal=False)
+        h = h + out.transpose(0, 1).reshape(k + 1, nh * hd) @ a.o_proj.weight.T
+        h = h + layer.mlp(rms(h, layer.post_attention_layernorm.weight, eps))
+    return model.lm_head(rms(h, model.norm.weight, eps))[1:]
+
+
+def test_training_forward_on_one_anchor_equals_vllm_style_incremental_block():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    T, a = 12, 5
+    torch.manual_seed(1)
+    ids = torch.randint(10, cfg.vocab_size, (1, T))
+    g = torch.randn(1, T, 2 * cfg.target_hidden_size)
+    logits = model(ids, g, torch.tensor([[a]]), torch.tensor([[True]]))  # (1, 1, Bk, Vd)
+    want = vllm_style_block(model, g[0, :a], int(ids[0, a]), a, cfg.block_size - 1)
+    torch.testing.assert_close(logits[0, 0, 1:], want, rtol=1e-4, atol=1e-5)
+
+    cache = DFlashKVCache()  # the proposer's path: context appended in two rounds
+    model.append_context(cache, g[0, :3], torch.arange(3))
+    model.append_context(cache, g[0, 3:a], torch.arange(3, a))
+    torch.testing.assert_close(model.propose_block(cache, int(ids[0, a]), a, cfg.block_size - 1), want,
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="block_size=4"):
+        model.propose_block(cache, int(ids[0, a]), a, cfg.block_size)
+
+
+def test_block_sees_context_strictly_before_its_anchor():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    T, a = 12, 6
+    torch.manual_seed(2)
+    ids = torch.randint(10, cfg.vocab_size, (1, T))
+    g = torch.randn(1, T, 2 * cfg.target_hidden_size)
+    anchors, valid = torch.tensor([[2, a]]), torch.tensor([[True, True]])
+    base = model(ids, g, anchors, valid)
+    later = g.clone()
+    later[:, a:] += 3.0  # the anchor's own state and everything after it
+    torch.testing.assert_close(model(ids, later, anchors, valid)[:, 1], base[:, 1])
+    earlier = g.clone()
+    earlier[:, a - 1] += 3.0
+    changed = model(ids, earlier, anchors, valid)
+    assert (changed[:, 1] - base[:, 1]).abs().max() > 1e-3  # anchor 6 sees position 5
+    torch.testing.assert_close(changed[:, 0], base[:, 0])  # anchor 2 does not
+    other_ids = ids.clone()
+    other_ids[0, a + 1:] = 9  # block tokens after the anchor are mask slots, never read
+    torch.testing.assert_close(model(other_ids, g, anchors, valid)[:, 1], base[:, 1])
+
+
+def test_packed_documents_hide_earlier_documents_from_a_block():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    T = 10
+    torch.manual_seed(3)
+    ids = torch.randint(10, cfg.vocab_size, (1, T))
+    g = torch.randn(1, T, 2 * cfg.target_hidden_size)
+    docs = torch.tensor([[0] * 4 + [1] * 6])
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    packed = model(ids, g, torch.tensor([[7]]), torch.tensor([[True]]), position_ids=pos, document_ids=docs)
+    alone = model(ids[:, 4:], g[:, 4:], torch.tensor([[3]]), torch.tensor([[True]]))
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_block_attention_equals_dense_masked_attention_and_is_bidirectional_in_block():
+    torch.manual_seed(4)
+    B, nh, A, Bk, T, hd = 1, 2, 3, 4, 9, 8
+    q, kb, vb = (torch.randn(B, nh, A, Bk, hd) for _ in range(3))
+    kc, vc = torch.randn(B, nh, T, hd), torch.randn(B, nh, T, hd)
+    anchors = torch.tensor([[1, 4, 7]])
+    allow = torch.arange(T)[None, None] < anchors[..., None]
+    valid = torch.ones(B, A, dtype=torch.bool)
+    got = block_attention(q, kc, vc, kb, vb, allow, valid, hd ** -0.5)
+    # hand-written dense mask over [context (T) | all blocks (A*Bk)]
+    mask = torch.zeros(A * Bk, T + A * Bk, dtype=torch.bool)
+    for j, a in enumerate([1, 4, 7]):
+        mask[j * Bk:(j + 1) * Bk, :a] = True
+        mask[j * Bk:(j + 1) * Bk, T + j * Bk:T + (j + 1) * Bk] = True
+    K = torch.cat([kc, kb.flatten(2, 3)], 2)
+    V = torch.cat([vc, vb.flatten(2, 3)], 2)
+    want = F.scaled_dot_product_attention(q.flatten(2, 3), K, V, attn_mask=mask).view(B, nh, A, Bk, hd)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # slot 0 of block 1 reads the LAST slot of its block (non-causal), not block 0's slots
+    kb2 = kb.clone()
+    kb2[:, :, 1, Bk - 1] += 1.0
+    kb2[:, :, 0] += 1.0
+    got2 = block_attention(q, kc, vc, kb2, vb, allow, valid, hd ** -0.5)
+    assert (got2[:, :, 1, 0] - got[:, :, 1, 0]).abs().max() > 1e-4
+    torch.testing.assert_close(got2[:, :, 2], got[:, :, 2])
+
+
+def test_padding_and_invalid_anchors_give_finite_outputs_and_gradients():
+    cfg = tiny_config()
+    model = random_model(cfg).train()
+    T = 10
+    ids = torch.randint(10, cfg.vocab_size, (2, T))
+    g = torch.randn(2, T, 2 * cfg.target_hidden_size)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    mask[0, 3:9] = 1  # row 1: no assistant tokens, no valid anchor at all
+    anchors, valid = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
+    assert valid[0].sum() == 5 and not valid[1].any()
+    label_pos, label_mask = block_labels(anchors, valid, mask, cfg.block_size)
+    logits = model(ids, g, anchors, valid, label_mask)
+    teacher = teacher_for_labels(torch.randn(2, T, cfg.draft_vocab_size), label_pos, label_mask)
+    loss, _, _ = dflash_loss(logits, teacher, torch.arange(cfg.block_size).expand_as(label_pos)[label_mask],
+                             slot_weights(cfg.block_size, 4.0))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    full = model(ids, g, anchors, valid)
+    assert torch.isfinite(full).all()
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    cfg = tiny_config()
+    T = 10
+    torch.manual_seed(6)
+    ids = torch.randint(10, cfg.vocab_size, (2, T))
+    g = torch.randn(2, T, 2 * cfg.target_hidden_size)
+    anchors, valid = torch.tensor([[2, 5], [3, 0]]), torch.tensor([[True, True], [True, False]])
+    grads = []
+    for ckpt in (False, True):
+        model = random_model(cfg).train()
+        model.gradient_checkpointing = ckpt
+        model(ids, g, anchors, valid).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_anchors_are_valid_distinct_sorted_capped_and_reproducible():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 1]])
+    assert valid_anchor_mask(mask).nonzero()[:, 1].tolist() == [2, 3, 4, 7, 8]  # m[a] = m[a+1] = 1
+    a, v = sample_anchors(mask, 3, torch.Generator().manual_seed(0))
+    assert v.all() and a.shape == (1, 3)
+    assert a[0].tolist() == sorted(set(a[0].tolist())) and set(a[0].tolist()) <= {2, 3, 4, 7, 8}
+    again, _ = sample_anchors(mask, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(a, again)
+    draws = {tuple(sample_anchors(mask, 3, torch.Generator().manual_seed(s))[0][0].tolist()) for s in range(20)}
+    assert len(draws) > 1  # re-sampled from step to step
+    everything, v = sample_anchors(mask, 100, torch.Generator().manual_seed(0))
+    assert everything[0].tolist() == [2, 3, 4, 7, 8] and v.all()
+
+
+def test_labels_are_same_position_and_teacher_is_the_previous_positions_distribution():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 1]])
+    anchors, valid = torch.tensor([[3, 8]]), torch.tensor([[True, True]])
+    pos, ok = block_labels(anchors, valid, mask, 4)
+    assert pos[0, 0].tolist() == [3, 4, 5, 6]
+    assert ok[0, 0].tolist() == [False, True, True, False]  # slot 0 never trained; x_6 is not assistant
+    assert ok[0, 1].tolist() == [False, True, False, False]  # past the end of the row
+    T, V = 10, 12
+    teacher = torch.eye(V)[:T].unsqueeze(0)  # row t is one-hot(t): p_t
+    got = teacher_for_labels(teacher, pos, ok).argmax(-1)
+    assert got.tolist() == [3, 4, 8]  # labels x_4, x_5, x_9 -> teachers p_3, p_4, p_8
+
+
+def test_slot_weights_decay_exponentially_and_loss_normalises_by_their_sum():
+    w = slot_weights(5, 4.0)
+    torch.testing.assert_close(w, torch.tensor([0.0, 1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))
+    torch.manual_seed(5)
+    teacher = torch.randn(3, 6)
+    draft = torch.randn(3, 6)
+    slots = torch.tensor([1, 2, 4])
+    loss, m, al = dflash_loss(draft, teacher, slots, w)
+    log_p = teacher.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - draft.log_softmax(-1))).sum(-1)
+    want = (w[slots] * kl).sum() / w[slots].sum()
+    torch.testing.assert_close(loss, want)
+    assert m.tokens == [1, 1, 0, 1]
+    exact, m, al = dflash_loss(teacher, teacher, slots, w)
+    assert float(exact) == pytest.approx(0.0, abs=1e-6) and m.acc == [1.0, 1.0, 0.0, 1.0]
+    assert al == pytest.approx(3.0)  # 1 + acc_1 + acc_1*acc_2 (slot 3 has no data: the chain stops)
+
+
+# ------------------------------------------------------------------------------------------
+# Config formats and export
+
+
+def test_wrong_convention_layer_ids_are_refused():
+    with pytest.raises(ValueError, match="ascending"):
+        tiny_config(aux_layer_ids=[3, 1])
+    with pytest.raises(ValueError, match="aux id 0"):
+        tiny_config(aux_layer_ids=[0, 3])
+    with pytest.raises(ValueError, match="6 layers"):
+        tiny_config(aux_layer_ids=[1, 6])
+    assert tiny_config(aux_layer_ids=[2, 5]).target_layer_ids == [1, 4]
+
+
+def test_config_round_trips_through_format_a_and_reads_format_b():
+    cfg = tiny_config()
+    a = cfg.to_speculators({"name_or_path": "t", "architectures": ["LlamaForCausalLM"]}, 3, "float32", "0.3.0", {})
+    assert "model_type" not in a and a["sliding_window_non_causal"] is True
+    assert a["aux_hidden_state_layer_ids"] == [1, 3] and a["mask_token_id"] == 7
+    layer = a["transformer_layer_config"]
+    assert layer["head_dim"] == 8 and layer["rope_parameters"]["rope_theta"] == 500.0 and layer["rope_theta"] == 500.0
+    assert DFlashConfig.from_export(json.loads(json.dumps(a))) == cfg
+    b = cfg.to_native("float32")
+    assert b["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [0, 2], "causal": False}
+    assert "eagle_aux_hidden_state_layer_ids" not in b
+    assert DFlashConfig.from_export(json.loads(json.dumps(b))) == cfg
+    assert is_dflash_export(a) and is_dflash_export(b) and not is_dflash_export({"speculators_model_type": "eagle3"})
+    with pytest.raises(ValueError, match="causally"):
+        DFlashConfig.from_export(dict(a, sliding_window_non_causal=False))
+
+
+def make_checkpoint(tmp_path: Path, cfg: DFlashConfig) -> tuple[Path, dict]:
+    model = random_model(cfg)
+    target = {"name_or_path": "tiny", "path": "tiny", "architectures": ["LlamaForCausalLM"]}
+    state = write_draft_checkpoint(model, tmp_path / "ckpt", "dflash", target)
+    return tmp_path / "ckpt", state
+
+
+@pytest.mark.parametrize("draft_vocab", [20, 50])
+def test_export_writes_exactly_the_tensors_vllm_loads(tmp_path, draft_vocab):
+    cfg = tiny_config(draft_vocab_size=draft_vocab)
+    ckpt, state = make_checkpoint(tmp_path, cfg)
+    out = export_dflash(ckpt, tmp_path / "out")
+    weights = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected_dflash_weights(cfg)
+    assert ("d2t" in weights) == (draft_vocab < 50) and "embed_tokens.weight" not in weights
+    assert "layers.1.self_attn.k_norm.weight" in weights and not any("mask_hidden" in k for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.block_size - 1
+    loaded = load_dflash(out)
+    for k, v in weights.items():
+        torch.testing.assert_close(loaded.state_dict()[k], v)
+    with pytest.raises(ExportError, match="block_size=4"):
+        export_dflash(ckpt, tmp_path / "k7", num_speculative_tokens=7)
+
+
+def test_export_refuses_missing_or_extra_tensors(tmp_path):
+    cfg = tiny_config()
+    ckpt, state = make_checkpoint(tmp_path, cfg)
+    weights = ckpt / "model.safetensors"
+    missing = {k: v for k, v in state.items() if k != "layers.1.self_attn.q_norm.weight"}
+    save_file({k: v.contiguous() for k, v in missing.items()}, str(weights))
+    with pytest.raises(ExportError, match=r"missing \['layers.1.self_attn.q_norm.weight'\]"):
+        export_dflash(ckpt, tmp_path / "a")
+    save_file({**{k: v.contiguous() for k, v in state.items()}, "mask_hidden": torch.zeros(1, 48)}, str(weights))
+    with pytest.raises(ExportError, match=r"unexpected \['mask_hidden'\]"):
+        export_dflash(ckpt, tmp_path / "b")
+    bad = dict(state, **{"fc.weight": torch.zeros(32, 24)})
+    save_file({k: v.contiguous() for k, v in bad.items()}, str(weights))
+    with pytest.raises(ExportError, match="fc.weight"):
+        export_dflash(ckpt, tmp_path / "c")
+
+
+def test_proposer_refuses_more_tokens_than_the_block_holds():
+    proposer = DFlashProposer(random_model(tiny_config()))
+    assert proposer.max_k == 3
+    with pytest.raises(ValueError, match="block_size=4"):
+        proposer.propose(torch.randn(3, 48), torch.tensor([11, 12, 13]), 4, 0.0, None)
+
+
+def test_sampled_proposals_carry_draft_distributions_over_the_target_vocab():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    with torch.no_grad():
+        model.d2t.copy_(torch.arange(cfg.draft_vocab_size))  # draft id i -> target id 2i
+        model.t2d.copy_(torch.arange(cfg.vocab_size) % 2 == 0)
+    proposer = DFlashProposer(model)
+    states = torch.randn(5, 48)
+    greedy = proposer.propose(states, torch.tensor([11, 12, 13, 14, 15]), 3, 0.0, None)
+    logits = model.propose_block(proposer.cache, 15, 5, 3)
+    assert greedy.token_ids.tolist() == (2 * logits.argmax(-1)).tolist() and greedy.probs is None
+    proposer.reset()
+    sampled = proposer.propose(states, torch.tensor([11, 12, 13, 14, 15]), 3, 1.0, torch.Generator().manual_seed(0))
+    assert sampled.probs.shape == (3, cfg.vocab_size)
+    torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(3))
+    assert sampled.probs[:, 1::2].abs().max() == 0  # odd target ids are outside the draft vocab
+    torch.testing.assert_close(sampled.probs[:, 0:2 * cfg.draft_vocab_size:2], logits.softmax(-1))
+
+
+def test_export_for_another_target_is_refused(tmp_path, tiny_target):
+    from draftsmith.eval.acceptance import DraftMismatchError
+
+    ckpt, _ = make_checkpoint(tmp_path, tiny_config())  # H=32, V=50 vs the tiny target's 128 / 512
+    out = export_dflash(ckpt, tmp_path / "out")
+    with pytest.raises(DraftMismatchError, match="hidden_size 32 != target 128.*vocab_size 50 != target 512"):
+        check_dflash_matches_target(out, tiny_target)
+
+
+# ------------------------------------------------------------------------------------------
+# End to end on the tiny target
+
+
+def dflash_recipe(tiny_target: Path, where: Path, **draft):
+    from draftsmith.recipe import dump_recipe
+
+    from conftest import write_jsonl
+    from test_pipeline import PROMPTS, tiny_recipe
+
+    prompts = write_jsonl(where / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    recipe = tiny_recipe(tiny_target, prompts, max_steps=40)
+    from draftsmith.recipe import DFlashDraftConfig
+
+    recipe.draft = DFlashDraftConfig(**{"num_layers": 1, "block_size": 4, "num_anchors": 64,
+                                        "freeze_lm_head": False, **draft})
+    recipe.name = "tiny_dflash"
+    path = where / "tiny_dflash.yaml"
+    dump_recipe(recipe, path)
+    return recipe, path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    where = tmp_path_factory.mktemp("dflash_run")
+    recipe, path = dflash_recipe(tiny_target, where)
+    run = where / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "train" / "dflash.py"), str(path), "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return recipe, run
+
+
+@pytest.mark.integration
+def test_training_through_the_cli_lowers_the_loss(trained):
+    recipe, run = trained
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) >= 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert "acceptance_length" in metrics[-1] and metrics[-1]["acceptance_length"] >= 1.0
+
+
+@pytest.mark.integration
+def test_export_of_the_trained_draft_decodes_losslessly(trained, tiny_target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.eval.spec_decode import SpecCounters, Target, plain_generate, speculative_generate
+    from draftsmith.train.checkpoint import find_checkpoints
+
+    recipe, run = trained
+    out = export_dflash(find_checkpoints(run / "checkpoints")[-1], tmp_path / "export")
+    check_dflash_matches_target(out, tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    proposer = dflash_proposer(out, model)
+    target = Target(model, proposer.aux_layer_ids)
+    counters = SpecCounters(3)
+    for prompt in ["Write a haiku about autumn.", "What is the capital of Italy?"]:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        plain = plain_generate(target, ids, max_new_tokens=32)
+        spec = speculative_generate(target, proposer, ids, k=3, max_new_tokens=32, counters=counters)
+        assert spec == plain
+    assert counters.drafts > 0
+
+
+@pytest.mark.integration
+def test_a_mask_token_that_occurs_in_the_data_stops_training_at_start(trained):
+    from draftsmith.train.mask_token import MaskTokenError
+    from draftsmith.train.method_dflash import DFlashMethod
+
+    recipe, run = trained
+    from draftsmith.layout import DataPaths, read_tokenized
+
+    occurring = int(read_tokenized(DataPaths(run / "data"))[0]["input_ids"][-1])
+    bad = recipe.model_copy(deep=True)
+    bad.draft.mask_token_id = occurring
+    with pytest.raises(MaskTokenError, match=f"mask_token_id={occurring} occurs"):
+        DFlashMethod(bad, run)
