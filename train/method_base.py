@@ -1,12 +1,13 @@
 """What every draft method reads from ``RUN_DIR/data`` and shares around the loop.
 
 :class:`TargetDataMethod` is the common base of the :class:`~draftsmith.train.trainer.DraftMethod`
-implementations (EAGLE-3, Medusa, MLP speculator): the target info written by
+implementations (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE): the target info written by
 ``data_prep/prepare.py``, the target's embedding / ``lm_head`` / final norm tensors, the
 dataset (offline shards or, in online mode, token ids with the frozen target in the job),
 the target hidden states of a batch, and the data-parallel normalisers of per-step losses.
-:class:`HeadMethod` adds what Medusa and the MLP speculator share on top: K full-vocab heads
-trained with per-head cross-entropy (:func:`~draftsmith.train.losses.head_loss`).
+:class:`DraftVocabMethod` adds what EAGLE-3, DFlash and P-EAGLE share (draft vocab, target
+head, head initialisation, mask token); :class:`HeadMethod` what Medusa and the MLP speculator
+share: K full-vocab heads trained with per-head cross-entropy (:func:`~draftsmith.train.losses.head_loss`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from ..data_prep.capture import capture_batch
 from .data import HiddenStateDataset, TokenizedDataset
 from ..data_prep.target import load_target, load_target_head_tensors
-from ..layout import DraftCheckpointConfig, RunLayout
+from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
-from .losses import HeadTargets, StepMetrics, head_loss, head_targets
+from .losses import HeadTargets, StepMetrics, TargetDraftHead, head_loss, head_targets
+from .mask_token import resolve_mask_token_id, token_counts
 
 
 class TargetDataMethod:
@@ -111,6 +114,65 @@ class TargetDataMethod:
                 f"{self.target_dir} has shape {tuple(self.heads['lm_head'].shape)}"
             )
         return H, V
+
+
+class DraftVocabMethod(TargetDataMethod):
+    """Drafts that predict over the draft vocab and share the target's embedding (EAGLE-3,
+    DFlash, P-EAGLE): the vocab mapping ``d2t`` / ``t2d`` of ``RUN_DIR/data``, the target's
+    distribution over the draft vocab (:attr:`target_head`), the head initialisation every such
+    draft gets, the mask token of the parallel drafters, and the checkpoint's vocab file.
+
+    Raises:
+        ValueError: ``t2d`` covers another number of target ids than the target's ``lm_head``.
+    """
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        super().__init__(recipe, run_dir)
+        self.d2t, self.t2d = read_vocab(self.paths)
+        if self.heads["lm_head"].shape[0] != self.t2d.shape[0]:
+            raise ValueError(
+                f"{self.paths.vocab}: t2d covers {self.t2d.shape[0]} target ids but the target lm_head has "
+                f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)"
+            )
+        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), self.t2d)
+
+    def init_draft(self, model: nn.Module) -> nn.Module:
+        """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its
+        ``lm_head`` rows and final norm, the vocab mapping, ``draft.freeze_lm_head`` and
+        ``train.gradient_checkpointing`` applied."""
+        init = self.recipe.draft.init_lm_head_from_target
+        model.init_from_target(self.heads["embed_tokens"].float(), self.target_head.weight if init else None,
+                               self.heads["final_norm"].float() if init else None)
+        model.set_vocab_mapping(self.d2t, self.t2d)
+        if self.recipe.draft.freeze_lm_head:
+            model.lm_head.weight.requires_grad_(False)
+        model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
+        return model
+
+    def mask_token_id(self) -> int:
+        """``draft.mask_token_id`` checked against every token of the tokenised data, or the
+        automatic choice (:func:`~draftsmith.train.mask_token.resolve_mask_token_id`).
+
+        Raises:
+            MaskTokenError: the id occurs in the data (its count and a free id in the message).
+        """
+        from transformers import AutoTokenizer
+
+        tokenizer = self.tokenizer or AutoTokenizer.from_pretrained(
+            self.target_dir, trust_remote_code=self.recipe.target.trust_remote_code)
+        counts = token_counts(read_tokenized(self.paths), int(self.t2d.shape[0]))
+        return resolve_mask_token_id(self.recipe.draft.mask_token_id, counts, tokenizer, str(self.paths.tokenized))
+
+    def setup(self, accelerator: Any) -> None:
+        super().setup(accelerator)
+        self.target_head.to(accelerator.device)
+
+    def checkpoint_extras(self, directory: Path, **extra: Any) -> None:
+        """``draft_config.json`` (the method, ``self.config``, the target, ``extra``) and
+        ``vocab.safetensors``."""
+        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info,
+                              **extra).write(directory)
+        save_file({"d2t": self.d2t, "t2d": self.t2d}, str(directory / "vocab.safetensors"))
 
 
 class HeadMethod(TargetDataMethod):

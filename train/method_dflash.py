@@ -14,14 +14,11 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from ..layout import DraftCheckpointConfig, read_tokenized, read_vocab
 from ..models.dflash import DFlashConfig, DFlashDraftModel, block_labels, sample_anchors, slot_weights
 from ..recipe import Recipe
-from .losses import StepMetrics, TargetDraftHead
-from .mask_token import resolve_mask_token_id, token_counts
-from .method_base import TargetDataMethod
+from .losses import StepMetrics
+from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.dflash")
 
@@ -82,7 +79,7 @@ def teacher_for_labels(teacher: torch.Tensor, label_pos: torch.Tensor, label_mas
     return teacher[b[label_mask], label_pos[label_mask] - 1]
 
 
-class DFlashMethod(TargetDataMethod):
+class DFlashMethod(DraftVocabMethod):
     """DFlash: anchor blocks over the fused aux context, forward-KL per block slot with
     exponential position decay, against the target distribution over the draft vocab.
 
@@ -94,44 +91,23 @@ class DFlashMethod(TargetDataMethod):
     name = "dflash"
 
     def __init__(self, recipe: Recipe, run_dir: Path):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         super().__init__(recipe, run_dir)
-        self.d2t, self.t2d = read_vocab(self.paths)
-        if self.heads["lm_head"].shape[0] != self.t2d.shape[0]:
-            raise ValueError(
-                f"{self.paths.vocab}: t2d covers {self.t2d.shape[0]} target ids but the target lm_head has "
-                f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)")
-        trust_remote_code = recipe.target.trust_remote_code
-        tokenizer = self.tokenizer or AutoTokenizer.from_pretrained(self.target_dir, trust_remote_code=trust_remote_code)
-        counts = token_counts(read_tokenized(self.paths, format=None), int(self.t2d.shape[0]))
-        mask_id = resolve_mask_token_id(recipe.draft.mask_token_id, counts, tokenizer, str(self.paths.tokenized))
+        mask_id = self.mask_token_id()
         draft = recipe.draft
         self.config = DFlashConfig.from_target(
-            AutoConfig.from_pretrained(self.target_dir, trust_remote_code=trust_remote_code),
+            AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info["aux_layer_ids"],
             num_layers=draft.num_layers, block_size=draft.block_size, mask_token_id=mask_id)
         self.gamma = loss_decay_gamma(draft.block_size, draft.loss_decay_gamma)
         self.weights = slot_weights(draft.block_size, self.gamma)
-        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), self.t2d)
         self.step, self.micro = -1, 0
         log.info("dflash: %d layers, block %d, mask token %d, gamma %g", draft.num_layers, draft.block_size,
                  mask_id, self.gamma)
 
     def build_model(self) -> DFlashDraftModel:
-        model = DFlashDraftModel(self.config)
-        init = self.recipe.draft.init_lm_head_from_target
-        model.init_from_target(self.heads["embed_tokens"].float(), self.target_head.weight if init else None,
-                               self.heads["final_norm"].float() if init else None)
-        model.set_vocab_mapping(self.d2t, self.t2d)
-        if self.recipe.draft.freeze_lm_head:
-            model.lm_head.weight.requires_grad_(False)
-        model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
-        return model
-
-    def setup(self, accelerator) -> None:
-        super().setup(accelerator)
-        self.target_head.to(accelerator.device)
+        return self.init_draft(DFlashDraftModel(self.config))
 
     def begin_step(self, step: int) -> None:
         """Called before every micro-batch: counts the micro-batches of one optimizer step."""
@@ -165,7 +141,3 @@ class DFlashMethod(TargetDataMethod):
         metrics = self.step_metrics(loss, m)
         metrics["acceptance_length"] = al
         return loss, metrics
-
-    def checkpoint_extras(self, directory: Path) -> None:
-        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info).write(directory)
-        save_file({"d2t": self.d2t, "t2d": self.t2d}, str(directory / "vocab.safetensors"))

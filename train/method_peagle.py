@@ -13,15 +13,12 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from ..layout import DraftCheckpointConfig, read_tokenized, read_vocab
 from ..models.eagle3 import Eagle3Config, shift_left
 from ..models.peagle import PEagleConfig, PEagleDraftModel, cod_sample, cod_targets, step0_prediction_mask
 from ..recipe import Recipe
-from .losses import StepMetrics, TargetDraftHead
-from .mask_token import resolve_mask_token_id, token_counts
-from .method_base import TargetDataMethod
+from .losses import StepMetrics
+from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.peagle")
 
@@ -68,50 +65,29 @@ def expected_acceptance_length(acc: list[float]) -> float:
     return total
 
 
-class PEagleMethod(TargetDataMethod):
+class PEagleMethod(DraftVocabMethod):
     """P-EAGLE: COD chains of mask slots on the EAGLE-3 data, forward-KL loss."""
 
     name = "peagle"
 
     def __init__(self, recipe: Recipe, run_dir: Path):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         super().__init__(recipe, run_dir)
-        self.d2t, self.t2d = read_vocab(self.paths)
         draft = recipe.draft
         base = Eagle3Config.from_target(
             AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info["aux_layer_ids"],
             norm_before_residual=draft.norm_before_residual)
-        tokenized = self.paths.tokenized
-        counts = token_counts(read_tokenized(self.paths), base.vocab_size)
-        tokenizer = AutoTokenizer.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code)
-        mask_id = resolve_mask_token_id(draft.mask_token_id, counts, tokenizer, where=str(tokenized))
-        log.info("P-EAGLE mask token id %d (never occurs in %s)", mask_id, tokenized)
+        mask_id = self.mask_token_id()
+        log.info("P-EAGLE mask token id %d (never occurs in %s)", mask_id, self.paths.tokenized)
         self.config = PEagleConfig.from_eagle3(base, num_layers=draft.num_layers, num_depths=draft.num_depths,
                                                mask_token_id=mask_id, train_embeddings=draft.train_embeddings)
-        if self.heads["lm_head"].shape[0] != self.t2d.shape[0]:
-            raise ValueError(
-                f"{self.paths.vocab}: t2d covers {self.t2d.shape[0]} target ids but the target lm_head has "
-                f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)")
-        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), self.t2d)
         self._step, self._generator = None, torch.Generator()
 
     def build_model(self) -> PEagleDraftModel:
         torch.manual_seed(self.recipe.seed)  # mask_hidden's randn init
-        model = PEagleDraftModel(self.config)
-        init = self.recipe.draft.init_lm_head_from_target
-        model.init_from_target(self.heads["embed_tokens"].float(), self.target_head.weight if init else None,
-                               self.heads["final_norm"].float() if init else None)
-        model.set_vocab_mapping(self.d2t, self.t2d)
-        if self.recipe.draft.freeze_lm_head:
-            model.lm_head.weight.requires_grad_(False)
-        model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
-        return model
-
-    def setup(self, accelerator) -> None:
-        super().setup(accelerator)
-        self.target_head.to(accelerator.device)
+        return self.init_draft(PEagleDraftModel(self.config))
 
     def begin_step(self, step: int) -> None:
         """COD samples are re-drawn every optimizer step from ``seed + step`` (a resumed run
@@ -140,7 +116,3 @@ class PEagleMethod(TargetDataMethod):
         metrics = self.step_metrics(loss, m)
         metrics["expected_al"] = expected_acceptance_length(m.acc) if m.tokens[0] else 0.0
         return loss, metrics
-
-    def checkpoint_extras(self, directory: Path) -> None:
-        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info).write(directory)
-        save_file({"d2t": self.d2t, "t2d": self.t2d}, str(directory / "vocab.safetensors"))
