@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .eagle3 import Eagle3Config, rope_theta_and_scaling
+from .eagle3 import Eagle3Config, TargetSharedDraft, rope_theta_and_scaling
 
 
 @dataclass
@@ -400,7 +400,7 @@ class DFlashKVCache:
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
 
 
-class DFlashDraftModel(nn.Module):
+class DFlashDraftModel(TargetSharedDraft):
     """DFlash draft: ``fc`` + ``hidden_norm`` over the aux states, L Qwen3-style layers, ``norm``,
     ``lm_head [Vd, H]``.
 
@@ -425,36 +425,6 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
-
-    @torch.no_grad()
-    def init_from_target(self, embed_tokens: torch.Tensor, lm_head_draft_rows: torch.Tensor | None = None,
-                         final_norm: torch.Tensor | None = None) -> None:
-        """Load the frozen target embedding ``[V, H]``; optionally start ``lm_head`` from the
-        target ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from its final norm ``[H]``.
-
-        Raises:
-            ValueError: the embedding is not ``(vocab_size, hidden_size)``.
-        """
-        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
-            raise ValueError(f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
-                             f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)")
-        self.embed_tokens.copy_(embed_tokens)
-        if lm_head_draft_rows is not None:
-            self.lm_head.weight.copy_(lm_head_draft_rows)
-        if final_norm is not None:
-            self.norm.weight.copy_(final_norm)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab: ``d2t`` int64 ``[Vd]`` offsets, ``t2d`` bool ``[V]``.
-
-        Raises:
-            ValueError: shapes that do not match the config.
-        """
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
-                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def context(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``(B, T, n*Ht)`` aux states -> context rows ``hidden_norm(fc(.))`` ``(B, T, H)``."""

@@ -589,7 +589,53 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3DraftModel(nn.Module):
+class TargetSharedDraft(nn.Module):
+    """Base of the drafts that embed with the target's (frozen) embedding and predict over a
+    draft vocab (EAGLE-3, DFlash, P-EAGLE). Subclasses define ``config`` (``vocab_size``,
+    ``draft_vocab_size``), ``embed_tokens [V, H]``, ``lm_head``, ``norm`` and the ``d2t`` /
+    ``t2d`` buffers."""
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        embed_tokens: torch.Tensor,
+        lm_head_draft_rows: torch.Tensor | None = None,
+        final_norm: torch.Tensor | None = None,
+    ) -> None:
+        """Load the target embedding ``[V, H]`` and, optionally, start ``lm_head`` from the
+        target's ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from the
+        target's final norm ``[H]``.
+
+        Raises:
+            ValueError: the embedding is not ``(vocab_size, hidden_size)``.
+        """
+        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
+            raise ValueError(
+                f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
+                f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)"
+            )
+        self.embed_tokens.copy_(embed_tokens)
+        if lm_head_draft_rows is not None:
+            self.lm_head.weight.copy_(lm_head_draft_rows)
+        if final_norm is not None:
+            self.norm.weight.copy_(final_norm)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocab: ``d2t`` int64 ``[Vd]`` offsets, ``t2d`` bool ``[V]``.
+
+        Raises:
+            ValueError: shapes that do not match the config.
+        """
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+
+class Eagle3DraftModel(TargetSharedDraft):
     """EAGLE-3 draft: ``fc`` fusion of three target aux hidden states + one decoder layer.
 
     The target's token embedding is held as a frozen, non-persistent buffer: it is not
@@ -619,37 +665,6 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
-
-    @torch.no_grad()
-    def init_from_target(
-        self,
-        embed_tokens: torch.Tensor,
-        lm_head_draft_rows: torch.Tensor | None = None,
-        final_norm: torch.Tensor | None = None,
-    ) -> None:
-        """Load the frozen target embedding ``[V, H]`` and, optionally, start ``lm_head``
-        from the target's ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from
-        the target's final norm ``[H]`` (both then trained)."""
-        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
-            raise ValueError(
-                f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
-                f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)"
-            )
-        self.embed_tokens.copy_(embed_tokens)
-        if lm_head_draft_rows is not None:
-            self.lm_head.weight.copy_(lm_head_draft_rows)
-        if final_norm is not None:
-            self.norm.weight.copy_(final_norm)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab: ``d2t`` int64 ``[Vd]`` offsets, ``t2d`` bool ``[V]``."""
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
-                f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}"
-            )
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def step(
         self,

@@ -37,7 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv
 
-from .eagle3 import Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, shift_left, ttt_prediction_mask
+from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft, shift_left,
+                     ttt_prediction_mask)
 
 
 @dataclass
@@ -290,7 +291,7 @@ class PEagleDecoderLayer(Eagle3DecoderLayer):
         return self._output(residual, self.self_attn.forward_cached(x, cos, sin, cache))
 
 
-class PEagleDraftModel(nn.Module):
+class PEagleDraftModel(TargetSharedDraft):
     """P-EAGLE draft: ``fc`` fusion of three aux hidden states, ``num_layers`` decoder layers,
     a learnable ``mask_hidden [3 * Ht]`` (randn init) for the parallel slots.
 
@@ -319,36 +320,6 @@ class PEagleDraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
-
-    @torch.no_grad()
-    def init_from_target(self, embed_tokens: torch.Tensor, lm_head_draft_rows: torch.Tensor | None = None,
-                         final_norm: torch.Tensor | None = None) -> None:
-        """As :meth:`draftsmith.models.eagle3.Eagle3DraftModel.init_from_target`: the target
-        embedding ``[V, H]`` and optionally ``lm_head`` rows ``[Vd, H]`` / final norm ``[H]``.
-
-        Raises:
-            ValueError: the embedding's shape is not ``(vocab_size, hidden_size)``.
-        """
-        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.shape):
-            raise ValueError(f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
-                             f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)")
-        self.embed_tokens.copy_(embed_tokens)
-        if lm_head_draft_rows is not None:
-            self.lm_head.weight.copy_(lm_head_draft_rows)
-        if final_norm is not None:
-            self.norm.weight.copy_(final_norm)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install ``d2t`` int64 ``[Vd]`` and ``t2d`` bool ``[V]``.
-
-        Raises:
-            ValueError: shapes that do not match the config.
-        """
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
-                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def mask_state(self) -> torch.Tensor:
         """``(H,)`` fused hidden of the mask slots, ``fc(mask_hidden)`` (vLLM's ``H_mask``)."""
