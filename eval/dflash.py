@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from .. import __version__
 from ..models.dflash import DFlashConfig, DFlashDraftModel, DFlashKVCache
 from .export import SPECULATORS_VERSION, ExportError, check_tensor_set, read_method_checkpoint
-from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config
+from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, to_target_vocab
 
 
 def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -203,14 +203,7 @@ class DFlashProposer(Proposer):
         m.append_context(self.cache, states.to(device, dtype), torch.arange(start, start + n, device=device))
         logits = m.propose_block(self.cache, int(next_tokens[-1]), start + n, k)  # (k, Vd)
         proposal = self._chain(lambda i, prev: logits[i], k, temperature, generator)
-        d2t = m.d2t
-        draft_ids = proposal.token_ids.to(device)
-        proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()  # draft vocab -> target ids
-        if proposal.probs is not None:
-            q = torch.zeros(k, m.config.vocab_size, device=device)
-            q[:, torch.arange(len(d2t), device=device) + d2t] = proposal.probs.to(device)
-            proposal.probs = q
-        return proposal
+        return to_target_vocab(proposal, m.d2t, m.config.vocab_size)
 
 
 def dflash_proposer(path: Path, target_model: Any | None = None) -> DFlashProposer:

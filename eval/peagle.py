@@ -29,7 +29,7 @@ from ..models.eagle3 import Eagle3KVCache
 from ..models.peagle import PEagleConfig, PEagleDraftModel
 from .export import (SPECULATORS_VERSION, ExportError, check_tensor_set, expected_weight_shapes,
                      read_method_checkpoint)
-from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config
+from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, to_target_vocab
 
 
 def expected_peagle_weights(cfg: PEagleConfig) -> dict[str, tuple[int, ...]]:
@@ -217,14 +217,7 @@ class PEagleProposer(Proposer):
         for cache in self.caches:
             cache.crop(self.length)
         proposal = self._chain(lambda i, prev: logits[i], k, temperature, generator)
-        d2t = m.d2t
-        draft_ids = proposal.token_ids.to(device)
-        proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()  # draft vocab -> target ids
-        if proposal.probs is not None:
-            q = torch.zeros(k, m.config.vocab_size, device=device)
-            q[:, torch.arange(len(d2t), device=device) + d2t] = proposal.probs.to(device)
-            proposal.probs = q
-        return proposal
+        return to_target_vocab(proposal, m.d2t, m.config.vocab_size)
 
 
 def peagle_proposer(path: Path, target_model: Any | None = None) -> PEagleProposer:

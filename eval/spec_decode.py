@@ -264,6 +264,20 @@ class Proposer(ABC):
         return Proposal(torch.tensor(ids), torch.stack(probs) if temperature > 0 else None)
 
 
+def to_target_vocab(proposal: Proposal, d2t: torch.Tensor, vocab_size: int) -> Proposal:
+    """``proposal`` of a draft-vocab draft with its token ids mapped to target ids
+    (``id + d2t[id]``) and its ``probs (k, Vd)`` scattered to ``(k, vocab_size)`` (zero outside
+    the draft vocab); in place, returned."""
+    device = d2t.device
+    draft_ids = proposal.token_ids.to(device)
+    proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()
+    if proposal.probs is not None:
+        q = torch.zeros(proposal.probs.shape[0], vocab_size, device=device)
+        q[:, torch.arange(len(d2t), device=device) + d2t] = proposal.probs.to(device)
+        proposal.probs = q
+    return proposal
+
+
 class Eagle3Proposer(Proposer):
     """EAGLE-3 chain drafting with a draft KV cache.
 
@@ -310,13 +324,7 @@ class Eagle3Proposer(Proposer):
 
         proposal = self._chain(logits_fn, k, temperature, generator)
         self.cache.crop(self.length)
-        draft_ids = proposal.token_ids.to(device)
-        proposal.token_ids = (draft_ids + d2t[draft_ids]).cpu()  # draft vocab -> target ids
-        if proposal.probs is not None:
-            q = torch.zeros(k, V, device=device)
-            q[:, torch.arange(len(d2t), device=device) + d2t] = proposal.probs.to(device)
-            proposal.probs = q
-        return proposal
+        return to_target_vocab(proposal, d2t, V)
 
 
 class MedusaProposer(Proposer):
