@@ -341,6 +341,11 @@ class TrainConfig(_Strict):
     )
     epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    max_time_minutes: float | None = Field(
+        None, gt=0, description="Wall-time budget of the training loop (minutes, summed over resumes): training "
+        "stops at the first optimizer step past it, and warmup + cosine decay follow the larger of the step and "
+        "the time fraction, so the schedule completes within the budget. For equal-time comparisons and GPU-hour "
+        "budgets; the run is then not bitwise reproducible (the schedule reads the clock).")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps).")
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (after warmup; cosine decay to min_lr_ratio * lr).")

@@ -244,6 +244,47 @@ def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+class _TrainClock:
+    """Seconds of training-loop wall time, summed over resumes (``train.max_time_minutes``).
+
+    :meth:`sync` (once per optimizer step) fixes the value every process uses until the next
+    sync to the main process's reading, so the learning rate and the stop decision are the same
+    on every rank."""
+
+    def __init__(self) -> None:
+        self.t0: float | None = None
+        self.before = 0.0
+        self.synced: float | None = None
+
+    def start(self, t0: float, seconds_before: float) -> None:
+        self.t0, self.before = t0, seconds_before
+
+    def now(self) -> float:
+        return self.before + (time.perf_counter() - self.t0 if self.t0 is not None else 0.0)
+
+    def sync(self, accelerator: Any) -> None:
+        value = self.now()
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            value = float(broadcast(torch.tensor([value], dtype=torch.float64, device=accelerator.device))[0])
+        self.synced = value
+
+    def seconds(self) -> float:
+        return self.synced if self.synced is not None else self.now()
+
+
+def budget_lr_factor(progress: float, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Learning-rate factor at ``progress`` in [0, 1] of a budgeted run: linear warmup over the
+    first ``warmup_ratio``, then cosine decay to ``min_lr_ratio`` (transformers'
+    ``get_cosine_with_min_lr_schedule_with_warmup`` with progress in place of steps)."""
+    p = min(max(progress, 0.0), 1.0)
+    if p < warmup_ratio:
+        return p / warmup_ratio
+    t = (p - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
 def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
         progress: bool = True, overwrite: bool = False, accelerator: Any = None) -> FitResult:
     """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``.
@@ -298,9 +339,15 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     batches_per_epoch = len(sampler)
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, int(cfg.warmup_ratio * total_steps), total_steps, min_lr_rate=cfg.min_lr_ratio
-    )
+    budget_s = cfg.max_time_minutes * 60.0 if cfg.max_time_minutes else None
+    clock = _TrainClock()
+    if budget_s is None:
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, int(cfg.warmup_ratio * total_steps), total_steps, min_lr_rate=cfg.min_lr_ratio
+        )
+    else:  # warmup + cosine over max(step / total_steps, seconds / budget)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
+            max(step / total_steps, clock.seconds() / budget_s), cfg.warmup_ratio, cfg.min_lr_ratio))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     method.setup(accelerator)
     state = TrainState()
@@ -328,6 +375,9 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                disable=not (progress and accelerator.is_main_process))
     window = state.window
     t0, tokens_at_start, seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
+    clock.start(t0, seconds_at_start)
+    if budget_s is not None and seconds_at_start >= budget_s:
+        total_steps = min(total_steps, state.step)  # a resumed run whose budget is spent: nothing to do
     last: dict[str, float] = {}
 
     def extras(directory: Path) -> None:  # main process, inside the temp checkpoint directory
@@ -378,6 +428,8 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                             if norm is not None:
                                 metrics["grad_norm"] = norm
                             optimizer.step()
+                            if budget_s is not None:
+                                clock.sync(accelerator)  # the same seconds on every rank
                             scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 state.batch_in_epoch += 1
@@ -388,6 +440,10 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                     continue
                 state.step += 1
                 bar.update(1)
+                if budget_s is not None and state.step < total_steps and clock.synced is not None \
+                        and clock.seconds() >= budget_s:
+                    log.info("train.max_time_minutes=%g reached at step %d", cfg.max_time_minutes, state.step)
+                    total_steps = state.step  # this step is the last: logged and checkpointed as such
                 if state.step % cfg.log_every == 0 or state.step == total_steps:
                     last = {k: sum(v) / len(v) for k, v in window.items()}
                     window.clear()
