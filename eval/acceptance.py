@@ -73,6 +73,45 @@ def summarise(counters: dict[str, Any], k: int) -> dict[str, Any]:
     }
 
 
+def target_fit_problems(target_config: Any, export_dir: Path, *, hidden_size: int | None,
+                        target_hidden_size: int | None, vocab_size: int | None, draft_vocab_size: int | None,
+                        verifier: dict[str, Any]) -> list[str]:
+    """What every draft that shares the target's embedding and vocab must agree on with it (EAGLE-3,
+    DFlash, P-EAGLE): hidden size, aux-state width (``target_hidden_size``, None: not written),
+    vocab size, a draft vocab no larger than the target's, the verifier architecture, and the
+    length of ``t2d`` in ``export_dir/model.safetensors``.
+
+    Args:
+        target_config: the target's transformers config (its ``text_config`` when it has one is used).
+
+    Returns:
+        One line per disagreement (empty when the draft fits).
+    """
+    text = getattr(target_config, "text_config", None) or target_config
+    problems = []
+    if hidden_size != text.hidden_size:
+        problems.append(f"draft hidden_size {hidden_size} != target {text.hidden_size} (vLLM would not share the "
+                        "target embedding)")
+    if target_hidden_size is not None and target_hidden_size != text.hidden_size:
+        problems.append(f"draft target_hidden_size {target_hidden_size} != target {text.hidden_size}")
+    if vocab_size != text.vocab_size:
+        problems.append(f"draft vocab_size {vocab_size} != target {text.vocab_size}")
+    if (draft_vocab_size or 0) > text.vocab_size:
+        problems.append(f"draft_vocab_size {draft_vocab_size} > target vocab {text.vocab_size}")
+    target_arch = list(getattr(target_config, "architectures", None) or [])
+    if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
+        problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, target is {target_arch}")
+    weights = export_dir / "model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            if "t2d" in fh.keys() and fh.get_slice("t2d").get_shape() != [text.vocab_size]:
+                problems.append(f"t2d covers {fh.get_slice('t2d').get_shape()[0]} target ids, target vocab is "
+                                f"{text.vocab_size}")
+    return problems
+
+
 def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, Any]:
     """Refuse to measure a draft exported for another target.
 
@@ -98,32 +137,14 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     facts = Eagle3Config.export_facts(cfg)
     tcfg = AutoConfig.from_pretrained(target_dir)
     text = getattr(tcfg, "text_config", None) or tcfg
-    problems = []
-    if facts.hidden_size != text.hidden_size:
-        problems.append(f"draft hidden_size {facts.hidden_size} != target {text.hidden_size}")
-    if facts.target_hidden_size is not None and facts.target_hidden_size != text.hidden_size:
-        problems.append(f"draft target_hidden_size {facts.target_hidden_size} != target {text.hidden_size}")
-    if facts.vocab_size != text.vocab_size:
-        problems.append(f"draft vocab_size {facts.vocab_size} != target {text.vocab_size}")
-    if (facts.draft_vocab_size or 0) > text.vocab_size:
-        problems.append(f"draft_vocab_size {facts.draft_vocab_size} > target vocab {text.vocab_size}")
-    verifier = facts.verifier
-    target_arch = list(getattr(tcfg, "architectures", None) or [])
-    if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
-        problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, target is {target_arch}")
+    problems = target_fit_problems(tcfg, draft_dir, hidden_size=facts.hidden_size,
+                                   target_hidden_size=facts.target_hidden_size, vocab_size=facts.vocab_size,
+                                   draft_vocab_size=facts.draft_vocab_size, verifier=facts.verifier)
     ids = facts.aux_layer_ids
     if ids is not None and len(ids) != 3:
         problems.append(f"aux layer ids {ids}: an EAGLE-3 draft needs exactly 3")
     if ids and not all(0 <= i < text.num_hidden_layers for i in ids):
         problems.append(f"aux layer ids {ids} out of range for {text.num_hidden_layers} target layers")
-    weights = draft_dir / "model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as fh:
-            if "t2d" in fh.keys() and fh.get_slice("t2d").get_shape() != [text.vocab_size]:
-                problems.append(f"t2d covers {fh.get_slice('t2d').get_shape()[0]} target ids, target vocab is "
-                                f"{text.vocab_size}")
     if problems:
         raise DraftMismatchError(f"{draft_dir} does not match target {target_dir}: " + "; ".join(problems))
     return cfg

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from .. import __version__
 from ..models.dflash import DFlashConfig, DFlashDraftModel, DFlashKVCache
 from .export import SPECULATORS_VERSION, ExportError, check_tensor_set, read_method_checkpoint
-from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, to_target_vocab
+from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, read_export, to_target_vocab
 
 
 def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -138,18 +138,7 @@ def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None,
         DraftLoadError: not a DFlash config, missing keys, missing / unexpected / mis-shaped tensors.
     """
     path = Path(path)
-    raw = _read_config(path)
-    try:
-        cfg = DFlashConfig.from_export(raw)
-    except KeyError as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise DraftLoadError(f"{weights} missing")
-    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
-             for k, v in load_file(str(weights)).items()}
+    _, cfg, state, weights = read_export(path, DFlashConfig.from_export)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if "lm_head.weight" not in state and lm_head is not None and cfg.draft_vocab_size == cfg.vocab_size:
         state["lm_head.weight"] = lm_head.float()
@@ -238,32 +227,22 @@ def check_dflash_matches_target(export_dir: Path, target_dir: Path) -> dict[str,
     """
     from transformers import AutoConfig
 
-    from .acceptance import DraftMismatchError
+    from .acceptance import DraftMismatchError, target_fit_problems
 
-    raw = _read_config(Path(export_dir))
+    export_dir = Path(export_dir)
+    raw = _read_config(export_dir)
     try:
         cfg = DFlashConfig.from_export(raw)
     except (KeyError, TypeError, ValueError) as exc:
-        raise DraftLoadError(f"{Path(export_dir) / 'config.json'}: {exc}") from None
+        raise DraftLoadError(f"{export_dir / 'config.json'}: {exc}") from None
     tcfg = AutoConfig.from_pretrained(target_dir)
     text = getattr(tcfg, "text_config", None) or tcfg
-    problems = []
-    if cfg.hidden_size != text.hidden_size:
-        problems.append(f"draft hidden_size {cfg.hidden_size} != target {text.hidden_size} (vLLM would not share "
-                        "the target embedding)")
-    if cfg.target_hidden_size != text.hidden_size:
-        problems.append(f"draft target_hidden_size {cfg.target_hidden_size} != target {text.hidden_size}")
-    if cfg.vocab_size != text.vocab_size:
-        problems.append(f"draft vocab_size {cfg.vocab_size} != target {text.vocab_size}")
-    if cfg.draft_vocab_size > text.vocab_size:
-        problems.append(f"draft_vocab_size {cfg.draft_vocab_size} > target vocab {text.vocab_size}")
+    problems = target_fit_problems(
+        tcfg, export_dir, hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
+        vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
+        verifier=(raw.get("speculators_config") or {}).get("verifier") or {})
     if not all(1 <= i < text.num_hidden_layers for i in cfg.aux_layer_ids):
         problems.append(f"aux layer ids {cfg.aux_layer_ids} out of range for {text.num_hidden_layers} target layers")
-    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
-    target_arch = list(getattr(tcfg, "architectures", None) or [])
-    if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
-        problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, "
-                        f"target is {target_arch}")
     if problems:
         raise DraftMismatchError(f"{export_dir} does not match target {target_dir}: " + "; ".join(problems))
     return raw

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .. import __version__
 from ..models.eagle3 import Eagle3KVCache
 from ..models.peagle import PEagleConfig, PEagleDraftModel
 from .export import (SPECULATORS_VERSION, ExportError, check_tensor_set, expected_weight_shapes,
                      read_method_checkpoint)
-from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, to_target_vocab
+from .spec_decode import DraftLoadError, Proposal, Proposer, read_export, to_target_vocab
 
 
 def expected_peagle_weights(cfg: PEagleConfig) -> dict[str, tuple[int, ...]]:
@@ -124,6 +124,18 @@ def is_peagle_export(config: dict[str, Any]) -> bool:
     return config.get("speculators_model_type") == "peagle"
 
 
+def peagle_config(raw: dict[str, Any]) -> PEagleConfig:
+    """The :class:`PEagleConfig` of a P-EAGLE ``config.json``.
+
+    Raises:
+        ValueError: another format (names its ``speculators_model_type``).
+        KeyError: a required key is missing.
+    """
+    if not is_peagle_export(raw):
+        raise ValueError(f"not a P-EAGLE export (speculators_model_type {raw.get('speculators_model_type')!r})")
+    return PEagleConfig.from_speculators(raw)
+
+
 def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None) -> PEagleDraftModel:
     """A P-EAGLE export as a float32 model in eval mode.
 
@@ -135,21 +147,7 @@ def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None) -> P
         DraftLoadError: not a P-EAGLE export, a missing key, a tensor set other than
             :func:`expected_peagle_weights`, or no embedding anywhere.
     """
-    export_dir = Path(export_dir)
-    raw = _read_config(export_dir)
-    if not is_peagle_export(raw):
-        raise DraftLoadError(f"{export_dir / 'config.json'}: not a P-EAGLE export (speculators_model_type "
-                             f"{raw.get('speculators_model_type')!r})")
-    try:
-        cfg = PEagleConfig.from_speculators(raw)
-    except KeyError as exc:
-        raise DraftLoadError(f"{export_dir / 'config.json'}: missing key {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise DraftLoadError(f"{export_dir / 'config.json'}: {exc}") from None
-    weights = export_dir / "model.safetensors"
-    if not weights.is_file():
-        raise DraftLoadError(f"{weights} missing")
-    state = load_file(str(weights))
+    _, cfg, state, weights = read_export(Path(export_dir), peagle_config)
     cfg.train_embeddings = False  # loaded for inference: the embedding is a buffer either way
     want = expected_peagle_weights(cfg)
     want.pop("embed_tokens.weight", None)
@@ -161,7 +159,6 @@ def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None) -> P
     if embed is None:
         raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")
     model = PEagleDraftModel(cfg)
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     state["mask_hidden"] = state["mask_hidden"].reshape(-1)
     model.load_state_dict(state, strict=True)
     try:
@@ -249,7 +246,7 @@ def check_peagle_matches_target(export_dir: Path, target_dir: Path) -> dict[str,
     """
     from transformers import AutoConfig
 
-    from .acceptance import DraftMismatchError
+    from .acceptance import DraftMismatchError, target_fit_problems
 
     export_dir = Path(export_dir)
     config_path = export_dir / "config.json"
@@ -257,15 +254,12 @@ def check_peagle_matches_target(export_dir: Path, target_dir: Path) -> dict[str,
     if not is_peagle_export(cfg):
         raise DraftMismatchError(f"{config_path}: not a P-EAGLE export")
     layer = cfg.get("transformer_layer_config") or {}
-    text = AutoConfig.from_pretrained(target_dir)
-    text = getattr(text, "text_config", None) or text
-    problems = []
-    if layer.get("hidden_size") != text.hidden_size:
-        problems.append(f"draft hidden_size {layer.get('hidden_size')} != target {text.hidden_size}")
-    if cfg.get("target_hidden_size") not in (None, text.hidden_size):
-        problems.append(f"draft target_hidden_size {cfg.get('target_hidden_size')} != target {text.hidden_size}")
-    if layer.get("vocab_size") != text.vocab_size:
-        problems.append(f"draft vocab_size {layer.get('vocab_size')} != target {text.vocab_size}")
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    text = getattr(tcfg, "text_config", None) or tcfg
+    problems = target_fit_problems(
+        tcfg, export_dir, hidden_size=layer.get("hidden_size"), target_hidden_size=cfg.get("target_hidden_size"),
+        vocab_size=layer.get("vocab_size"), draft_vocab_size=cfg.get("draft_vocab_size"),
+        verifier=(cfg.get("speculators_config") or {}).get("verifier") or {})
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or []
     if len(ids) != 3 or not all(0 <= i < text.num_hidden_layers for i in ids):
         problems.append(f"aux layer ids {ids}: need 3 in [0, {text.num_hidden_layers})")
@@ -277,14 +271,6 @@ def check_peagle_matches_target(export_dir: Path, target_dir: Path) -> dict[str,
              None)
     if depths is not None and k is not None and k > depths:
         problems.append(f"speculative_tokens {k} > trained num_depths {depths}")
-    weights = export_dir / "model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as fh:
-            if "t2d" in fh.keys() and fh.get_slice("t2d").get_shape() != [text.vocab_size]:
-                problems.append(f"t2d covers {fh.get_slice('t2d').get_shape()[0]} target ids, target vocab is "
-                                f"{text.vocab_size}")
     if problems:
         raise DraftMismatchError(f"{export_dir} does not match target {target_dir}: " + "; ".join(problems))
     return cfg

@@ -62,7 +62,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,8 @@ from ..data_prep.target import DEVICE_HELP
 from ..methods import UnknownMethodError, method_of_export
 from ..recipe import add_vllm_arguments
 from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
+
+C = TypeVar("C")  # a parsed export config (read_export)
 
 
 class DraftLoadError(ValueError):
@@ -478,6 +480,35 @@ def _read_config(path: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
+def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[dict[str, Any], C, dict[str, torch.Tensor],
+                                                                           Path]:
+    """An export folder's ``config.json`` (as written, and as ``parse`` reads it) and its weights.
+
+    Returns:
+        ``(raw config, parsed config, tensors, weights path)``: floating tensors as float32,
+        legacy ``midlayer.*`` names as ``layers.0.*``.
+
+    Raises:
+        DraftLoadError: no ``config.json`` or ``model.safetensors``; a key ``parse`` misses or a
+            value it refuses (``KeyError`` / ``TypeError`` / ``ValueError``), named with the file.
+    """
+    from safetensors.torch import load_file
+
+    raw = _read_config(path)
+    try:
+        config = parse(raw)
+    except KeyError as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise DraftLoadError(f"{weights} missing")
+    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
+             for k, v in load_file(str(weights)).items()}
+    return raw, config, state, weights
+
+
 def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3DraftModel:
     """An EAGLE-3 draft exported by ``eval/export.py`` (speculators format, or legacy
     ``LlamaForCausalLMEagle3`` with ``midlayer.*`` weights).
@@ -490,20 +521,7 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3D
         DraftLoadError: a config.json that is no EAGLE-3 export (:meth:`Eagle3Config.from_export`),
             missing / unexpected / mis-shaped tensors, or no embedding anywhere.
     """
-    from safetensors.torch import load_file
-
-    raw = _read_config(path)
-    try:
-        config = Eagle3Config.from_export(raw)
-    except KeyError as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise DraftLoadError(f"{weights} missing")
-    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
-             for k, v in load_file(str(weights)).items()}
+    _, config, state, weights = read_export(path, Eagle3Config.from_export)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if embed is None:
         raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")

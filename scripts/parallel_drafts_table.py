@@ -16,7 +16,8 @@ from draftsmith.eval.compare_drafts import count_parameters, training_figures
 from draftsmith.eval.results import ServeResults, read_acceptance
 
 LABEL = {"eagle3": "EAGLE-3 (TTT 3)", "peagle": "P-EAGLE (2 layers, 4 depths)",
-         "dflash_b8": "DFlash (1 layer, block 8)", "dflash_b4": "DFlash (1 layer, block 4)"}
+         "dflash_b8": "DFlash (1 layer, block 8)", "dflash_b4": "DFlash (1 layer, block 4)",
+         "dflash_l3": "DFlash (3 layers, block 8, 64 anchors)"}
 DATA = {"demo": "demo data (77,861 tokens)", "sd": "self-distilled set (264,175 tokens)"}
 
 
