@@ -32,13 +32,14 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/driver.log"; }
 declare -A RECIPE=([eagle3]=recipes/smollm2_135m.yaml [peagle]=recipes/smollm2_135m_peagle.yaml
                    [dflash_b8]=recipes/smollm2_135m_dflash.yaml [dflash_b4]=recipes/smollm2_135m_dflash.yaml
                    [dflash_l3]=recipes/smollm2_135m_dflash.yaml)
-declare -A EXTRA=([eagle3]="" [peagle]="" [dflash_b8]=""
+declare -A EXTRA=([eagle3]="" [peagle]=""
+                  [dflash_b8]="--set draft.block_size=8 --set eval.num_speculative_tokens=7"
                   [dflash_b4]="--set draft.block_size=4 --set eval.num_speculative_tokens=3"
-                  [dflash_l3]="--set draft.num_layers=3 --set draft.num_anchors=64")
+                  [dflash_l3]="--set draft.num_layers=3 --set draft.num_anchors=64 --set draft.block_size=8 --set eval.num_speculative_tokens=7")
 declare -A K=([eagle3]=3 [peagle]=3 [dflash_b8]=7 [dflash_b4]=3 [dflash_l3]=7)
 STAGES=${STAGES:-demo-train demo-accept sd-train sd-accept serve}
 read -r -a DEMO_METHODS <<< "${DEMO_METHODS:-eagle3 peagle dflash_b8}"
-read -r -a SD_METHODS <<< "${SD_METHODS:-eagle3 peagle dflash_b8 dflash_b4}"
+read -r -a SD_METHODS <<< "${SD_METHODS:-eagle3 peagle dflash_b4 dflash_b8}"
 read -r -a SERVE_METHODS <<< "${SERVE_METHODS:-${SD_METHODS[*]}}"
 K_SWEEP=${K_SWEEP:-1,2,3,4}
 
