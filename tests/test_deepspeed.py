@@ -60,6 +60,8 @@ def test_zero2_two_processes_train_checkpoint_resume_and_export_like_one_process
     two = tmp_path / "two"
     ckpt = two / "checkpoints" / "step-4"
     assert (ckpt / "pytorch_model").is_dir(), "DeepSpeed's own resume state"
+    # every rank's RNG state is inside the finished checkpoint (the rename waits for all ranks)
+    assert sorted(p.name for p in ckpt.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
     assert json.loads((ckpt / "train_state.json").read_text())["distributed_type"] == "DEEPSPEED"
     assert json.loads((ckpt / "train_state.json").read_text())["num_processes"] == 2
     # one process with batch 4 == two ZeRO-2 processes with batch 2 (data sharded, gradients averaged)

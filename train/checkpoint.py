@@ -276,6 +276,10 @@ class CheckpointManager:
         if not consolidated_state_is_saved_by_accelerate(dtype):
             # gathers the full draft on the main process (FSDP: full_state_dict; ZeRO-2: module state)
             acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
+        # accelerate's save_state ends without a barrier and every rank writes its own RNG state
+        # into tmp last: a slower rank would find tmp already renamed (seen under CPU load with
+        # DeepSpeed ZeRO-2), or its state would be missing from the checkpoint
+        acc.wait_for_everyone()
         if acc.is_main_process:
             if not (tmp / WEIGHTS_NAME).is_file():
                 raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written under distributed_type={dtype}")
