@@ -138,7 +138,7 @@ def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None,
         DraftLoadError: not a DFlash config, missing keys, missing / unexpected / mis-shaped tensors.
     """
     path = Path(path)
-    _, cfg, state, weights = read_export(path, DFlashConfig.from_export)
+    cfg, state, weights = read_export(path, DFlashConfig.from_export)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if "lm_head.weight" not in state and lm_head is not None and cfg.draft_vocab_size == cfg.vocab_size:
         state["lm_head.weight"] = lm_head.float()

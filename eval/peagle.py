@@ -147,7 +147,7 @@ def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None) -> P
         DraftLoadError: not a P-EAGLE export, a missing key, a tensor set other than
             :func:`expected_peagle_weights`, or no embedding anywhere.
     """
-    _, cfg, state, weights = read_export(Path(export_dir), peagle_config)
+    cfg, state, weights = read_export(Path(export_dir), peagle_config)
     cfg.train_embeddings = False  # loaded for inference: the embedding is a buffer either way
     want = expected_peagle_weights(cfg)
     want.pop("embed_tokens.weight", None)

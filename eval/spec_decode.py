@@ -480,13 +480,12 @@ def _read_config(path: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
-def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[dict[str, Any], C, dict[str, torch.Tensor],
-                                                                           Path]:
-    """An export folder's ``config.json`` (as written, and as ``parse`` reads it) and its weights.
+def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[C, dict[str, torch.Tensor], Path]:
+    """An export folder's ``config.json`` as ``parse`` reads it, and its weights.
 
     Returns:
-        ``(raw config, parsed config, tensors, weights path)``: floating tensors as float32,
-        legacy ``midlayer.*`` names as ``layers.0.*``.
+        ``(config, tensors, weights path)``: floating tensors as float32, legacy ``midlayer.*``
+        names as ``layers.0.*``.
 
     Raises:
         DraftLoadError: no ``config.json`` or ``model.safetensors``; a key ``parse`` misses or a
@@ -506,7 +505,7 @@ def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[dict[
         raise DraftLoadError(f"{weights} missing")
     state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
              for k, v in load_file(str(weights)).items()}
-    return raw, config, state, weights
+    return config, state, weights
 
 
 def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3DraftModel:
@@ -521,7 +520,7 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3D
         DraftLoadError: a config.json that is no EAGLE-3 export (:meth:`Eagle3Config.from_export`),
             missing / unexpected / mis-shaped tensors, or no embedding anywhere.
     """
-    _, config, state, weights = read_export(path, Eagle3Config.from_export)
+    config, state, weights = read_export(path, Eagle3Config.from_export)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if embed is None:
         raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")
