@@ -92,6 +92,9 @@ class DataConfig(_Strict):
     strict: bool = Field(False, description="Fail at the first malformed row instead of skipping and counting.")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="Target-written replies (self-distillation).")
     max_length: int = Field(2048, ge=8, description="Tokens per training sequence.")
+    validation_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Conversations held out of training for validation (train.eval_every): chosen "
+        "by a seeded hash of each conversation's id, so a conversation's sequences are never split; 0: none.")
     harmony_channels: list[Literal["analysis", "final", "commentary"]] = Field(
         ["analysis", "final"],
         description="gpt-oss (harmony templates): assistant channels that get loss; ignored for other templates.",
@@ -333,12 +336,23 @@ def require_method(recipe: "Recipe", method: str, script: str) -> None:
                           f"use train/{recipe.draft.method}.py or set draft.method: {method}")
 
 
+# train.loss: the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
+
+
 class TrainConfig(_Strict):
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
     head_decay: float = Field(
         0.8, gt=0, le=1, description="medusa / mlp_speculator: head k loss weight head_decay**k (Medusa: 0.8)."
     )
+    loss: LossName = Field(
+        "forward_kl", description="eagle3 / peagle / dflash: divergence between the target's distribution over "
+        "the draft vocab and the draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv "
+        "(1 - acceptance rate), lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), "
+        "the LK losses of arXiv:2602.23881. medusa / mlp_speculator train on hard labels: forward_kl only.")
+    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
+    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
     epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     max_time_minutes: float | None = Field(
@@ -358,6 +372,23 @@ class TrainConfig(_Strict):
         10, ge=1, description="Stop with an error after this many optimizer steps in a row with NaN/inf loss or gradient."
     )
     log_every: int = Field(10, ge=1, description="Optimizer steps per metrics line (metrics.jsonl and trackers).")
+    eval_every: int | None = Field(
+        None, ge=1, description="Optimizer steps between validations on the data.validation_fraction conversations "
+        "(val_loss, val_acc_k, simulated acceptance length val_sim_al; logged with the training metrics); null: "
+        "once, after the last step. The best validation is kept as checkpoints/best.")
+    eval_temperatures: list[float] = Field(
+        [0.0], min_length=1, description="Temperatures of the simulated acceptance length (0: greedy verification; "
+        "T > 0: expected acceptance sum min(p_T, q)); the first one picks checkpoints/best.")
+    eval_draft_sampling: Literal["greedy", "sample"] = Field(
+        "greedy", description="Simulated drafts at T > 0: greedy (vLLM's EAGLE proposer drafts the argmax) or sampled "
+        "from the draft's own distribution.")
+    eval_max_sequences: int | None = Field(
+        None, ge=1, description="Validate on at most this many held-out sequences (the same ones each time); null: all.")
+    best_metric: Literal["val_sim_al", "val_loss"] | None = Field(
+        None, description="What checkpoints/best and early stopping follow; null: the simulated acceptance length at "
+        "the first eval temperature where the method simulates one (eagle3), else val_loss.")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many validations in a row without a better best_metric; null: never.")
     checkpoint_every: int = Field(500, ge=1, description="Optimizer steps between checkpoints (one is always written at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; the one just written is never deleted.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
@@ -690,6 +721,12 @@ class Recipe(_Strict):
             if self.train.pack_tokens is not None and self.train.pack_tokens < self.data.max_length:
                 raise ValueError(f"train.pack_tokens={self.train.pack_tokens} is below data.max_length="
                                  f"{self.data.max_length}: a full-length sequence would not fit a row")
+        if (self.train.eval_every or self.train.early_stopping_patience) and not self.data.validation_fraction:
+            raise ValueError("train.eval_every / train.early_stopping_patience need held-out conversations: set "
+                             "data.validation_fraction > 0")
+        if self.train.loss != "forward_kl" and self.draft.method in ("medusa", "mlp_speculator"):
+            raise ValueError(f"train.loss={self.train.loss!r}: {self.draft.method} heads train on hard labels "
+                             "(cross-entropy = forward KL to a one-hot target); use forward_kl")
         if self.train.gradient_checkpointing and not get_method(self.draft.method).supports_gradient_checkpointing:
             raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
                              "no per-step activations worth recomputing")

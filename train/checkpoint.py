@@ -39,6 +39,7 @@ log = logging.getLogger("draftsmith.train")
 
 CHECKPOINT_PREFIX = "step-"
 WEIGHTS_NAME = "model.safetensors"
+BEST_NAME = "best"  # RUN_DIR/checkpoints/best: the draft of the best validation (best.json says which)
 # accelerate's distributed types grouped by the resume state save_state writes
 _LAYOUTS = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
 
@@ -68,6 +69,11 @@ class TrainState:
     num_processes: int = 1
     # per-micro-batch metrics since the last logged step: a resumed run logs the same means
     window: dict[str, list[float]] = field(default_factory=dict)
+    # validation (data.validation_fraction): the best train.best_metric so far, at which step,
+    # and validations since it improved (early stopping)
+    best_value: float | None = None
+    best_step: int | None = None
+    evals_since_best: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.__dict__))  # a deep copy, JSON-safe by construction
@@ -87,10 +93,11 @@ def find_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Delete ``.tmp-step-N`` directories left by a crash mid-save; returns what was removed."""
+    """Delete ``.tmp-step-N`` / ``.tmp-best`` directories left by a crash mid-save; returns what was removed."""
     if not ckpt_dir.is_dir():
         return []
-    partial = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{CHECKPOINT_PREFIX}")]
+    partial = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith((f".tmp-{CHECKPOINT_PREFIX}",
+                                                                                     f".tmp-{BEST_NAME}"))]
     for p in partial:
         log.warning("removing %s: a checkpoint save that did not finish", p)
         shutil.rmtree(p, ignore_errors=True)
@@ -256,6 +263,17 @@ class CheckpointManager:
     def __init__(self, accelerator: Any, ckpt_dir: Path, keep: int, extras: Callable[[Path], None]):
         self.accelerator, self.ckpt_dir, self.keep, self.extras = accelerator, ckpt_dir, keep, extras
 
+    def _fresh_tmp(self, name: str) -> Path:
+        """An empty ``ckpt_dir/name`` made by the main process, seen by every rank (collective)."""
+        acc, tmp = self.accelerator, self.ckpt_dir / name
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        return tmp
+
     def save(self, model: torch.nn.Module, state: TrainState) -> Path:
         """Write ``step-{state.step}`` atomically; collective (every process must call it).
 
@@ -264,13 +282,7 @@ class CheckpointManager:
         """
         acc = self.accelerator
         final = self.ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
-        tmp = self.ckpt_dir / f".tmp-{CHECKPOINT_PREFIX}{state.step}"
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
+        tmp = self._fresh_tmp(f".tmp-{CHECKPOINT_PREFIX}{state.step}")
         acc.save_state(str(tmp))
         dtype = acc.distributed_type.value
         if not consolidated_state_is_saved_by_accelerate(dtype):
@@ -290,6 +302,32 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
             self.apply_retention(final)
+        acc.wait_for_everyone()
+        return final
+
+    def save_best(self, model: torch.nn.Module, state: TrainState, metrics: dict[str, Any]) -> Path:
+        """Write ``checkpoints/best`` atomically: the consolidated ``model.safetensors`` and what
+        export needs (no resume state), with ``best.json`` (step, monitored metric, validation
+        metrics). Collective (every process must call it). ``draftsmith export RUN_DIR/checkpoints/best``
+        exports it.
+
+        Returns:
+            The directory.
+        """
+        acc = self.accelerator
+        final, tmp = self.ckpt_dir / BEST_NAME, self._fresh_tmp(f".tmp-{BEST_NAME}")
+        # gathers the full draft on the main process under FSDP / DeepSpeed; plain state dict otherwise
+        acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if not (tmp / WEIGHTS_NAME).is_file():
+                raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written")
+            self.extras(tmp)
+            (tmp / "best.json").write_text(json.dumps({"step": state.step, "best_value": state.best_value,
+                                                       "metrics": metrics}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         acc.wait_for_everyone()
         return final
 

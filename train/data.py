@@ -59,12 +59,17 @@ class TokenizedDataset(torch.utils.data.Dataset):
         else:
             ds = source
         self.path = Path(source) if isinstance(source, (str, Path)) else None
+        self._source = ds
         self.data = ds.with_format("numpy", columns=["input_ids", "loss_mask"])
         self.max_length = max_length
         self._lengths = ds.select_columns(["length"]).with_format("numpy")[:]["length"]
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def record_ids(self) -> list[str]:
+        """The ``id`` of every row (the conversation it came from; see train/validation.py)."""
+        return [str(i) for i in self._source.select_columns(["id"])["id"]]
 
     def lengths(self) -> list[int]:
         lengths = self._lengths if not self.max_length else np.minimum(self._lengths, self.max_length)

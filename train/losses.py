@@ -1,8 +1,12 @@
 """Training losses and metrics for draft models.
 
-EAGLE-3 (TTT): forward KL / soft cross-entropy between the target distribution restricted
-to the draft vocab and the draft's ``log_softmax`` at each TTT step, on assistant tokens
-only, weighted ``gamma**k`` (EAGLE-3, arXiv:2503.01840; SPEC.md section 2).
+EAGLE-3 (TTT): a divergence between the target distribution restricted to the draft vocab
+and the draft's at each TTT step, on assistant tokens only, weighted ``gamma**k`` (EAGLE-3,
+arXiv:2503.01840; SPEC.md section 2). The divergence is ``train.loss`` (:data:`LOSSES`,
+:func:`divergence`): forward KL (the anchors' default), reverse KL, Jensen-Shannon, total
+variation, or the LK acceptance losses (Samarin et al., "LK Losses: Direct Acceptance Rate
+Optimization for Speculative Decoding", arXiv:2602.23881). P-EAGLE and DFlash use the same
+:func:`divergence` per element.
 
 The target distribution is recomputed from the target's final (normed) hidden state and
 the ``t2d`` rows of the target ``lm_head``: the ``[tokens, V]`` logits are never built.
@@ -14,13 +18,88 @@ assistant tokens only (:func:`head_targets`, :func:`head_loss`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..models.eagle3 import shift_left, ttt_prediction_mask
+from ..recipe import LossName
+
+
+LOSSES: tuple[str, ...] = get_args(LossName)
+_ALPHA_FLOOR = 1e-6  # lk_alpha: -log(max(alpha, floor)) stays finite at zero overlap
+
+
+def acceptance_probability(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``alpha = sum_v min(p_v, q_v) = 1 - TV(p, q)`` over the last dim: the probability that a
+    token drafted from q is accepted by speculative sampling against p (Leviathan et al. 2023).
+
+    Args:
+        log_p, log_q: ``(..., V)`` log-probabilities (target, draft).
+
+    Returns:
+        ``(...)`` in [0, 1].
+    """
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tensor, *,
+               lk_kl_scale: float = 1.0, lk_kl_decay: float = 3.0) -> torch.Tensor:
+    """Per-position loss ``(M,)`` between the target distribution ``p = softmax(target_logits)``
+    and the draft's ``q = softmax(draft_logits)`` (both ``(M, V)``, computed in float32; nats).
+
+    - ``forward_kl``: ``KL(p || q) = sum p (log p - log q)`` (mass-covering; the EAGLE anchors').
+    - ``reverse_kl``: ``KL(q || p)`` (mode-seeking).
+    - ``jsd``: ``(KL(p || m) + KL(q || m)) / 2`` with ``m = (p + q) / 2`` (bounded by log 2).
+    - ``tv``: ``sum |p - q| / 2 = 1 - alpha``: minimising it maximises the acceptance rate
+      alpha (:func:`acceptance_probability`), but its gradient vanishes where the overlap is small.
+    - ``lk_alpha``: ``-log alpha`` (LK^alpha): acceptance directly, its gradient ``grad TV / alpha``
+      amplified where the overlap is low; equals cross-entropy for a one-hot target.
+    - ``lk_lambda``: ``w * KL(p || q) + (1 - alpha)`` with ``w = lk_kl_scale * exp(-lk_kl_decay *
+      alpha)`` (alpha detached; LK^lambda): KL leads while acceptance is low, acceptance after.
+
+    Raises:
+        ValueError: unknown ``kind`` (the message lists :data:`LOSSES`).
+    """
+    log_p = torch.log_softmax(target_logits.float(), dim=-1)
+    log_q = torch.log_softmax(draft_logits.float(), dim=-1)
+    if kind == "forward_kl":  # the soft cross-entropy minus the target entropy (same gradient)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if kind == "reverse_kl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    if kind == "jsd":
+        log_m = torch.logsumexp(torch.stack([log_p, log_q]), dim=0) - math.log(2.0)
+        return 0.5 * ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
+    alpha = acceptance_probability(log_p, log_q)
+    if kind == "tv":
+        return 1.0 - alpha
+    if kind == "lk_alpha":
+        return -torch.log(alpha.clamp_min(_ALPHA_FLOOR))
+    if kind == "lk_lambda":
+        w = lk_kl_scale * torch.exp(-lk_kl_decay * alpha.detach())
+        return w * (log_p.exp() * (log_p - log_q)).sum(-1) + (1.0 - alpha)
+    raise ValueError(f"unknown loss {kind!r}: one of {', '.join(LOSSES)}")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """``train.loss`` and its LK hyperparameters, passed to :func:`divergence`."""
+
+    kind: str = "forward_kl"
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 3.0
+
+    @classmethod
+    def from_recipe(cls, train_cfg) -> "LossSpec":
+        return cls(train_cfg.loss, train_cfg.lk_kl_scale, train_cfg.lk_kl_decay)
+
+    def __call__(self, target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+        return divergence(self.kind, target_logits, draft_logits, lk_kl_scale=self.lk_kl_scale,
+                          lk_kl_decay=self.lk_kl_decay)
 
 
 class TargetDraftHead(nn.Module):
@@ -49,7 +128,7 @@ class TargetDraftHead(nn.Module):
 
 @dataclass
 class StepMetrics:
-    """Per-TTT-step figures: ``loss[k]`` (forward KL, nats/token), ``acc[k]`` (fraction of
+    """Per-TTT-step figures: ``loss[k]`` (the step's divergence, nats/token), ``acc[k]`` (fraction of
     masked positions where the draft argmax equals the target argmax over the draft vocab),
     ``tokens[k]`` (positions counted)."""
 
@@ -65,8 +144,10 @@ def ttt_loss(
     gamma: float = 0.8,
     denominators: list[float] | None = None,
     document_ids: torch.Tensor | None = None,
+    loss: LossSpec | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
-    """Weighted TTT loss ``sum_k gamma**k * KL_k`` (forward KL target || draft).
+    """Weighted TTT loss ``sum_k gamma**k * D_k``, D the divergence ``loss`` (default: forward
+    KL target || draft; :func:`divergence`).
 
     Args:
         step_logits: K tensors ``(M_k, Vd)``: the draft's logits at the positions
@@ -80,9 +161,10 @@ def ttt_loss(
             global count / world size, so the averaged gradient equals the global token mean.
         document_ids: ``(B, T)`` document per position of packed rows (as given to the model):
             no prediction crosses a document boundary.
+        loss: the divergence (``train.loss``); None: forward KL.
 
     Returns:
-        ``(loss scalar, StepMetrics)``. KL_k averages over the M_k trained positions of step
+        ``(loss scalar, StepMetrics)``. D_k averages over the M_k trained positions of step
         k (those predicting an assistant token x_{t+k+2}); a step with none contributes 0.
     """
     total = target_logits.new_zeros(())
@@ -98,10 +180,7 @@ def ttt_loss(
             losses.append(0.0), accs.append(0.0)
             continue
         draft = draft.float()
-        log_p = torch.log_softmax(target, dim=-1)
-        # forward KL(p || q): the soft cross-entropy minus the target entropy (same gradient),
-        # so 0 means the draft reproduces the target distribution exactly
-        kl = (log_p.exp() * (log_p - torch.log_softmax(draft, dim=-1))).sum(-1).sum()
+        kl = (loss or LossSpec())(target, draft).sum()
         kl = kl / (denominators[k] if denominators is not None else m)
         total = total + (gamma**k) * kl
         losses.append(kl.item())

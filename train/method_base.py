@@ -26,7 +26,8 @@ from .data import HiddenStateDataset, TokenizedDataset
 from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
-from .losses import HeadTargets, StepMetrics, TargetDraftHead, head_loss, head_targets
+from .validation import ValidationSpec
+from .losses import HeadTargets, LossSpec, StepMetrics, TargetDraftHead, head_loss, head_targets
 from .mask_token import resolve_mask_token_id, token_counts
 
 
@@ -101,6 +102,24 @@ class TargetDataMethod:
             metrics[f"acc_{k}"] = ak
         return metrics
 
+    def validation_spec(self) -> "ValidationSpec":
+        """No simulated acceptance by default; ``val_loss`` and per-step accuracies only."""
+        from .validation import ValidationSpec
+
+        return ValidationSpec()
+
+    @torch.no_grad()
+    def validation_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Summed validation counters of one batch (:func:`~draftsmith.train.validation.run_validation`):
+        by default the batch's training loss and per-step accuracies, one count per batch
+        (methods with token counts and a simulated acceptance override this)."""
+        loss, metrics = self.compute_loss(model, batch)
+        out: dict[str, Any] = {"loss": float(loss), "loss_count": 1.0}
+        for key, value in metrics.items():
+            if key.startswith(("acc_", "loss_")):
+                out[key], out[f"{key}_count"] = value, 1.0
+        return out
+
     def check_target_vocab(self) -> tuple[int, int]:
         """``(H, V)`` of the target, with the ``lm_head`` checked against ``target.json``.
 
@@ -135,6 +154,7 @@ class DraftVocabMethod(TargetDataMethod):
                 f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)"
             )
         self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), self.t2d)
+        self.loss = LossSpec.from_recipe(recipe.train)  # the divergence against the target (train.loss)
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its

@@ -17,7 +17,7 @@ import torch
 
 from ..models.dflash import DFlashConfig, DFlashDraftModel, block_labels, sample_anchors, slot_weights
 from ..recipe import Recipe
-from .losses import StepMetrics
+from .losses import LossSpec, StepMetrics
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.dflash")
@@ -31,8 +31,10 @@ def loss_decay_gamma(block_size: int, gamma: float | None) -> float:
 
 
 def dflash_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                denominator: float | None = None) -> tuple[torch.Tensor, StepMetrics, float]:
-    """Position-weighted forward KL of the trained block slots.
+                denominator: float | None = None,
+                loss: LossSpec | None = None) -> tuple[torch.Tensor, StepMetrics, float]:
+    """Position-weighted divergence of the trained block slots (``loss``, ``train.loss``; None:
+    forward KL).
 
     Args:
         logits: ``(M, Vd)`` draft logits of the M trained slots.
@@ -50,10 +52,9 @@ def dflash_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, slots: torch
     """
     Bk = weights.shape[0]
     w = weights.to(logits.device)[slots]  # (M,)
-    log_p = torch.log_softmax(teacher_logits.float(), dim=-1)
-    kl = (log_p.exp() * (log_p - torch.log_softmax(logits.float(), dim=-1))).sum(-1)  # (M,)
+    kl = (loss or LossSpec())(teacher_logits, logits)  # (M,)
     denom = denominator if denominator is not None else float(w.sum().clamp_min(1e-6))
-    loss = (w * kl).sum() / denom
+    total = (w * kl).sum() / denom
     losses, accs, counts = [], [], []
     with torch.no_grad():
         hit = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
@@ -67,7 +68,7 @@ def dflash_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, slots: torch
     for a in accs:
         run *= a
         al += run
-    return loss, StepMetrics(loss=losses, acc=accs, tokens=counts), al
+    return total, StepMetrics(loss=losses, acc=accs, tokens=counts), al
 
 
 def teacher_for_labels(teacher: torch.Tensor, label_pos: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,7 @@ class DFlashMethod(DraftVocabMethod):
         w = self.weights.to(mask.device)
         denominator = self.global_denominators((w[slots].sum()).reshape(1))
         loss, m, al = dflash_loss(logits, teacher_sel, slots, self.weights,
-                                  denominator[0] if denominator is not None else None)
+                                  denominator[0] if denominator is not None else None, self.loss)
         metrics = self.step_metrics(loss, m)
         metrics["acceptance_length"] = al
         return loss, metrics

@@ -17,15 +17,16 @@ import torch
 from ..models.eagle3 import Eagle3Config, shift_left
 from ..models.peagle import PEagleConfig, PEagleDraftModel, cod_sample, cod_targets, step0_prediction_mask
 from ..recipe import Recipe
-from .losses import StepMetrics
+from .losses import LossSpec, StepMetrics
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.peagle")
 
 
 def cod_loss(logits: torch.Tensor, target_logits: torch.Tensor, depth: torch.Tensor, num_depths: int,
-             denominator: float | None = None) -> tuple[torch.Tensor, StepMetrics]:
-    """Forward KL ``sum_s KL(p_{pos_s + 1} || q_s) / N`` over the trained elements.
+             denominator: float | None = None, loss: LossSpec | None = None) -> tuple[torch.Tensor, StepMetrics]:
+    """``sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the divergence ``loss``
+    (``train.loss``; None: forward KL).
 
     Args:
         logits: ``(M, Vd)`` draft logits of the M trained elements.
@@ -35,15 +36,14 @@ def cod_loss(logits: torch.Tensor, target_logits: torch.Tensor, depth: torch.Ten
         denominator: replaces M (data parallel: global count / world size).
 
     Returns:
-        ``(loss, StepMetrics)`` with per-depth KL, argmax accuracy (draft vs target argmax over
+        ``(loss, StepMetrics)`` with per-depth divergence, argmax accuracy (draft vs target argmax over
         the draft vocab) and element counts.
     """
     M = logits.shape[0]
     if M == 0:
         return logits.sum() * 0.0, StepMetrics([0.0] * num_depths, [0.0] * num_depths, [0] * num_depths)
-    log_p = torch.log_softmax(target_logits.float(), dim=-1)
-    kl = (log_p.exp() * (log_p - torch.log_softmax(logits.float(), dim=-1))).sum(-1)  # (M,)
-    loss = kl.sum() / (denominator if denominator is not None else M)
+    kl = (loss or LossSpec())(target_logits, logits)  # (M,)
+    total = kl.sum() / (denominator if denominator is not None else M)
     losses, accs, counts = [], [], []
     with torch.no_grad():
         hit = logits.argmax(-1) == target_logits.argmax(-1)
@@ -53,7 +53,7 @@ def cod_loss(logits: torch.Tensor, target_logits: torch.Tensor, depth: torch.Ten
             counts.append(n)
             losses.append(float(kl[sel].mean()) if n else 0.0)
             accs.append(float(hit[sel].float().mean()) if n else 0.0)
-    return loss, StepMetrics(loss=losses, acc=accs, tokens=counts)
+    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)
 
 
 def expected_acceptance_length(acc: list[float]) -> float:
@@ -112,7 +112,7 @@ class PEagleMethod(DraftVocabMethod):
         target = teacher.gather(1, pos.unsqueeze(-1).expand(-1, -1, teacher.shape[-1]))[sel]
         denominators = self.global_denominators(sel.sum().view(1))
         loss, m = cod_loss(logits, target, elements.depth[sel], d.num_depths,
-                           denominators[0] if denominators else None)
+                           denominators[0] if denominators else None, self.loss)
         metrics = self.step_metrics(loss, m)
         metrics["expected_al"] = expected_acceptance_length(m.acc) if m.tokens[0] else 0.0
         return loss, metrics

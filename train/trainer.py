@@ -50,6 +50,7 @@ from .checkpoint import (
     truncate_metrics,
 )
 from .packing import PackedDataset, collate_packed
+from .validation import IndexedSubset, dataset_ids, run_validation, split_by_conversation, validation_batches
 
 log = logging.getLogger("draftsmith.train")
 
@@ -285,6 +286,18 @@ def budget_lr_factor(progress: float, warmup_ratio: float, min_lr_ratio: float) 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+def best_metric(recipe: Recipe, method: Any) -> tuple[str, bool]:
+    """``(metric key, higher is better)`` that checkpoints/best and early stopping follow:
+    ``train.best_metric``, or the simulated acceptance length at the first of
+    ``train.eval_temperatures`` when the method simulates one, else ``val_loss``."""
+    choice = recipe.train.best_metric
+    simulates = bool(getattr(method, "validation_spec", None) and method.validation_spec().num_draft_tokens)
+    if choice == "val_loss" or (choice is None and not simulates):
+        return "val_loss", False
+    t = recipe.train.eval_temperatures[0]
+    return ("val_sim_al" if t == 0 else f"val_sim_al_t{t:g}"), True
+
+
 def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
         progress: bool = True, overwrite: bool = False, accelerator: Any = None) -> FitResult:
     """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``.
@@ -324,6 +337,13 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
     set_seed(recipe.seed)
 
     dataset, collate_fn = method.dataset(), collate
+    val_set = None
+    if recipe.data.validation_fraction:  # held-out conversations, never packed
+        train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction, recipe.seed,
+                                                   where=str(layout.data.root))
+        dataset, val_set = IndexedSubset(dataset, train_idx), IndexedSubset(dataset, val_idx)
+        log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)", len(val_set),
+                 len(dataset), recipe.data.validation_fraction)
     if cfg.packing:  # rows of several sequences; the sampler then batches rows
         dataset, collate_fn = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed), collate_packed
     # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
@@ -386,6 +406,36 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         method.checkpoint_extras(directory)
 
     checkpoints = CheckpointManager(accelerator, ckpt_dir, cfg.keep_checkpoints, extras)
+    monitor, higher_is_better = best_metric(recipe, method) if val_set is not None else (None, True)
+
+    def validate() -> bool:
+        """Evaluate on the held-out conversations, log, keep checkpoints/best; True: stop early."""
+        batches = validation_batches(val_set, cfg.batch_size, collate, accelerator.num_processes,
+                                     accelerator.process_index, cfg.eval_max_sequences)
+        val = run_validation(method, model, batches, accelerator)
+        val.update(step=state.step, epoch=state.epoch)
+        if accelerator.is_main_process:
+            with metrics_path.open("a") as fh:
+                fh.write(json.dumps(val) + "\n")
+        accelerator.log(val, step=state.step)
+        score = val.get(monitor)
+        if score is None or not math.isfinite(score):
+            log.warning("step %d: validation gave no %s (%s)", state.step, monitor, val)
+            return False
+        better = state.best_value is None or (score > state.best_value if higher_is_better else score < state.best_value)
+        log.info("step %d: %s %.4f (best %s at step %s)%s", state.step, monitor, score, state.best_value,
+                 state.best_step, "; new best" if better else "")
+        if better:
+            state.best_value, state.best_step, state.evals_since_best = score, state.step, 0
+            checkpoints.save_best(model, state, val)
+            return False
+        state.evals_since_best += 1
+        patience = cfg.early_stopping_patience
+        if patience and state.evals_since_best >= patience:
+            log.info("early stopping at step %d: %d validations without a better %s (best %.4f at step %d)",
+                     state.step, state.evals_since_best, monitor, state.best_value, state.best_step)
+            return True
+        return False
 
     def save_checkpoint() -> Path:
         state.train_seconds = seconds_at_start + time.perf_counter() - t0
@@ -455,6 +505,10 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
                         with metrics_path.open("a") as fh:
                             fh.write(json.dumps(last) + "\n")
                     accelerator.log(last, step=state.step)
+                if val_set is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0)
+                                            or state.step == total_steps):
+                    if validate():
+                        total_steps = state.step  # early stop: this step is the last, checkpointed as such
                 if state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
                     last_ckpt = save_checkpoint()
                 if state.step >= total_steps:
