@@ -156,6 +156,10 @@ class Eagle3DraftConfig(_DraftSection):
         False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
                            "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
     )
+    init_from: str | None = Field(
+        None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
+        "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "
+        "run's aux layer ids (checked before training). Its geometry is kept; lm_head rows move by token id.")
 
     @model_validator(mode="after")
     def _frozen_head_is_initialised(self) -> "Eagle3DraftConfig":

@@ -328,6 +328,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .launchers import LauncherError
     from .mask_token import MaskTokenError
     from .trainer import fit
+    from .validation import ValidationSplitError
+    from .warm_start import WarmStartError
 
     args = build_parser(doc).parse_args(argv)
     recipe = recipe_from_args(args)
@@ -359,7 +361,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     except (CheckpointError, LauncherError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
-    except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError) as exc:
+    except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
+            WarmStartError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 1
     if accelerator.is_main_process:

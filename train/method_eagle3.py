@@ -18,6 +18,7 @@ from ..recipe import Recipe
 from .losses import ttt_loss
 from .method_base import DraftVocabMethod
 from .validation import ValidationSpec, full_vocab_logits, simulated_chain
+from .warm_start import WarmStartError, fit_problems, load_init_weights, read_init_draft, warm_config
 
 log = logging.getLogger("draftsmith.train.eagle3")
 
@@ -38,9 +39,20 @@ class Eagle3Method(DraftVocabMethod):
             aux_layer_ids=self.target_info["aux_layer_ids"],
             norm_before_residual=recipe.draft.norm_before_residual,
         )
+        self.init = None
+        if recipe.draft.init_from:  # warm start: checked against this run before any step
+            self.init = read_init_draft(recipe.draft.init_from)
+            problems = fit_problems(self.init, self.target_info, self.d2t)
+            if problems:
+                raise WarmStartError(f"draft.init_from={recipe.draft.init_from} does not fit this run "
+                                     f"(target {self.target_info['name_or_path']}): " + "; ".join(problems))
+            self.config = warm_config(self.init, self.config)
 
     def build_model(self) -> Eagle3DraftModel:
-        return self.init_draft(Eagle3DraftModel(self.config))
+        model = self.init_draft(Eagle3DraftModel(self.config))
+        if self.init is not None:
+            load_init_weights(model, self.init)
+        return model
 
     def compute_loss(self, model, batch):
         param = next(p for p in model.parameters() if p.requires_grad)
