@@ -208,22 +208,30 @@ def _worker(args: argparse.Namespace) -> None:
 
     from ..data_prep.conversations import load_records
 
-    records, _ = load_records(args.prompts, max_rows=args.max_prompts)
-    convs = [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]
     method, spec = vllm_speculative_config(args.method, args.draft, args.k, args.ngram_min, args.ngram_max)
+    if args.groups_json:  # {group: [conversation, ...]}: one generate call and counter delta per group
+        groups = json.loads(Path(args.groups_json).read_text())
+    else:
+        records, _ = load_records(args.prompts, max_rows=args.max_prompts)
+        groups = {"all": [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]}
     llm = LLM(**engine.llm_kwargs(model=str(args.target), speculative_config=spec, disable_log_stats=False,
                                   seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, params, use_tqdm=True)  # the bar goes to the log; the parent mirrors it
-    elapsed = time.perf_counter() - t0
-    counters: dict[str, Any] = {}
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            counters[SPEC_COUNTERS[m.name]] = counters.get(SPEC_COUNTERS[m.name], 0) + int(m.value)
-        elif m.name == PER_POS:
-            prev = counters.get("per_pos") or [0] * len(m.values)
-            counters["per_pos"] = [a + int(b) for a, b in zip(prev, m.values)]
+    outs, per_group, elapsed, before = [], {}, 0.0, _spec_counters(llm)
+    for name, convs in groups.items():
+        t0 = time.perf_counter()
+        group_outs = llm.chat(convs, params, use_tqdm=True)  # the bar goes to the log; the parent mirrors it
+        elapsed += time.perf_counter() - t0
+        after = _spec_counters(llm)
+        delta = {k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
+                     else v - before.get(k, 0)) for k, v in after.items()}
+        before = after
+        per_group[name] = {"num_prompts": len(convs), "counters": delta,
+                           "prompt_tokens": [len(o.prompt_token_ids) for o in group_outs],
+                           **(summarise(delta, args.k) if spec else {})}
+        outs += group_outs
+    counters = _spec_counters(llm)
+    convs = [c for g in groups.values() for c in g]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "method": method,
@@ -237,14 +245,28 @@ def _worker(args: argparse.Namespace) -> None:
         "counters": counters,
         **(summarise(counters, args.k) if spec else {}),
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        **({"groups": per_group} if args.groups_json else {}),
     }
     Path(args.result).write_text(json.dumps(result))
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative spec-decode counters (:data:`SPEC_COUNTERS`, ``per_pos``) of ``llm``."""
+    counters: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            counters[SPEC_COUNTERS[m.name]] = counters.get(SPEC_COUNTERS[m.name], 0) + int(m.value)
+        elif m.name == PER_POS:
+            prev = counters.get("per_pos") or [0] * len(m.values)
+            counters["per_pos"] = [a + int(b) for a, b in zip(prev, m.values)]
+    return counters
 
 
 def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path | None = None, k: int = 3,
             temperature: float = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None, seed: int = 0,
             engine: VllmConfig | None = None, ngram_min: int = 2, ngram_max: int = 4,
-            timeout_s: float | None = None, log_path: Path | None = None) -> dict[str, Any]:
+            timeout_s: float | None = None, log_path: Path | None = None,
+            groups: dict[str, list[list[dict[str, str]]]] | None = None) -> dict[str, Any]:
     """Generate with vLLM in a subprocess and return the acceptance figures (and output token ids).
 
     Args:
@@ -252,6 +274,9 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             be one), ``ngram`` or ``none``; the result's ``method`` is the registry name.
         engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
         timeout_s: wall-clock limit of the subprocess (seconds).
+        groups: instead of ``prompts``, named lists of conversations (OpenAI messages, ending with
+            a user turn), generated one group after another in the same engine; the result's
+            ``groups`` holds each one's counters, acceptance figures and prompt lengths (tokens).
 
     Raises:
         DraftMismatchError: a draft that does not fit the target (the method's ``target_check``)
@@ -278,6 +303,9 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             cmd += ["--draft", str(draft)]
         if max_prompts:
             cmd += ["--max-prompts", str(max_prompts)]
+        if groups is not None:
+            (Path(tmp) / "groups.json").write_text(json.dumps(groups))
+            cmd += ["--groups-json", str(Path(tmp) / "groups.json")]
         log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
@@ -361,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
+    p.add_argument("--groups-json", help=argparse.SUPPRESS)
     add_vllm_arguments(p)
     return p
 
