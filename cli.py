@@ -3,7 +3,7 @@
     draftsmith prepare RECIPE [--run-dir DIR]        data_prep: regenerate, tokenise, vocab, hidden states
     draftsmith train RECIPE [--run-dir DIR]          the recipe's draft.method (accelerate launch train/<method>.py works too)
     draftsmith export CKPT_OR_RUN --out DIR          vLLM-loadable draft
-    draftsmith acceptance|long-context|spec-decode|compare|serve-bench|report|hub|synthesize ...
+    draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|report|hub|synthesize ...
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
     draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
 
@@ -36,6 +36,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "export": ("draftsmith.eval.export", "export a checkpoint in the format vLLM loads"),
     "acceptance": ("draftsmith.eval.acceptance", "acceptance rate / length measured in vLLM"),
     "long-context": ("draftsmith.eval.long_context", "acceptance length by context-length bucket in vLLM"),
+    "simulate": ("draftsmith.eval.simulate", "simulated acceptance length of a draft on prepared data (no vLLM)"),
     "spec-decode": ("draftsmith.eval.spec_decode", "draftsmith's reference speculative decoder"),
     "compare": ("draftsmith.eval.compare_drafts", "several trained drafts, one table"),
     "serve-bench": ("draftsmith.eval.serve_bench", "serving throughput / latency / cost with vllm bench serve"),

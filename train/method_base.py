@@ -147,14 +147,23 @@ class DraftVocabMethod(TargetDataMethod):
 
     def __init__(self, recipe: Recipe, run_dir: Path):
         super().__init__(recipe, run_dir)
-        self.d2t, self.t2d = read_vocab(self.paths)
-        if self.heads["lm_head"].shape[0] != self.t2d.shape[0]:
+        self.use_vocab(*read_vocab(self.paths), where=self.paths.vocab)
+        self.loss = LossSpec.from_recipe(recipe.train)  # the divergence against the target (train.loss)
+
+    def use_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, where: Any = "draft vocab") -> None:
+        """Install the draft vocab ``d2t (Vd,)`` / ``t2d (V,)`` and the target head over it.
+
+        Raises:
+            ValueError: naming ``where``, when ``t2d`` covers another number of target ids than
+                the target's ``lm_head`` rows.
+        """
+        if self.heads["lm_head"].shape[0] != t2d.shape[0]:
             raise ValueError(
-                f"{self.paths.vocab}: t2d covers {self.t2d.shape[0]} target ids but the target lm_head has "
+                f"{where}: t2d covers {t2d.shape[0]} target ids but the target lm_head has "
                 f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)"
             )
-        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), self.t2d)
-        self.loss = LossSpec.from_recipe(recipe.train)  # the divergence against the target (train.loss)
+        self.d2t, self.t2d = d2t, t2d
+        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), t2d)
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its

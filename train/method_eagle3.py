@@ -29,19 +29,28 @@ class Eagle3Method(DraftVocabMethod):
 
     name = "eagle3"
 
-    def __init__(self, recipe: Recipe, run_dir: Path):
+    def __init__(self, recipe: Recipe, run_dir: Path, vocab_from_init: bool = False):
+        """``vocab_from_init``: use the ``draft.init_from`` draft's own vocab (``d2t`` / ``t2d``)
+        instead of the data's (evaluating a finished draft on other data, ``draftsmith simulate``).
+
+        Raises:
+            WarmStartError: ``draft.init_from`` unreadable or not fitting this run (before any step).
+        """
         from transformers import AutoConfig
 
         super().__init__(recipe, run_dir)
+        self.init = None
+        if recipe.draft.init_from:  # warm start: checked against this run before any step
+            self.init = read_init_draft(recipe.draft.init_from)
+            if vocab_from_init and "d2t" in self.init.tensors and "t2d" in self.init.tensors:
+                self.use_vocab(self.init.tensors["d2t"].long(), self.init.tensors["t2d"].bool())
         self.config = Eagle3Config.from_target(
             AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]),
             aux_layer_ids=self.target_info["aux_layer_ids"],
             norm_before_residual=recipe.draft.norm_before_residual,
         )
-        self.init = None
-        if recipe.draft.init_from:  # warm start: checked against this run before any step
-            self.init = read_init_draft(recipe.draft.init_from)
+        if self.init is not None:
             problems = fit_problems(self.init, self.target_info, self.d2t)
             if problems:
                 raise WarmStartError(f"draft.init_from={recipe.draft.init_from} does not fit this run "
