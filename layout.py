@@ -18,9 +18,10 @@ here rather than from the stage that wrote them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 DRAFT_CONFIG_FILE = "draft_config.json"
+C = TypeVar("C")  # a parsed export config (read_export)
 
 
 @dataclass
@@ -298,3 +300,47 @@ class DraftCheckpointConfig(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors())
             raise DraftConfigError(f"{path}: invalid draft config ({problems})") from None
+
+
+class DraftLoadError(ValueError):
+    """An exported draft folder is unreadable or does not fit the target; names the file / key."""
+
+
+def read_export_config(path: Path) -> dict[str, Any]:
+    """``path/config.json`` of an exported draft folder.
+
+    Raises:
+        DraftLoadError: no ``config.json`` there.
+    """
+    f = path / "config.json"
+    if not f.is_file():
+        raise DraftLoadError(f"{f} missing: not an exported draft folder")
+    return json.loads(f.read_text())
+
+
+def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[C, dict[str, torch.Tensor], Path]:
+    """An export folder's ``config.json`` as ``parse`` reads it, and its weights.
+
+    Returns:
+        ``(config, tensors, weights path)``: floating tensors as float32, legacy ``midlayer.*``
+        names as ``layers.0.*``.
+
+    Raises:
+        DraftLoadError: no ``config.json`` or ``model.safetensors``; a key ``parse`` misses or a
+            value it refuses (``KeyError`` / ``TypeError`` / ``ValueError``), named with the file.
+    """
+    from safetensors.torch import load_file
+
+    raw = read_export_config(path)
+    try:
+        config = parse(raw)
+    except KeyError as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise DraftLoadError(f"{weights} missing")
+    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
+             for k, v in load_file(str(weights)).items()}
+    return config, state, weights

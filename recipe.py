@@ -846,11 +846,13 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
-        if typing.get_origin(ann) is Union:  # the draft union: the discriminator, then each method's keys
+        union = typing.get_args(ann) if typing.get_origin(ann) is Union else ()
+        if union and all(isinstance(c, type) and issubclass(c, BaseModel) for c in union):
+            # the draft union: the discriminator, then each method's keys
             rows.append({"key": key, "type": "section", "default": "{method: eagle3}",
                          "description": field.description or ""})
             seen = set()
-            for cls in typing.get_args(ann):
+            for cls in union:
                 method = cls.model_fields["method"].default
                 for row in recipe_schema(cls, f"{key}."):
                     if row["key"] == f"{key}.method":

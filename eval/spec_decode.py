@@ -62,23 +62,18 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..data_prep.capture import AuxHiddenStateCapture, decoder_layers
 from ..data_prep.target import DEVICE_HELP
+from ..layout import DraftLoadError, read_export
+from ..layout import read_export_config as _read_config  # also eval/dflash.py's
 from ..methods import UnknownMethodError, method_of_export
-from ..recipe import add_vllm_arguments
 from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
-
-C = TypeVar("C")  # a parsed export config (read_export)
-
-
-class DraftLoadError(ValueError):
-    """An exported draft folder is unreadable or does not fit the target; names the file / key."""
-
+from ..recipe import add_vllm_arguments
 
 # --------------------------------------------------------------------------------------
 # Token choice and verification
@@ -471,41 +466,6 @@ def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0
 
 # --------------------------------------------------------------------------------------
 # Loading exported drafts
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    f = path / "config.json"
-    if not f.is_file():
-        raise DraftLoadError(f"{f} missing: not an exported draft folder")
-    return json.loads(f.read_text())
-
-
-def read_export(path: Path, parse: Callable[[dict[str, Any]], C]) -> tuple[C, dict[str, torch.Tensor], Path]:
-    """An export folder's ``config.json`` as ``parse`` reads it, and its weights.
-
-    Returns:
-        ``(config, tensors, weights path)``: floating tensors as float32, legacy ``midlayer.*``
-        names as ``layers.0.*``.
-
-    Raises:
-        DraftLoadError: no ``config.json`` or ``model.safetensors``; a key ``parse`` misses or a
-            value it refuses (``KeyError`` / ``TypeError`` / ``ValueError``), named with the file.
-    """
-    from safetensors.torch import load_file
-
-    raw = _read_config(path)
-    try:
-        config = parse(raw)
-    except KeyError as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: missing key {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise DraftLoadError(f"{path / 'config.json'}: {exc}") from None
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise DraftLoadError(f"{weights} missing")
-    state = {k.replace("midlayer.", "layers.0."): v.float() if v.is_floating_point() else v
-             for k, v in load_file(str(weights)).items()}
-    return config, state, weights
 
 
 def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3DraftModel:

@@ -119,8 +119,8 @@ def test_cli_method_defaults_to_the_exports_own_and_lists_every_served_method():
 
 
 class FakeLLM:
-    """Stands in for ``vllm.LLM``: records its arguments, answers two tokens per prompt and
-    spec-decode counters of 4 drafts with 3 accepted tokens."""
+    """Stands in for ``vllm.LLM``: records its arguments, answers two tokens per prompt (a
+    ``RequestOutput`` with a three-token prompt) and spec-decode counters of 4 drafts with 3 accepted tokens."""
 
     created: list[dict] = []
 
@@ -128,7 +128,8 @@ class FakeLLM:
         FakeLLM.created.append(kwargs)
 
     def chat(self, convs, params, use_tqdm=True):
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 6])]) for _ in convs]
+        return [types.SimpleNamespace(prompt_token_ids=[1, 2, 3], outputs=[types.SimpleNamespace(token_ids=[5, 6])])
+                for _ in convs]
 
     def get_metrics(self):
         metric = lambda name, **kw: types.SimpleNamespace(name=name, **kw)  # noqa: E731

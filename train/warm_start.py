@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from ..layout import DRAFT_CONFIG_FILE
+from ..layout import (
+    DRAFT_CONFIG_FILE,
+    DraftCheckpointConfig,
+    DraftConfigError,
+    DraftLoadError,
+    read_export,
+)
 from ..models.eagle3 import Eagle3Config, Eagle3DraftModel
 
 log = logging.getLogger("draftsmith.train")
@@ -52,16 +58,26 @@ def read_init_draft(path: str | Path) -> InitDraft:
     Raises:
         WarmStartError: naming the path, for a missing folder, no EAGLE-3 config, or unreadable weights.
     """
-    from ..eval.export import ExportError, read_checkpoint
-    from ..eval.spec_decode import DraftLoadError, read_export
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     path = Path(path).expanduser()
     if not path.is_dir():
         raise WarmStartError(f"draft.init_from={str(path)!r}: no such folder (an EAGLE-3 export or checkpoint)")
     try:
         if (path / DRAFT_CONFIG_FILE).is_file():  # our training checkpoint
-            meta, config, tensors = read_checkpoint(path)
-            tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+            meta = DraftCheckpointConfig.read(path)
+            if meta.method != "eagle3":
+                raise DraftLoadError(f"{path / DRAFT_CONFIG_FILE}: a {meta.method} checkpoint, not EAGLE-3")
+            try:
+                config = Eagle3Config(**meta.config)
+            except (TypeError, ValueError) as exc:
+                raise DraftLoadError(f"{path / DRAFT_CONFIG_FILE}: invalid eagle3 config ({exc})") from None
+            weights = path / "model.safetensors"
+            if not weights.is_file():
+                raise DraftLoadError(f"{weights} missing")
+            tensors = {k.removeprefix("module."): v.float() if v.is_floating_point() else v
+                       for k, v in load_file(str(weights)).items()}
             target = meta.target
             verifier = {"name_or_path": target.get("name_or_path"), "architectures": target.get("architectures", [])}
         else:
@@ -73,7 +89,7 @@ def read_init_draft(path: str | Path) -> InitDraft:
 
             config, tensors, _ = read_export(path, parse)
             verifier = Eagle3Config.export_facts(raw_config).verifier
-    except (ExportError, DraftLoadError) as exc:
+    except (DraftConfigError, DraftLoadError, SafetensorError) as exc:
         raise WarmStartError(f"draft.init_from: {exc}") from None
     return InitDraft(config, tensors, path, verifier)
 
