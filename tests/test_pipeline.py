@@ -52,6 +52,17 @@ def tiny_recipe(tiny_target: Path, prompts: Path, **train):
     return load_recipe(None, overrides)
 
 
+def tiny_deployed_draft(tiny_target: Path, root: Path, max_steps: int = 5):
+    """``(recipe, run dir, prompts file, export)``: the tiny target's draft prepared, trained
+    ``max_steps`` steps on :data:`PROMPTS` and exported to ``root/export``."""
+    run = root / "run"
+    prompts = write_jsonl(root / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    recipe = tiny_recipe(tiny_target, prompts, max_steps=max_steps)
+    prepare(recipe, run)
+    fit(recipe, Eagle3Method(recipe, run), run, progress=False)
+    return recipe, run, prompts, export(find_checkpoints(run / "checkpoints")[-1], root / "export")
+
+
 @pytest.fixture(scope="module")
 def prepared(tiny_target, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")

@@ -261,20 +261,9 @@ def test_report_is_generated_from_saved_json_alone(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     """Whole run on the tiny target: 3 servers, 2 levels, 2 prompts each; nothing left running."""
-    from draftsmith.data_prep.prepare import prepare
-    from draftsmith.eval.export import export
-    from draftsmith.train.method_eagle3 import Eagle3Method
-    from draftsmith.train.checkpoint import find_checkpoints
-    from draftsmith.train.trainer import fit
+    from test_pipeline import tiny_deployed_draft
 
-    from test_pipeline import PROMPTS, tiny_recipe
-
-    run = tmp_path / "run"
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=5)
-    prepare(recipe, run)
-    fit(recipe, Eagle3Method(recipe, run), run, progress=False)
-    draft = export(find_checkpoints(run / "checkpoints")[-1], run / "export")
+    _, _, prompts, draft = tiny_deployed_draft(tiny_target, tmp_path)
 
     out = tmp_path / "serve"
     rc = sb.main(["--target", str(tiny_target), "--draft", str(draft), "--prompts", str(prompts), "--concurrency", "1,2",

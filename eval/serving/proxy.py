@@ -1,0 +1,785 @@
+"""An OpenAI-compatible proxy in front of ``vllm serve``. It logs the completions it serves, which
+``draftsmith adapt`` trains on, and it swaps the upstream server (a new draft) without failing a
+request.
+
+    draftsmith proxy --upstream http://127.0.0.1:8001 --port 8000 --log traffic.jsonl
+    draftsmith proxy --target DIR --draft RUN/export/eagle3 [--recipe RECIPE] [--k 3] [vLLM engine flags]
+    curl -X POST localhost:8000/draftsmith/swap -d '{"draft": "RUN2/export/eagle3"}'   # managed mode
+    curl -X POST localhost:8000/draftsmith/swap -d '{"upstream": "http://127.0.0.1:8002"}'
+    curl localhost:8000/draftsmith/status
+
+Forwarding: every request (any method, any path) goes unchanged to the current upstream. The
+client gets the upstream's status, body and headers back unchanged, apart from the hop-by-hop
+headers (``Host``, ``Content-Length``, ``Transfer-Encoding``, ``Connection``, ``Keep-Alive``, ...).
+Server-sent events (``"stream": true``) are passed on chunk by chunk as they arrive. The proxy
+never retries a request, so no request is answered twice. An upstream that cannot be reached
+gets an OpenAI-style error with status 502.
+
+Traffic log: one JSON line is appended per ``POST /v1/chat/completions`` or ``/v1/completions``,
+written once the response has finished. Lines go through a ``RotatingFileHandler``, so disk use
+is bounded (``traffic.jsonl``, ``.1``, ... ``.N``; about ``(N + 1) * --max-bytes`` bytes)::
+
+    {"version": 1, "id": uuid4 hex, "time": unix seconds when the response finished,
+     "endpoint": "chat" | "completions", "model": the request's "model" | null,
+     "upstream": label of the upstream that answered ("upstream-0", ...),
+     "status": upstream HTTP status | 502 (upstream not reached) | 499 (client left before the answer),
+     "request": the client's JSON body without a top-level "api_key" | null (not JSON),
+     "choices": [{"index": i, "text": full completion text, "finish_reason": str | null}],
+     "usage": the upstream's usage object | null, "latency_s": seconds from receipt to finish}
+
+Streamed replies are logged as the concatenation of their deltas. ``choices`` is ``[]`` for a
+status other than 200 and for a body that cannot be parsed. A stream cut short, by the client
+leaving or by the upstream failing, is logged with what arrived and ``"finish_reason": null``.
+A client that leaves also closes the proxy's upstream connection, so vLLM aborts the generation.
+JSON encoding and file writes run on a writer thread. A failed or dropped write is counted
+(``/draftsmith/status``) and never fails a request. The log never holds a header
+(``Authorization`` included), the request body's ``api_key``, or the admin token. Access logging
+is off for the same reason: aiohttp's access log holds ``User-Agent`` and ``Referer``.
+
+Swap guarantee (:meth:`TrafficProxy.swap`): from the instant of the swap every new request goes to
+the new upstream. Requests already running on the old one finish there, streaming ones
+included. The old upstream is retired (in managed mode, its server is stopped) only once none of
+its requests is still in flight. So no request fails, or is answered twice, because of a swap.
+
+Admin endpoints, on the same port under ``/draftsmith/`` (no OpenAI path starts with it):
+``POST /draftsmith/swap`` (``{"upstream": URL}``, or in managed mode ``{"draft": EXPORT_DIR,
+"k": K}``) answers once the old upstream has drained. ``GET /draftsmith/status`` returns the
+current upstream, the in-flight count per upstream and the counters. With ``--admin-token`` (or
+``DRAFTSMITH_PROXY_ADMIN_TOKEN``) they need the header ``X-Draftsmith-Admin: TOKEN`` and answer
+403 without it. Without a token, anyone who reaches the port can swap, so keep the default
+``--host 127.0.0.1`` or set a token.
+
+Managed mode (``--draft``): the proxy owns its ``vllm serve`` processes (:mod:`draftsmith.vllm_server`).
+A draft swap starts a second server with the new draft, using the same target, engine flags and
+served model name, so clients' ``"model"`` still matches. The proxy waits for its ``/health``,
+swaps, drains the old server and then stops it. For a while both servers run, so on a GPU the
+engine flags must leave room for two of them (e.g. ``--gpu-memory-utilization 0.45`` or
+``--kv-cache-memory-gib``). If the new server fails to start, the old one keeps serving and the
+swap answers 500 with the new server's log tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import hmac
+import inspect
+import itertools
+import json
+import logging
+import logging.handlers
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from ...vllm_server import ServerOptions, ServerStartError, vllm_server
+
+LOG_VERSION = 1  # the "version" of every traffic log line (data_prep/traffic.py reads it)
+LOGGED_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ADMIN_PREFIX = "/draftsmith/"
+ADMIN_HEADER = "X-Draftsmith-Admin"
+ADMIN_TOKEN_ENV = "DRAFTSMITH_PROXY_ADMIN_TOKEN"
+DEFAULT_MAX_BYTES = 100 * 2**20
+DEFAULT_BACKUPS = 5
+MAX_REQUEST_BYTES = 256 * 2**20  # aiohttp's default (1 MiB) is below a long-context request
+CLIENT_CLOSED_REQUEST = 499  # logged status of a request its client left before the upstream answered (nginx's code)
+# hop-by-hop headers (RFC 9110 section 7.6.1) and the framing the proxy recomputes itself
+HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
+                        "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"})
+
+
+def end_to_end_headers(headers: Any) -> CIMultiDict:
+    """``headers`` without the hop-by-hop ones (:data:`HOP_BY_HOP` and any named by ``Connection``),
+    repeated headers kept."""
+    drop = HOP_BY_HOP | {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+
+
+# --------------------------------------------------------------------------- the log record
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+
+
+def _decoded(body: bytes, content_encoding: str) -> bytes:
+    """The body as the upstream meant it (gzip / deflate undone), for the log only."""
+    if content_encoding.lower() in ("gzip", "deflate"):
+        with contextlib.suppress(zlib.error):
+            return zlib.decompress(body, 32 + zlib.MAX_WBITS)  # 32: zlib or gzip header, detected
+    return body
+
+
+def _sse_events(body: bytes) -> list[str]:
+    """The ``data`` of each server-sent event in ``body`` (multi-line data joined by newlines)."""
+    events, data = [], []
+    for line in body.decode("utf-8", errors="replace").splitlines():
+        if not line:
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        events.append("\n".join(data))
+    return events
+
+
+def response_choices(endpoint: str, body: bytes, streamed: bool) -> tuple[list[dict[str, Any]], Any]:
+    """``(choices, usage)`` of an OpenAI response ``body`` for the log.
+
+    ``endpoint`` is ``"chat"`` (text from ``message.content``, or the concatenated
+    ``delta.content`` of a stream) or ``"completions"`` (``text``). ``streamed``: ``body`` is a
+    stream of server-sent events. ``choices`` is ``[{"index", "text", "finish_reason"}]`` sorted
+    by index, or ``[]`` when ``body`` cannot be parsed. ``usage`` is the last usage object sent,
+    or None.
+    """
+    if not streamed:
+        payload = _json_or_none(body)
+        if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
+            return [], None
+        out = []
+        for i, c in enumerate(payload["choices"]):
+            if not isinstance(c, dict):
+                continue
+            text = (c.get("message") or {}).get("content") if endpoint == "chat" else c.get("text")
+            out.append({"index": c.get("index", i), "text": text if isinstance(text, str) else "",
+                        "finish_reason": c.get("finish_reason")})
+        return sorted(out, key=lambda c: c["index"]), payload.get("usage")
+    texts: dict[int, list[str]] = {}
+    finish: dict[int, Any] = {}
+    usage = None
+    for data in _sse_events(body):
+        chunk = _json_or_none(data.encode()) if data != "[DONE]" else None
+        if not isinstance(chunk, dict):
+            continue
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            if not isinstance(c, dict):
+                continue
+            i = c.get("index", 0)
+            piece = (c.get("delta") or {}).get("content") if endpoint == "chat" else c.get("text")
+            texts.setdefault(i, []).append(piece if isinstance(piece, str) else "")
+            if c.get("finish_reason") is not None:
+                finish[i] = c["finish_reason"]
+    return [{"index": i, "text": "".join(texts[i]), "finish_reason": finish.get(i)} for i in sorted(texts)], usage
+
+
+def exchange_record(*, record_id: str, endpoint: str, request_body: bytes, upstream: str, status: int,
+                    response_body: bytes, content_encoding: str, streamed: bool, complete: bool,
+                    finished: float, latency_s: float) -> dict[str, Any]:
+    """One traffic log line (the schema in the module docstring) for a finished exchange.
+
+    ``finished`` is unix seconds and ``latency_s`` is seconds. ``complete`` is False for a stream
+    cut short (every ``finish_reason`` is then null). The request body loses its top-level
+    ``api_key``, and headers are never part of the record.
+    """
+    request = _json_or_none(request_body)
+    if isinstance(request, dict):
+        request = {k: v for k, v in request.items() if k != "api_key"}
+    choices, usage = [], None
+    if status == 200:
+        choices, usage = response_choices(endpoint, _decoded(response_body, content_encoding), streamed)
+        if not complete:
+            choices = [{**c, "finish_reason": None} for c in choices]
+    model = request.get("model") if isinstance(request, dict) else None
+    return {"version": LOG_VERSION, "id": record_id, "time": finished, "endpoint": endpoint,
+            "model": model if isinstance(model, str) else None, "upstream": upstream, "status": status,
+            "request": request, "choices": choices, "usage": usage, "latency_s": latency_s}
+
+
+# --------------------------------------------------------------------------- the log file
+
+
+class _CountingRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A ``RotatingFileHandler`` that counts failed writes (a full disk, a removed directory)
+    instead of printing a traceback per line. Only the first failure is reported on stderr."""
+
+    failed_writes = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed_writes += 1
+        if self.failed_writes == 1:
+            print(f"draftsmith proxy: traffic log write failed ({sys.exc_info()[1]!r}); "
+                  "further failures are only counted (/draftsmith/status)", file=sys.stderr, flush=True)
+
+
+class TrafficLog:
+    """The traffic log: JSON lines appended by a dedicated, non-propagating logger through a
+    ``RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)``.
+
+    :meth:`submit` only queues a function that builds the record. The writer thread calls it,
+    encodes the line and writes it, so the event loop never waits on JSON or the disk. Lines
+    are ASCII JSON, so the handler's size check (in characters) is exact in bytes. A queue
+    holds at most ``queue_size`` records; past that, records are dropped and counted.
+
+    Raises:
+        ValueError: ``max_bytes`` < 1 or ``backups`` < 1 (either would switch rotation off and
+            leave the log unbounded), or another open :class:`TrafficLog` on the same ``path``.
+    """
+
+    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS,
+                 queue_size: int = 10_000):
+        if max_bytes < 1 or backups < 1:
+            raise ValueError(f"traffic log rotation needs max_bytes >= 1 and backups >= 1 "
+                             f"(got {max_bytes}, {backups}): the log would grow without bound")
+        self.path = Path(path).expanduser().resolve()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._logger = logging.getLogger(f"draftsmith.proxy.traffic:{self.path}")
+        if self._logger.handlers:
+            raise ValueError(f"{self.path}: already open as a traffic log in this process")
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._handler = _CountingRotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
+                                                     encoding="utf-8", delay=True)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._logger.addHandler(self._handler)
+        self.logged = 0
+        self.dropped = 0  # queue full or log closed (counted on the event loop's thread)
+        self.build_errors = 0  # a record that could not be built or encoded (writer thread)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._thread = threading.Thread(target=self._write_loop, name="draftsmith-traffic-log", daemon=True)
+        self._thread.start()
+
+    @property
+    def write_errors(self) -> int:
+        """Lines not written: failed writes, records that could not be built, drops."""
+        return self._handler.failed_writes + self.build_errors + self.dropped
+
+    def submit(self, make_record: Callable[[], dict[str, Any]]) -> None:
+        """Queue ``make_record`` (called on the writer thread). Never blocks and never raises."""
+        if self._closed:
+            self.dropped += 1
+            return
+        try:
+            self._queue.put_nowait(make_record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            make_record = self._queue.get()
+            try:
+                if make_record is None:
+                    return
+                line = json.dumps(make_record(), separators=(",", ":"))
+                failed_before = self._handler.failed_writes
+                self._logger.info(line)  # the handler catches its own write errors (handleError)
+                if self._handler.failed_writes == failed_before:
+                    self.logged += 1
+            except Exception:  # noqa: BLE001  (a bad record must not stop the writer thread)
+                self.build_errors += 1
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Block until every record submitted so far is written (or counted as failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer thread and close the file. Later submissions are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self._logger.removeHandler(self._handler)
+        self._handler.close()
+
+
+# --------------------------------------------------------------------------- managed vLLM servers
+
+
+def draft_speculative_config(draft: Path, target: Path, k: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` serving the exported ``draft`` with ``k`` draft tokens
+    (:func:`draftsmith.eval.acceptance.vllm_speculative_config` with method ``draft``, the lookup
+    ``draftsmith acceptance`` and ``serve-bench`` make), once the method's check has confirmed
+    that the export fits ``target``.
+
+    Raises:
+        ValueError: not an export vLLM serves here (:func:`draftsmith.eval.serving.run.served_method`).
+        DraftMismatchError (a ValueError): the draft was not trained for ``target``.
+    """
+    from ..acceptance import EXPORT_METHOD, draft_method, vllm_speculative_config
+
+    check = draft_method(EXPORT_METHOD, draft).target_check
+    if check is not None:
+        check(draft, target)
+    return vllm_speculative_config(EXPORT_METHOD, draft, k)[1]
+
+
+@dataclass
+class _Server:
+    stack: contextlib.ExitStack
+    info: dict[str, Any]
+
+
+class ManagedServers:
+    """The ``vllm serve`` processes that a managed proxy owns. All of them serve one target, with
+    the same engine options (so the same served model name), and each has its own draft.
+
+    The blocking methods run on a worker thread (:func:`asyncio.to_thread`) or before the event
+    loop starts. Each server has its own ``ExitStack``, which holds
+    :func:`draftsmith.vllm_server.vllm_server` open until :meth:`stop_blocking`.
+    """
+
+    def __init__(self, target: Path, options: ServerOptions, k: int, log_dir: Path):
+        self.target, self.options, self.k, self.log_dir = Path(target), options, k, Path(log_dir)
+        self._servers: dict[str, _Server] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._numbers = itertools.count()
+
+    def start_blocking(self, draft: Path, k: int | None = None) -> dict[str, Any]:
+        """Start a server for ``draft`` (``k`` draft tokens, default :attr:`k`) and wait for ``/health``.
+
+        Returns ``{"base_url", "port", "pgid", "command", "draft", "k", "log", "speculative_config"}``.
+
+        Raises:
+            ValueError: see :func:`draft_speculative_config`.
+            ServerStartError: the server exited or was not healthy in time (the message has its
+                log tail), or the proxy closed while the server was starting.
+        """
+        k = self.k if k is None else k
+        spec = draft_speculative_config(Path(draft), self.target, k)
+        log_path = self.log_dir / f"server-{next(self._numbers)}.log"
+        stack = contextlib.ExitStack()
+        server = stack.enter_context(vllm_server(self.target, spec, self.options, log_path))
+        info = {**server, "draft": str(draft), "k": k, "log": str(log_path), "speculative_config": spec}
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._servers[server["base_url"]] = _Server(stack, info)
+        if closed:  # close_blocking ran while this server was starting: nobody would stop it
+            stack.close()
+            raise ServerStartError("the proxy closed while the server was starting")
+        return info
+
+    async def start(self, draft: Path, k: int | None = None) -> dict[str, Any]:
+        """:meth:`start_blocking` on a worker thread."""
+        return await asyncio.to_thread(self.start_blocking, draft, k)
+
+    def stop_blocking(self, base_url: str) -> bool:
+        """Stop the server at ``base_url`` (SIGTERM to its process group, then SIGKILL). Returns
+        False when no managed server is at that URL."""
+        with self._lock:
+            server = self._servers.pop(base_url, None)
+        if server is None:
+            return False
+        server.stack.close()
+        return True
+
+    async def stop(self, base_url: str) -> bool:
+        """:meth:`stop_blocking` on a worker thread."""
+        return await asyncio.to_thread(self.stop_blocking, base_url)
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """The running servers by base URL: draft, k, log, process group."""
+        with self._lock:
+            return {url: {key: s.info[key] for key in ("draft", "k", "log", "pgid")} for url, s in self._servers.items()}
+
+    def close_blocking(self) -> None:
+        """Stop every server. A server that is still starting is stopped when its start returns."""
+        with self._lock:
+            self._closed = True
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.stack.close()
+
+
+# --------------------------------------------------------------------------- the proxy
+
+
+def checked_base_url(base_url: str) -> str:
+    """``base_url`` without a trailing slash.
+
+    Raises:
+        ValueError: not an http(s) URL with a host.
+    """
+    url = URL(base_url)
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"upstream {base_url!r} is not an http(s) URL like http://127.0.0.1:8001")
+    return base_url.rstrip("/")
+
+
+@dataclass
+class Upstream:
+    """One upstream server and the requests the proxy has running on it."""
+
+    base_url: str
+    label: str
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def describe(self) -> dict[str, str]:
+        return {"label": self.label, "base_url": self.base_url}
+
+
+class _AdminError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class TrafficProxy:
+    """The proxy (see the module docstring). ``upstream`` is the first upstream's base URL, and
+    ``log`` is where served completions are logged (None: no log). If ``admin_token`` is set,
+    the admin endpoints require it. If ``servers`` is set, the proxy is in managed mode and
+    accepts draft swaps; a retired upstream's managed server is stopped.
+
+    Raises:
+        ValueError: ``upstream`` is not an http(s) URL.
+    """
+
+    def __init__(self, upstream: str, log: TrafficLog | None = None, *, label: str | None = None,
+                 admin_token: str | None = None, servers: ManagedServers | None = None):
+        self.log, self.admin_token, self.servers = log, admin_token, servers
+        self._labels = itertools.count()
+        self._current = self._upstream(upstream, label)
+        self._draining: list[Upstream] = []
+        self._swap_lock = asyncio.Lock()  # one swap at a time
+        self._admin_lock = asyncio.Lock()  # one admin swap at a time: at most two managed servers
+        self.counters = {"requests": 0, "upstream_errors": 0, "swaps": 0}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._admin_tasks: set[asyncio.Task] = set()
+
+    def _upstream(self, base_url: str, label: str | None) -> Upstream:
+        return Upstream(checked_base_url(base_url), label or f"upstream-{next(self._labels)}")
+
+    @property
+    def upstream(self) -> dict[str, str]:
+        """The upstream new requests go to: ``{"label", "base_url"}``."""
+        return self._current.describe()
+
+    def app(self) -> web.Application:
+        """The aiohttp application: the admin routes under :data:`ADMIN_PREFIX`, then everything
+        else forwarded; it opens the upstream session on start-up and closes it on clean-up."""
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._admin_guard])
+        app.router.add_post(ADMIN_PREFIX + "swap", self._admin_swap)
+        app.router.add_get(ADMIN_PREFIX + "status", self._admin_status)
+        app.router.add_route("*", ADMIN_PREFIX + "{tail:.*}", self._admin_unknown)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        app.on_startup.append(self._open_session)
+        app.on_cleanup.append(self._close_session)
+        return app
+
+    async def _open_session(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),  # generations may run for minutes
+            connector=aiohttp.TCPConnector(limit=0),  # vLLM queues requests itself
+            auto_decompress=False,  # bodies pass through as the upstream encoded them
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),  # only the client's
+            cookie_jar=aiohttp.DummyCookieJar())  # one session serves every client: never share cookies
+
+    async def _close_session(self, app: web.Application) -> None:
+        await self._session.close()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> str:
+        """Listen on ``host``:``port`` (0: a free port) and return the proxy's base URL.
+
+        Raises:
+            OSError: the address is in use or cannot be bound.
+        """
+        # handler_cancellation: a client that leaves cancels its handler, which drops the upstream
+        # connection, so vLLM aborts the generation (as it does for its own clients)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound_host, bound_port = self._runner.addresses[0][:2]
+        return f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+
+    async def close(self) -> None:
+        """Stop listening, after the requests in flight have finished (aiohttp's shutdown timeout,
+        seconds), and close the upstream session. The log and managed servers belong to their creator."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def swap(self, base_url: str, label: str | None = None,
+                   on_retire: Callable[[dict[str, str]], Any] | None = None) -> dict[str, Any]:
+        """Send every new request to ``base_url``, from this call on. Then wait until the old
+        upstream has no request in flight and call ``on_retire(old)`` (sync or async; ``old`` is
+        ``{"label", "base_url"}``). Swaps run one at a time.
+
+        Returns ``{"old": {"label", "base_url"}, "new": {...}, "drained_s": seconds spent waiting}``.
+
+        Raises:
+            ValueError: ``base_url`` is not an http(s) URL.
+            Whatever ``on_retire`` raises: the swap has happened by then.
+        """
+        async with self._swap_lock:
+            new = self._upstream(base_url, label)
+            old, self._current = self._current, new
+            self.counters["swaps"] += 1
+            self._draining.append(old)
+            started = time.monotonic()
+            try:
+                await old.idle.wait()
+            finally:
+                self._draining.remove(old)
+            drained_s = time.monotonic() - started
+            if on_retire is not None:
+                result = on_retire(old.describe())
+                if inspect.isawaitable(result):
+                    await result
+            return {"old": old.describe(), "new": new.describe(), "drained_s": drained_s}
+
+    def status(self) -> dict[str, Any]:
+        """The current upstream, the in-flight requests per upstream, the counters (requests
+        forwarded, lines logged, upstream errors, log write errors, swaps), the log file and the
+        managed servers."""
+        log = self.log
+        return {"upstream": self._current.describe(),
+                "in_flight": {u.label: u.in_flight for u in [self._current, *self._draining]},
+                "counters": {**self.counters, "logged": log.logged if log else 0,
+                             "log_write_errors": log.write_errors if log else 0},
+                "log": str(log.path) if log else None,
+                "servers": self.servers.describe() if self.servers else None}
+
+    # ------------------------------------------------------------------ forwarding
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
+        body = await request.read()
+        endpoint = LOGGED_ENDPOINTS.get(request.path) if request.method == "POST" else None
+        upstream = self._current  # chosen and entered with no await between: a swap cannot slip in
+        upstream.enter()
+        self.counters["requests"] += 1
+        status, parts, encoding, streamed, complete = CLIENT_CLOSED_REQUEST, [], "", False, False
+        response: web.StreamResponse | None = None
+        try:
+            async with self._session.request(request.method, URL(upstream.base_url + request.raw_path, encoded=True),
+                                             data=body or None, headers=end_to_end_headers(request.headers),
+                                             allow_redirects=False) as up:
+                status, encoding = up.status, up.headers.get("Content-Encoding", "")
+                headers = end_to_end_headers(up.headers)
+                if up.content_type != "text/event-stream":
+                    payload = await up.read()
+                    parts.append(payload)
+                    complete = True
+                    return web.Response(status=up.status, reason=up.reason, body=payload, headers=headers)
+                streamed = True
+                response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+                await response.prepare(request)
+                async for chunk in up.content.iter_any():
+                    parts.append(chunk)
+                    try:
+                        await response.write(chunk)
+                    except ConnectionResetError:  # the client left: stop reading, so the upstream aborts
+                        return response
+                complete = True
+                return response
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.counters["upstream_errors"] += 1
+            if response is not None:  # the stream had begun: it ends where the upstream stopped
+                return response
+            status = 502
+            return web.json_response({"error": {"message": f"draftsmith proxy: upstream {upstream.label} could "
+                                                           f"not be reached ({type(exc).__name__})",
+                                                "type": "BadGateway", "code": 502}}, status=502)
+        finally:
+            upstream.leave()
+            if endpoint is not None and self.log is not None:
+                self.log.submit(functools.partial(
+                    exchange_record, record_id=uuid.uuid4().hex, endpoint=endpoint, request_body=body,
+                    upstream=upstream.label, status=status, response_body=b"".join(parts), content_encoding=encoding,
+                    streamed=streamed, complete=complete, finished=time.time(), latency_s=time.monotonic() - received))
+
+    # ------------------------------------------------------------------ admin
+
+    @web.middleware
+    async def _admin_guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Admin paths: the token check, and an :class:`_AdminError` answered as ``{"error": ...}``."""
+        if not request.path.startswith(ADMIN_PREFIX):
+            return await handler(request)
+        try:
+            given = request.headers.get(ADMIN_HEADER, "")
+            if self.admin_token is not None and not hmac.compare_digest(given.encode(), self.admin_token.encode()):
+                raise _AdminError(403, f"admin endpoints need the header {ADMIN_HEADER}")
+            return await handler(request)
+        except _AdminError as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
+
+    async def _admin_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def _admin_unknown(self, request: web.Request) -> web.Response:
+        raise _AdminError(404, f"no admin endpoint {request.method} {request.path} "
+                               f"(POST {ADMIN_PREFIX}swap, GET {ADMIN_PREFIX}status)")
+
+    async def _admin_swap(self, request: web.Request) -> web.Response:
+        body = _json_or_none(await request.read())
+        if not isinstance(body, dict) or ("draft" in body) == ("upstream" in body):
+            raise _AdminError(400, 'the body names one of {"upstream": URL} or {"draft": EXPORT_DIR}')
+        # the swap runs to its end even if the admin client leaves (aiohttp then cancels this handler):
+        # a swap cut between switch and retirement would leave the old server running
+        task = asyncio.ensure_future(self._admin_swap_in_turn(body))
+        self._admin_tasks.add(task)
+        task.add_done_callback(self._admin_tasks.discard)
+        return web.json_response(await asyncio.shield(task))
+
+    async def _admin_swap_in_turn(self, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._admin_lock:
+            if "draft" in body:
+                return await self._swap_draft(body)
+            try:
+                return await self.swap(str(body["upstream"]), on_retire=self._retire)
+            except ValueError as exc:
+                raise _AdminError(400, str(exc)) from None
+
+    async def _swap_draft(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.servers is None:
+            raise _AdminError(400, "draft swaps need managed mode (start the proxy with --target and --draft)")
+        k = body.get("k")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise _AdminError(400, f"k must be a positive integer, not {k!r}")
+        try:
+            server = await self.servers.start(Path(str(body["draft"])), k)
+        except ValueError as exc:
+            raise _AdminError(400, str(exc)) from None
+        except ServerStartError as exc:  # the old server keeps serving
+            raise _AdminError(500, str(exc)) from None
+        result = await self.swap(server["base_url"], on_retire=self._retire)
+        return {**result, "draft": server["draft"], "k": server["k"], "server_log": server["log"]}
+
+    async def _retire(self, old: dict[str, str]) -> None:
+        if self.servers is not None:
+            await self.servers.stop(old["base_url"])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``draftsmith proxy``."""
+    from ...cli import HelpFormatter
+    from ...recipe import add_vllm_arguments
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--upstream", help="unmanaged mode: the base URL of a running OpenAI server, e.g. http://127.0.0.1:8001")
+    p.add_argument("--draft", type=Path, help="managed mode: the exported draft the first vllm serve serves")
+    p.add_argument("--target", help="managed mode: target directory, hub id or embedded:NAME (default: the recipe's)")
+    p.add_argument("--recipe", type=Path, help="managed mode: recipe YAML (target, vllm engine, eval.num_speculative_tokens)")
+    p.add_argument("--k", type=int, help="managed mode: num_speculative_tokens (default: the recipe's, else 3)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="managed mode: seconds to wait for a server's /health")
+    p.add_argument("--server-logs", type=Path, help="managed mode: directory of the servers' logs (default: proxy_servers/ beside --log)")
+    p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the proxy listens on")
+    p.add_argument("--log", type=Path, default=Path("traffic.jsonl"), help="traffic log (JSON lines, rotated)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="bytes per traffic log file before it rotates")
+    p.add_argument("--backups", type=int, default=DEFAULT_BACKUPS, help="rotated traffic log files kept (.1 ... .N)")
+    p.add_argument("--admin-token", help=f"token the admin endpoints require in {ADMIN_HEADER} "
+                                         f"(default: ${ADMIN_TOKEN_ENV}; none: no check)")
+    add_vllm_arguments(p)
+    return p
+
+
+def managed_servers_from_args(args: argparse.Namespace) -> ManagedServers:
+    """The managed servers of ``--draft`` mode: target, engine flags over the recipe's ``vllm``, k.
+
+    Raises:
+        ValueError / RecipeError / FileNotFoundError: no target, a bad recipe or engine flag, an unknown target.
+    """
+    from ...data_prep.target import resolve_target
+    from ...recipe import load_recipe, vllm_config_from_args
+
+    recipe = load_recipe(args.recipe) if args.recipe else None
+    target_name = args.target or (recipe.target.name_or_path if recipe else None)
+    if target_name is None:
+        raise ValueError("managed mode needs a target: --target or --recipe")
+    trust = recipe.target.trust_remote_code if recipe else False
+    options = ServerOptions(engine=vllm_config_from_args(args, recipe.vllm if recipe else None),
+                            startup_timeout_s=args.startup_timeout, trust_remote_code=trust)
+    k = args.k if args.k is not None else (recipe.eval.num_speculative_tokens if recipe else 3)
+    log_dir = args.server_logs or args.log.expanduser().resolve().parent / "proxy_servers"
+    return ManagedServers(resolve_target(target_name, trust), options, k, log_dir)
+
+
+async def serve(proxy: TrafficProxy, host: str, port: int) -> None:
+    """Run ``proxy`` on ``host``:``port`` until SIGINT, SIGTERM or SIGHUP."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    url = await proxy.start(host, port)
+    print(f"draftsmith proxy: {url} -> {proxy.upstream['base_url']} ({proxy.upstream['label']}); "
+          f"traffic log {proxy.log.path if proxy.log else 'off'}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await proxy.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if (args.upstream is None) == (args.draft is None):
+        print("error: name one of --upstream URL (unmanaged) or --draft EXPORT_DIR (managed)", file=sys.stderr)
+        return 2
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if admin_token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host} without --admin-token: anyone who reaches the port can swap "
+              "the upstream", file=sys.stderr)
+    try:
+        servers = managed_servers_from_args(args) if args.draft is not None else None
+        upstream = checked_base_url(args.upstream) if servers is None else None
+        log = TrafficLog(args.log, args.max_bytes, args.backups)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if servers is not None:
+            # started before the event loop: a Ctrl-C during the start stops the server (vllm_server's finally)
+            upstream = servers.start_blocking(args.draft)["base_url"]
+        asyncio.run(serve(TrafficProxy(upstream, log, admin_token=admin_token, servers=servers), args.host, args.port))
+    except ValueError as exc:  # a draft vLLM does not serve here, or one not trained for the target
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ServerStartError, OSError) as exc:  # OSError: the proxy's port is taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if servers is not None:
+            servers.close_blocking()
+        log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
