@@ -160,9 +160,17 @@ def main() -> int:
                     proxy.wait(120)
 
     if "traffic" not in phases:
+        prompts = load_prompt_texts(args.prompts)
+        served = set()  # a stopped loop serves only what has no answer in the log yet
+        if log_path.exists():
+            for line in log_path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                    rec = json.loads(line)
+                    if rec["status"] == 200 and rec["choices"][0]["finish_reason"]:
+                        served.add(rec["request"]["messages"][-1]["content"])
         with serving(args.base_draft) as model:
-            prompts = load_prompt_texts(args.prompts)
-            done("traffic", asyncio.run(drive(base_url, model, prompts, args.concurrency, args.max_tokens, 0.0)))
+            done("traffic", {"already_served": len(served), **asyncio.run(drive(
+                base_url, model, [q for q in prompts if q not in served], args.concurrency, args.max_tokens, 0.0))})
     if args.stop_after == "traffic":
         return 0
     if "adapt" not in phases:  # nothing else runs meanwhile: the budget is wall-clock
