@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -82,11 +83,24 @@ async def drive(base_url: str, model: str, prompts: list[str], concurrency: int,
                 results.append({"i": i, "ok": False, "error": repr(exc)[:300], "s": time.perf_counter() - t0})
 
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
     extra = None
-    if during is not None:
+    if during is None:
+        await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    else:  # keep `concurrency` requests in flight, cycling the prompts, until `during` is done and 30 s more
+        finished = asyncio.Event()
+        sent = itertools.count()
+
+        async def worker() -> None:
+            while not finished.is_set():
+                i = next(sent)
+                await one(i, prompts[i % len(prompts)])
+
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         extra = await during
-    await asyncio.gather(*tasks)
+        await asyncio.sleep(30)
+        finished.set()
+        await asyncio.gather(*workers)
+        prompts = [None] * len(results)  # every request sent, for the answered-once check below
     wall = time.perf_counter() - t0
     await client.close()
     tokens = sum(r.get("tokens", 0) for r in results if r["ok"])
@@ -105,6 +119,7 @@ def main() -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--recipe", default="recipes/smollm2_135m.yaml", help="engine settings (vllm section)")
     p.add_argument("--prompts", default="builtin:code_math")
+    p.add_argument("--per-category", type=int, help="serve the first N prompts of each category (code, math)")
     p.add_argument("--mt-bench", required=True)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--port", type=int, default=8765)
@@ -113,6 +128,8 @@ def main() -> int:
     p.add_argument("--bench-concurrency", type=int, default=4)
     p.add_argument("--bench-max-tokens", type=int, default=128)
     p.add_argument("--budget-minutes", type=float, default=30)
+    p.add_argument("--adapt-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override passed to draftsmith adapt (repeatable)")
     p.add_argument("--stop-after", choices=["traffic"], help="stop after this phase (run the rest later)")
     args = p.parse_args()
     from draftsmith.eval.serving.client import load_prompt_texts
@@ -161,6 +178,18 @@ def main() -> int:
 
     if "traffic" not in phases:
         prompts = load_prompt_texts(args.prompts)
+        if args.per_category:
+            from draftsmith.data_prep.conversations import load_records
+
+            records, _ = load_records(args.prompts)
+            cats = [r["id"].rsplit("-", 1)[0] for r in records]
+            seen: dict[str, int] = {}
+            keep = []
+            for text, cat in zip(prompts, cats, strict=True):
+                seen[cat] = seen.get(cat, 0) + 1
+                if seen[cat] <= args.per_category:
+                    keep.append(text)
+            prompts = keep
         served = set()  # a stopped loop serves only what has no answer in the log yet
         if log_path.exists():
             for line in log_path.read_text().splitlines():
@@ -179,7 +208,8 @@ def main() -> int:
             rc = subprocess.call([sys.executable, "-m", "draftsmith.cli", "adapt", "--log", str(log_path),
                                   "--deployed", str(args.base_draft), "--recipe", args.base_recipe,
                                   "--replay", args.replay, "--run-dir", str(out / "adapt"),
-                                  "--budget-minutes", str(args.budget_minutes), "--overwrite"],
+                                  "--budget-minutes", str(args.budget_minutes), "--overwrite",
+                                  *[a for kv in args.adapt_set for a in ("--set", kv)]],
                                  stdout=log, stderr=subprocess.STDOUT)
         if rc != 0:
             raise SystemExit(f"adapt failed ({rc}); see {out / 'adapt.log'}")
@@ -201,7 +231,7 @@ def main() -> int:
                     await asyncio.sleep(20)  # requests in flight on the base server
                     return await asyncio.to_thread(post_json, f"{base_url}/draftsmith/swap",
                                                    {"draft": str(adapted.resolve())})
-                done("swap", asyncio.run(drive(base_url, model, held * 3, args.bench_concurrency,
+                done("swap", asyncio.run(drive(base_url, model, held, args.bench_concurrency,
                                                args.bench_max_tokens, 0.0, during=swap_later())))
             if "bench_after" not in phases:
                 done("bench_after", asyncio.run(drive(base_url, model, held, args.bench_concurrency,
