@@ -177,11 +177,12 @@ def swap(proxy_url: str, draft: Path, admin_token: str | None, timeout_s: float 
     import urllib.request
 
     from ..vllm_server import _LOOPBACK
+    from .serving.proxy import ADMIN_HEADER
 
     req = urllib.request.Request(f"{proxy_url.rstrip('/')}/draftsmith/swap", method="POST",
                                  data=json.dumps({"draft": str(draft.resolve())}).encode(),
                                  headers={"Content-Type": "application/json",
-                                          **({"X-Draftsmith-Admin": admin_token} if admin_token else {})})
+                                          **({ADMIN_HEADER: admin_token} if admin_token else {})})
     try:
         with _LOOPBACK.open(req, timeout=timeout_s) as r:
             return json.loads(r.read().decode())
@@ -198,8 +199,8 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
         AdaptError, RecipeError: see :func:`plan`; a preparation or training stage that failed
             (its exit code; its own message went to stderr).
     """
+    from ..cli import train as train_main
     from ..data_prep.prepare import main as prepare_main
-    from ..methods import get_method
     from .export import export, resolve_checkpoint
 
     wall0, cpu0 = time.monotonic(), cpu_seconds()
@@ -231,7 +232,7 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
     budget = left if recipe.train.max_time_minutes is None else min(left, recipe.train.max_time_minutes)
     train_argv = [str(recipe_path), "--run-dir", str(run), "--no-prepare",
                   "--set", f"train.max_time_minutes={budget:.2f}", "--resume" if args.resume else "--overwrite"]
-    rc = _train_main(get_method("eagle3").train_module, train_argv)
+    rc = train_main(train_argv)
     if rc != 0:
         raise AdaptError(f"training in {run} failed (exit {rc}); see the error above")
     best = run / "checkpoints" / "best"
@@ -245,12 +246,6 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
         result["swap"] = swap(args.swap, out, args.admin_token)
     (run / "adapt.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def _train_main(module: str, argv: list[str]) -> int:
-    import importlib
-
-    return importlib.import_module(module).main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 from pathlib import Path
 
 
 def pearson(x: list[float], y: list[float]) -> float:
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else float("nan")
+    """Pearson's r (:func:`statistics.correlation`); nan where it is undefined (a constant side)."""
+    try:
+        return statistics.correlation(x, y)
+    except statistics.StatisticsError:
+        return float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if name in rows:
             continue
         step = json.loads((ckpt / "best.json").read_text())["step"] if name == BEST_NAME else int(name.split("-")[1])
+        same = next((r for n, r in rows.items() if n != BEST_NAME and r["step"] == step), None)
+        if name == BEST_NAME and same is not None:  # best is that step's draft: measured once
+            rows[name] = dict(same)
+            rows_path.write_text(json.dumps(rows, indent=1))
+            continue
         exp = export(ckpt, out / "export" / name, num_speculative_tokens=args.k)
         sim = simulate(exp, args.sim_data, k=args.k)
         r = measure(args.target, args.prompts, draft=exp, k=args.k, temperature=0.0,

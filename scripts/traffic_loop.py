@@ -39,13 +39,6 @@ def get_json(url: str, timeout: float = 10) -> Any:
         return json.loads(r.read().decode())
 
 
-def post_json(url: str, body: dict, timeout: float = 3600) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with OPENER.open(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
 async def drive(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
                 temperature: float, during: Any = None) -> dict[str, Any]:
     """Send every prompt (chat, non-streaming and every 4th streamed) through the proxy with
@@ -132,6 +125,7 @@ def main() -> int:
                    help="recipe override passed to draftsmith adapt (repeatable)")
     p.add_argument("--stop-after", choices=["traffic"], help="stop after this phase (run the rest later)")
     args = p.parse_args()
+    from draftsmith.eval.adapt import swap
     from draftsmith.eval.serving.client import load_prompt_texts
 
     out = args.out
@@ -229,8 +223,7 @@ def main() -> int:
             if "swap" not in phases:
                 async def swap_later() -> Any:
                     await asyncio.sleep(20)  # requests in flight on the base server
-                    return await asyncio.to_thread(post_json, f"{base_url}/draftsmith/swap",
-                                                   {"draft": str(adapted.resolve())})
+                    return await asyncio.to_thread(swap, base_url, adapted, None)
                 done("swap", asyncio.run(drive(base_url, model, held, args.bench_concurrency,
                                                args.bench_max_tokens, 0.0, during=swap_later())))
             if "bench_after" not in phases:

@@ -29,7 +29,6 @@ from torch import nn
 from ..models.eagle3 import shift_left, ttt_prediction_mask
 from ..recipe import LossName
 
-
 LOSSES: tuple[str, ...] = get_args(LossName)
 _ALPHA_FLOOR = 1e-6  # lk_alpha: -log(max(alpha, floor)) stays finite at zero overlap
 
@@ -45,6 +44,11 @@ def acceptance_probability(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Te
         ``(...)`` in [0, 1].
     """
     return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """``KL(a || b) = sum_v a_v (log a_v - log b_v)`` over the last dim, from log-probabilities."""
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
 
 
 def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tensor, *,
@@ -68,12 +72,12 @@ def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tenso
     log_p = torch.log_softmax(target_logits.float(), dim=-1)
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)
     if kind == "forward_kl":  # the soft cross-entropy minus the target entropy (same gradient)
-        return (log_p.exp() * (log_p - log_q)).sum(-1)
+        return _kl(log_p, log_q)
     if kind == "reverse_kl":
-        return (log_q.exp() * (log_q - log_p)).sum(-1)
+        return _kl(log_q, log_p)
     if kind == "jsd":
         log_m = torch.logsumexp(torch.stack([log_p, log_q]), dim=0) - math.log(2.0)
-        return 0.5 * ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
+        return 0.5 * (_kl(log_p, log_m) + _kl(log_q, log_m))
     alpha = acceptance_probability(log_p, log_q)
     if kind == "tv":
         return 1.0 - alpha
@@ -81,7 +85,7 @@ def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tenso
         return -torch.log(alpha.clamp_min(_ALPHA_FLOOR))
     if kind == "lk_lambda":
         w = lk_kl_scale * torch.exp(-lk_kl_decay * alpha.detach())
-        return w * (log_p.exp() * (log_p - log_q)).sum(-1) + (1.0 - alpha)
+        return w * _kl(log_p, log_q) + (1.0 - alpha)
     raise ValueError(f"unknown loss {kind!r}: one of {', '.join(LOSSES)}")
 
 
@@ -94,7 +98,7 @@ class LossSpec:
     lk_kl_decay: float = 3.0
 
     @classmethod
-    def from_recipe(cls, train_cfg) -> "LossSpec":
+    def from_recipe(cls, train_cfg) -> LossSpec:
         return cls(train_cfg.loss, train_cfg.lk_kl_scale, train_cfg.lk_kl_decay)
 
     def __call__(self, target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -113,7 +117,7 @@ class TargetDraftHead(nn.Module):
         self.register_buffer("weight", lm_head_draft_rows.detach().clone(), persistent=False)
 
     @classmethod
-    def from_full(cls, lm_head: torch.Tensor, t2d: torch.Tensor) -> "TargetDraftHead":
+    def from_full(cls, lm_head: torch.Tensor, t2d: torch.Tensor) -> TargetDraftHead:
         """Gather the draft rows of a full target ``lm_head [V, H]`` with ``t2d bool [V]``."""
         if lm_head.shape[0] != t2d.shape[0]:
             raise ValueError(

@@ -22,13 +22,20 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..data_prep.capture import capture_batch
-from .data import HiddenStateDataset, TokenizedDataset
 from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
-from .validation import ValidationSpec
-from .losses import HeadTargets, LossSpec, StepMetrics, TargetDraftHead, head_loss, head_targets
+from .data import HiddenStateDataset, TokenizedDataset
+from .losses import (
+    HeadTargets,
+    LossSpec,
+    StepMetrics,
+    TargetDraftHead,
+    head_loss,
+    head_targets,
+)
 from .mask_token import resolve_mask_token_id, token_counts
+from .validation import ValidationSpec
 
 
 class TargetDataMethod:
@@ -102,10 +109,8 @@ class TargetDataMethod:
             metrics[f"acc_{k}"] = ak
         return metrics
 
-    def validation_spec(self) -> "ValidationSpec":
+    def validation_spec(self) -> ValidationSpec:
         """No simulated acceptance by default; ``val_loss`` and per-step accuracies only."""
-        from .validation import ValidationSpec
-
         return ValidationSpec()
 
     @torch.no_grad()
