@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Is the simulated acceptance length worth trusting? Issue 17's check, on the machine it runs on.
 
-    scripts/sim_vs_vllm.py RUN_DIR --sim-data PROMPT_DATA --prompts MT_BENCH --recipe RECIPE [--out OUT]
+    scripts/sim_vs_vllm.py RUN_DIR --sim-data PROMPT_DATA --prompts MT_BENCH --recipe RECIPE --target TARGET_DIR [--out OUT]
 
 For every checkpoint of a training run (``checkpoints/step-N``, keep them with
 ``train.keep_checkpoints``, and ``checkpoints/best``): export it, simulate its acceptance length
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-data", type=Path, required=True, help="prepared data folder of the prompts")
     p.add_argument("--prompts", required=True, help="the prompts of that data (vLLM acceptance)")
     p.add_argument("--recipe", type=Path, required=True, help="recipe whose vllm section runs the engine")
-    p.add_argument("--target", type=Path, default=Path("~/.cache/draftsmith/targets/SmolLM2-135M-Instruct").expanduser())
+    p.add_argument("--target", type=Path, required=True, help="the target's local folder (vLLM loads it)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, help="default: RUN_DIR/sim_vs_vllm")
