@@ -6,7 +6,9 @@ Shard layout (``<dir>/shard-00000.safetensors``), one row per token, sequences c
 With ``dtype: float8_e4m3fn`` the states are stored row-scaled (see ``encode_fp8``) and two
 more tensors hold the scales: ``aux_hidden_states_scale [N, 3]`` and
 ``final_hidden_states_scale [N, 1]`` (float32); the manifest's ``encoding`` names the scheme
-(absent in shards written before it existed = plain).
+(absent in shards written before it existed = plain). Readers decode fp8 to float32 on the
+CPU by default, or hand out the fp8 payload and scales for :func:`decode_states` to decode
+on the device after the host-to-device copy (``ShardReader(decode_dtype=None)``).
 ``manifest.json`` lists every finished shard with its sequence/token counts, ``sha256`` and
 ``bytes`` (file size), both computed from the bytes in memory as the shard is written (no
 re-read). Shards and the manifest are written atomically (temp file, fsync, rename), so a
@@ -95,11 +97,41 @@ def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``encode_fp8``: ``(N, G*D)`` fp8 and ``(N, G)`` scales -> ``(N, G*D)`` in ``dtype``."""
-    N, GD = q.shape
+    """Inverse of ``encode_fp8``: ``(..., G*D)`` fp8 and ``(..., G)`` scales -> ``(..., G*D)`` in
+    ``dtype``, on ``q``'s device (the scales follow it). Any leading shape: one sequence
+    ``(N, G*D)`` or a padded batch ``(B, T, G*D)`` (padding rows have scale 0 and decode to 0).
+
+    Device-agnostic and exact everywhere: the fp8 -> fp32 conversion is exact and the product
+    with the fp32 scale is one correctly rounded IEEE multiply, so a GPU decode equals the
+    CPU one bit for bit; a narrower ``dtype`` is that fp32 value rounded once.
+    """
     G = scale.shape[-1]
-    x = q.float().reshape(N, G, GD // G) * scale.float().unsqueeze(-1)  # (N, G, D)
-    return x.reshape(N, GD).to(dtype)
+    x = q.to(torch.float32, copy=True).unflatten(-1, (G, q.shape[-1] // G))  # (..., G, D), never q itself
+    x.mul_(scale.to(device=x.device, dtype=torch.float32).unsqueeze(-1))
+    return x.flatten(-2).to(dtype)
+
+
+STATE_KEYS = ("aux_hidden_states", "final_hidden_states")
+SCALE_SUFFIX = "_scale"  # fp8 shards: ``<state key>_scale`` holds the row scales
+
+
+def decode_states(batch: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Decode the fp8 hidden states of an item or a collated batch that a
+    :class:`ShardReader` handed out undecoded (``decode_dtype=None``): each state key with a
+    ``<key>_scale`` beside it becomes :func:`decode_fp8` of the two, in ``dtype``, on the
+    device the tensors are on, and the scale key is removed. Meant to run after the
+    host-to-device copy, which then moves 1 byte per value (plus 4 per scale) instead of 4.
+
+    Works in place and returns ``batch``; a batch without scale keys (plain shards, online
+    mode, an already decoded batch) is returned unchanged, so it is safe to call twice.
+    ``dtype=torch.float32`` gives exactly what ``ShardReader(decode_dtype=torch.float32)``
+    gives (the CPU decode), ``torch.bfloat16`` that rounded to bf16.
+    """
+    for key in STATE_KEYS:
+        scale = batch.pop(key + SCALE_SUFFIX, None)
+        if scale is not None:
+            batch[key] = decode_fp8(batch[key], scale, dtype)
+    return batch
 
 
 def encode_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -324,8 +356,12 @@ class ShardReader:
 
     ``{"input_ids" (T,) long, "loss_mask" (T,) long, "aux_hidden_states" (T, 3H),
     "final_hidden_states" (T, H)}``: plain shards in their storage dtype, fp8 shards decoded
-    to ``decode_dtype``. Shards are memory-mapped and sliced per sequence; the manifest may
-    be the union of per-rank parts.
+    to ``decode_dtype`` (default float32, on the CPU). With ``decode_dtype=None`` fp8 shards
+    are handed out undecoded: the states as stored (float8_e4m3fn) plus their scales,
+    ``"aux_hidden_states_scale" (T, 3)`` and ``"final_hidden_states_scale" (T, 1)`` float32,
+    which collate and pack like any other key; :func:`decode_states` decodes the batch after
+    it is moved to the device (plain shards are unaffected). Shards are memory-mapped and
+    sliced per sequence; the manifest may be the union of per-rank parts.
 
     ``verify``: ``"header"`` (default; also ``False``) checks each shard's size against the
     manifest's ``bytes`` (when recorded) and its safetensors header (tensor names, shapes,
@@ -339,7 +375,7 @@ class ShardReader:
     """
 
     def __init__(self, directory: Path | str, verify: bool | str = "header", max_length: int | None = None,
-                 decode_dtype: torch.dtype = torch.float32):
+                 decode_dtype: torch.dtype | None = torch.float32):
         self.dir = Path(directory)
         verify = _verify_mode(verify)
         if verify not in VERIFY_MODES:
@@ -378,23 +414,26 @@ class ShardReader:
             fh = self._handles[file] = safe_open(self.dir / file, framework="pt")
         return fh
 
-    def _states(self, fh: Any, key: str, a: int, b: int) -> torch.Tensor:
+    def _states(self, fh: Any, key: str, a: int, b: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``a:b`` of state ``key``: as stored, fp8 decoded to ``dtype``."""
         x = fh.get_slice(key)[a:b]
         if not self.scaled:
             return x
-        return decode_fp8(x, fh.get_slice(f"{key}_scale")[a:b], self.decode_dtype)
+        return decode_fp8(x, fh.get_slice(key + SCALE_SUFFIX)[a:b], dtype)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         file, a, b = self.index[i]
         if self.max_length:
             b = min(b, a + self.max_length)
         fh = self._fh(file)
-        return {
-            "input_ids": fh.get_slice("input_ids")[a:b].long(),
-            "loss_mask": fh.get_slice("loss_mask")[a:b].long(),
-            "aux_hidden_states": self._states(fh, "aux_hidden_states", a, b),
-            "final_hidden_states": self._states(fh, "final_hidden_states", a, b),
-        }
+        item = {"input_ids": fh.get_slice("input_ids")[a:b].long(), "loss_mask": fh.get_slice("loss_mask")[a:b].long()}
+        for key in STATE_KEYS:
+            if self.scaled and self.decode_dtype is None:  # decoded on the device (decode_states)
+                item[key] = fh.get_slice(key)[a:b]
+                item[key + SCALE_SUFFIX] = fh.get_slice(key + SCALE_SUFFIX)[a:b]
+            else:
+                item[key] = self._states(fh, key, a, b, self.decode_dtype)
+        return item
 
     def __getstate__(self):  # safe_open handles do not pickle (dataloader workers)
         state = dict(self.__dict__)

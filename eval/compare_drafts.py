@@ -136,13 +136,14 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | None, k: int,
             temperatures: list[float], max_new_tokens: int, seed: int = 0, draft_sampling: str = "greedy",
-            dtype: str = "float32", progress=print, device: str | None = None) -> dict[str, Any]:
+            dtype: str = "auto", progress=print, device: str | None = None) -> dict[str, Any]:
     """Measure every run's draft at every temperature on the same prompts (module docstring).
     Target and drafts run on ``device`` (default: this process's accelerator,
-    :func:`draftsmith.data_prep.target.default_device`).
+    :func:`draftsmith.data_prep.target.default_device`) in ``dtype`` (``"auto"``: bfloat16 on
+    CUDA, float32 on the CPU, :func:`draftsmith.runtime.resolve_dtype`).
 
     Returns:
-        ``{"target", "prompts", "num_prompts", "k", "max_new_tokens", "temperatures",
+        ``{"target", "prompts", "num_prompts", "k", "max_new_tokens", "temperatures", "dtype",
         "plain": {T: {"output_tokens", "seconds", "output_tokens_per_s"}},
         "drafts": {name: {method, export, steps, train_tokens, train_seconds, parameters,
         trained_parameters, "acceptance": {T: spec_decode figures + "speedup"}}}}``.
@@ -151,7 +152,8 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         RunError: a run without export or checkpoint (before anything is measured).
         DraftLoadError: an export that does not fit the target.
     """
-    from ..data_prep.target import load_target, resolve_target
+    from ..data_prep.target import default_device, load_target, resolve_target
+    from ..runtime import resolve_dtype
     from .spec_decode import Target, evaluate, load_draft, plain_generate, prompt_token_ids, stop_token_ids
 
     runs = {}
@@ -162,12 +164,14 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         if name in runs:
             name = f"{name} ({run.name})"
         runs[name] = {"run_dir": str(run), "export": str(export), **info, **count_parameters(export, run)}
+    device = default_device(device)
+    dtype = resolve_dtype(dtype, device)
     model, tokenizer = load_target(resolve_target(target), dtype=getattr(torch, dtype), device=device)
     prompt_ids = prompt_token_ids(tokenizer, prompts, max_prompts)
     stops = stop_token_ids(model, tokenizer)
     out: dict[str, Any] = {"target": target, "prompts": prompts, "num_prompts": len(prompt_ids), "k": k,
                            "max_new_tokens": max_new_tokens, "temperatures": temperatures,
-                           "draft_sampling": draft_sampling, "plain": {}, "drafts": runs}
+                           "dtype": dtype, "draft_sampling": draft_sampling, "plain": {}, "drafts": runs}
     for t in temperatures:
         plain_target = Target(model)
         gen = torch.Generator(device=model.device).manual_seed(seed)
@@ -194,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/compare_drafts.py`` (``draftsmith compare``)."""
     from ..cli import HelpFormatter
     from ..data_prep.target import DEVICE_HELP
+    from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
@@ -208,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the draft picks its tokens at temperature > 0")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"target and draft dtype ({DTYPE_AUTO_HELP}, of --device)")
     p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
     return p
 
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
         results = compare(args.target, args.run, args.prompts, args.max_prompts, args.k, temps,
-                          args.max_new_tokens, args.seed, args.draft_sampling, device=args.device)
+                          args.max_new_tokens, args.seed, args.draft_sampling, args.dtype, device=args.device)
     except (RunError, DraftLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,9 @@
     draftsmith export RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
     python -m draftsmith.eval.export CKPT OUT_DIR   # any method: its exporter in draftsmith.methods
 
+``--dtype auto`` (the default) writes bfloat16 weights on a machine with a CUDA GPU and
+float32 on a CPU-only one; ``--dtype float32`` / ``bfloat16`` / ``float16`` choose explicitly.
+
 Formats (SPEC.md section 3):
 
 - speculators (default; vLLM detects it by ``speculators_config``): ``config.json`` with
@@ -34,6 +37,7 @@ from .. import __version__
 from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
 from ..methods import UnknownMethodError, get_method
 from ..models.eagle3 import Eagle3Config
+from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows
 
@@ -194,15 +198,21 @@ def is_eagle3_export(config: dict[str, Any]) -> bool:
 
 
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int = 3,
-           dtype: str = "float32", embed_tokens: torch.Tensor | None = None) -> Path:
+           dtype: str = "auto", embed_tokens: torch.Tensor | None = None) -> Path:
     """Write the vLLM-loadable draft of checkpoint ``ckpt`` to ``out`` (created) with the
     exporter :mod:`draftsmith.methods` registers for its method; returns ``out``.
     ``legacy``, ``num_speculative_tokens`` and ``embed_tokens`` reach exporters that take them
-    (EAGLE-3, :func:`export_eagle3`) only.
+    (EAGLE-3, :func:`export_eagle3`) only. ``dtype`` is the storage dtype of the floating-point
+    weights; ``"auto"`` is bfloat16 when this process sees a CUDA GPU and float32 otherwise
+    (:func:`draftsmith.runtime.resolve_dtype`), resolved here so every exporter gets a name.
 
     Raises:
-        ExportError: see :func:`read_checkpoint`; a method no registered one has.
+        ExportError: see :func:`read_checkpoint`; a method no registered one has; an unknown dtype.
     """
+    try:
+        dtype = resolve_dtype(dtype)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     try:
         spec = get_method(checkpoint_method(ckpt))
     except UnknownMethodError as exc:
@@ -254,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--legacy", action="store_true", help="EAGLE-3: legacy LlamaForCausalLMEagle3 layout")
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="EAGLE-3: K written as the default proposal length")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="storage dtype of the floating-point weights")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"storage dtype of the floating-point weights ({DTYPE_AUTO_HELP}: of this machine; "
+                   "vLLM casts to its own --dtype when it loads the draft)")
     return p
 
 

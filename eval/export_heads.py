@@ -185,9 +185,10 @@ def _write(out: Path, config: dict[str, Any], state: dict[str, torch.Tensor], pr
     return out
 
 
-def export_head_draft(ckpt: Path, out: Path, dtype: str = "float32") -> Path:
+def export_head_draft(ckpt: Path, out: Path, dtype: str = "auto") -> Path:
     """Export a Medusa or MLP-speculator checkpoint with the exporter :mod:`draftsmith.methods`
-    registers for its ``draft_config.json`` ``method`` (:func:`draftsmith.eval.export.export`).
+    registers for its ``draft_config.json`` ``method`` (:func:`draftsmith.eval.export.export`,
+    which resolves ``dtype="auto"``).
 
     Raises:
         ExportError: see :func:`export_medusa`; an unknown method.

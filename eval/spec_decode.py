@@ -7,8 +7,10 @@ P-EAGLE drafts without vLLM (SPEC.md sections 4-5).
         [--vllm-enforce-eager --vllm-gpu-memory-utilization 0.2 ...]   # --compare-vllm's engine
 
 The target and the draft run on ``--device`` (default: this process's accelerator);
-``--compare-vllm`` runs vLLM at ``--dtype`` with the ``--vllm-*`` engine settings
-(:class:`draftsmith.recipe.VllmConfig`; its defaults are GPU values).
+``--dtype auto`` (the default) is bfloat16 on a CUDA device and float32 on the CPU
+(:func:`draftsmith.runtime.resolve_dtype`); ``--compare-vllm`` runs vLLM at that dtype with
+the ``--vllm-*`` engine settings (:class:`draftsmith.recipe.VllmConfig`; its defaults are GPU
+values).
 
 Chain speculative decoding, batch size 1 (prompts one at a time), on a transformers target
 with a KV cache. Each round:
@@ -74,6 +76,7 @@ from ..layout import read_export_config as _read_config  # also eval/dflash.py's
 from ..methods import UnknownMethodError, method_of_export
 from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
 from ..recipe import add_vllm_arguments
+from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
 # --------------------------------------------------------------------------------------
 # Token choice and verification
@@ -676,8 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="target sampling temperature (0: greedy)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="target and draft dtype (default: %(default)s; also vLLM's with --compare-vllm)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"target and draft dtype ({DTYPE_AUTO_HELP}, of --device; default: %(default)s); "
+                   "also vLLM's with --compare-vllm")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
                    "machine 1 thread avoids waiting for cores)")
@@ -693,25 +697,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..data_prep.target import load_target, resolve_target
+    from ..data_prep.target import default_device, load_target, resolve_target
     from ..recipe import RecipeError, VllmConfig, vllm_config_from_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = default_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     try:
-        engine = vllm_config_from_args(args, VllmConfig(dtype=args.dtype)) if args.compare_vllm else None
+        engine = vllm_config_from_args(args, VllmConfig(dtype=dtype)) if args.compare_vllm else None
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target(target_dir, dtype=getattr(torch, args.dtype), device=args.device)
+    model, tokenizer = load_target(target_dir, dtype=getattr(torch, dtype), device=device)
     try:
         proposer = load_draft(args.draft, model)
     except DraftLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    proposer.model.to(model.device, getattr(torch, args.dtype))
+    proposer.model.to(model.device, getattr(torch, dtype))
     proposer.draft_sampling = args.draft_sampling
     prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
     results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,

@@ -282,36 +282,141 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
-                    v_blk: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Anchor blocks attending to the context and bidirectionally to their own block.
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex")
+
+
+@dataclass
+class DFlashAttentionMask:
+    """Who each block query sees, built once per forward and shared by every layer
+    (:func:`block_attention_mask`).
+
+    Attributes:
+        context_len: T, the number of context keys in front of the block keys.
+        block_size: Bk (queries ``j*Bk .. j*Bk+Bk-1`` form block j).
+        keep: ``(B, 1, A*Bk, 1)`` float 0/1: 0 zeroes the output of an invalid block.
+        allow: ``"sdpa"``: ``(B, 1, A*Bk, T + A*Bk)`` bool (True = attend), else None.
+        flex: ``"flex"``: the ``torch.nn.attention.flex_attention.BlockMask``, else None.
+    """
+
+    context_len: int
+    block_size: int
+    keep: torch.Tensor
+    allow: torch.Tensor | None = None
+    flex: Any = None
+
+
+def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, block_size: int,
+                         backend: str = "sdpa") -> DFlashAttentionMask:
+    """The attention mask of A anchor blocks over ``[context (T) | all block tokens (A*Bk)]``.
+
+    Query slot i of block j sees context position t iff ``ctx_allow[j, t]`` (t strictly before
+    the anchor, same document) and the block is valid, and the Bk tokens of its own block
+    (bidirectionally), never another block's. Every query row therefore sees at least its own
+    block: no fully masked row (SDPA would return NaN there); an invalid (padding) block sees
+    only itself and its output is zeroed afterwards by ``keep`` (no host sync).
 
     Args:
-        q: ``(B, nh, A, Bk, hd)`` block queries.
-        k_ctx / v_ctx: ``(B, nh, T, hd)`` context keys / values (shared by all blocks).
-        k_blk / v_blk: ``(B, nh, A, Bk, hd)`` each block's own keys / values.
-        ctx_allow: ``(B, A, T)`` bool, block j may see context position t.
-        block_valid: ``(B, A)`` bool; invalid (padding) blocks see nothing and output zeros.
+        ctx_allow: ``(B, A, T)`` bool.
+        block_valid: ``(B, A)`` bool.
+        block_size: Bk.
+        backend: ``"sdpa"`` (a dense bool mask, ``A*Bk x (T + A*Bk)`` per row, no head dim) or
+            ``"flex"`` (a ``flex_attention`` block mask from a ``mask_mod``).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    B, A, T = ctx_allow.shape
+    Bk, L = block_size, A * block_size
+    ctx = ctx_allow & block_valid[..., None]  # (B, A, T)
+    keep = block_valid[:, None, :, None].expand(B, 1, A, Bk).reshape(B, 1, L, 1).float()
+    if backend == "sdpa":
+        blk = torch.arange(L, device=ctx_allow.device) // Bk
+        own = (blk[:, None] == blk[None, :]).expand(B, L, L)
+        ctx = ctx[:, :, None, :].expand(B, A, Bk, T).reshape(B, L, T)
+        return DFlashAttentionMask(T, Bk, keep, allow=torch.cat([ctx, own], dim=-1)[:, None])
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            j = q_idx // Bk
+            seen = ctx[b, j, kv_idx.clamp(max=T - 1)]
+            return torch.where(kv_idx < T, seen, (kv_idx - T) // Bk == j)
+
+        cuda = ctx_allow.device.type == "cuda"
+        flex = create_block_mask(mask_mod, B, None, L, T + L, device=ctx_allow.device, _compile=cuda)
+        return DFlashAttentionMask(T, Bk, keep, flex=flex)
+    raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+
+
+_compiled_flex: Any = None
+
+
+def _flex_attention(q, k, v, block_mask, scale, enable_gqa):
+    """``flex_attention``, ``torch.compile``d on CUDA (the fused kernel), eager elsewhere (an
+    unfused reference that materialises the scores: tests only)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes: A varies per batch
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                    v_blk: torch.Tensor, mask: DFlashAttentionMask, scale: float) -> torch.Tensor:
+    """Anchor blocks attending to the context and bidirectionally to their own block: ONE
+    attention call over the concatenated keys ``[context (T) | all block tokens (A*Bk)]``.
+
+    Args:
+        q: ``(B, nh, A*Bk, hd)`` block queries.
+        k_ctx / v_ctx: ``(B, nkv, T, hd)`` context keys / values (shared by all blocks).
+        k_blk / v_blk: ``(B, nkv, A*Bk, hd)`` the blocks' own keys / values.
+        mask: :func:`block_attention_mask`.
         scale: softmax scale (hd ** -0.5).
 
     Returns:
-        ``(B, nh, A, Bk, hd)``. Scores are ``(B, nh, A, Bk, T + Bk)``: each block's keys are the
-        context plus its own block only, never the other blocks (a dense ``A*Bk x (T + A*Bk)``
-        mask would be mostly empty). Masked scores take the dtype's minimum instead of -inf, so
-        all-masked rows stay finite in forward and backward and are then zeroed (SDPA with a
-        boolean mask gives NaN there).
+        ``(B, nh, A*Bk, hd)``; exactly 0 for the queries of invalid blocks.
+
+    Memory is linear in T per head: the CPU flash and CUDA memory-efficient SDPA kernels never
+    build the ``(nh, A*Bk, T + A*Bk)`` scores; only the head-free mask is materialised. GQA
+    (nkv < nh): on CPU the un-repeated keys go in with ``enable_gqa=True`` (the CPU flash
+    kernel takes a mask and GQA together); on CUDA an explicit mask with ``enable_gqa`` falls
+    back to the quadratic math kernel, so the keys are repeated per group there (linear in T).
     """
-    s_ctx = torch.einsum("bhaqd,bhtd->bhaqt", q, k_ctx).float() * scale  # (B, nh, A, Bk, T)
-    s_blk = torch.einsum("bhaqd,bhakd->bhaqk", q, k_blk).float() * scale  # (B, nh, A, Bk, Bk)
-    neg = torch.finfo(torch.float32).min
-    s_ctx = s_ctx.masked_fill(~(ctx_allow & block_valid[..., None])[:, None, :, None, :], neg)
-    s_blk = s_blk.masked_fill(~block_valid[:, None, :, None, None], neg)
-    probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(q.dtype)
-    probs = probs * block_valid[:, None, :, None, None].to(q.dtype)
-    T = k_ctx.shape[2]
-    out = torch.einsum("bhaqt,bhtd->bhaqd", probs[..., :T], v_ctx)
-    return out + torch.einsum("bhaqk,bhakd->bhaqd", probs[..., T:], v_blk)
+    k = torch.cat([k_ctx, k_blk], dim=2)
+    v = torch.cat([v_ctx, v_blk], dim=2)
+    nh, nkv = q.shape[1], k.shape[1]
+    if mask.flex is not None:
+        out = _flex_attention(q, k, v, mask.flex, scale, nkv != nh)
+    else:
+        gqa = nkv != nh and sdpa_native_gqa(q.device)
+        if nkv != nh and not gqa:
+            k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allow, scale=scale, enable_gqa=gqa)
+    return out * mask.keep.to(out.dtype)
+
+
+def sdpa_native_gqa(device: torch.device) -> bool:
+    """Whether SDPA gets the un-repeated GQA keys (``enable_gqa=True``) together with the bool
+    mask and still runs a fused kernel: measured True on CPU (``_scaled_dot_product_flash_attention_for_cpu``
+    in forward and backward, largest tensor the float copy of the mask); elsewhere False (CUDA's
+    fused kernels take GQA only without a mask: the math fallback would build the scores)."""
+    return device.type == "cpu"
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(B, nkv, S, hd)`` -> ``(B, nkv*groups, S, hd)``: each key / value head repeated for the
+    ``groups`` query heads that share it (HF ``repeat_kv``)."""
+    if groups == 1:
+        return x
+    B, nkv, S, hd = x.shape
+    return x[:, :, None].expand(B, nkv, groups, S, hd).reshape(B, nkv * groups, S, hd)
 
 
 class DFlashAttention(nn.Module):
@@ -331,28 +436,24 @@ class DFlashAttention(nn.Module):
         self.k_norm = LlamaRMSNorm(self.hd, eps=config.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x (B, S, H)`` -> keys ``k_norm`` + RoPE and values, each ``(B, nh, S, hd)`` (GQA
-        groups repeated)."""
+        """``x (B, S, H)`` -> keys ``k_norm`` + RoPE and values, each ``(B, nkv, S, hd)`` (GQA
+        groups not repeated)."""
         B, S, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(B, S, self.nkv, self.hd)).transpose(1, 2)  # (B, nkv, S, hd)
         v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
-        k = apply_rope(k, cos, sin)
-        g = self.nh // self.nkv
-        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
-                v_ctx: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
+                v_ctx: torch.Tensor, mask: DFlashAttentionMask) -> torch.Tensor:
         """``x (B, A, Bk, H)`` normed block inputs, ``cos`` / ``sin`` ``(B, A*Bk, hd)`` at the block
-        positions, context keys / values ``(B, nh, T, hd)`` -> ``(B, A, Bk, H)``."""
+        positions, context keys / values ``(B, nkv, T, hd)`` -> ``(B, A, Bk, H)``."""
         B, A, Bk, H = x.shape
         flat = x.reshape(B, A * Bk, H)
         q = self.q_norm(self.q_proj(flat).view(B, A * Bk, self.nh, self.hd)).transpose(1, 2)  # (B, nh, A*Bk, hd)
         q = apply_rope(q, cos, sin)
-        k, v = self.kv(flat, cos, sin)  # (B, nh, A*Bk, hd)
-        split = lambda t: t.view(B, self.nh, A, Bk, self.hd)  # noqa: E731
-        out = block_attention(split(q), k_ctx, v_ctx, split(k), split(v), ctx_allow, block_valid,
-                              1.0 / math.sqrt(self.hd))
-        return self.o_proj(out.permute(0, 2, 3, 1, 4).reshape(B, A, Bk, self.nh * self.hd))
+        k, v = self.kv(flat, cos, sin)  # (B, nkv, A*Bk, hd)
+        out = block_attention(q, k_ctx, v_ctx, k, v, mask, 1.0 / math.sqrt(self.hd))  # (B, nh, A*Bk, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(B, A, Bk, self.nh * self.hd))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -367,21 +468,20 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.llama_config())
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, ctx_cos: torch.Tensor, ctx_sin: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, ctx_allow: torch.Tensor,
-                block_valid: torch.Tensor) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, mask: DFlashAttentionMask) -> torch.Tensor:
         """``h (B, A, Bk, H)``, ``context (B, T, H)`` = hidden_norm(fc(aux)) -> ``(B, A, Bk, H)``."""
         k_ctx, v_ctx = self.self_attn.kv(context, ctx_cos, ctx_sin)  # context: no input_layernorm
-        return self.attend(h, k_ctx, v_ctx, cos, sin, ctx_allow, block_valid)
+        return self.attend(h, k_ctx, v_ctx, cos, sin, mask)
 
     def attend(self, h: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, ctx_allow: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
-        """As :meth:`forward` with precomputed context keys / values ``(B, nh, T, hd)``."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, ctx_allow, block_valid)
+               sin: torch.Tensor, mask: DFlashAttentionMask) -> torch.Tensor:
+        """As :meth:`forward` with precomputed context keys / values ``(B, nkv, T, hd)``."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashKVCache:
-    """Per-layer context keys / values ``(1, nh, n, hd)`` of the committed positions (inference;
+    """Per-layer context keys / values ``(1, nkv, n, hd)`` of the committed positions (inference;
     vLLM keeps them in its paged cache). Only committed positions are appended, so nothing is
     ever cropped: the block's own keys are recomputed each proposal."""
 
@@ -400,6 +500,30 @@ class DFlashKVCache:
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
 
 
+@dataclass
+class DFlashTargets:
+    """What :meth:`DFlashDraftModel.forward` distils towards when the loss is computed inside the
+    forward (``draftsmith.train.losses.chunked_distill``: chunks of rows, each recomputed in
+    backward, so no ``(M, Vd)`` float32 tensor lives until backward).
+
+    Every block slot k = 1..Bk-1 of every anchor is a row (M = B*A*(Bk-1), row-major over
+    ``(B, A, Bk-1)``); slot 0 (the anchor, whose output vLLM discards) is never a row.
+
+    Attributes:
+        teacher: ``(N, Vd)`` target logits over the draft vocab (no grad).
+        teacher_index: ``(B, A, Bk)`` long: the ``teacher`` row of each slot (slot 0 ignored).
+        weight: ``(B, A, Bk)`` float loss weight per slot, 0 where not trained (slot 0 ignored).
+        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
+        chunk_size: rows per chunk.
+    """
+
+    teacher: torch.Tensor
+    teacher_index: torch.Tensor
+    weight: torch.Tensor
+    loss: Any = None
+    chunk_size: int = 2048
+
+
 class DFlashDraftModel(TargetSharedDraft):
     """DFlash draft: ``fc`` + ``hidden_norm`` over the aux states, L Qwen3-style layers, ``norm``,
     ``lm_head [Vd, H]``.
@@ -407,14 +531,19 @@ class DFlashDraftModel(TargetSharedDraft):
     The target's token embedding is a frozen, non-persistent buffer (not trained, not in
     checkpoints, not exported: vLLM shares the target's). ``d2t`` / ``t2d`` are persistent buffers
     (:mod:`draftsmith.data_prep.vocab`). ``gradient_checkpointing`` recomputes each layer in backward.
+    ``attention_backend`` (training forward only): ``"sdpa"`` (default) or ``"flex"``
+    (``flex_attention`` with a block mask, compiled on CUDA; see :func:`block_attention_mask`).
     """
 
     _no_split_modules = ["DFlashDecoderLayer"]
 
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig, attention_backend: str = "sdpa"):
         super().__init__()
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
         self.config = config
         self.gradient_checkpointing = False
+        self.attention_backend = attention_backend
         H, n = config.hidden_size, len(config.aux_layer_ids)
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(n * config.target_hidden_size, H, bias=False)
@@ -444,8 +573,8 @@ class DFlashDraftModel(TargetSharedDraft):
 
     def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
                 anchor_valid: torch.Tensor, label_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                targets: DFlashTargets | None = None) -> Any:
         """Training forward over A anchor blocks per row (SPEC_DFLASH_PEAGLE.md 2.3).
 
         Args:
@@ -454,15 +583,20 @@ class DFlashDraftModel(TargetSharedDraft):
             anchors: ``(B, A)`` anchor positions a (:func:`sample_anchors`).
             anchor_valid: ``(B, A)`` bool; False marks padding anchors (outputs zero, no NaN).
             label_mask: optional ``(B, A, Bk)`` bool (:func:`block_labels`): return logits only
-                at those slots.
+                at those slots (boolean indexing: a host sync; training passes ``targets``).
             position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per document);
                 default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.
             document_ids: optional ``(B, T)`` document per position (packed rows): blocks see
                 only their anchor's document.
+            targets: optional :class:`DFlashTargets`: compute the distillation loss here
+                instead of returning logits.
 
         Returns:
-            ``(B, A, Bk, Vd)`` logits (slot k predicts x_{a+k}; slot 0 is the anchor's own), or
-            ``(M, Vd)`` at the M slots ``label_mask`` selects, in row-major order.
+            Without ``targets``: ``(B, A, Bk, Vd)`` logits (slot k predicts x_{a+k}; slot 0 is
+            the anchor's own), or ``(M, Vd)`` at the M slots ``label_mask`` selects, in
+            row-major order. With ``targets``: the ``chunked_distill`` output (``loss_sum`` with
+            grad, detached per-row ``row_loss`` / ``row_hit``) over the ``B*A*(Bk-1)`` rows of
+            slots 1..Bk-1.
         """
         B, T = input_ids.shape
         Bk = self.config.block_size
@@ -473,17 +607,24 @@ class DFlashDraftModel(TargetSharedDraft):
         if document_ids is not None:
             anchor_doc = document_ids.gather(1, anchors)  # (B, A)
             ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
+        mask = block_attention_mask(ctx_allow, anchor_valid, Bk, self.attention_backend)
         q_pos = position_ids.gather(1, anchors)[..., None] + torch.arange(Bk, device=input_ids.device)  # (B, A, Bk)
         context = self.context(aux_hidden_states)  # (B, T, H)
         ctx_cos, ctx_sin = self.rotary_emb(context, position_ids)  # (B, T, hd)
         cos, sin = self.rotary_emb(context, q_pos.flatten(1))  # (B, A*Bk, hd)
         h = self.block_embeddings(input_ids.gather(1, anchors)).to(context.dtype)  # (B, A, Bk, H)
         for layer in self.layers:
-            args = (h, context, ctx_cos, ctx_sin, cos, sin, ctx_allow, anchor_valid)
+            args = (h, context, ctx_cos, ctx_sin, cos, sin, mask)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer, *args, use_reentrant=False)
             else:
                 h = layer(*args)
+        if targets is not None:
+            from ..train.losses import chunked_distill
+
+            return chunked_distill(h[:, :, 1:].reshape(-1, h.shape[-1]), self.compute_logits, targets.teacher,
+                                   targets.teacher_index[:, :, 1:].reshape(-1), targets.weight[:, :, 1:].reshape(-1),
+                                   targets.loss, targets.chunk_size)
         if label_mask is not None:
             h = h[label_mask]  # (M, H)
         return self.compute_logits(h)
@@ -504,7 +645,7 @@ class DFlashDraftModel(TargetSharedDraft):
         context = self.context(aux_hidden_states.unsqueeze(0))  # (1, n, H)
         cos, sin = self.rotary_emb(context, positions.unsqueeze(0))
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(context, cos, sin)  # (1, nh, n, hd)
+            k, v = layer.self_attn.kv(context, cos, sin)  # (1, nkv, n, hd)
             cache.append(i, k, v)
 
     @torch.no_grad()
@@ -536,8 +677,9 @@ class DFlashDraftModel(TargetSharedDraft):
         cos, sin = self.rotary_emb(h, pos)
         ctx_allow = torch.ones(1, 1, len(cache), dtype=torch.bool, device=device)
         valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        mask = block_attention_mask(ctx_allow, valid, k + 1)
         for i, layer in enumerate(self.layers):
-            h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, ctx_allow, valid)
+            h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, mask)
         return self.compute_logits(h[0, 0, 1:]).float()  # the anchor row's output is discarded
 
 
@@ -559,24 +701,35 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None
     return ok
 
 
+def anchor_count(loss_mask: torch.Tensor, num_anchors: int, document_ids: torch.Tensor | None = None) -> int:
+    """``max(1, min(num_anchors, most valid anchors of any row))``: the tightest anchor width A
+    for a batch. Reads the tensor: call it on the CPU batch (the method's batch plan, in the data
+    loader), never on device tensors inside a step."""
+    return max(1, min(int(num_anchors), int(valid_anchor_mask(loss_mask, document_ids).sum(1).max())))
+
+
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
                    document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``num_anchors`` distinct valid anchors per row (:func:`valid_anchor_mask`),
-    uniformly without replacement, sorted ascending.
+    uniformly without replacement, sorted ascending, without reading the device: random keys on
+    the valid positions, ``topk``.
 
     Args:
         loss_mask: ``(B, T)``.
-        num_anchors: cap per row.
-        generator: CPU RNG (seeded per step by the caller for reproducible runs).
+        num_anchors: A, the anchor width (capped at T); :func:`anchor_count` gives the tightest.
+        generator: RNG (seeded per step by the caller for reproducible runs), on ``loss_mask``'s
+            device preferably (a CPU generator's draws are copied over).
 
     Returns:
-        ``(anchors (B, A) long, anchor_valid (B, A) bool)`` with ``A = min(num_anchors, most valid
-        positions of any row)`` (at least 1); padding anchors are position 0 with valid False.
+        ``(anchors (B, A) long, anchor_valid (B, A) bool)`` with ``A = max(1, min(num_anchors, T))``;
+        padding anchors (rows with fewer than A valid positions) are position 0 with valid False,
+        after the valid ones.
     """
     valid = valid_anchor_mask(loss_mask, document_ids)  # (B, T)
     B, T = valid.shape
-    A = max(1, min(num_anchors, int(valid.sum(1).max())))
-    noise = torch.rand(B, T, generator=generator).to(valid.device)
+    A = max(1, min(int(num_anchors), T))
+    where = generator.device if generator is not None else valid.device
+    noise = torch.rand(B, T, generator=generator, device=where).to(valid.device, non_blocking=True)
     score = torch.where(valid, noise, torch.full_like(noise, -1.0))
     top = score.topk(A, dim=1)
     keep = top.values >= 0

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -391,14 +391,17 @@ def same_document(document_ids: torch.Tensor) -> torch.Tensor:
 def ttt_attention_mask(
     seq_len: int, step: int, device: torch.device | None = None, document_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Dense TTT attention mask for queries of step ``step`` (the reference; tests only).
+    """The TTT attention mask for queries of step ``step`` over the step-major concatenated keys.
 
     Keys are laid out step-major: ``[step-0 keys (T) | step-1 keys (T) | ... | step-k keys (T)]``.
     A query at position t may attend to step-0 keys at positions <= t (causal) and, for
     every later step 1..k, only to that step's key at the same position t (a diagonal).
     With ``document_ids`` (packed rows, see :mod:`draftsmith.train.packing`) the causal part
     is further restricted to keys of the query's own document; the diagonal is the query's
-    own position, so it is always in the same document.
+    own position, so it is always in the same document (no row is ever fully masked).
+
+    The mask is bool and has no head dimension: ``(step + 1) * T^2`` bytes per row, shared by
+    every head (the attention kernels never expand it to ``B * nh``).
 
     Args:
         document_ids: optional ``(T,)`` or ``(B, T)`` document index of each position.
@@ -415,44 +418,132 @@ def ttt_attention_mask(
     return torch.cat([causal] + [diag] * step, dim=-1)
 
 
+def sdpa_supports_gqa_with_mask(device: torch.device) -> bool:
+    """Whether ``scaled_dot_product_attention(..., attn_mask=bool, enable_gqa=True)`` runs a fused
+    kernel on ``device``: yes on CPU (torch's flash kernel for CPU takes masks and GQA); on CUDA
+    a mask excludes the flash kernel and ``enable_gqa`` is not supported by the memory-efficient
+    one, so SDPA would fall back to the math kernel (``O(T^2)`` per head): there the key/value
+    heads are expanded instead (``repeat_kv``, a copy linear in T)."""
+    return device.type == "cpu"
+
+
+def sdpa_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with a bool mask (True = attend) and grouped key/value
+    heads, on a kernel that keeps memory linear in the key length (see
+    :func:`sdpa_supports_gqa_with_mask`).
+
+    Args:
+        q: ``(B, nh, Tq, hd)``. k / v: ``(B, nkv, Tk, hd)`` with ``nh % nkv == 0``.
+        mask: bool, broadcastable to ``(B, nh, Tq, Tk)``; every query row must allow a key.
+    """
+    groups = q.shape[1] // k.shape[1]
+    native = groups > 1 and sdpa_supports_gqa_with_mask(q.device)
+    if groups > 1 and not native:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=native)
+
+
+@dataclass
+class TTTMask:
+    """The attention masks of one TTT unroll, built once per forward and shared by its steps.
+
+    ``dense``: bool ``(1 | B, 1, T, K * T)`` (:func:`ttt_attention_mask` for the last step, a head
+    dimension of 1); step k reads the first ``(k + 1) * T`` key columns. ``block_masks``: with the
+    ``flex`` backend, one ``BlockMask`` per step (tiles that are fully masked are skipped, so the
+    diagonal steps cost ``O(T)`` instead of ``O(T^2)``).
+    """
+
+    seq_len: int
+    dense: torch.Tensor | None = None
+    block_masks: list[Any] | None = None
+
+    @classmethod
+    def build(cls, seq_len: int, steps: int, device: torch.device, document_ids: torch.Tensor | None = None,
+              backend: str = "sdpa") -> "TTTMask":
+        """Masks for ``steps`` TTT steps over ``seq_len`` positions (``document_ids (B, T)``: packed rows).
+
+        Raises:
+            ValueError: unknown ``backend`` (``sdpa`` or ``flex``).
+        """
+        if backend == "sdpa":
+            mask = ttt_attention_mask(seq_len, steps - 1, device, document_ids)
+            # 4-D (1|B, 1, T, K*T): a 3-D mask sends CPU SDPA to its math kernel (O(T^2) per head)
+            return cls(seq_len, dense=mask[:, None] if mask.dim() == 3 else mask[None, None])
+        if backend == "flex":
+            return cls(seq_len, block_masks=[_ttt_block_mask(seq_len, k, device, document_ids) for k in range(steps)])
+        raise ValueError(f"unknown attention backend {backend!r}: 'sdpa' or 'flex'")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Queries ``(B, nh, T, hd)`` of step ``Tk / T - 1`` over the concatenated keys / values
+        ``(B, nkv, Tk, hd)`` -> ``(B, nh, T, hd)``."""
+        step = k.shape[2] // self.seq_len - 1
+        if self.block_masks is not None:
+            return _flex_attention()(q, k, v, block_mask=self.block_masks[step], scale=scale,
+                                     enable_gqa=q.shape[1] != k.shape[1])
+        return sdpa_with_mask(q, k, v, self.dense[..., : k.shape[2]], scale)
+
+
+def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids: torch.Tensor | None):
+    """flex-attention ``BlockMask`` of :func:`ttt_attention_mask` (same rule, evaluated per tile)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T = seq_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = kv_idx % T
+        allowed = torch.where(kv_idx < T, pos <= q_idx, pos == q_idx)
+        if document_ids is not None:
+            allowed = allowed & (document_ids[b, pos] == document_ids[b, q_idx])
+        return allowed
+
+    B = None if document_ids is None else document_ids.shape[0]
+    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device)
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """``flex_attention``, compiled once on CUDA (uncompiled it materialises the scores)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _FLEX
+
+
 def ttt_attention(
     q: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     scale: float,
     document_ids: torch.Tensor | None = None,
+    mask: TTTMask | None = None,
 ) -> torch.Tensor:
-    """Attention under :func:`ttt_attention_mask` without materialising the ``T x kT`` mask.
-
-    Step 0 is a ``T x T`` (block-)causal score matrix; each earlier step adds one diagonal
-    score per query, so memory is ``O(T^2 + kT)`` per head instead of ``O(kT^2)``. (SDPA
-    cannot take the step-0 block: merging it with the diagonal scores needs its log-sum-exp,
-    which SDPA does not return; flex-attention returns it, but torch 2.13 raises
-    "FlexAttention does not support backward on CPU".)
+    """Attention of TTT step ``len(keys) - 1`` under :func:`ttt_attention_mask`: ONE attention call
+    over the step-major concatenation of every step's keys, memory linear in T (no ``T x T``
+    score matrix is materialised; SDPA's flash / memory-efficient kernels, or flex-attention).
 
     Args:
         q: ``[B, nh, T, hd]`` queries of the current step.
-        keys / values: one ``[B, nh, T, hd]`` tensor per step so far (index 0 = step 0,
-            last = current step), already RoPE-rotated and repeated to nh heads.
+        keys / values: one ``[B, nkv, T, hd]`` tensor per step so far (index 0 = step 0,
+            last = current step), already RoPE-rotated; ``nkv`` divides ``nh`` (GQA).
         scale: softmax scale (1/sqrt(hd)).
         document_ids: optional ``(B, T)`` document index per position (packed rows): the
-            step-0 part never crosses a document boundary.
+            step-0 part never crosses a document boundary. Ignored when ``mask`` is given.
+        mask: the unroll's :class:`TTTMask` (built once per forward); default: built here.
 
     Returns:
         ``[B, nh, T, hd]`` attention output.
     """
     T = q.shape[-2]
-    scores = torch.matmul(q, keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T)
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
-    if document_ids is not None:
-        allowed = (allowed & same_document(document_ids)).unsqueeze(1)  # (B, 1, T, T)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    diag = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]  # k x (B, nh, T, 1)
-    probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs[..., :T], values[0])  # (B, nh, T, hd)
-    for j, v in enumerate(values[1:]):
-        out = out + probs[..., T + j : T + j + 1] * v
-    return out
+    if mask is None:
+        mask = TTTMask.build(T, len(keys), q.device, document_ids)
+    k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)  # (B, nkv, (k+1)T, hd)
+    v = values[0] if len(values) == 1 else torch.cat(values, dim=2)
+    return mask.attend(q, k, v, scale)
 
 
 class Eagle3Attention(nn.Module):
@@ -479,18 +570,17 @@ class Eagle3Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-        document_ids: torch.Tensor | None = None,
+        mask: TTTMask | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Returns ``(output (B, T, H), this step's (key, value), each (B, nh, T, hd))``.
+        """Returns ``(output (B, T, H), this step's (key, value), each (B, nkv, T, hd))``.
 
-        A pure function of its inputs (the caller keeps the per-step list), so activation
-        checkpointing can recompute it in backward."""
+        ``past``: the earlier steps' keys / values; ``mask``: the unroll's :class:`TTTMask`
+        (default: plain TTT mask, no documents). A pure function of its inputs (the caller keeps
+        the per-step list), so activation checkpointing can recompute it in backward."""
         q, k, v = self._qkv(x, cos, sin)
-        groups = self.nh // self.nkv
-        kv = (repeat_kv(k, groups), repeat_kv(v, groups))  # (B, nh, T, hd) each
-        steps = (*past, kv)
-        out = ttt_attention(q, [c[0] for c in steps], [c[1] for c in steps], 1.0 / math.sqrt(self.hd), document_ids)
-        return self._out(out), kv  # (B, T, H)
+        steps = (*past, (k, v))
+        out = ttt_attention(q, [c[0] for c in steps], [c[1] for c in steps], 1.0 / math.sqrt(self.hd), mask=mask)
+        return self._out(out), (k, v)  # (B, T, H)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: "Eagle3KVCache") -> torch.Tensor:
@@ -500,9 +590,7 @@ class Eagle3Attention(nn.Module):
         keys, values = cache.append(k, v)  # (B, nkv, L, hd)
         T, L = x.shape[1], keys.shape[2]
         mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
-        groups = self.nh // self.nkv
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask)
-        return self._out(out)
+        return self._out(sdpa_with_mask(q, keys, values, mask))
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x (B, T, 2H)`` -> RoPE-rotated q ``(B, nh, T, hd)``, k and v ``(B, nkv, T, hd)``."""
@@ -565,11 +653,12 @@ class Eagle3DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-        document_ids: torch.Tensor | None = None,
+        mask: TTTMask | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """embeds, hidden: ``(B, T, H)`` -> (pre-norm output ``(B, T, H)``, this step's key/value)."""
+        """embeds, hidden: ``(B, T, H)`` -> (pre-norm output ``(B, T, H)``, this step's key/value);
+        ``mask``: the unroll's :class:`TTTMask`."""
         x, residual = self._input(embeds, hidden)
-        attn, kv = self.self_attn(x, cos, sin, past, document_ids)
+        attn, kv = self.self_attn(x, cos, sin, past, mask)
         return self._output(residual, attn), kv
 
     def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -602,8 +691,9 @@ class TargetSharedDraft(nn.Module):
         lm_head_draft_rows: torch.Tensor | None = None,
         final_norm: torch.Tensor | None = None,
     ) -> None:
-        """Load the target embedding ``[V, H]`` and, optionally, start ``lm_head`` from the
-        target's ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from the
+        """Load the target embedding ``[V, H]`` (a frozen buffer kept in the target's dtype; the
+        looked-up rows are cast to the hidden states' dtype) and, optionally, start ``lm_head``
+        from the target's ``lm_head`` rows of the draft vocab ``[Vd, H]`` and ``norm`` from the
         target's final norm ``[H]``.
 
         Raises:
@@ -614,7 +704,10 @@ class TargetSharedDraft(nn.Module):
                 f"target embedding has shape {tuple(embed_tokens.shape)}, draft expects "
                 f"{tuple(self.embed_tokens.shape)} (vocab_size x hidden_size)"
             )
-        self.embed_tokens.copy_(embed_tokens)
+        if isinstance(self.embed_tokens, nn.Parameter):  # trained embedding (P-EAGLE train_embeddings)
+            self.embed_tokens.copy_(embed_tokens)
+        else:  # the frozen buffer keeps the target's dtype (bf16 for a bf16 target: half the memory)
+            self.embed_tokens = embed_tokens.detach().to(self.embed_tokens.device).clone()
         if lm_head_draft_rows is not None:
             self.lm_head.weight.copy_(lm_head_draft_rows)
         if final_norm is not None:
@@ -646,8 +739,8 @@ class Eagle3DraftModel(TargetSharedDraft):
     ``gradient_checkpointing`` (set by the trainer from ``train.gradient_checkpointing``):
     when True, each TTT step's decoder layer keeps only its inputs and outputs and is
     recomputed in backward (``torch.utils.checkpoint``, non-reentrant); same loss and
-    gradients, less activation memory (the ``T x T`` attention probabilities and the MLP
-    intermediates of all K steps), about one more layer forward per step in time.
+    gradients, less activation memory (the attention and MLP intermediates of all K steps),
+    about one more layer forward per step in time.
     """
 
     _no_split_modules = ["Eagle3DecoderLayer"]  # FSDP unit (transformers convention, read by accelerate)
@@ -656,6 +749,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         super().__init__()
         self.config = config
         self.gradient_checkpointing = False
+        self.attention_backend = "sdpa"  # or "flex" (CUDA, compiled; train.attention_backend)
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
@@ -672,7 +766,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
-        document_ids: torch.Tensor | None = None,
+        mask: TTTMask | None = None,
     ) -> torch.Tensor:
         """One draft step.
 
@@ -681,7 +775,7 @@ class Eagle3DraftModel(TargetSharedDraft):
             hidden: ``(B, T, H)`` fused target states (step 0) or previous step output.
             position_ids: ``(B, T)`` RoPE positions.
             cache: per-step key/value list, appended to.
-            document_ids: optional ``(B, T)`` document per position (packed rows).
+            mask: the unroll's :class:`TTTMask` (documents of packed rows); default: plain TTT.
 
         Returns:
             pre-norm output hidden ``(B, T, H)``; logits are ``lm_head(norm(.))``.
@@ -690,9 +784,9 @@ class Eagle3DraftModel(TargetSharedDraft):
         cos, sin = self.rotary_emb(hidden, position_ids)
         layer = self.layers[0]
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            h, kv = checkpoint(layer, embeds, hidden, cos, sin, tuple(cache), document_ids, use_reentrant=False)
+            h, kv = checkpoint(layer, embeds, hidden, cos, sin, tuple(cache), mask, use_reentrant=False)
         else:
-            h, kv = layer(embeds, hidden, cos, sin, tuple(cache), document_ids)
+            h, kv = layer(embeds, hidden, cos, sin, tuple(cache), mask)
         cache.append(kv)
         return h
 
@@ -730,26 +824,36 @@ class Eagle3DraftModel(TargetSharedDraft):
         loss_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
+        step_head: Callable[[int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], Any] | None = None,
+    ) -> list[Any]:
         """Unrolled TTT forward.
 
         Args:
             input_ids: ``(B, T)`` target tokens x_0..x_{T-1} (right-padded).
             aux_hidden_states: ``(B, T, 3 * Ht)``, ``cat(h[L0], h[L1], h[L2])`` at each position.
             ttt_steps: K >= 1 unrolled steps.
-            loss_mask: optional ``(B, T)``, 1 on trained (assistant) tokens. When given, step k
-                computes logits only at the positions :func:`ttt_prediction_mask` selects
-                (the lm_head is the largest matmul; skipping untrained positions saves it).
+            loss_mask: optional ``(B, T)``, 1 on trained (assistant) tokens. When given (and no
+                ``step_head``), step k computes logits only at the positions
+                :func:`ttt_prediction_mask` selects (the lm_head is the largest matmul; skipping
+                untrained positions saves it). Boolean selection reads the mask on the host:
+                training passes ``step_head`` instead.
             position_ids: optional ``(B, T)`` RoPE positions of step 0; default ``0..T-1``.
                 Packed rows restart them at 0 for every document.
             document_ids: optional ``(B, T)`` document per position (packed rows, contiguous
                 runs): attention and predictions never cross a document boundary, so a packed
                 row computes exactly what its documents compute unpacked.
+            step_head: training: ``step_head(k, hidden (B, T, H), logits_fn)`` is called at every
+                step inside forward and its results are returned instead of logits (the trainer's
+                chunked loss: DDP / FSDP see ``norm`` and ``lm_head`` used in forward, and only
+                what the head returns, not ``(M, Vd)`` logits, leaves the module).
 
         Returns:
-            K logits tensors: ``(B, T, Vd)`` without ``loss_mask`` (step k, position t predicts
-            x_{t+k+2}; positions whose inputs run past the end are garbage), else ``(M_k, Vd)``
-            for the ``M_k`` selected positions in row-major order.
+            K results of ``step_head``, or K logits tensors: ``(B, T, Vd)`` without ``loss_mask``
+            (step k, position t predicts x_{t+k+2}; positions whose inputs run past the end are
+            garbage), else ``(M_k, Vd)`` for the ``M_k`` selected positions in row-major order.
+
+        Raises:
+            ValueError: ``ttt_steps < 1``.
         """
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
@@ -758,19 +862,22 @@ class Eagle3DraftModel(TargetSharedDraft):
         base_pos = position_ids
         if base_pos is None:
             base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        mask = TTTMask.build(T, ttt_steps, input_ids.device, document_ids, self.attention_backend)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        all_logits = []
+        outputs = []
         for k in range(ttt_steps):
             # x_{t+k+1}; near a packed document's end this is the next document's token: only
             # positions whose prediction is masked out (ttt_prediction_mask) ever read it
             ids_k = shift_left(input_ids, k + 1)
-            hidden = self.step(ids_k, hidden, base_pos + k, cache, document_ids)
-            if loss_mask is None:
-                all_logits.append(self.compute_logits(hidden))  # (B, T, Vd)
+            hidden = self.step(ids_k, hidden, base_pos + k, cache, mask)
+            if step_head is not None:
+                outputs.append(step_head(k, hidden, self.compute_logits))
+            elif loss_mask is None:
+                outputs.append(self.compute_logits(hidden))  # (B, T, Vd)
             else:
                 sel = ttt_prediction_mask(loss_mask, k, document_ids)  # (B, T)
-                all_logits.append(self.compute_logits(hidden[sel]))  # (M_k, Vd)
-        return all_logits
+                outputs.append(self.compute_logits(hidden[sel]))  # (M_k, Vd)
+        return outputs
 
 
 def ttt_prediction_mask(
@@ -783,6 +890,41 @@ def ttt_prediction_mask(
     if document_ids is not None:
         sel = sel & (shift_left(document_ids, step + 2, fill=-1) == document_ids)
     return sel
+
+
+def ttt_plan(loss_mask: torch.Tensor, steps: int, document_ids: torch.Tensor | None = None) -> dict[str, Any]:
+    """Which rows each TTT step trains on, as index tensors: run on the CPU batch (in the
+    DataLoader) so that the training step gathers with indices of known size instead of boolean
+    masks (which read the mask back to the host).
+
+    Step k trains position t when :func:`ttt_prediction_mask` selects it; its teacher is the
+    target's distribution of x_{t+k+2}, i.e. the target's row at position t+k+1.
+
+    Args:
+        loss_mask: ``(B, T)`` 1 on trained tokens. document_ids: optional ``(B, T)`` (packed rows).
+        steps: K.
+
+    Returns:
+        ``ttt_index (sum M_k,)`` int64 flat positions ``b * T + t``, step-major (step 0's M_0 rows
+        first); ``ttt_teacher_rows (N,)`` int64 flat positions whose target distribution some step
+        needs (each once); ``ttt_teacher_index (sum M_k,)`` int64 the row of ``ttt_teacher_rows``
+        each trained row distils from; ``ttt_counts (K,)`` int64 M_k; ``ttt_counts_host`` the same
+        as a list of python ints.
+    """
+    B, T = loss_mask.shape
+    flat = torch.arange(B * T, device=loss_mask.device).view(B, T)
+    sels = [ttt_prediction_mask(loss_mask, k, document_ids) for k in range(steps)]
+    need = torch.zeros(B, T + 1, dtype=torch.bool, device=loss_mask.device)
+    for k, sel in enumerate(sels):  # row t + k + 1 (< T for every selected t)
+        need[:, k + 1 : T + 1] |= sel[:, : T - k]
+    need = need[:, :T]
+    lookup = need.flatten().cumsum(0) - 1  # flat position -> teacher row
+    index = [flat[sel] for sel in sels]
+    teacher_index = [lookup[i + k + 1] for k, i in enumerate(index)]
+    counts = [int(i.numel()) for i in index]
+    return {"ttt_index": torch.cat(index), "ttt_teacher_rows": flat[need],
+            "ttt_teacher_index": torch.cat(teacher_index), "ttt_counts": torch.tensor(counts, dtype=torch.long),
+            "ttt_counts_host": counts}
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

@@ -11,16 +11,24 @@ Each of K heads reads the target's final *normed* hidden state ``h_t`` (the targ
 
 Shapes: B batch, T sequence length (tokens), H target hidden size, V target vocab size,
 K number of heads.
+
+Training passes ``head_fn`` to :meth:`MedusaModel.forward`: each head's pre-logit rows and
+``lm_heads[k]`` go to it instead of being projected, so the loss is computed (in chunks of
+rows) inside the model's forward and no ``(K, B, T, V)`` tensor is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HeadFn = Callable[[int, torch.Tensor, nn.Module], Any]
+"""``head_fn(k, hidden (N, H), lm_head_k) -> result``: what training does with head k's
+pre-logit rows (``N = B * T``) and its ``lm_head`` (e.g. a chunked cross-entropy)."""
 
 
 @dataclass
@@ -91,10 +99,16 @@ class MedusaModel(nn.Module):
         for head in self.lm_heads:
             head.weight.copy_(lm_head_weight.to(head.weight.dtype))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, head_fn: HeadFn | None = None) -> torch.Tensor | list[Any]:
         """Logits of every head: ``(K, B, T, V)``; ``[k, :, t]`` is the distribution of x_{t+k+2}.
 
         Args:
             hidden_states: ``(B, T, H)`` the target's final normed hidden states.
+            head_fn: training: called as ``head_fn(k, rows (B*T, H), lm_heads[k])`` with head k's
+                pre-logit rows instead of projecting them (:data:`HeadFn`); forward then returns
+                the K results as a list and builds no logits.
         """
-        return torch.stack([head(block(hidden_states)) for block, head in zip(self.blocks, self.lm_heads)])
+        if head_fn is None:
+            return torch.stack([head(block(hidden_states)) for block, head in zip(self.blocks, self.lm_heads)])
+        return [head_fn(k, block(hidden_states).flatten(0, -2), head)
+                for k, (block, head) in enumerate(zip(self.blocks, self.lm_heads))]

@@ -21,17 +21,25 @@ Submodule names ``emb.{i}``, ``proj.{i}``, ``head.{i}``, ``ln.{i}`` give the che
 
 Shapes: B batch, T positions, H target hidden size (= emb_dim), D inner_dim, V vocab size,
 P n_predict.
+
+Training passes ``head_fn`` to :meth:`MLPSpeculator.forward`: each stage's state rows and
+``head[i]`` go to it instead of being projected, so the loss is computed (in chunks of rows)
+inside the model's forward and no ``(P, B, T, V)`` tensor is built.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+HeadFn = Callable[[int, torch.Tensor, nn.Module], Any]
+"""``head_fn(i, state (N, D), head_i) -> result``: what training does with stage i's state rows
+(``N = B * T``, the input of ``head[i]``) and its head (e.g. a chunked cross-entropy)."""
 
 
 @dataclass
@@ -143,6 +151,16 @@ class MLPSpeculator(nn.Module):
         Raises:
             IndexError: ``i`` out of range.
         """
+        state = self.stage_state(i, state, token_ids)
+        return state, self.head[i](state)
+
+    def stage_state(self, i: int, state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Stage ``i``'s new state ``(B, T, D)`` (the input of ``head[i]``); :meth:`stage` without
+        the logits.
+
+        Raises:
+            IndexError: ``i`` out of range.
+        """
         if not 0 <= i < self.config.n_predict:
             raise IndexError(f"stage {i} out of range for n_predict={self.config.n_predict}")
         if i == 0 and self.ln0 is not None:
@@ -151,19 +169,23 @@ class MLPSpeculator(nn.Module):
         state = self.proj[i](state)  # (B, T, D)
         # state_w * s + emb_w * z up to the scale the following norm removes
         state = state + (self.config.emb_weight / self.config.state_weight) * z
-        state = F.gelu(self.ln[i](state))  # (B, T, D)
-        return state, self.head[i](state)
+        return F.gelu(self.ln[i](state))  # (B, T, D)
 
-    def forward(self, state: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, state: torch.Tensor, input_ids: torch.Tensor,
+                head_fn: HeadFn | None = None) -> torch.Tensor | list[Any]:
         """Teacher-forced logits of every stage.
 
         Args:
             state: ``(B, T, H)`` target final normed hidden states.
             input_ids: ``(B, T + P)`` the sequence from x_t on; stage i at position t reads
                 ``input_ids[:, 1 + i : 1 + i + T]`` = x_{t+1+i}.
+            head_fn: training: called as ``head_fn(i, state rows (B*T, D), head[i])`` with each
+                stage's state instead of projecting it (:data:`HeadFn`); forward then returns
+                the P results as a list and builds no logits.
 
         Returns:
-            ``(P, B, T, V)``; ``[i, :, t]`` is the distribution of x_{t+2+i}.
+            ``(P, B, T, V)``; ``[i, :, t]`` is the distribution of x_{t+2+i}. With ``head_fn``:
+            the list of its P results.
 
         Raises:
             ValueError: ``input_ids`` is not ``T + P`` long.
@@ -173,6 +195,6 @@ class MLPSpeculator(nn.Module):
             raise ValueError(f"input_ids has {input_ids.shape[1]} positions, expected T + n_predict = {T + P}")
         out = []
         for i in range(P):
-            state, logits = self.stage(i, state, input_ids[:, 1 + i : 1 + i + T])
-            out.append(logits)
-        return torch.stack(out)  # (P, B, T, V)
+            state = self.stage_state(i, state, input_ids[:, 1 + i : 1 + i + T])  # (B, T, D)
+            out.append(self.head[i](state) if head_fn is None else head_fn(i, state.flatten(0, -2), self.head[i]))
+        return out if head_fn is not None else torch.stack(out)  # (P, B, T, V)

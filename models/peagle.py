@@ -15,9 +15,13 @@ learnable vector in the *raw* aux space ``[3 * Ht]`` that goes through the same 
 aux states (vLLM's ``combine_hidden_states``).
 
 Training (SPEC section 3.3): conditional-drop (COD) sampling of (anchor, depth) elements on
-the EAGLE-shifted sequence (:func:`cod_sample`), one forward over all elements under
-:func:`cod_attention_mask`, forward KL to the target at position ``anchor + depth``. Depth 0
-is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never feeds draft states back).
+the EAGLE-shifted sequence (:func:`cod_sample`, vectorised on the batch's device with a fixed
+number of slots per depth), one forward over all elements under the COD mask
+(:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
+interval keys, as an additive SDPA mask or a flex-attention block mask), the divergence to the
+target at position ``anchor + depth`` computed in chunks of rows inside the forward
+(:class:`CODTargets`). Depth 0 is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never
+feeds draft states back).
 
 The pieces shared with EAGLE-3 (config, RoPE, first-layer ``cat(embed, hidden)`` attention,
 norms, MLP, KV cache) are :mod:`draftsmith.models.eagle3`'s.
@@ -35,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft, shift_left,
-                     ttt_prediction_mask)
+from ..train.losses import DistillOut, LossSpec, chunked_distill
+from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft, sdpa_with_mask,
+                     shift_left, ttt_prediction_mask)
 
 
 @dataclass
@@ -129,24 +134,28 @@ class PEagleConfig(Eagle3Config):
 
 @dataclass
 class CODElements:
-    """The sampled (anchor, depth) elements of a batch, padded to S per row.
+    """The sampled (anchor, depth) elements of a batch, S slots per row.
 
     Element s of row b sits at EAGLE-shifted position ``pos = anchor + depth``: depth 0 is the
     ordinary EAGLE input ``(x[pos+1], g_pos)``, depth d > 0 a mask slot of anchor's chain.
-    The first T elements of every row are depth 0 at positions 0..T-1 (in order).
+    The first T elements of every row are depth 0 at positions 0..T-1 (in order). Slots that
+    hold no element (``valid`` False) have anchor 0 and depth 0.
 
     Attributes:
         anchor, depth: ``(B, S)`` int64.
-        valid: ``(B, S)`` bool, False on row padding.
+        valid: ``(B, S)`` bool, False on empty slots.
+        num_depths: an upper bound on the depths (every depth ``< num_depths``), host-side; None:
+            S (the attention mask only needs a bound).
     """
 
     anchor: torch.Tensor
     depth: torch.Tensor
     valid: torch.Tensor
+    num_depths: int | None = None
 
     @property
     def pos(self) -> torch.Tensor:
-        """``(B, S)`` EAGLE-shifted position ``anchor + depth`` (0 on padding)."""
+        """``(B, S)`` EAGLE-shifted position ``anchor + depth`` (0 on empty slots)."""
         return torch.where(self.valid, self.anchor + self.depth, torch.zeros_like(self.anchor))
 
     @classmethod
@@ -161,14 +170,34 @@ class CODElements:
             anchor[b, : len(a)] = torch.tensor(a, dtype=torch.long)
             depth[b, : len(d)] = torch.tensor(d, dtype=torch.long)
             valid[b, : len(a)] = True
-        return cls(anchor.to(device), depth.to(device), valid.to(device))
+        num_depths = max((max(d) for _, d in rows if d), default=0) + 1
+        return cls(anchor.to(device), depth.to(device), valid.to(device), num_depths)
 
 
-def _random_subset(items: list[int], size: int, generator: torch.Generator) -> list[int]:
-    if len(items) <= size:
-        return list(items)
-    idx = torch.randperm(len(items), generator=generator)[:size]
-    return sorted(items[i] for i in idx.tolist())
+def cod_budget(seq_len: int, num_depths: int, ratio: float, ratio_min: float,
+               max_anchors: int | None = None) -> list[int]:
+    """Slots reserved for depths 1, 2, ... in a row of ``seq_len`` positions (host-side numbers).
+
+    Depth d keeps ``int(max(0, n - d) * max(ratio**d, ratio_min))`` chains for n seeds
+    (:func:`cod_sample`); with n at its largest (``seq_len``, or ``max_anchors``) this is the
+    number of slots depth d may fill. The list stops before the first depth with no slot, so
+    ``seq_len + sum(cod_budget(...))`` is the element count S of :func:`cod_sample`.
+    """
+    n = seq_len if max_anchors is None else min(seq_len, max_anchors)
+    out = []
+    for d in range(1, num_depths):
+        k = int(max(0, n - d) * max(ratio**d, ratio_min))
+        if k == 0:
+            break
+        out.append(k)
+    return out
+
+
+def _random_keys(shape: tuple[int, ...], eligible: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """i.i.d. uniform keys in [0, 1) at eligible entries, -1 elsewhere: the ``k`` largest are a
+    uniformly random k-subset of the eligible entries (``topk``: no host sync)."""
+    keys = torch.rand(shape, generator=generator, device=eligible.device)
+    return keys.masked_fill_(~eligible, -1.0)
 
 
 def cod_sample(
@@ -180,48 +209,104 @@ def cod_sample(
     max_anchors: int | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> CODElements:
-    """Conditional-drop sampling (speculators ``peagle/data.py``; SPEC section 3.3).
+    """Conditional-drop sampling (speculators ``peagle/data.py``; SPEC section 3.3), vectorised on
+    ``prediction_mask``'s device: no tensor is read on the host.
 
     Per row: depth 0 at every position; depth d (1 <= d < D) keeps
-    ``int(max(0, n - d) * max(ratio**d, ratio_min))`` chains, drawn from the positions that
-    continue a depth-(d-1) chain one step right (depth 1: from the seeds), that are trained
-    (``prediction_mask``), at least d from the start, and in the anchor's document.
+    ``min(int(max(0, n - d) * max(ratio**d, ratio_min)), #eligible)`` chains, a uniformly random
+    subset of the eligible positions: those that continue a depth-(d-1) chain one step right
+    (depth 1: the seeds), that are trained (``prediction_mask``), at least d from the start, and
+    in the anchor's document. n = number of seeds (trained positions, or a random subset of
+    ``max_anchors`` of them).
+
+    Layout: ``[T depth-0 slots | K_1 depth-1 slots | ... ]`` with ``K_d`` from
+    :func:`cod_budget` (the count for ``n = T``), so S is known on the host. Each depth's kept
+    elements come first in position order; the slots a row does not fill are invalid.
+
+    The subsets are drawn by ``topk`` over i.i.d. uniform keys from ``generator`` (a generator
+    of ``prediction_mask``'s device), so the same generator state gives the same sample.
 
     Args:
         prediction_mask: ``(B, T)`` bool, the EAGLE-3 step-0 loss mask (position i predicts
             x_{i+2}, trained when True).
         num_depths: D (depths 0..D-1).
         ratio, ratio_min: r and r_min.
-        generator: CPU RNG of this step (reproducible with the same seed).
+        generator: RNG on ``prediction_mask``'s device, seeded for this micro-batch.
         max_anchors: optional number of seeds (random subset of the trained positions).
         document_ids: optional ``(B, T)`` document per position (packed rows).
 
     Returns:
-        :class:`CODElements` on ``prediction_mask``'s device; n = number of seeds.
+        :class:`CODElements` on ``prediction_mask``'s device.
     """
     B, T = prediction_mask.shape
-    pm = prediction_mask.bool().cpu()
-    docs = document_ids.cpu() if document_ids is not None else None
-    rows = []
-    for b in range(B):
-        valid_set = set(torch.nonzero(pm[b]).flatten().tolist())
-        seeds = sorted(valid_set)
-        if max_anchors is not None:
-            seeds = _random_subset(seeds, max_anchors, generator)
-        anchors, depths = list(range(T)), [0] * T
-        prev = seeds
-        for d in range(1, num_depths):
-            eligible = [i for i in prev if i >= d and (docs is None or docs[b, i] == docs[b, i - d])]
-            size = int(max(0, len(seeds) - d) * max(ratio**d, ratio_min))
-            size = min(size, len(eligible))
-            if size == 0:
-                break
-            chosen = _random_subset(eligible, size, generator)
-            anchors += [i - d for i in chosen]
-            depths += [d] * len(chosen)
-            prev = [i + 1 for i in chosen if (i + 1) in valid_set]
-        rows.append((anchors, depths))
-    return CODElements.from_rows(rows, prediction_mask.device)
+    dev = prediction_mask.device
+    trained = prediction_mask.bool()
+    if max_anchors is None or max_anchors >= T:
+        seeds = trained
+    else:
+        val, pick = _random_keys((B, T), trained, generator).topk(max_anchors, dim=1)
+        seeds = torch.zeros_like(trained).scatter_(1, pick, val >= 0)
+    n = seeds.sum(1)  # (B,) seeds per row
+    anchors = [torch.arange(T, device=dev).expand(B, T)]
+    depths = [torch.zeros(B, T, dtype=torch.long, device=dev)]
+    valids = [torch.ones(B, T, dtype=torch.bool, device=dev)]
+    prev = seeds  # (B, T): positions that may take the next depth
+    for d, budget in enumerate(cod_budget(T, num_depths, ratio, ratio_min, max_anchors), start=1):
+        eligible = prev.clone()
+        eligible[:, :d] = False
+        if document_ids is not None:
+            eligible[:, d:] &= document_ids[:, d:] == document_ids[:, :-d]
+        # float64 as the host-side formula: int(max(0, n - d) * max(r**d, r_min)) exactly
+        size = ((n - d).clamp_min(0).double() * max(ratio**d, ratio_min)).floor().long()  # (B,)
+        val, pos = _random_keys((B, T), eligible, generator).topk(budget, dim=1)  # (B, K) by key
+        slot = torch.arange(budget, device=dev)
+        keep = (val >= 0) & (slot < size.unsqueeze(1))
+        order = torch.where(keep, pos, T + slot).argsort(dim=1)  # kept first, in position order
+        pos, keep = pos.gather(1, order), keep.gather(1, order)
+        anchors.append(torch.where(keep, pos - d, torch.zeros_like(pos)))
+        depths.append(keep.long() * d)
+        valids.append(keep)
+        chosen = torch.zeros_like(trained).scatter_(1, pos, keep)  # (B, T) positions of depth d
+        prev = torch.zeros_like(trained)
+        prev[:, 1:] = chosen[:, :-1] & trained[:, 1:]  # chains continue one step right
+    return CODElements(torch.cat(anchors, 1), torch.cat(depths, 1), torch.cat(valids, 1), num_depths)
+
+
+def cod_attention_keys(elements: CODElements, document_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The COD attention rule as one interval test per (query, key): ``(x, lo, hi)``, each
+    ``(B, S)`` int64, with ``allow(q, k) = lo[k] <= x[q] <= hi[k]`` equal to
+    :func:`cod_attention_mask`'s rule.
+
+    With R > every depth: ``x = anchor * R + depth``; a depth-0 key allows the queries whose
+    anchor lies in ``[anchor_k, end of anchor_k's document]`` (``hi = doc_end * R + R - 1``), a
+    depth-d key the queries of its own chain at depth >= d (``hi = anchor_k * R + R - 1``).
+    Documents are contiguous runs of ``document_ids`` (as packing writes them). An empty slot
+    s gets ``x = lo = hi = S * R + s``: it sees itself only and nobody sees it.
+    """
+    a, d, v = elements.anchor, elements.depth, elements.valid
+    B, S = a.shape
+    R = max(elements.num_depths or S, 1)
+    if document_ids is None:
+        end = torch.full_like(a, S - 1)
+    else:
+        T = document_ids.shape[1]
+        idx = torch.arange(T, device=a.device)
+        last = torch.ones_like(document_ids, dtype=torch.bool)
+        last[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
+        doc_end = torch.where(last, idx, T).flip(1).cummin(1).values.flip(1)  # (B, T) last index of the document
+        end = doc_end.gather(1, a.clamp(0, T - 1))
+    x = a * R + d
+    hi = torch.where(d == 0, end, a) * R + (R - 1)
+    empty = S * R + torch.arange(S, device=a.device)
+    x = torch.where(v, x, empty)
+    return x, x, torch.where(v, hi, empty)  # lo = x
+
+
+def _row_chunks(B: int, S: int, elements: int = 1 << 24) -> int:
+    """Query rows per chunk when filling a ``(B, S, S)`` mask: the ``(B, rows, S)`` temporaries
+    stay near ``elements``."""
+    return max(1, elements // max(1, B * S))
 
 
 def cod_attention_mask(elements: CODElements, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,23 +317,164 @@ def cod_attention_mask(elements: CODElements, document_ids: torch.Tensor | None 
 
     so a mask slot sees the real context up to its own anchor and the earlier slots of its own
     chain, never a depth-0 entry of a later position: exactly what vLLM's causal forward over
-    ``[context <= p, bonus, masks]`` gives. Padding keys are never attended; a padding query
+    ``[context <= p, bonus, masks]`` gives. Empty keys are never attended; an empty query
     attends itself only (no empty softmax rows).
 
+    Built from :func:`cod_attention_keys` by two comparisons per query chunk, written into the
+    one ``(B, S, S)`` result (no other tensor of that size).
+
     Args:
-        document_ids: optional ``(B, T)`` document per position; an element's document is
-            its anchor's.
+        document_ids: optional ``(B, T)`` document per position (contiguous runs); an element's
+            document is its anchor's.
     """
-    a, d, v = elements.anchor, elements.depth, elements.valid
-    aq, ak = a.unsqueeze(-1), a.unsqueeze(-2)
-    dq, dk = d.unsqueeze(-1), d.unsqueeze(-2)
-    allow = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))
-    if document_ids is not None:
-        doc = document_ids.gather(1, a)
-        allow = allow & (doc.unsqueeze(-1) == doc.unsqueeze(-2))
-    allow = allow & v.unsqueeze(-2) & v.unsqueeze(-1)
-    eye = torch.eye(a.shape[1], dtype=torch.bool, device=a.device)
-    return allow | (eye & ~v.unsqueeze(-1))
+    x, lo, hi = cod_attention_keys(elements, document_ids)
+    B, S = x.shape
+    out = torch.empty(B, S, S, dtype=torch.bool, device=x.device)
+    rows = _row_chunks(B, S)
+    lo_k, hi_k = lo.unsqueeze(1), hi.unsqueeze(1)
+    for i in range(0, S, rows):
+        xq = x[:, i:i + rows].unsqueeze(-1)
+        part = out[:, i:i + rows]
+        torch.le(lo_k, xq, out=part)
+        part &= xq <= hi_k
+    return out
+
+
+def cod_attention_bias(elements: CODElements, document_ids: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`cod_attention_mask` as an additive ``(B, 1, S, S)`` mask of ``dtype`` (0 = attend,
+    -inf = not), the form SDPA converts a bool mask to on every call. Built once per forward and
+    shared by every layer, it is the only ``S x S`` tensor alive (a bool mask would be converted,
+    and its float copy saved for backward, once per layer). The rows are padded in memory to a
+    multiple of 16 elements (a view of the first S columns), the alignment CUDA's
+    memory-efficient kernel wants (otherwise it pads a copy on every call)."""
+    x, lo, hi = cod_attention_keys(elements, document_ids)
+    B, S = x.shape
+    width = -(-S // 16) * 16
+    bias = torch.empty(B, 1, S, width, dtype=dtype, device=x.device)[..., :S]
+    rows = _row_chunks(B, S)
+    lo_k, hi_k = lo.unsqueeze(1), hi.unsqueeze(1)
+    for i in range(0, S, rows):
+        xq = x[:, i:i + rows].unsqueeze(-1)
+        allow = lo_k <= xq
+        allow &= xq <= hi_k
+        part = bias[:, 0, i:i + rows]
+        part.fill_(float("-inf"))
+        part.masked_fill_(allow, 0.0)
+    return bias
+
+
+def cod_block_mask(elements: CODElements, document_ids: torch.Tensor | None = None, block_size: int = 128):
+    """:func:`cod_attention_mask` as a flex-attention ``BlockMask``, built from the per-element
+    interval keys without any ``S x S`` tensor: per tile, the key block is *full* when every
+    (query, key) pair passes the interval test (exact, from the blocks' min / max) and *partial*
+    when the intervals overlap (a superset of the tiles with an allowed pair; ``mask_mod``
+    decides inside them). Memory ``O((S / block_size)^2)``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    x, lo, hi = cod_attention_keys(elements, document_ids)
+    B, S = x.shape
+    nb = -(-S // block_size)
+    pad = nb * block_size - S
+    big = 1 << 62
+    real = F.pad(torch.ones_like(x, dtype=torch.bool), (0, pad), value=False).view(B, nb, block_size)
+    xp = F.pad(x, (0, pad), value=0)
+    lop = F.pad(lo, (0, pad), value=big)  # padded keys: never allowed, never full
+    hip = F.pad(hi, (0, pad), value=-big)
+    xb = xp.view(B, nb, block_size)
+    x_min = torch.where(real, xb, big).amin(-1).unsqueeze(-1)  # (B, nb, 1) query blocks
+    x_max = torch.where(real, xb, -big).amax(-1).unsqueeze(-1)
+    lob, hib = lop.view(B, nb, block_size), hip.view(B, nb, block_size)
+    lo_min, lo_max = lob.amin(-1).unsqueeze(1), lob.amax(-1).unsqueeze(1)  # (B, 1, nb) key blocks
+    hi_min, hi_max = hib.amin(-1).unsqueeze(1), hib.amax(-1).unsqueeze(1)
+    touch = (lo_min <= x_max) & (x_min <= hi_max)  # (B, nb, nb)
+    full = (lo_max <= x_min) & (x_max <= hi_min)
+    partial = touch & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = blocks.sum(-1, dtype=torch.int32).unsqueeze(1).contiguous()  # (B, 1, nb)
+        idx = torch.argsort(blocks.to(torch.int32), dim=-1, descending=True, stable=True)
+        return num, idx.to(torch.int32).unsqueeze(1).contiguous()  # (B, 1, nb, nb)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        xq = xp[b, q_idx]
+        return (lop[b, kv_idx] <= xq) & (xq <= hip[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(S, S))
+
+
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex")
+
+
+class CODMask:
+    """Who each COD element sees, built once per forward from the elements and shared by every
+    layer (and by activation-checkpoint recomputation).
+
+    ``"sdpa"``: one additive ``(B, 1, S, S)`` mask (:func:`cod_attention_bias`) made on the first
+    call in the queries' dtype (autocast), one ``scaled_dot_product_attention`` per layer.
+    ``"flex"``: a ``BlockMask`` (:func:`cod_block_mask`) and ``flex_attention`` (compiled on CUDA).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+
+    def __init__(self, elements: CODElements, document_ids: torch.Tensor | None = None, backend: str = "sdpa"):
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+        self.elements, self.document_ids, self.backend = elements, document_ids, backend
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+        self.block_mask = cod_block_mask(elements, document_ids) if backend == "flex" else None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._bias:
+            self._bias[dtype] = cod_attention_bias(self.elements, self.document_ids, dtype)
+        return self._bias[dtype]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q (B, nh, S, hd)``, ``k / v (B, nkv, S, hd)`` -> ``(B, nh, S, hd)``."""
+        if self.block_mask is not None:
+            return _flex_attention(q, k, v, self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return sdpa_with_mask(q, k, v, self.bias(q.dtype))
+
+
+_compiled_flex: Any = None
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa):
+    """``flex_attention``, ``torch.compile``d on CUDA (the fused kernel), eager elsewhere (an
+    unfused reference that materialises the scores, and has no backward on CPU: tests only)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+@dataclass
+class CODTargets:
+    """What :meth:`PEagleDraftModel.forward` trains the elements on (no tensor read on the host).
+
+    Attributes:
+        teacher: ``(N, Vd)`` target logits over the draft vocab (no grad), computed once per batch.
+        teacher_index: ``(B, S)`` int64, the ``teacher`` row of each element (its position + 1).
+        weight: ``(B, S)`` float, the loss weight of each element (0: not trained).
+        loss: the divergence (``train.loss``); None: forward KL.
+        chunk_size: rows per loss chunk (None: :func:`~draftsmith.train.losses.chunk_rows`).
+    """
+
+    teacher: torch.Tensor
+    teacher_index: torch.Tensor
+    weight: torch.Tensor
+    loss: LossSpec | None = None
+    chunk_size: int | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -273,16 +499,13 @@ class PEagleDecoderLayer(Eagle3DecoderLayer):
         return self.input_layernorm(hidden), hidden
 
     def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """``hidden (B, S, H)`` (and ``embeds (B, S, H)`` for layer 0) under the bool attention
-        mask ``(B, S, S)`` -> pre-norm output ``(B, S, H)``."""
+                mask: CODMask) -> torch.Tensor:
+        """``hidden (B, S, H)`` (and ``embeds (B, S, H)`` for layer 0) under the elements'
+        :class:`CODMask` -> pre-norm output ``(B, S, H)``."""
         x, residual = self._layer_input(embeds, hidden)
         attn = self.self_attn
         q, k, v = attn._qkv(x, cos, sin)
-        groups = attn.nh // attn.nkv
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups),
-                                             attn_mask=mask.unsqueeze(1))
-        return self._output(residual, attn._out(out))
+        return self._output(residual, attn._out(mask.attend(q, k, v)))
 
     def forward_cached(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, cache: Eagle3KVCache) -> torch.Tensor:
@@ -299,14 +522,19 @@ class PEagleDraftModel(TargetSharedDraft):
     exported; vLLM shares the target's) unless ``config.train_embeddings``, where it is a
     parameter saved as ``embed_tokens`` and exported as ``embed_tokens.weight``.
     ``d2t`` / ``t2d`` are persistent buffers (:mod:`draftsmith.data_prep.vocab`).
+    ``attention_backend`` (the COD training forward only): ``"sdpa"`` (default) or ``"flex"``
+    (:class:`CODMask`).
     """
 
     _no_split_modules = ["PEagleDecoderLayer"]  # FSDP unit
 
-    def __init__(self, config: PEagleConfig):
+    def __init__(self, config: PEagleConfig, attention_backend: str = "sdpa"):
         super().__init__()
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
         self.config = config
         self.gradient_checkpointing = False
+        self.attention_backend = attention_backend  # training forward only: "sdpa" or "flex" (CUDA, compiled)
         H, Ht = config.hidden_size, config.target_hidden_size
         if config.train_embeddings:
             self.embed_tokens = nn.Parameter(torch.zeros(config.vocab_size, H))
@@ -330,7 +558,7 @@ class PEagleDraftModel(TargetSharedDraft):
         return self.lm_head(self.norm(hidden))
 
     def _run_layers(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: CODMask) -> torch.Tensor:
         embeds = F.embedding(ids, self.embed_tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
         for i, layer in enumerate(self.layers):
@@ -349,7 +577,8 @@ class PEagleDraftModel(TargetSharedDraft):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        targets: CODTargets | None = None,
+    ) -> torch.Tensor | DistillOut:
         """COD training forward over the sampled elements (SPEC section 3.3).
 
         Args:
@@ -360,12 +589,19 @@ class PEagleDraftModel(TargetSharedDraft):
                 document); element s rotates at ``position_ids[anchor] + depth``.
             document_ids: optional ``(B, T)`` document per position (packed rows).
             select: optional ``(B, S)`` bool (e.g. :func:`cod_targets`): return the logits of
-                these elements only (the lm_head is the largest matmul).
+                these elements only (boolean indexing: reads the mask on the host; tests and
+                tools, the training step uses ``targets``).
+            targets: the training step's :class:`CODTargets`: the divergence of every element
+                against its teacher row, in chunks of rows recomputed in backward
+                (:func:`~draftsmith.train.losses.chunked_distill`), so no ``(B*S, Vd)`` logits
+                outlive a chunk.
 
         Returns:
             pre-norm hidden ``(B, S, H)`` (element s predicts x_{pos+2}; logits via
-            :meth:`compute_logits`), or with ``select`` the ``(M, Vd)`` logits of the M
-            selected elements in row-major order.
+            :meth:`compute_logits`); with ``select`` the ``(M, Vd)`` logits of the M selected
+            elements in row-major order; with ``targets`` a
+            :class:`~draftsmith.train.losses.DistillOut` over the ``B*S`` elements in
+            row-major order (``loss_sum`` with grad, detached ``row_loss`` / ``row_hit``).
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -379,8 +615,12 @@ class PEagleDraftModel(TargetSharedDraft):
         hidden = fused.gather(1, pos.unsqueeze(-1).expand(-1, -1, fused.shape[-1]))  # (B, S, H)
         hidden = torch.where(is_mask.unsqueeze(-1), self.mask_state().to(hidden.dtype), hidden)
         rope_pos = position_ids.gather(1, a) + d
-        mask = cod_attention_mask(elements, document_ids)
+        mask = CODMask(elements, document_ids, self.attention_backend)
         hidden = self._run_layers(ids, hidden, torch.where(v, rope_pos, torch.zeros_like(rope_pos)), mask)
+        if targets is not None:
+            return chunked_distill(hidden.reshape(-1, hidden.shape[-1]), self.compute_logits, targets.teacher,
+                                   targets.teacher_index.reshape(-1), targets.weight.reshape(-1), targets.loss,
+                                   targets.chunk_size)
         return hidden if select is None else self.compute_logits(hidden[select])
 
     def forward_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +30,16 @@ from draftsmith.models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
     DFlashKVCache,
+    anchor_count,
     block_attention,
+    block_attention_mask,
     block_labels,
     sample_anchors,
     slot_weights,
     valid_anchor_mask,
 )
-from draftsmith.train.method_dflash import dflash_loss, teacher_for_labels
+from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
+from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
 
 from conftest import write_draft_checkpoint
 
@@ -167,28 +171,142 @@ def test_packed_documents_hide_earlier_documents_from_a_block():
 def test_block_attention_equals_dense_masked_attention_and_is_bidirectional_in_block():
     torch.manual_seed(4)
     B, nh, A, Bk, T, hd = 1, 2, 3, 4, 9, 8
-    q, kb, vb = (torch.randn(B, nh, A, Bk, hd) for _ in range(3))
+    q, kb, vb = (torch.randn(B, nh, A * Bk, hd) for _ in range(3))
     kc, vc = torch.randn(B, nh, T, hd), torch.randn(B, nh, T, hd)
     anchors = torch.tensor([[1, 4, 7]])
     allow = torch.arange(T)[None, None] < anchors[..., None]
     valid = torch.ones(B, A, dtype=torch.bool)
-    got = block_attention(q, kc, vc, kb, vb, allow, valid, hd ** -0.5)
+    got = block_attention(q, kc, vc, kb, vb, block_attention_mask(allow, valid, Bk), hd ** -0.5)
     # hand-written dense mask over [context (T) | all blocks (A*Bk)]
     mask = torch.zeros(A * Bk, T + A * Bk, dtype=torch.bool)
     for j, a in enumerate([1, 4, 7]):
         mask[j * Bk:(j + 1) * Bk, :a] = True
         mask[j * Bk:(j + 1) * Bk, T + j * Bk:T + (j + 1) * Bk] = True
-    K = torch.cat([kc, kb.flatten(2, 3)], 2)
-    V = torch.cat([vc, vb.flatten(2, 3)], 2)
-    want = F.scaled_dot_product_attention(q.flatten(2, 3), K, V, attn_mask=mask).view(B, nh, A, Bk, hd)
+    want = F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), attn_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # slot 0 of block 1 reads the LAST slot of its block (non-causal), not block 0's slots
-    kb2 = kb.clone()
-    kb2[:, :, 1, Bk - 1] += 1.0
-    kb2[:, :, 0] += 1.0
-    got2 = block_attention(q, kc, vc, kb2, vb, allow, valid, hd ** -0.5)
-    assert (got2[:, :, 1, 0] - got[:, :, 1, 0]).abs().max() > 1e-4
-    torch.testing.assert_close(got2[:, :, 2], got[:, :, 2])
+
+
+# ------------------------------------------------------------------------------------------
+# The loss: dflash_step (chunked, inside the forward, no host read) against the previous
+# implementation, kept here as the reference
+
+
+def teacher_for_labels_reference(teacher, label_pos, label_mask):
+    """``teacher (B, T, Vd)`` gathered at ``label_pos - 1`` for the ``label_mask`` slots -> ``(M, Vd)``."""
+    b = torch.arange(teacher.shape[0], device=teacher.device)[:, None, None].expand_as(label_pos)
+    return teacher[b[label_mask], label_pos[label_mask] - 1]
+
+
+def dflash_loss_reference(logits, teacher_logits, slots, weights, denominator=None, loss=None):
+    """``logits / teacher_logits (M, Vd)`` of the trained slots, ``slots (M,)`` their k ->
+    ``(sum(w*D) / sum(w), StepMetrics per slot k = 1..Bk-1, acceptance length)``."""
+    Bk = weights.shape[0]
+    w = weights.to(logits.device)[slots]
+    kl = (loss or LossSpec())(teacher_logits, logits)
+    denom = denominator if denominator is not None else float(w.sum().clamp_min(1e-6))
+    total = (w * kl).sum() / denom
+    losses, accs, counts = [], [], []
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
+        for k in range(1, Bk):
+            sel = slots == k
+            n = int(sel.sum())
+            counts.append(n)
+            losses.append(float(kl[sel].mean()) if n else 0.0)
+            accs.append(float(hit[sel].mean()) if n else 0.0)
+    al, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        al += run
+    return total, StepMetrics(loss=losses, acc=accs, tokens=counts), al
+
+
+def loss_case(cfg, B=2, T=14, packed=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, cfg.vocab_size, (B, T), generator=gen)
+    aux = torch.randn(B, T, 2 * cfg.target_hidden_size, generator=gen)
+    final = torch.randn(B, T, cfg.hidden_size, generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, :3] = 0
+    mask[1, 9:] = 0  # right padding
+    mask[0, 6] = 0  # a hole: slots whose label is not an assistant token
+    docs = pos = None
+    if packed:
+        docs = (torch.arange(T)[None] >= 7).long().expand(B, T).contiguous()
+        pos = torch.where(docs == 0, torch.arange(T), torch.arange(T) - 7)
+    head = TargetDraftHead(3 * torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen))
+    return ids, aux, final, mask, pos, docs, head
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+@pytest.mark.parametrize("packed,num_anchors", [(False, 3), (False, 5), (True, 4)])
+def test_dflash_step_equals_the_reference_loss_in_value_gradients_and_metrics(kind, packed, num_anchors):
+    cfg = tiny_config()
+    ids, aux, final, mask, pos, docs, head = loss_case(cfg, packed=packed)
+    anchors, valid = sample_anchors(mask, num_anchors, torch.Generator().manual_seed(1), docs)
+    Bk, spec, w = cfg.block_size, LossSpec(kind), slot_weights(cfg.block_size, 4.0)
+    # num_anchors 3 gathers the 9 teacher rows of the slots, 5 runs the head on all 14 positions
+
+    ref_model = random_model(cfg).train()
+    label_pos, label_mask = block_labels(anchors, valid, mask, Bk, docs)
+    logits = ref_model(ids, aux, anchors, valid, label_mask, pos, docs)
+    teacher = teacher_for_labels_reference(head(final), label_pos, label_mask)
+    slots = torch.arange(Bk).expand_as(label_pos)[label_mask]
+    want, m, al = dflash_loss_reference(logits, teacher, slots, w, None, spec)
+    want.backward()
+
+    model = random_model(cfg).train()
+    loss, metrics = dflash_step(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
+                                chunk_size=7)  # several chunks
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for k in range(Bk - 1):
+        assert metrics[f"loss_{k}"].dim() == 0 and not metrics[f"loss_{k}"].requires_grad
+        assert float(metrics[f"loss_{k}"]) == pytest.approx(m.loss[k], rel=1e-5, abs=1e-6)
+        assert float(metrics[f"acc_{k}"]) == pytest.approx(m.acc[k], abs=1e-6)
+    assert float(metrics["acceptance_length"]) == pytest.approx(al, abs=1e-6)
+    assert float(metrics["loss"]) == pytest.approx(float(want.detach()), rel=1e-5)
+
+    # data parallel: a device-tensor global denominator replaces the local weight sum
+    half, _ = dflash_step(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
+                          global_denominators=lambda counts: counts * 2.0)
+    torch.testing.assert_close(half, want / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_dflash_step_reads_nothing_from_the_device():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    # .item() / float() / int() / bool() dispatch _local_scalar_dense; x[mask] dispatches index
+    # (or index_put_) with a bool index, which reads the mask's count from the device
+    syncing = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+               "aten._unique2.default", "aten.unique_consecutive.default"}
+
+    class NoSync(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            bool_index = name.startswith(("aten.index.", "aten.index_put")) and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+            if name in syncing or bool_index:
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_config()
+    ids, aux, final, mask, pos, docs, head = loss_case(cfg, packed=True)
+    model = random_model(cfg).train()
+    mode = NoSync()
+    with mode:
+        anchors, valid = sample_anchors(mask, 5, torch.Generator().manual_seed(0), docs)
+        loss, metrics = dflash_step(model, ids, aux, final, mask, anchors, valid, head,
+                                    slot_weights(cfg.block_size, 4.0), LossSpec(), pos, docs)
+        loss.backward()
+    assert mode.seen == []
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in metrics.values())
 
 
 def test_padding_and_invalid_anchors_give_finite_outputs_and_gradients():
@@ -201,16 +319,21 @@ def test_padding_and_invalid_anchors_give_finite_outputs_and_gradients():
     mask[0, 3:9] = 1  # row 1: no assistant tokens, no valid anchor at all
     anchors, valid = sample_anchors(mask, 8, torch.Generator().manual_seed(0))
     assert valid[0].sum() == 5 and not valid[1].any()
-    label_pos, label_mask = block_labels(anchors, valid, mask, cfg.block_size)
-    logits = model(ids, g, anchors, valid, label_mask)
-    teacher = teacher_for_labels(torch.randn(2, T, cfg.draft_vocab_size), label_pos, label_mask)
-    loss, _, _ = dflash_loss(logits, teacher, torch.arange(cfg.block_size).expand_as(label_pos)[label_mask],
-                             slot_weights(cfg.block_size, 4.0))
+    head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.hidden_size))
+    final = torch.randn(2, T, cfg.hidden_size)
+    loss, metrics = dflash_step(model, ids, g, final, mask, anchors, valid, head, slot_weights(cfg.block_size, 4.0))
     loss.backward()
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and loss > 0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     full = model(ids, g, anchors, valid)
     assert torch.isfinite(full).all()
+    # a micro-batch with no trained slot at all: loss 0, still a graph, finite gradients
+    model.zero_grad()
+    none, _ = dflash_step(model, ids, g, final, torch.zeros_like(mask), anchors, valid & False, head,
+                          slot_weights(cfg.block_size, 4.0))
+    none.backward()
+    assert float(none) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
@@ -240,8 +363,14 @@ def test_anchors_are_valid_distinct_sorted_capped_and_reproducible():
     assert torch.equal(a, again)
     draws = {tuple(sample_anchors(mask, 3, torch.Generator().manual_seed(s))[0][0].tolist()) for s in range(20)}
     assert len(draws) > 1  # re-sampled from step to step
-    everything, v = sample_anchors(mask, 100, torch.Generator().manual_seed(0))
+    assert anchor_count(mask, 100) == 5 and anchor_count(mask, 3) == 3
+    plan = pickle.loads(pickle.dumps(AnchorCountPlan(100)))  # runs in DataLoader workers
+    assert plan({"loss_mask": mask}) == {"loss_mask": mask, "dflash_num_anchors": 5}
+    everything, v = sample_anchors(mask, anchor_count(mask, 100), torch.Generator().manual_seed(0))
     assert everything[0].tolist() == [2, 3, 4, 7, 8] and v.all()
+    padded, v = sample_anchors(mask, 100, torch.Generator().manual_seed(0))  # width capped at T, valid first
+    assert padded.shape == (1, 10) and padded[0, :5].tolist() == [2, 3, 4, 7, 8] and v.sum() == 5
+    assert not v[0, 5:].any() and padded[0, 5:].eq(0).all()
 
 
 def test_labels_are_same_position_and_teacher_is_the_previous_positions_distribution():
@@ -252,9 +381,17 @@ def test_labels_are_same_position_and_teacher_is_the_previous_positions_distribu
     assert ok[0, 0].tolist() == [False, True, True, False]  # slot 0 never trained; x_6 is not assistant
     assert ok[0, 1].tolist() == [False, True, False, False]  # past the end of the row
     T, V = 10, 12
-    teacher = torch.eye(V)[:T].unsqueeze(0)  # row t is one-hot(t): p_t
-    got = teacher_for_labels(teacher, pos, ok).argmax(-1)
-    assert got.tolist() == [3, 4, 8]  # labels x_4, x_5, x_9 -> teachers p_3, p_4, p_8
+    final = torch.arange(T, dtype=torch.float32).view(1, T, 1)  # the head makes row t one-hot(t): p_t
+    head = lambda h: F.one_hot(h[:, 0].long(), V).float()  # noqa: E731
+    for anchors_, want in ((anchors, [3, 4, 8]), (torch.tensor([[3, 8, 5, 2]]), None)):
+        # 2 anchors * 3 slots < T: the slot rows are gathered; 4 * 3 >= T: the head runs on all rows
+        pos_, ok_ = block_labels(anchors_, torch.ones_like(anchors_, dtype=torch.bool), mask, 4)
+        teacher, index = teacher_rows(final, pos_, head)
+        assert teacher.shape[0] == (2 * 3 if anchors_.shape[1] == 2 else T)
+        got = teacher[index].argmax(-1)  # (1, A, 4)
+        assert got[ok_].tolist() == (pos_[ok_] - 1).tolist()
+        if want is not None:
+            assert got[ok_].tolist() == want  # labels x_4, x_5, x_9 -> teachers p_3, p_4, p_8
 
 
 def test_slot_weights_decay_exponentially_and_loss_normalises_by_their_sum():
@@ -264,13 +401,13 @@ def test_slot_weights_decay_exponentially_and_loss_normalises_by_their_sum():
     teacher = torch.randn(3, 6)
     draft = torch.randn(3, 6)
     slots = torch.tensor([1, 2, 4])
-    loss, m, al = dflash_loss(draft, teacher, slots, w)
+    loss, m, al = dflash_loss_reference(draft, teacher, slots, w)
     log_p = teacher.log_softmax(-1)
     kl = (log_p.exp() * (log_p - draft.log_softmax(-1))).sum(-1)
     want = (w[slots] * kl).sum() / w[slots].sum()
     torch.testing.assert_close(loss, want)
     assert m.tokens == [1, 1, 0, 1]
-    exact, m, al = dflash_loss(teacher, teacher, slots, w)
+    exact, m, al = dflash_loss_reference(teacher, teacher, slots, w)
     assert float(exact) == pytest.approx(0.0, abs=1e-6) and m.acc == [1.0, 1.0, 0.0, 1.0]
     assert al == pytest.approx(3.0)  # 1 + acc_1 + acc_1*acc_2 (slot 3 has no data: the chain stops)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import ShardSpec, convert_shards, decode_fp8, encode_fp8, shard_bytes_per_token
+from draftsmith.data_prep.shards import (ShardReader, ShardSpec, convert_shards, decode_fp8, decode_states, encode_fp8,
+                                         shard_bytes_per_token)
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.target import load_target
 
@@ -132,3 +133,111 @@ def test_rank_and_world_size_come_from_the_launcher_environment(tiny, tmp_path, 
                            sequences_per_shard=1, progress=False)
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00001.safetensors", "shard-00003.safetensors"]
     assert (tmp_path / "manifest.rank-00001-of-00002.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------
+# fp8 decoded on the device: the reader hands out the payload and scales, decode_states runs
+# after the host-to-device copy and must give exactly what the CPU decode gives today.
+
+@pytest.fixture(scope="module")
+def fp8_shards(tiny, tmp_path_factory):
+    model, _ = tiny
+    d = tmp_path_factory.mktemp("fp8_device")
+    records = make_records(7, model.config.vocab_size, seed=8)
+    generate_hidden_states(model, records, d, ShardSpec(model.config.hidden_size, TINY_AUX, "float8_e4m3fn"),
+                           sequences_per_shard=3, progress=False)
+    return d, len(records), model.config.hidden_size
+
+
+def test_undecoded_items_carry_the_stored_fp8_payload_and_its_scales(fp8_shards):
+    d, n, H = fp8_shards
+    raw, decoded = ShardReader(d, decode_dtype=None), ShardReader(d)
+    for i in range(n):
+        r, ref = raw[i], decoded[i]
+        T = ref["input_ids"].shape[0]
+        assert set(r) == set(ref) | {"aux_hidden_states_scale", "final_hidden_states_scale"}
+        assert r["aux_hidden_states"].dtype == r["final_hidden_states"].dtype == torch.float8_e4m3fn
+        assert r["aux_hidden_states"].shape == (T, 3 * H) and r["aux_hidden_states_scale"].shape == (T, 3)
+        assert r["final_hidden_states_scale"].shape == (T, 1) and r["final_hidden_states_scale"].dtype == torch.float32
+        # one item decoded by hand is today's decode, bit for bit
+        assert torch.equal(decode_states(dict(r))["aux_hidden_states"], ref["aux_hidden_states"])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_decoding_a_collated_batch_after_the_copy_equals_todays_cpu_decode_exactly(fp8_shards, packed):
+    from draftsmith.train.data import collate
+    from draftsmith.train.packing import collate_packed
+
+    d, n, _ = fp8_shards
+    raw, f32, bf16 = ShardReader(d, decode_dtype=None), ShardReader(d), ShardReader(d, decode_dtype=torch.bfloat16)
+    if packed:  # two rows of documents (different total lengths: the second row is padded)
+        rows = [[0, 1, 2], [3, 4]]
+        make = lambda ds: collate_packed([[ds[i] for i in row] for row in rows])  # noqa: E731
+    else:
+        make = lambda ds: collate([ds[i] for i in range(n)])  # noqa: E731
+    today, today_bf16 = make(f32), make(bf16)
+    batch = make(raw)  # what the DataLoader would hand to the host-to-device copy
+    assert batch["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    stored = sum(batch[k].numel() * batch[k].element_size() for k in batch if "hidden_states" in k)
+    assert stored < 0.3 * sum(today[k].numel() * 4 for k in ("aux_hidden_states", "final_hidden_states"))
+    out = decode_states(dict(batch), torch.float32)
+    assert set(out) == set(today)
+    for key in ("aux_hidden_states", "final_hidden_states"):
+        assert out[key].dtype == torch.float32 and torch.equal(out[key], today[key]), key
+        # padding decodes to the zeros collate pads the decoded states with
+        assert torch.equal(out[key][today["attention_mask"] == 0], torch.zeros_like(today[key][today["attention_mask"] == 0]))
+        # decoding straight to bf16 = the fp32 decode rounded once = a bf16 reader's items
+        b = decode_states(dict(batch), torch.bfloat16)[key]
+        assert b.dtype == torch.bfloat16 and torch.equal(b, today[key].to(torch.bfloat16))
+        assert torch.equal(b, today_bf16[key])
+    for key in today:  # ids, masks, positions pass through untouched
+        if "hidden_states" not in key:
+            assert torch.equal(out[key], today[key]), key
+
+
+def test_decode_states_leaves_plain_and_decoded_batches_alone(tiny, tmp_path):
+    model, _ = tiny
+    records = make_records(3, model.config.vocab_size, seed=9)
+    generate_hidden_states(model, records, tmp_path, ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16"),
+                           sequences_per_shard=2, progress=False)
+    item = ShardReader(tmp_path, decode_dtype=None)[1]  # plain shards: no scales, storage dtype
+    assert "aux_hidden_states_scale" not in item and item["aux_hidden_states"].dtype == torch.bfloat16
+    before = {k: v.clone() for k, v in item.items()}
+    out = decode_states(item)
+    assert out is item and all(torch.equal(out[k], before[k]) for k in before)
+    assert out["aux_hidden_states"].dtype == torch.bfloat16
+    # a second call on an already decoded fp8 batch is a no-op too
+    x = torch.randn(2, 5, 12)
+    q, s = encode_fp8(x.reshape(10, 12), 3)
+    once = decode_states({"aux_hidden_states": q.reshape(2, 5, 12), "aux_hidden_states_scale": s.reshape(2, 5, 3)})
+    again = decode_states(dict(once))
+    assert torch.equal(again["aux_hidden_states"], once["aux_hidden_states"]) and "aux_hidden_states_scale" not in again
+
+
+def test_batched_decode_equals_per_sequence_decode_and_never_writes_its_input():
+    torch.manual_seed(1)
+    x = torch.randn(3, 7, 4 * 16) * torch.logspace(-3, 4, 4).repeat_interleave(16)
+    q, s = encode_fp8(x.reshape(21, 64), 4)
+    q_copy = q.clone()
+    batched = decode_fp8(q.reshape(3, 7, 64), s.reshape(3, 7, 4))
+    assert batched.shape == (3, 7, 64)
+    assert torch.equal(batched.reshape(21, 64), decode_fp8(q, s))
+    assert torch.equal(q.view(torch.uint8), q_copy.view(torch.uint8))
+    # the reference formula the CPU decode has always used
+    ref = (q.float().reshape(21, 4, 16) * s.float().unsqueeze(-1)).reshape(21, 64)
+    assert torch.equal(decode_fp8(q, s), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decoding_on_the_gpu_equals_the_cpu_decode_bit_for_bit(fp8_shards):
+    from draftsmith.train.data import collate
+
+    d, n, _ = fp8_shards
+    batch = collate([ShardReader(d, decode_dtype=None)[i] for i in range(n)])
+    today = collate([ShardReader(d)[i] for i in range(n)])
+    on_gpu = decode_states({k: v.pin_memory().to("cuda", non_blocking=True) for k, v in batch.items()})
+    for key in ("aux_hidden_states", "final_hidden_states"):
+        assert on_gpu[key].is_cuda and torch.equal(on_gpu[key].cpu(), today[key]), key
+    bf = decode_states({k: v.to("cuda") for k, v in batch.items()}, torch.bfloat16)
+    assert torch.equal(bf["aux_hidden_states"].cpu(), today["aux_hidden_states"].to(torch.bfloat16))

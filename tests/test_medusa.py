@@ -52,6 +52,23 @@ def test_fresh_heads_equal_the_target_projection():
         model.init_from_target(torch.randn(41, 16))
 
 
+def test_forward_with_head_fn_hands_each_head_its_rows_and_lm_head():
+    # training computes the loss inside forward (chunked, tests/test_head_loss_chunked.py): head_fn
+    # gets head k's pre-logit rows and lm_heads[k] instead of the (K, B, T, V) logits
+    torch.manual_seed(0)
+    model = MedusaModel(MedusaConfig(hidden_size=16, vocab_size=40, num_heads=3, num_layers=2))
+    with torch.no_grad():
+        for p in model.blocks.parameters():
+            p.normal_(0, 0.3)
+    h = torch.randn(2, 5, 16)
+    seen = model(h, head_fn=lambda k, rows, head: (k, rows, head))
+    logits = model(h)
+    assert [k for k, _, _ in seen] == [0, 1, 2]
+    for k, rows, head in seen:
+        assert head is model.lm_heads[k] and rows.shape == (10, 16)
+        torch.testing.assert_close(head(rows), logits[k].flatten(0, 1))
+
+
 def test_head_targets_label_x_t_plus_k_plus_2_on_assistant_tokens():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 0]])  # assistant tokens x_3, x_4; x_5 is padding

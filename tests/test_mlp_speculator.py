@@ -64,6 +64,20 @@ def test_forward_is_teacher_forced_chain_of_stages():
         torch.testing.assert_close(out[i], logits)
 
 
+def test_forward_with_head_fn_hands_each_stage_its_state_and_head():
+    # training computes the loss inside forward (chunked, tests/test_head_loss_chunked.py): head_fn
+    # gets stage i's state rows and head[i] instead of the (P, B, T, V) logits
+    torch.manual_seed(0)
+    model = MLPSpeculator(MLPSpeculatorConfig(emb_dim=8, inner_dim=12, vocab_size=20, n_predict=3, tie_weights=True))
+    state, ids = torch.randn(2, 4, 8), torch.randint(0, 20, (2, 7))
+    seen = model(state, ids, head_fn=lambda i, rows, head: (i, rows, head))
+    logits = model(state, ids)
+    assert [i for i, _, _ in seen] == [0, 1, 2]
+    for i, rows, head in seen:
+        assert head is model.head[i] and rows.shape == (8, 12)
+        torch.testing.assert_close(head(rows), logits[i].flatten(0, 1))
+
+
 def test_tie_weights_share_stages_like_fms_extras():
     model = MLPSpeculator(MLPSpeculatorConfig(emb_dim=8, inner_dim=12, vocab_size=20, n_predict=4, tie_weights=True))
     assert all(model.emb[i].weight is model.emb[0].weight for i in range(4))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import get_args
+from typing import Callable, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..models.eagle3 import shift_left, ttt_prediction_mask
 from ..recipe import LossName
@@ -107,9 +108,13 @@ class LossSpec:
 
 
 class TargetDraftHead(nn.Module):
-    """The target ``lm_head`` restricted to the draft vocab: ``weight [Vd, H]`` (frozen).
+    """The target ``lm_head`` restricted to the draft vocab: ``weight [Vd, H]`` (frozen, kept in the
+    target's dtype: bf16 for a bf16 target).
 
-    ``forward(final_hidden (..., H)) -> logits (..., Vd)`` in float32.
+    ``forward(final_hidden (..., H)) -> logits (..., Vd)`` in float32. On an accelerator a bf16
+    weight multiplies in bf16 with fp32 accumulation (the logits the served target computes: vLLM
+    runs the target's ``lm_head`` in its dtype and samples from those logits); on the CPU the
+    product is taken in float32.
     """
 
     def __init__(self, lm_head_draft_rows: torch.Tensor):
@@ -127,7 +132,100 @@ class TargetDraftHead(nn.Module):
 
     @torch.no_grad()
     def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(final_hidden.float(), self.weight.float())
+        w = self.weight
+        if w.dtype != torch.float32 and w.device.type != "cpu":
+            return F.linear(final_hidden.to(w.dtype), w).float()
+        return F.linear(final_hidden.float(), w.float())
+
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 128 MiB per fp32 (C, V) copy
+
+
+def chunk_rows(vocab_size: int, chunk_size: int | None = None) -> int:
+    """Rows per loss chunk: ``chunk_size`` or as many as keep one fp32 ``(C, V)`` tensor at
+    :data:`DEFAULT_CHUNK_ELEMENTS` (1048 rows at V = 32000, 261 at V = 128256)."""
+    return max(1, chunk_size or DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+@dataclass
+class DistillOut:
+    """What :func:`chunked_distill` returns.
+
+    Attributes:
+        loss_sum: scalar ``sum_m weight_m * D_m`` (with grad).
+        row_loss: ``(M,)`` float32 ``D_m`` per row (detached; nats).
+        row_hit: ``(M,)`` float32, 1 where the draft argmax equals the target argmax (detached).
+    """
+
+    loss_sum: torch.Tensor
+    row_loss: torch.Tensor
+    row_hit: torch.Tensor
+
+
+def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
+                   weight: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], loss: LossSpec,
+                   labels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = logits_fn(hidden).float()  # (C, V)
+    if labels:  # hard labels: teacher (N,) token ids
+        target = teacher.index_select(0, teacher_index)  # (C,)
+        d = F.cross_entropy(logits, target, reduction="none")
+        hit = logits.argmax(-1) == target
+    else:
+        target = teacher.index_select(0, teacher_index).float()  # (C, V)
+        d = loss(target, logits)
+        hit = logits.argmax(-1) == target.argmax(-1)
+    return (weight * d).sum(), d.detach(), hit.float()
+
+
+def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
+                    teacher: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
+                    loss: LossSpec | None = None, chunk_size: int | None = None,
+                    labels: bool = False, vocab_size: int | None = None) -> DistillOut:
+    """The weighted divergence of M draft rows against their target rows, computed in chunks of
+    rows so that no ``(M, V)`` tensor exists: each chunk's logits and fp32 log-softmaxes live only
+    inside the chunk and are recomputed in backward (non-reentrant activation checkpointing), so
+    the memory of the loss is ``O(C * V)`` for ``C`` rows per chunk, not ``O(M * V)`` per step.
+
+    Call it inside the draft's ``forward`` (``logits_fn`` uses the draft's ``norm`` / ``lm_head``),
+    so DDP / FSDP see those weights used in forward and accelerate's fp32 output conversion
+    copies scalars, not logits. Reads no tensor on the host (no sync).
+
+    Args:
+        hidden: ``(M, H)`` draft rows (pre-norm hidden states), with grad.
+        logits_fn: ``(C, H) -> (C, V)`` draft logits.
+        teacher: ``(N, V)`` target logits over the draft vocab (no grad; fp32 or bf16), or with
+            ``labels`` ``(N,)`` target token ids (cross-entropy against hard labels).
+        teacher_index: ``(M,)`` int64, the ``teacher`` row of each hidden row.
+        weight: ``(M,)`` float, the loss weight of each row (0: not trained).
+        loss: the divergence (``train.loss``, :class:`LossSpec`); None: forward KL. Ignored with ``labels``.
+        chunk_size: rows per chunk; default :func:`chunk_rows` of V.
+        labels: ``teacher`` holds token ids (Medusa heads / MLP-speculator stages).
+        vocab_size: V of ``logits_fn`` (sizes the default chunk when ``labels``).
+
+    Raises:
+        ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``.
+
+    Returns:
+        :class:`DistillOut`; its values and gradients equal the unchunked
+        ``sum(weight * divergence(teacher[teacher_index], logits_fn(hidden)))``.
+    """
+    spec = loss or LossSpec()
+    M = hidden.shape[0]
+    if labels and not (chunk_size or vocab_size):
+        raise ValueError("chunked_distill(labels=True) needs chunk_size or vocab_size")
+    rows = chunk_rows(vocab_size if labels else teacher.shape[-1], chunk_size)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    sums, row_loss, row_hit = [], [], []
+    for s in range(0, M, rows):
+        args = (hidden[s:s + rows], teacher, teacher_index[s:s + rows], weight[s:s + rows], logits_fn, spec, labels)
+        out = checkpoint(_distill_chunk, *args, use_reentrant=False) if grad else _distill_chunk(*args)
+        sums.append(out[0]), row_loss.append(out[1]), row_hit.append(out[2])
+    if not sums:  # no row: a zero that keeps the graph
+        zero = hidden.sum() * 0.0
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return DistillOut(zero, empty, empty)
+    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return DistillOut(total, torch.cat(row_loss), torch.cat(row_hit))
 
 
 @dataclass
@@ -213,8 +311,11 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
     """Labels of Medusa heads / MLP-speculator stages: head k at position t predicts
     x_{t+k+2}, trained only where that token is an assistant token (``loss_mask (B, T)``;
     padding has 0) and, with ``document_ids (B, T)`` (packed rows), in t's document.
-    Restricting to positions with a label keeps the ``(K, M, V)`` logits of a full-vocab
-    head to the tokens that count (prompts and padding are never projected)."""
+    Restricting to positions with a label keeps the full-vocab heads to the tokens that count
+    (prompts and padding are never projected).
+
+    M depends on the data (boolean indexing): training calls it on the collated CPU batch in the
+    DataLoader (``HeadMethod.plan_heads``, the batch plan), so the step reads nothing back."""
     K = num_heads
     window = torch.stack([shift_left(input_ids, j) for j in range(K + 2)], dim=-1)  # (B, T, K+2)
     masks = torch.stack([ttt_prediction_mask(loss_mask, k, document_ids) for k in range(K)])  # (K, B, T)
@@ -228,10 +329,14 @@ def head_loss(
     labels: torch.Tensor,
     label_mask: torch.Tensor,
     decay: float = 0.8,
-    denominators: list[float] | None = None,
+    denominators: list[float] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
     """Per-head cross-entropy ``sum_k decay**k * CE_k`` against hard labels (Medusa-1 /
     IBM MLP speculator; SPEC.md section 4).
+
+    The unchunked reference: it takes the ``(K, M, V)`` logits and reads counts and metrics back
+    to the host. Training computes the same loss without either (``HeadMethod.compute_loss``:
+    :func:`chunked_distill` per head inside the model's forward).
 
     Args:
         logits: ``(K, M, V)`` every head's logits at the M gathered positions (full target vocab).
@@ -239,7 +344,7 @@ def head_loss(
         label_mask: ``(K, M)`` bool, positions that count for head k.
         decay: head weight base (Medusa: 0.8).
         denominators: per-head normalisers replacing the local count M_k (data parallel: the
-            global count / world size, as in :func:`ttt_loss`).
+            global count / world size, as in :func:`ttt_loss`); a list or a ``(K,)`` tensor.
 
     Returns:
         ``(loss scalar, StepMetrics)``: ``loss[k]`` mean CE in nats/token, ``acc[k]`` top-1

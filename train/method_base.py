@@ -90,23 +90,24 @@ class TargetDataMethod:
         return capture_batch(self.target, batch["input_ids"], batch["attention_mask"],
                              self.target_info["aux_layer_ids"])
 
-    def global_denominators(self, counts: torch.Tensor) -> list[float] | None:
+    def global_denominators(self, counts: torch.Tensor) -> torch.Tensor | None:
         """Per-step normalisers for data parallelism from the local token counts ``(K,)`` of
         each step: the global count over the world size (so the averaged gradient is the
-        global token mean); None on one process (the loss then uses its local counts)."""
-        world = self.accelerator.num_processes
+        global token mean), clamped to >= 1, as a device tensor (a collective, no host read);
+        None on one process (the loss then uses its local counts)."""
+        world = self.accelerator.num_processes if self.accelerator is not None else 1
         if world == 1:
             return None
-        return (self.accelerator.reduce(counts.float(), reduction="sum") / world).clamp_min(1.0).tolist()
+        return (self.accelerator.reduce(counts.float(), reduction="sum") / world).clamp_min(1.0)
 
-    def step_metrics(self, loss: torch.Tensor, m: StepMetrics) -> dict[str, float]:
-        """``loss`` (mean over processes) and ``loss_{k}`` / ``acc_{k}`` per step or head."""
-        world = self.accelerator.num_processes
-        global_loss = self.accelerator.reduce(loss.detach(), reduction="mean") if world > 1 else loss.detach()
-        metrics = {"loss": float(global_loss)}
+    def step_metrics(self, loss: torch.Tensor, m: StepMetrics) -> dict[str, Any]:
+        """``loss`` and ``loss_{k}`` / ``acc_{k}`` per step or head, as detached device tensors
+        (or floats): the trainer sums them over its log window on the device and reduces them
+        over processes only when it logs (``train.log_every``), so a step reads nothing back."""
+        metrics: dict[str, Any] = {"loss": loss.detach()}
         for k, (lk, ak) in enumerate(zip(m.loss, m.acc)):
-            metrics[f"loss_{k}"] = lk
-            metrics[f"acc_{k}"] = ak
+            metrics[f"loss_{k}"] = lk.detach() if isinstance(lk, torch.Tensor) else lk
+            metrics[f"acc_{k}"] = ak.detach() if isinstance(ak, torch.Tensor) else ak
         return metrics
 
     def validation_spec(self) -> ValidationSpec:
@@ -168,19 +169,21 @@ class DraftVocabMethod(TargetDataMethod):
                 f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)"
             )
         self.d2t, self.t2d = d2t, t2d
-        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"].float(), t2d)
+        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"], t2d)
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its
         ``lm_head`` rows and final norm, the vocab mapping, ``draft.freeze_lm_head`` and
         ``train.gradient_checkpointing`` applied."""
         init = self.recipe.draft.init_lm_head_from_target
-        model.init_from_target(self.heads["embed_tokens"].float(), self.target_head.weight if init else None,
+        model.init_from_target(self.heads["embed_tokens"], self.target_head.weight if init else None,
                                self.heads["final_norm"].float() if init else None)
         model.set_vocab_mapping(self.d2t, self.t2d)
         if self.recipe.draft.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
         model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
+        if hasattr(model, "attention_backend"):
+            model.attention_backend = self.recipe.train.attention_backend
         return model
 
     def mask_token_id(self) -> int:
@@ -213,14 +216,48 @@ class HeadMethod(TargetDataMethod):
     """Medusa heads and MLP-speculator stages: K heads over the full target vocab, fed the
     target's final normed hidden state; per-head cross-entropy weighted ``train.head_decay**k``.
 
-    Subclasses set :attr:`num_heads` and implement :meth:`head_logits`.
+    The loss is computed inside the model's forward (``head_fn``), per head in chunks of rows
+    (:func:`~draftsmith.train.losses.chunked_distill`): no ``(K, M, V)`` logits, and no host
+    read in a step whose batch carries its plan (:meth:`batch_plan`).
+
+    Subclasses set :attr:`num_heads` and :attr:`config` (with ``vocab_size``) and implement
+    :meth:`head_forward`.
     """
 
     num_heads: int
+    PLAN_KEYS = ("head_index", "head_tokens", "head_labels", "head_label_mask")
 
-    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
-        """``(K, M, V)`` logits at the M gathered positions, from ``final (M, 1, H)``."""
+    def head_forward(self, model: nn.Module, final: torch.Tensor, tokens: torch.Tensor, head_fn: Any) -> list[Any]:
+        """Run the heads on ``final (M, 1, H)`` (every gathered position a length-1 sequence;
+        ``tokens (M, K + 2)`` = x_t .. x_{t+K+1}) with ``head_fn`` (``models.medusa.HeadFn``);
+        returns its K results."""
         raise NotImplementedError
+
+    @staticmethod
+    def plan_heads(batch: dict[str, Any], num_heads: int) -> dict[str, Any]:
+        """The batch plan of K heads (:meth:`batch_plan`; run on the collated CPU batch in the
+        DataLoader, picklable bound with ``functools.partial``): the batch plus
+
+        - ``head_index (M,)`` int64: flat ``b * T + t`` of the M positions where some head has a
+          label (:func:`~draftsmith.train.losses.head_targets`);
+        - ``head_tokens (M, K + 2)``: x_t .. x_{t+K+1} there (0 past the end);
+        - ``head_labels (K, M)``: x_{t+k+2}; ``head_label_mask (K, M)`` bool: head k trains there;
+        - ``head_rows`` (python int M) and ``head_counts`` (python list, M_k per head).
+
+        On device tensors (the fallback of :meth:`compute_loss`) it reads the device (boolean indexing).
+        """
+        t = head_targets(batch["input_ids"], batch["loss_mask"], num_heads, batch.get("document_ids"))
+        index = t.positions.flatten().nonzero().squeeze(1)
+        return {**batch, "head_index": index, "head_tokens": t.tokens, "head_labels": t.labels,
+                "head_label_mask": t.label_mask, "head_rows": int(index.shape[0]),
+                "head_counts": t.label_mask.sum(1).tolist()}
+
+    def batch_plan(self) -> Any:
+        """:meth:`plan_heads` bound to K: the gathered positions and labels as index tensors,
+        computed on the CPU batch, so the step gathers without reading a mask back."""
+        import functools
+
+        return functools.partial(HeadMethod.plan_heads, num_heads=self.num_heads)
 
     def batch_states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch to train on, with ``final_hidden_states (B, T, H)``; the MLP speculator's
@@ -228,15 +265,48 @@ class HeadMethod(TargetDataMethod):
         _, final = self.target_states(batch)
         return dict(batch, final_hidden_states=final)
 
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = self.batch_states(batch)
-        targets = head_targets(batch["input_ids"], batch["loss_mask"], self.num_heads, batch.get("document_ids"))
+    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``sum_k decay**k * CE_k``, ``CE_k`` head k's summed cross-entropy over its labelled
+        positions divided by the (global, data parallel) count; equals
+        :func:`~draftsmith.train.losses.head_loss` on the ``(K, M, V)`` logits without building them.
+        Every head runs on the union of positions, weight 0 where it has no label. Metrics
+        ``loss``, ``loss_{k}``, ``acc_{k}`` are detached 0-dim device tensors. No host read when
+        the batch carries its plan (:meth:`batch_plan`); otherwise (validation, tests) the plan is
+        computed here from the batch."""
+        from .losses import chunked_distill
+
+        batch = self.batch_states(batch)  # MLP stage 2: a generated batch, without the plan
+        plan = batch if self.PLAN_KEYS[0] in batch else self.plan_heads(batch, self.num_heads)
         param = next(p for p in model.parameters() if p.requires_grad)
+        final = batch["final_hidden_states"]
+        device = final.device
+        index, tokens, labels, mask = (plan[key].to(device, non_blocking=True) for key in self.PLAN_KEYS)
         # every gathered position is its own length-1 sequence: heads never mix positions
-        final = batch["final_hidden_states"][targets.positions].to(param.dtype).unsqueeze(1)  # (M, 1, H)
-        logits = self.head_logits(model, final, targets)  # (K, M, V)
-        loss, m = head_loss(logits, targets.labels, targets.label_mask, self.recipe.train.head_decay,
-                            self.global_denominators(targets.label_mask.sum(1)))
+        final = final.flatten(0, 1).index_select(0, index).to(param.dtype).unsqueeze(1)  # (M, 1, H)
+        mask = mask.float()  # (K, M)
+        counts = mask.sum(1)  # (K,) local label counts
+        denominators = self.global_denominators(counts)  # data parallel: global count / world
+        if denominators is None:
+            denominators = counts.clamp_min(1.0)
+        rows = torch.arange(labels.shape[1], device=device)
+        chunk, vocab = self.recipe.train.loss_chunk_rows, self.config.vocab_size
+
+        def head_fn(k: int, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
+            out = chunked_distill(hidden, lm_head, labels[k], rows, mask[k], chunk_size=chunk, labels=True,
+                                  vocab_size=vocab)
+            loss_sum = out.loss_sum
+            if hidden.shape[0] == 0:  # no position: a zero whose graph reaches lm_head (DDP)
+                loss_sum = loss_sum + lm_head(hidden).sum() * 0.0
+            return loss_sum, out.row_loss, out.row_hit
+
+        outs = self.head_forward(model, final, tokens, head_fn)
+        decay = self.recipe.train.head_decay
+        head_losses = [loss_sum / denominators[k] for k, (loss_sum, _, _) in enumerate(outs)]
+        loss = head_losses[0]
+        for k in range(1, len(head_losses)):
+            loss = loss + decay**k * head_losses[k]
+        accs = [(hit * mask[k]).sum() / counts[k].clamp_min(1.0) for k, (_, _, hit) in enumerate(outs)]
+        m = StepMetrics(loss=[lk.detach() for lk in head_losses], acc=accs, tokens=plan.get("head_counts", []))
         return loss, self.step_metrics(loss, m)
 
     def draft_config(self) -> dict[str, Any]:

@@ -3,24 +3,41 @@
 DFlash (z-lab, arXiv:2602.06036): block drafting from the same data EAGLE-3 trains on (aux
 hidden states at vLLM aux ids, draft vocab d2t/t2d, assistant loss masks), used *unshifted*.
 Each step samples up to ``draft.num_anchors`` anchors per sequence (fresh every step, from a
-generator seeded by ``seed`` and the step); block slot k of anchor a is trained towards the
-target's distribution ``p_{a+k-1}`` over the draft vocab (forward KL), weighted
-``exp(-(k-1)/gamma)`` (SPEC_DFLASH_PEAGLE.md 2.3).
+generator on the batch's device seeded by ``seed``, the step, the micro-batch and the rank);
+block slot k of anchor a is trained towards the target's distribution ``p_{a+k-1}`` over the
+draft vocab (``train.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma)``
+(SPEC_DFLASH_PEAGLE.md 2.3).
+
+The step reads nothing from the device: anchors come from ``topk`` over random keys, every
+slot of every block is a loss row weighted 0 where it is not trained, the divergence is
+computed in chunks inside the draft's forward (:class:`~draftsmith.models.dflash.DFlashTargets`,
+:func:`~draftsmith.train.losses.chunked_distill`) and the metrics are detached device scalars.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ..models.dflash import DFlashConfig, DFlashDraftModel, block_labels, sample_anchors, slot_weights
+from ..models.dflash import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DFlashTargets,
+    anchor_count,
+    block_labels,
+    sample_anchors,
+    slot_weights,
+)
 from ..recipe import Recipe
-from .losses import LossSpec, StepMetrics
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.dflash")
+
+NUM_ANCHORS_KEY = "dflash_num_anchors"  # the batch plan's python int: the batch's anchor width A
 
 
 def loss_decay_gamma(block_size: int, gamma: float | None) -> float:
@@ -30,58 +47,118 @@ def loss_decay_gamma(block_size: int, gamma: float | None) -> float:
     return 7.0 if block_size >= 12 else 4.0
 
 
-def dflash_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                denominator: float | None = None,
-                loss: LossSpec | None = None) -> tuple[torch.Tensor, StepMetrics, float]:
-    """Position-weighted divergence of the trained block slots (``loss``, ``train.loss``; None:
-    forward KL).
+def teacher_rows(final: torch.Tensor, label_pos: torch.Tensor, head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target logits the block slots are distilled towards, computed once per batch.
+
+    Slot k of anchor a predicts x_{a+k}, so its teacher is ``p_{a+k-1}`` = ``head(final[a+k-1])``
+    (same-position labels: no EAGLE shift). The head runs on whichever row set is smaller (both
+    sizes are known on the host): every position (``B*T`` rows) or the ``B*A*(Bk-1)`` slot rows.
 
     Args:
-        logits: ``(M, Vd)`` draft logits of the M trained slots.
-        teacher_logits: ``(M, Vd)`` target logits over the draft vocab of each slot's label
-            position minus one (``p_{a+k-1}``).
-        slots: ``(M,)`` block slot k (1..Bk-1) of each row.
-        weights: ``(Bk,)`` slot weights (:func:`~draftsmith.models.dflash.slot_weights`).
-        denominator: replaces the local ``sum(w_k)`` over the M slots (data parallel: the global
-            sum / world size).
+        final: ``(B, T, Ht)`` the target's final (normed) hidden states.
+        label_pos: ``(B, A, Bk)`` label positions (:func:`~draftsmith.models.dflash.block_labels`).
+        head: ``(..., Ht) -> (..., Vd)`` the target head over the draft vocab.
 
     Returns:
-        ``(loss, StepMetrics, acceptance_length)``: ``loss = sum(w*KL) / sum(w)``; metrics per slot
-        k = 1..Bk-1 (index k-1): mean KL (nats/token), argmax accuracy against the target's
-        argmax, slots counted; the expected acceptance length ``1 + sum_k prod_{i<=k} acc_i``.
+        ``(teacher (N, Vd), teacher_index (B, A, Bk) long)``; slot 0's index is a valid row
+        (the anchor is never trained).
+    """
+    B, T, _ = final.shape
+    _, A, Bk = label_pos.shape
+    prev = (label_pos - 1).clamp_min(0)  # (B, A, Bk): p_{t-1} for the label at t
+    if A * (Bk - 1) < T:
+        rows = final.gather(1, prev[:, :, 1:].reshape(B, -1, 1).expand(-1, -1, final.shape[-1]))  # (B, A*(Bk-1), Ht)
+        teacher = head(rows.reshape(B * A * (Bk - 1), -1))
+        index = torch.arange(B * A * (Bk - 1), device=label_pos.device).view(B, A, Bk - 1)
+        index = torch.cat([index[:, :, :1], index], dim=2)  # slot 0: any valid row
+    else:
+        teacher = head(final.reshape(B * T, -1))
+        index = torch.arange(B, device=label_pos.device)[:, None, None] * T + prev
+    return teacher, index
+
+
+def slot_metrics(row_loss: torch.Tensor, row_hit: torch.Tensor, trained: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-slot means over the trained rows, as detached 0-dim tensors (no host read).
+
+    Args:
+        row_loss / row_hit: ``(B, A, Bk-1)`` per-row divergence and argmax match of slots 1..Bk-1.
+        trained: ``(B, A, Bk-1)`` bool.
+
+    Returns:
+        ``loss_{k-1}`` / ``acc_{k-1}`` for slot k = 1..Bk-1 (0 where a slot has no trained row)
+        and ``acceptance_length = 1 + sum_k prod_{i<=k} acc_i`` (a slot without rows stops the chain).
+    """
+    w = trained.float().flatten(0, 1)  # (B*A, Bk-1)
+    count = w.sum(0)  # (Bk-1,)
+    denom = count.clamp_min(1.0)
+    loss = (row_loss.flatten(0, 1) * w).sum(0) / denom
+    acc = (row_hit.flatten(0, 1) * w).sum(0) / denom
+    out: dict[str, torch.Tensor] = {}
+    for k in range(loss.shape[0]):  # over the host-known slot count: views, no reads
+        out[f"loss_{k}"], out[f"acc_{k}"] = loss[k].detach(), acc[k].detach()
+    out["acceptance_length"] = (1.0 + acc.cumprod(0).sum()).detach()
+    return out
+
+
+def dflash_step(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+                loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, head: Any,
+                weights: torch.Tensor, loss: Any = None, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None,
+                global_denominators: Callable[[torch.Tensor], Any] | None = None,
+                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One DFlash loss over given anchors, without host reads.
+
+    Args:
+        model: the :class:`~draftsmith.models.dflash.DFlashDraftModel` (possibly wrapped).
+        input_ids / loss_mask / position_ids / document_ids: ``(B, T)`` the batch.
+        aux: ``(B, T, n*Ht)`` aux states in the draft's dtype; final: ``(B, T, Ht)`` the
+            target's final hidden states.
+        anchors / anchor_valid: ``(B, A)`` (:func:`~draftsmith.models.dflash.sample_anchors`).
+        head: the target head over the draft vocab (``TargetDraftHead``).
+        weights: ``(Bk,)`` slot weights (:func:`~draftsmith.models.dflash.slot_weights`).
+        loss: ``train.loss`` (``LossSpec``); None: forward KL.
+        global_denominators: data parallel: ``(1,)`` local weight sum -> the global sum over the
+            world size (a device tensor), or None on one process.
+        chunk_size: rows per loss chunk (default: ``chunk_rows`` of Vd).
+
+    Returns:
+        ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots; metrics
+        ``loss``, ``loss_{k-1}`` / ``acc_{k-1}`` per slot k, ``acceptance_length``
+        (:func:`slot_metrics`), all detached 0-dim tensors.
     """
     Bk = weights.shape[0]
-    w = weights.to(logits.device)[slots]  # (M,)
-    kl = (loss or LossSpec())(teacher_logits, logits)  # (M,)
-    denom = denominator if denominator is not None else float(w.sum().clamp_min(1e-6))
-    total = (w * kl).sum() / denom
-    losses, accs, counts = [], [], []
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
-        for k in range(1, Bk):
-            sel = slots == k
-            n = int(sel.sum())
-            counts.append(n)
-            losses.append(float(kl[sel].mean()) if n else 0.0)
-            accs.append(float(hit[sel].mean()) if n else 0.0)
-    al, run = 1.0, 1.0
-    for a in accs:
-        run *= a
-        al += run
-    return total, StepMetrics(loss=losses, acc=accs, tokens=counts), al
+    B, A = anchors.shape
+    label_pos, label_mask = block_labels(anchors, anchor_valid, loss_mask, Bk, document_ids)  # (B, A, Bk)
+    teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
+    weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
+    out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
+                targets=DFlashTargets(teacher, teacher_index, weight, loss, chunk_size))
+    local = weight.sum()
+    denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
+    total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))
+    rows = (B, A, Bk - 1)
+    metrics = {"loss": total.detach()}
+    metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
+    return total, metrics
 
 
-def teacher_for_labels(teacher: torch.Tensor, label_pos: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
-    """The target logits each trained slot is distilled towards: ``teacher (B, T, Vd)`` (row t is
-    ``p_t``, the distribution of x_{t+1}) gathered at ``label_pos - 1`` for the slots
-    ``label_mask (B, A, Bk)`` selects -> ``(M, Vd)``. Slot k of anchor a predicts x_{a+k}, so its
-    teacher is ``p_{a+k-1}`` (same-position labels: no EAGLE shift)."""
-    b = torch.arange(teacher.shape[0], device=teacher.device)[:, None, None].expand_as(label_pos)
-    return teacher[b[label_mask], label_pos[label_mask] - 1]
+class AnchorCountPlan:
+    """The DFlash batch plan (run on each collated CPU batch in the data loader): the batch plus
+    its anchor width ``A = max(1, min(num_anchors, most valid anchors of any row))`` as a python
+    int under :data:`NUM_ANCHORS_KEY`, so the step needs no device read to size its anchors
+    (without it the step uses ``min(num_anchors, T - 1)``: more padding anchors, same loss).
+    Picklable."""
+
+    def __init__(self, num_anchors: int):
+        self.num_anchors = int(num_anchors)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {**batch, NUM_ANCHORS_KEY: anchor_count(batch["loss_mask"], self.num_anchors,
+                                                       batch.get("document_ids"))}
 
 
 class DFlashMethod(DraftVocabMethod):
-    """DFlash: anchor blocks over the fused aux context, forward-KL per block slot with
+    """DFlash: anchor blocks over the fused aux context, ``train.loss`` per block slot with
     exponential position decay, against the target distribution over the draft vocab.
 
     Raises (at construction, i.e. at train start):
@@ -110,35 +187,34 @@ class DFlashMethod(DraftVocabMethod):
     def build_model(self) -> DFlashDraftModel:
         return self.init_draft(DFlashDraftModel(self.config))
 
+    def batch_plan(self) -> AnchorCountPlan:
+        return AnchorCountPlan(self.recipe.draft.num_anchors)
+
     def begin_step(self, step: int) -> None:
         """Called before every micro-batch: counts the micro-batches of one optimizer step."""
         self.micro = self.micro + 1 if step == self.step else 0
         self.step = step
 
-    def anchor_generator(self) -> torch.Generator:
-        """CPU generator of this micro-batch's anchors: seeded by ``seed``, the step, the
-        micro-batch within it and the process index, so a resumed run samples the same anchors
-        and micro-batches / ranks sample independently."""
+    def anchor_seed(self) -> int:
+        """The seed of this micro-batch's anchors: ``seed``, the step, the micro-batch within it
+        and the process index, so a resumed run samples the same anchors and micro-batches /
+        ranks sample independently."""
         rank = self.accelerator.process_index if self.accelerator is not None else 0
-        key = ((self.recipe.seed * 1_000_003 + max(self.step, 0)) * 1009 + self.micro) * 4099 + rank
-        return torch.Generator().manual_seed(key)
+        return ((self.recipe.seed * 1_000_003 + max(self.step, 0)) * 1009 + self.micro) * 4099 + rank
+
+    def anchor_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator on ``device`` seeded with :meth:`anchor_seed` (host-side seeding)."""
+        return torch.Generator(device=device).manual_seed(self.anchor_seed())
 
     def compute_loss(self, model, batch):
         param = next(p for p in model.parameters() if p.requires_grad)
         aux, final = self.target_states(batch)
         aux = aux.to(param.dtype)  # (B, T, n*Ht)
-        teacher = self.target_head(final)  # (B, T, Vd), fp32: row t is p_t
         mask, docs = batch["loss_mask"], batch.get("document_ids")
-        Bk = self.config.block_size
-        anchors, valid = sample_anchors(mask, self.recipe.draft.num_anchors, self.anchor_generator(), docs)
-        label_pos, label_mask = block_labels(anchors, valid, mask, Bk, docs)  # (B, A, Bk)
-        logits = model(batch["input_ids"], aux, anchors, valid, label_mask, batch.get("position_ids"), docs)
-        teacher_sel = teacher_for_labels(teacher, label_pos, label_mask)  # (M, Vd): p_{a+k-1}
-        slots = torch.arange(Bk, device=mask.device).expand_as(label_pos)[label_mask]  # (M,)
-        w = self.weights.to(mask.device)
-        denominator = self.global_denominators((w[slots].sum()).reshape(1))
-        loss, m, al = dflash_loss(logits, teacher_sel, slots, self.weights,
-                                  denominator[0] if denominator is not None else None, self.loss)
-        metrics = self.step_metrics(loss, m)
-        metrics["acceptance_length"] = al
-        return loss, metrics
+        T = mask.shape[1]
+        width = batch.get(NUM_ANCHORS_KEY)  # the plan's tight A; else the cap (padding anchors cost compute only)
+        num_anchors = width if width is not None else min(self.recipe.draft.num_anchors, max(T - 1, 1))
+        anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
+        return dflash_step(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
+                           self.loss, batch.get("position_ids"), docs, self.global_denominators,
+                           self.recipe.train.loss_chunk_rows)

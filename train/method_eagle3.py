@@ -8,19 +8,27 @@ The entry script's docstring (its ``--help``) lists what a run reads and writes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, shift_left, ttt_prediction_mask
+from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_plan, ttt_prediction_mask
 from ..recipe import Recipe
-from .losses import ttt_loss
+from .losses import chunk_rows, chunked_distill
 from .method_base import DraftVocabMethod
-from .validation import ValidationSpec, full_vocab_logits, simulated_chain
+from .validation import ValidationSpec, accepted_sums, chain_alphas, full_vocab_logits
 from .warm_start import WarmStartError, fit_problems, load_init_weights, read_init_draft, warm_config
 
 log = logging.getLogger("draftsmith.train.eagle3")
+
+
+def eagle3_batch_plan(batch: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    """:meth:`Eagle3Method.batch_plan`: the batch plus :func:`~draftsmith.models.eagle3.ttt_plan`
+    (module-level so DataLoader workers can pickle it)."""
+    return {**batch, **ttt_plan(batch["loss_mask"], steps, batch.get("document_ids"))}
 
 
 class Eagle3Method(DraftVocabMethod):
@@ -63,21 +71,63 @@ class Eagle3Method(DraftVocabMethod):
             load_init_weights(model, self.init)
         return model
 
+    def batch_plan(self):
+        """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader
+        (:func:`~draftsmith.models.eagle3.ttt_plan`), so the step never reads a mask back."""
+        return functools.partial(eagle3_batch_plan, steps=self.recipe.train.ttt_steps)
+
     def compute_loss(self, model, batch):
+        """The TTT loss ``sum_k gamma**k D_k`` (``train.loss``), computed inside the draft's forward
+        in chunks of rows (:func:`~draftsmith.train.losses.chunked_distill`): no step keeps its
+        ``(M_k, Vd)`` logits, and the target's distribution is computed once per batch at the
+        rows some step needs. No host read when the batch carries its plan (:meth:`batch_plan`).
+        Metrics are device tensors."""
         param = next(p for p in model.parameters() if p.requires_grad)
         aux, final = self.target_states(batch)
         aux = aux.to(param.dtype)  # (B, T, 3H)
-        target_logits = self.target_head(final)  # (B, T, Vd), fp32
         K = self.recipe.train.ttt_steps
         # packed rows (train.packing) carry per-document positions and document ids
         docs = batch.get("document_ids")
-        step_logits = model(batch["input_ids"], aux, K, batch["loss_mask"], batch.get("position_ids"), docs)
-        # data parallel: normalise by the global token count (see ttt_loss)
-        denominators = self.global_denominators(
-            torch.stack([ttt_prediction_mask(batch["loss_mask"], k, docs).sum() for k in range(K)]))
-        loss, m = ttt_loss(step_logits, target_logits, batch["loss_mask"], self.recipe.train.gamma, denominators,
-                           docs, self.loss)
-        return loss, self.step_metrics(loss, m)
+        plan = batch if "ttt_index" in batch else ttt_plan(batch["loss_mask"], K, docs)
+        out = self.ttt_forward(model, batch, aux, final, plan, K)
+        loss = out["loss"]
+        metrics = {"loss": loss.detach()}
+        for k in range(K):
+            metrics[f"loss_{k}"], metrics[f"acc_{k}"] = out["loss_sum"][k] / out["denominators"][k], out["acc"][k]
+        return loss, metrics
+
+    def ttt_forward(self, model, batch, aux: torch.Tensor, final: torch.Tensor, plan: dict, K: int,
+                    denominators: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Run the unrolled draft with the chunked loss as its step head.
+
+        Returns ``loss`` (scalar, grad), per-step ``loss_sum (K,)`` (detached, summed divergence),
+        ``acc (K,)`` (argmax agreement over the step's rows), ``denominators (K,)`` and ``counts (K,)``.
+        """
+        counts = plan["ttt_counts_host"]
+        device = aux.device
+        counts_t = plan["ttt_counts"].to(device, non_blocking=True)
+        rows = final.flatten(0, 1).index_select(0, plan["ttt_teacher_rows"].to(device, non_blocking=True))
+        teacher = self.target_head(rows)  # (N, Vd): the target's distribution, once per batch
+        if denominators is None:  # data parallel: the global token count over the world size
+            denominators = self.global_denominators(counts_t)
+        if denominators is None:
+            denominators = counts_t.clamp_min(1).float()
+        index = torch.split(plan["ttt_index"].to(device, non_blocking=True), counts)
+        teacher_index = torch.split(plan["ttt_teacher_index"].to(device, non_blocking=True), counts)
+        gamma, chunk = self.recipe.train.gamma, self.recipe.train.loss_chunk_rows
+
+        def step_head(k: int, hidden: torch.Tensor, logits_fn):
+            h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
+            weight = (gamma**k / denominators[k]).expand(counts[k])
+            return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, self.loss, chunk)
+
+        outs = model(batch["input_ids"], aux, K, None, batch.get("position_ids"), batch.get("document_ids"),
+                     step_head=step_head)
+        loss = torch.stack([o.loss_sum for o in outs]).sum()
+        return {"loss": loss,
+                "loss_sum": torch.stack([o.row_loss.sum() for o in outs]),
+                "acc": torch.stack([o.row_hit.sum() for o in outs]) / counts_t.clamp_min(1),
+                "denominators": denominators, "counts": counts_t}
 
     def validation_spec(self) -> ValidationSpec:
         """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
@@ -89,31 +139,53 @@ class Eagle3Method(DraftVocabMethod):
     @torch.no_grad()
     def validation_sums(self, model, batch):
         """Per-step loss / accuracy sums over the trained tokens and the simulated chains
-        (:func:`~draftsmith.train.validation.simulated_chain`) of one validation batch."""
+        (:func:`~draftsmith.train.validation.chain_alphas`) of one validation batch, reduced in
+        chunks of rows inside the draft's forward: neither the draft's ``(M_k, Vd)`` logits nor
+        the target's ``(M_k, V)`` full-vocab logits of a step ever exist whole."""
         param = next(p for p in model.parameters() if p.is_floating_point())
         aux, final = self.target_states(batch)
         mask, docs = batch["loss_mask"], batch.get("document_ids")
-        K = max(self.recipe.eval.num_speculative_tokens, self.recipe.train.ttt_steps)
-        step_logits = model(batch["input_ids"], aux.to(param.dtype), K, mask, batch.get("position_ids"), docs)
-        _, m = ttt_loss(step_logits[: self.recipe.train.ttt_steps], self.target_head(final), mask,
-                        self.recipe.train.gamma, None, docs, self.loss)
-        out = {}
-        for k, (lk, ak, nk) in enumerate(zip(m.loss, m.acc, m.tokens)):
-            out[f"loss_{k}"], out[f"acc_{k}"] = lk * nk, ak * nk
-            out[f"loss_{k}_count"] = out[f"acc_{k}_count"] = nk
         spec = self.validation_spec()
-        K = spec.num_draft_tokens
-        masks = [ttt_prediction_mask(mask, k, docs) for k in range(K)]
+        K_train, K_chain = self.recipe.train.ttt_steps, spec.num_draft_tokens
+        K = max(K_chain, K_train)
+        plan = ttt_plan(mask, K, docs)
+        counts = plan["ttt_counts_host"]
+        device = final.device
+        index = torch.split(plan["ttt_index"].to(device), counts)
+        teacher_index = torch.split(plan["ttt_teacher_index"].to(device), counts)
+        teacher = self.target_head(final.flatten(0, 1).index_select(0, plan["ttt_teacher_rows"].to(device)))
         lm_head = self.heads["lm_head"]
-        if lm_head.device != final.device:
-            lm_head = self.heads["lm_head"] = lm_head.to(final.device)
+        if lm_head.device != device:
+            lm_head = self.heads["lm_head"] = lm_head.to(device)
+        final_rows = final.flatten(0, 1)
+        temperatures = list(spec.temperatures)
+        rows = chunk_rows(int(lm_head.shape[0]), self.recipe.train.loss_chunk_rows)
+        d2t = self.d2t.to(device)
 
-        def target_logits(k: int) -> torch.Tensor:  # the target's full-vocab logits of x_{t+k+2}
-            return full_vocab_logits(shift_left(final, k + 1)[masks[k]], lm_head)
+        def step_head(k: int, hidden: torch.Tensor, logits_fn):
+            h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
+            out = {}
+            if k < K_train:
+                d = chunked_distill(h, logits_fn, teacher, teacher_index[k], h.new_ones(counts[k]), self.loss,
+                                    self.recipe.train.loss_chunk_rows)
+                out["loss"], out["acc"] = float(d.row_loss.sum()), float(d.row_hit.sum())
+            if k < K_chain:  # the target's distribution of x_{t+k+2} is its row at t + k + 1
+                parts = [chain_alphas(logits_fn(h[s:s + rows]), full_vocab_logits(final_rows[index[k][s:s + rows] + k + 1],
+                                                                                  lm_head),
+                                      d2t, temperatures, self.recipe.train.eval_draft_sampling)
+                         for s in range(0, counts[k], rows)]
+                out["alphas"] = {t: torch.cat([p[t] for p in parts]) if parts else h.new_zeros(0) for t in temperatures}
+            return out
 
-        out.update(simulated_chain(step_logits[:K], masks, target_logits, self.d2t, list(spec.temperatures),
-                                   self.recipe.train.eval_draft_sampling))
-        return out
+        outs = model(batch["input_ids"], aux.to(param.dtype), K, None, batch.get("position_ids"), docs,
+                     step_head=step_head)
+        result = {}
+        for k in range(K_train):
+            result[f"loss_{k}"], result[f"acc_{k}"] = outs[k]["loss"], outs[k]["acc"]
+            result[f"loss_{k}_count"] = result[f"acc_{k}_count"] = counts[k]
+        masks = [ttt_prediction_mask(mask, k, docs) for k in range(K_chain)]
+        result.update(accepted_sums([outs[k]["alphas"] for k in range(K_chain)], masks, temperatures))
+        return result
 
     def checkpoint_extras(self, directory: Path) -> None:
         super().checkpoint_extras(directory, ttt_steps=self.recipe.train.ttt_steps)

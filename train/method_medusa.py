@@ -15,7 +15,6 @@ from torch import nn
 
 from ..models.medusa import MedusaConfig, MedusaModel
 from ..recipe import Recipe
-from .losses import HeadTargets
 from .method_base import HeadMethod
 
 
@@ -38,8 +37,8 @@ class MedusaMethod(HeadMethod):
             model.init_from_target(self.heads["lm_head"].float())
         return model
 
-    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
-        return model(final).squeeze(2)  # (K, M, 1, V) -> (K, M, V)
+    def head_forward(self, model: nn.Module, final: torch.Tensor, tokens: torch.Tensor, head_fn: Any) -> list[Any]:
+        return model(final, head_fn=head_fn)  # head k's rows (M, H) and lm_heads[k] to head_fn
 
     def draft_config(self) -> dict[str, Any]:
         return self.config.to_dict()

@@ -16,7 +16,6 @@ from torch import nn
 from ..data_prep.capture import capture_batch
 from ..models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from ..recipe import Recipe
-from .losses import HeadTargets
 from .method_base import HeadMethod
 
 
@@ -47,9 +46,9 @@ class MLPSpeculatorMethod(HeadMethod):
         start = self.recipe.draft.stage2_start_step
         return start is not None and self.step >= start
 
-    def head_logits(self, model: nn.Module, final: torch.Tensor, targets: HeadTargets) -> torch.Tensor:
+    def head_forward(self, model: nn.Module, final: torch.Tensor, tokens: torch.Tensor, head_fn: Any) -> list[Any]:
         # row m is the length-1 sequence at position t: it needs x_t .. x_{t+P} (T + P = 1 + P)
-        return model(final, targets.tokens[:, : self.num_heads + 1]).squeeze(2)  # (P, M, V)
+        return model(final, tokens[:, : self.num_heads + 1], head_fn=head_fn)  # stage i's rows (M, D), head[i]
 
     def batch_states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.in_stage2:
@@ -100,7 +99,10 @@ class MLPSpeculatorMethod(HeadMethod):
         self.generated_tokens = int(loss_mask.sum())
         return {"input_ids": seq, "loss_mask": loss_mask, "attention_mask": attention, "final_hidden_states": final}
 
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """:meth:`HeadMethod.compute_loss` plus ``stage``. Stage 2 is the known exception to the
+        no-host-read step: :meth:`generate_batch` runs ``generate`` and reads the generations
+        back (and the generated batch has no plan, so its positions are gathered with a read)."""
         loss, metrics = super().compute_loss(model, batch)
         metrics["stage"] = 2.0 if self.in_stage2 else 1.0
         if self.in_stage2:

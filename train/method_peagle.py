@@ -2,67 +2,80 @@
 
 P-EAGLE (arXiv:2602.01469; SPEC_DFLASH_PEAGLE.md section 3.3): the EAGLE-3 data (aux states,
 draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
-chains re-drawn every step from a generator seeded with ``seed + step``, one forward over all
-sampled elements, forward KL to the target over the draft vocab at ``anchor + depth`` (no
-depth decay, depth 0 included). No TTT: vLLM never feeds draft states back.
+chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.cod_sample`,
+a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
+elements, the divergence ``train.loss`` (default forward KL) to the target over the draft vocab
+at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
+chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
+its metrics are detached device tensors.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 import torch
 
-from ..models.eagle3 import Eagle3Config, shift_left
-from ..models.peagle import PEagleConfig, PEagleDraftModel, cod_sample, cod_targets, step0_prediction_mask
+from ..models.eagle3 import Eagle3Config
+from ..models.peagle import (CODElements, CODTargets, PEagleConfig, PEagleDraftModel, cod_sample, cod_targets,
+                             step0_prediction_mask)
 from ..recipe import Recipe
-from .losses import LossSpec, StepMetrics
+from .losses import DistillOut
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.peagle")
 
 
-def cod_loss(logits: torch.Tensor, target_logits: torch.Tensor, depth: torch.Tensor, num_depths: int,
-             denominator: float | None = None, loss: LossSpec | None = None) -> tuple[torch.Tensor, StepMetrics]:
-    """``sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the divergence ``loss``
-    (``train.loss``; None: forward KL).
+def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
+             num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss and per-depth metrics from the model's divergence over the elements.
+
+    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`CODTargets` whose weight is
+    ``trained / N`` (N the trained count, or the data-parallel denominator), so
+    ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
+    divergence ``train.loss``. Nothing is read on the host: the metrics are masked sums
+    (``index_add`` over depth).
 
     Args:
-        logits: ``(M, Vd)`` draft logits of the M trained elements.
-        target_logits: ``(M, Vd)`` target logits at ``pos + 1`` (the distribution of x_{pos+2}).
-        depth: ``(M,)`` element depths (for the per-depth metrics).
+        out: the ``DistillOut`` over the ``M = B*S`` elements (row-major).
+        depth: ``(M,)`` element depths.
+        trained: ``(M,)`` bool, the elements trained on.
         num_depths: D, the number of per-depth metric slots.
-        denominator: replaces M (data parallel: global count / world size).
 
     Returns:
-        ``(loss, StepMetrics)`` with per-depth divergence, argmax accuracy (draft vs target argmax over
-        the draft vocab) and element counts.
+        ``(loss, metrics)``: ``loss = out.loss_sum``; metrics, detached 0-dim tensors: ``loss``,
+        per depth d ``loss_{d}`` (mean divergence), ``acc_{d}`` (draft argmax == target argmax over
+        the draft vocab), both 0 at a depth with no element, and ``expected_al``
+        (:func:`expected_acceptance_length`; 0 without a depth-0 element).
     """
-    M = logits.shape[0]
-    if M == 0:
-        return logits.sum() * 0.0, StepMetrics([0.0] * num_depths, [0.0] * num_depths, [0] * num_depths)
-    kl = (loss or LossSpec())(target_logits, logits)  # (M,)
-    total = kl.sum() / (denominator if denominator is not None else M)
-    losses, accs, counts = [], [], []
-    with torch.no_grad():
-        hit = logits.argmax(-1) == target_logits.argmax(-1)
-        for d in range(num_depths):
-            sel = depth == d
-            n = int(sel.sum())
-            counts.append(n)
-            losses.append(float(kl[sel].mean()) if n else 0.0)
-            accs.append(float(hit[sel].float().mean()) if n else 0.0)
-    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)
+    zero = torch.zeros_like(out.row_loss)
+    w = trained.to(out.row_loss.dtype)
+    D = num_depths
+    count = w.new_zeros(D).index_add_(0, depth, w)
+    loss_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_loss, zero)) / count.clamp_min(1.0)
+    acc_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_hit, zero)) / count.clamp_min(1.0)
+    metrics: dict[str, torch.Tensor] = {"loss": out.loss_sum.detach()}
+    for d in range(D):
+        metrics[f"loss_{d}"] = loss_d[d]
+        metrics[f"acc_{d}"] = acc_d[d]
+    metrics["expected_al"] = expected_acceptance_length(acc_d) * (count[0] > 0)
+    return out.loss_sum, metrics
 
 
-def expected_acceptance_length(acc: list[float]) -> float:
-    """``1 + sum_d prod_{j<=d} acc_j``: the acceptance length the per-depth accuracies imply."""
-    total, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        total += run
-    return total
+def expected_acceptance_length(acc: torch.Tensor | list[float]) -> torch.Tensor:
+    """``1 + sum_d prod_{j<=d} acc_j``: the acceptance length the per-depth accuracies imply
+    (a 0-dim tensor on ``acc``'s device)."""
+    acc = torch.as_tensor(acc, dtype=torch.float32)
+    return 1.0 + torch.cumprod(acc, 0).sum()
+
+
+def cod_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
+    """The COD generator seed of one micro-batch: a hash of ``(seed, step, micro_batch, rank)``
+    (63 bits), so a resumed run draws the same elements and ranks / micro-batches differ."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{micro_batch}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class PEagleMethod(DraftVocabMethod):
@@ -83,36 +96,59 @@ class PEagleMethod(DraftVocabMethod):
         log.info("P-EAGLE mask token id %d (never occurs in %s)", mask_id, self.paths.tokenized)
         self.config = PEagleConfig.from_eagle3(base, num_layers=draft.num_layers, num_depths=draft.num_depths,
                                                mask_token_id=mask_id, train_embeddings=draft.train_embeddings)
-        self._step, self._generator = None, torch.Generator()
+        self._step, self._micro = 0, 0
 
     def build_model(self) -> PEagleDraftModel:
         torch.manual_seed(self.recipe.seed)  # mask_hidden's randn init
-        return self.init_draft(PEagleDraftModel(self.config))
+        backend = getattr(self.recipe.train, "attention_backend", "sdpa")
+        return self.init_draft(PEagleDraftModel(self.config, attention_backend=backend))
 
     def begin_step(self, step: int) -> None:
-        """COD samples are re-drawn every optimizer step from ``seed + step`` (a resumed run
-        draws the same); micro-batches of one step continue the same generator."""
+        """COD samples are re-drawn every micro-batch from a generator on the batch's device
+        seeded with :func:`cod_seed` of ``(seed, step, micro-batch, rank)``: a resumed run draws
+        the same elements. The trainer calls this before every micro-batch: the count restarts
+        only when the step changes."""
         if step != self._step:
-            self._step = step
-            self._generator = torch.Generator().manual_seed(self.recipe.seed + step)
+            self._step, self._micro = step, 0
+
+    def cod_generator(self, device: torch.device) -> torch.Generator:
+        """The next micro-batch's COD generator (host-side seed, no sync)."""
+        rank = getattr(self.accelerator, "process_index", 0) if self.accelerator is not None else 0
+        seed = cod_seed(self.recipe.seed, self._step, self._micro, rank)
+        self._micro += 1
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CODElements]:
+        """``(prediction mask (B, T), COD elements)`` of a batch (the next micro-batch's draw)."""
+        docs = batch.get("document_ids")
+        pred = step0_prediction_mask(batch["loss_mask"], docs)  # (B, T): position i predicts x_{i+2}
+        d = self.recipe.draft
+        elements = cod_sample(pred, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min,
+                              self.cod_generator(pred.device), d.max_anchors, docs)
+        return pred, elements
+
+    def denominator(self, count: torch.Tensor) -> torch.Tensor:
+        """The loss normaliser of ``count`` trained elements (0-dim device tensor): the local
+        count, or the data-parallel :meth:`global_denominators`; at least 1."""
+        den = self.global_denominators(count.view(1))
+        if den is None:
+            return count.float().clamp_min(1.0)
+        return torch.as_tensor(den, dtype=torch.float32, device=count.device).reshape(-1)[0]
 
     def compute_loss(self, model, batch):
         param = next(p for p in model.parameters() if p.requires_grad)
         aux, final = self.target_states(batch)
         aux = aux.to(param.dtype)  # (B, T, 3H)
-        docs = batch.get("document_ids")
-        pred = step0_prediction_mask(batch["loss_mask"], docs)  # (B, T): position i predicts x_{i+2}
-        d = self.recipe.draft
-        elements = cod_sample(pred, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, self._generator,
-                              d.max_anchors, docs)
-        sel = cod_targets(elements, pred)  # (B, S)
-        logits = model(batch["input_ids"], aux, elements, batch.get("position_ids"), docs, select=sel)  # (M, Vd)
-        teacher = self.target_head(shift_left(final, 1))  # (B, T, Vd): distribution of x_{i+2}
-        pos = elements.pos
-        target = teacher.gather(1, pos.unsqueeze(-1).expand(-1, -1, teacher.shape[-1]))[sel]
-        denominators = self.global_denominators(sel.sum().view(1))
-        loss, m = cod_loss(logits, target, elements.depth[sel], d.num_depths,
-                           denominators[0] if denominators else None, self.loss)
-        metrics = self.step_metrics(loss, m)
-        metrics["expected_al"] = expected_acceptance_length(m.acc) if m.tokens[0] else 0.0
-        return loss, metrics
+        pred, elements = self.sample(batch)
+        sel = cod_targets(elements, pred)  # (B, S) trained elements
+        B, T = pred.shape
+        # the teacher of position i is the target's distribution of x_{i+2}: its row at i + 1,
+        # computed once at positions 1..T-1 and indexed (position T-1 is never trained)
+        rows = final[:, 1:] if T > 1 else final
+        teacher = self.target_head(rows).reshape(-1, self.target_head.weight.shape[0])  # (B * (T-1), Vd)
+        per_row = rows.shape[1]
+        index = elements.pos.clamp_max(per_row - 1) + per_row * torch.arange(B, device=pred.device).unsqueeze(1)
+        weight = sel.float() / self.denominator(sel.sum())
+        out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
+                    targets=CODTargets(teacher, index, weight, self.loss))
+        return cod_loss(out, elements.depth.reshape(-1), sel.reshape(-1), self.recipe.draft.num_depths)

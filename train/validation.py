@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 log = logging.getLogger("draftsmith.train")
@@ -102,17 +103,64 @@ def dataset_ids(dataset: Any) -> list[str]:
     raise TypeError(f"{type(dataset).__name__} has no record ids to split by conversation")
 
 
+def chain_alphas(q: torch.Tensor, p: torch.Tensor, d2t: torch.Tensor, temperatures: list[float],
+                 draft_sampling: str = "greedy") -> dict[float, torch.Tensor]:
+    """The acceptance probability ``alpha`` of each drafted token, per temperature, for rows of
+    one step: ``q (C, Vd)`` draft logits, ``p (C, V)`` the target's full-vocab logits of the same
+    token, ``d2t (Vd,)`` offsets (target id = draft id + ``d2t[draft id]``). Rows are independent,
+    so callers evaluate any number of rows in chunks. Returns ``{T: (C,)}`` (see the module
+    docstring for the rule at T = 0 and T > 0)."""
+    q, p = q.float(), p.float()
+    draft_ids = q.argmax(-1)
+    draft_target_ids = draft_ids + d2t.to(q.device)[draft_ids]  # (C,)
+    out = {}
+    for t in temperatures:
+        if t == 0:
+            out[t] = (p.argmax(-1) == draft_target_ids).float()
+            continue
+        p_t = torch.softmax(p / t, dim=-1)
+        if draft_sampling == "greedy":
+            out[t] = p_t.gather(1, draft_target_ids[:, None])[:, 0]
+        else:
+            q_t = torch.softmax(q / t, dim=-1)  # (C, Vd) over the draft ids' target ids
+            target_ids = torch.arange(q.shape[1], device=q.device) + d2t.to(q.device)
+            out[t] = torch.minimum(p_t[:, target_ids], q_t).sum(-1)
+    return out
+
+
+def accepted_sums(step_alphas: list[dict[float, torch.Tensor]], step_masks: list[torch.Tensor],
+                  temperatures: list[float]) -> dict[str, torch.Tensor]:
+    """Chain sums from per-step acceptance probabilities: ``step_alphas[k][T]`` is ``(M_k,)`` at the
+    positions ``step_masks[k] (B, T)`` selects (row-major). Returns ``{"chains": ()``, ``"accepted_T":
+    (K,)}``: summed ``prod_{j<=k} alpha_j`` over the chains (positions every step selects)."""
+    K = len(step_masks)
+    chain = step_masks[0].clone()
+    for m in step_masks[1:]:
+        chain &= m
+    out: dict[str, torch.Tensor] = {"chains": chain.sum().float()}
+    for t in temperatures:
+        alphas = torch.zeros((K, *chain.shape), device=chain.device)
+        for k in range(K):
+            if step_alphas[k] is not None and step_alphas[k][t].numel():
+                alphas[k][step_masks[k]] = step_alphas[k][t].to(alphas.dtype)
+        run = torch.cumprod(alphas, dim=0)  # (K, B, T): prod_{j<=k} alpha_j
+        out[f"accepted_{t:g}"] = run[:, chain].sum(-1)  # (K,)
+    return out
+
+
 def simulated_chain(step_logits: list[torch.Tensor], step_masks: list[torch.Tensor],
                     target_full_logits: Callable[[int], torch.Tensor], d2t: torch.Tensor,
                     temperatures: list[float], draft_sampling: str = "greedy") -> dict[str, torch.Tensor]:
-    """Accepted-token sums of the simulated K-token chains of one batch.
+    """Accepted-token sums of the simulated K-token chains of one batch (:func:`chain_alphas`
+    per step, :func:`accepted_sums`); training's validation evaluates the same in chunks of rows
+    inside the draft's forward instead (``Eagle3Method.validation_sums``).
 
     Args:
         step_logits: K tensors ``(M_k, Vd)``: draft logits of step k at the positions
             ``step_masks[k]`` selects (row-major), as the TTT forward returns them.
         step_masks: K ``(B, T)`` bool masks (:func:`~draftsmith.models.eagle3.ttt_prediction_mask`).
         target_full_logits: ``k -> (M_k, V)`` the target's full-vocab logits of the token step k
-            drafts, at the same positions (computed on demand: ``(M, V)`` is large).
+            drafts, at the same positions.
         d2t: ``(Vd,)`` offsets, target id = draft id + ``d2t[draft id]``.
         temperatures: sampling temperatures simulated (0: greedy verification).
         draft_sampling: ``"greedy"`` (vLLM's EAGLE proposer: q one-hot at the argmax) or ``"sample"``.
@@ -120,47 +168,24 @@ def simulated_chain(step_logits: list[torch.Tensor], step_masks: list[torch.Tens
     Returns:
         ``{"chains": ()`` number of chains, ``"accepted_T": (K,)`` summed ``prod_{j<=k} alpha_j``
         over the chains, per temperature T}. Chains are the positions every step selects.
+
+    Raises:
+        ValueError: unknown ``draft_sampling``.
     """
     if draft_sampling not in ("greedy", "sample"):
         raise ValueError(f"draft_sampling={draft_sampling!r}: 'greedy' or 'sample'")
-    K = len(step_logits)
-    chain = step_masks[0].clone()
-    for m in step_masks[1:]:
-        chain &= m
-    out: dict[str, torch.Tensor] = {"chains": chain.sum().float()}
-    alphas = {t: torch.zeros((K, *chain.shape), device=chain.device) for t in temperatures}
-    for k in range(K):
-        sel = step_masks[k]
-        if not bool(sel.any()):
-            continue
-        q = step_logits[k].float()  # (M_k, Vd)
-        p = target_full_logits(k).float()  # (M_k, V)
-        draft_ids = q.argmax(-1)
-        draft_target_ids = draft_ids + d2t.to(q.device)[draft_ids]  # (M_k,)
-        for t in temperatures:
-            if t == 0:
-                a = (p.argmax(-1) == draft_target_ids).float()
-            else:
-                p_t = torch.softmax(p / t, dim=-1)
-                if draft_sampling == "greedy":
-                    a = p_t.gather(1, draft_target_ids[:, None])[:, 0]
-                else:
-                    q_t = torch.softmax(q / t, dim=-1)  # (M_k, Vd) over the draft ids' target ids
-                    target_ids = torch.arange(q.shape[1], device=q.device) + d2t.to(q.device)
-                    a = torch.minimum(p_t[:, target_ids], q_t).sum(-1)
-            alphas[t][k][sel] = a
-    for t, a in alphas.items():
-        run = torch.cumprod(a, dim=0)  # (K, B, T): prod_{j<=k} alpha_j
-        out[f"accepted_{t:g}"] = run[:, chain].sum(-1)  # (K,)
-    return out
+    alphas = [chain_alphas(step_logits[k], target_full_logits(k), d2t, temperatures, draft_sampling)
+              if bool(step_masks[k].any()) else None for k in range(len(step_logits))]
+    return accepted_sums(alphas, step_masks, temperatures)
 
 
-def full_vocab_logits(final_hidden: torch.Tensor, lm_head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def full_vocab_logits(final_hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """``(M, V)`` float32 target logits of ``final_hidden (M, H)`` (the target's normed final
-    states) through the full ``lm_head [V, H]``, ``chunk`` rows at a time."""
-    w = lm_head.float()
-    return torch.cat([final_hidden[i:i + chunk].float() @ w.T for i in range(0, final_hidden.shape[0], chunk)]) \
-        if final_hidden.shape[0] else final_hidden.new_zeros((0, w.shape[0]), dtype=torch.float32)
+    states) through the full ``lm_head [V, H]`` (kept in its own dtype: a bf16 head is not copied
+    to fp32; callers pass chunks of rows)."""
+    if lm_head.dtype == torch.float32 or lm_head.device.type != "cpu":
+        return F.linear(final_hidden.to(lm_head.dtype), lm_head).float()
+    return F.linear(final_hidden.float(), lm_head.float())
 
 
 @dataclass(frozen=True)
@@ -225,7 +250,7 @@ def run_validation(method: Any, model: torch.nn.Module, batches: Iterable[dict[s
     try:
         for batch in batches:
             weight = float(batch.pop("_weight", 1.0))
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             for key, value in method.validation_sums(model, batch).items():
                 value = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device).reshape(-1) * weight
                 sums[key] = sums[key] + value if key in sums else value
