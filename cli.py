@@ -6,6 +6,7 @@
     draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|report|hub|synthesize|proxy|adapt ...
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
     draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
+    draftsmith bench memory RECIPE                   training memory of one step: measured (fake tensors) beside the dry run's estimate
 
 Each subcommand is the stage's own command line (``draftsmith SUBCOMMAND --help``).
 """
@@ -150,11 +151,30 @@ def recipe_command(argv: list[str]) -> int:
     return 0
 
 
+# ``draftsmith bench <what>``: benchmarks of the training step (modules imported on use only)
+BENCHES: dict[str, tuple[str, str]] = {
+    "memory": ("draftsmith.eval.bench_memory", "peak training memory of the recipe's step, measured beside the dry "
+                                               "run's estimate (fake tensors: any machine, no download)"),
+}
+
+
+def bench(argv: list[str]) -> int:
+    """``draftsmith bench memory ...``."""
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        lines = [f"  {k:8s} {v[1]}" for k, v in BENCHES.items()]
+        print("usage: draftsmith bench {" + ",".join(BENCHES) + "} RECIPE [...]\n\nbenchmarks:\n" + "\n".join(lines),
+              file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    sys.argv = [f"draftsmith bench {argv[0]}", *argv[1:]]
+    return _stage_main(BENCHES[argv[0]][0])(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {**{k: v[1] for k, v in STAGES.items()}, "train": "train the recipe's draft method",
                 "recipe": "show / validate a recipe, or print the schema of every key",
-                "verify": "hash every hidden-state shard of a run against its manifest"}
+                "verify": "hash every hidden-state shard of a run against its manifest",
+                "bench": "benchmarks of the training step: bench memory RECIPE"}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
         return 0 if argv else 2
@@ -165,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return recipe_command(rest)
     if command == "verify":
         return verify(rest)
+    if command == "bench":
+        return bench(rest)
     if command not in STAGES:
         print(f"draftsmith: unknown subcommand {command!r}; one of: {', '.join(commands)}", file=sys.stderr)
         return 2

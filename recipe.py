@@ -362,9 +362,9 @@ class TrainConfig(_Strict):
         "inside the chunk and are recomputed in backward). Default: as many as keep one fp32 (rows, vocab) "
         "tensor at 128 MiB (1048 rows at a 32k draft vocab).")
     attention_backend: Literal["sdpa", "flex"] = Field(
-        "sdpa", description="eagle3: TTT attention kernel. sdpa: one scaled_dot_product_attention call per step "
-        "over the concatenated step keys with a bool mask (memory linear in T; CPU and CUDA). flex: "
-        "torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles).")
+        "sdpa", description="eagle3 / dflash: attention kernel. sdpa: one scaled_dot_product_attention call per "
+        "attention over the concatenated keys (TTT steps; context + blocks) with a bool mask (memory linear in T; "
+        "CPU and CUDA). flex: torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles).")
     epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     max_time_minutes: float | None = Field(

@@ -26,7 +26,7 @@ def configure_vllm_env(engine: Any | None = None) -> None:
 
 # ``--dtype`` of the commands that run or write models (spec-decode, compare, export)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_AUTO_HELP = "auto: bfloat16 on a CUDA device, float32 elsewhere (CPU)"
+DTYPE_AUTO_HELP = "auto: bfloat16 on CUDA, float32 on CPU"
 
 
 def resolve_dtype(dtype: str, device: Any = None) -> str:

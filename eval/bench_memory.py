@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.weak import WeakIdKeyDictionary
 
 GiB = 1024**3
+LARGEST_GROUPS = 16  # groups of storages at the peak listed in --json (largest_at_peak)
 aten = torch.ops.aten
 
 
@@ -92,6 +93,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> serial
         self._bytes: dict[int, int] = {}  # live serial -> bytes
         self._size: dict[int, int] = {}  # every serial -> bytes (peaks are broken down after the fact)
+        self._origin: dict[int, str] = {}  # serial -> "op shape dtype" of the tensor that created it
+        self._op = "outside"
         self.grad_serials: set[int] = set()
         self._excluded: set[int] = set()
         self._serials = itertools.count()
@@ -114,6 +117,7 @@ class MemoryTracker(TorchDispatchMode):
         n = int(st.nbytes())
         self._live[st] = serial
         self._bytes[serial] = self._size[serial] = n
+        self._origin[serial] = f"{self._op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         self.current += n
         weakref.finalize(st, self._release, serial)
         self._update_peak()
@@ -177,6 +181,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs) if self.fake is not None else func(*args, **kwargs)
+        self._op = func.__name__
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._register(t)
@@ -216,6 +221,16 @@ class MemoryTracker(TorchDispatchMode):
             out[cat] = self._bytes_at_peak(mine)
         out["activations"] = ph.bytes - sum(out.values())
         return out
+
+    def largest(self, name: str, n: int = 20, skip: set[int] = frozenset()) -> list[tuple[int, int, str]]:
+        """The storages live at phase ``name``'s peak (less ``skip``), grouped by the op, shape and
+        dtype that created them, largest groups first: ``(bytes, count, "op shape dtype")``."""
+        groups: dict[str, list[int]] = {}
+        for s in self._phases[name].serials - set(skip):
+            g = groups.setdefault(self._origin.get(s, "?"), [0, 0])
+            g[0] += self._size[s]
+            g[1] += 1
+        return sorted(((b, c, o) for o, (b, c) in groups.items()), reverse=True)[:n]
 
     def _bytes_at_peak(self, serials: set[int]) -> int:
         return sum(self._size[s] for s in serials)
@@ -416,7 +431,6 @@ def bench_recipe(recipe: Any, batch_size: int, max_length: int) -> Any:
     r.train.batch_size = batch_size
     r.data.max_length = max_length
     r.data.hidden_states_mode = "offline"
-    r.data.validation_fraction = None if hasattr(r.data, "validation_fraction") else None
     for key, value in (("init_from", None), ("stage2_start_step", None)):
         if hasattr(r.draft, key):
             setattr(r.draft, key, value)
@@ -530,7 +544,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
             n_aux = len(method.target_info["aux_layer_ids"])
             tracker.exclude(getattr(method, "heads", {}))  # host RAM in a run (moved lazily, if ever)
             model = method.build_model()
-            model.to(dev)
+            if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
+                model.to(dev)
             trainable = [p for p in model.parameters() if p.requires_grad]
             if precision.param_dtype != torch.float32:  # DeepSpeed casts the parameters, not the buffers
                 for p in trainable:
@@ -598,7 +613,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                process_peak_bytes=peak, phases=phases, trainable_parameters=n_trainable,
                                per_gpu_bytes=per_gpu[where], per_gpu_phase=where, state_per_gpu=state,
                                cuda_max_memory_allocated=cuda_peak,
-                               extra={"precision": precision.name, "device": device})
+                               extra={"precision": precision.name, "device": device,
+                                      "largest_at_peak": tracker.largest(f"{where}1", LARGEST_GROUPS, set().union(*categories.values()))})
 
 
 def gc_collect() -> None:
@@ -649,3 +665,121 @@ def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[
     data = serials(batch)
     return {"weights": weights, "gradients": tracker.grad_serials, "optimizer_state": state,
             "frozen": frozen, "batch": data}
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+    from ..recipe import add_recipe_arguments
+
+    p = argparse.ArgumentParser(prog="draftsmith bench memory", description=__doc__, formatter_class=HelpFormatter)
+    add_recipe_arguments(p)
+    p.add_argument("--target-config", type=Path,
+                   help="the target's config.json (default: the copy under recipes/targets/, a local target "
+                        "directory's, else the hub's; never weights)")
+    p.add_argument("--batch-size", type=int, help="micro-batch B (default: train.batch_size)")
+    p.add_argument("--max-length", type=int, nargs="+", metavar="T",
+                   help="sequence lengths to measure (default: data.max_length)")
+    p.add_argument("--launcher", type=Path, help="accelerate launcher YAML (default: the recipe's `launcher`)")
+    p.add_argument("--device-memory-gib", type=float, default=80.0,
+                   help="memory of one GPU of the launcher, GiB: each row says whether the step fits")
+    p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake",
+                   help="fake: shapes only, any machine (FakeTensorMode); cpu / cuda: run the step for real")
+    p.add_argument("--precision", choices=["auto", "fp32", "amp-bf16", "bf16"], default="auto",
+                   help="auto: the launcher's (bf16 autocast; bf16 weights under DeepSpeed; fp32 without mixed precision)")
+    p.add_argument("--json", action="store_true", help="one JSON object per sequence length")
+    return p
+
+
+def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
+    """Measure and estimate every requested length; rows as ``--json`` prints them.
+
+    Raises:
+        ValueError / FileNotFoundError: bad target config, length, batch size or launcher
+            (one line naming the key).
+    """
+    from ..train.dry_run import (check_lengths, load_config_json, memory_estimate, estimate_inputs,
+                                 validate_geometry)
+    from ..train.launchers import draft_model_class, validate_launcher
+
+    config_json, source = load_config_json(recipe, args.target_config)
+    validate_geometry(config_json, source)
+    B = args.batch_size or recipe.train.batch_size
+    if B < 1:
+        raise ValueError(f"--batch-size {B}: must be >= 1")
+    lengths = args.max_length or [recipe.data.max_length]
+    check_lengths(config_json, lengths, source, "--max-length" if args.max_length else "data.max_length")
+    launcher = args.launcher or recipe.launcher
+    launch = validate_launcher(recipe, launcher, draft_model_class(recipe.draft.method)) if launcher else None
+    precision = Precision.of(launch, args.precision)
+    rows = []
+    for T in lengths:
+        r = bench_recipe(recipe, B, T)
+        m = measure_step(r, config_json, launch, precision, args.device)
+        est = memory_estimate(r, *estimate_inputs(r, config_json), launch, precision.name)
+        rows.append({
+            "recipe": recipe.name, "method": recipe.draft.method, "target": recipe.target.name_or_path,
+            "target_config": str(source), "launcher": None if launch is None else str(launch.path),
+            "precision": precision.name, "device": args.device,
+            "max_length": T, "batch_size": B,
+            "measured_bytes": m.per_gpu_bytes, "estimated_bytes": est["per_gpu_bytes"],
+            "estimate_error": round(est["per_gpu_bytes"] / m.per_gpu_bytes - 1, 4),
+            "process_peak_bytes": m.process_peak_bytes, "peak_phase": m.per_gpu_phase,
+            "measured_phases": m.phases, "state_per_gpu": m.state_per_gpu,
+            "estimate": est, "trainable_parameters": m.trainable_parameters,
+            "cuda_max_memory_allocated": m.cuda_max_memory_allocated,
+            "device_memory_bytes": int(args.device_memory_gib * GiB),
+            "fits": m.per_gpu_bytes <= args.device_memory_gib * GiB,
+        })
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    first = rows[0]
+    head = (f"{first['recipe']} ({first['method']}), target {first['target']} ({first['target_config']}), "
+            f"launcher {first['launcher'] or 'none'}, precision {first['precision']}, device {first['device']}")
+    cols = f"{'B':>3} {'T':>6} {'per GPU':>10} {'estimate':>10} {'est/meas':>8} {'process':>10} {'activ.':>9} " \
+           f"{'state':>8} {'frozen':>8} {'batch':>8}  fits"
+    if any(r["cuda_max_memory_allocated"] is not None for r in rows):
+        cols += "  cuda max allocated"
+    lines = [head, cols]
+    for r in rows:
+        ph = r["measured_phases"][r["peak_phase"]]
+        g = lambda b: f"{b / GiB:.2f}G"  # noqa: E731
+        line = (f"{r['batch_size']:>3} {r['max_length']:>6} {g(r['measured_bytes']):>10} {g(r['estimated_bytes']):>10} "
+                f"{r['estimate_error']:>+8.1%} {g(r['process_peak_bytes']):>10} {g(ph['activations']):>9} "
+                f"{g(r['state_per_gpu']['total']):>8} {g(ph['frozen']):>8} {g(ph['batch']):>8}  "
+                f"{'yes' if r['fits'] else 'NO'}")
+        if r["cuda_max_memory_allocated"] is not None:
+            line += f"  {g(r['cuda_max_memory_allocated'])}"
+        lines.append(line)
+    lines.append("per GPU: measured activations + frozen buffers + batch of one process, plus the trainable state "
+                 "as one rank of the launcher holds it (GiB = 2^30 bytes)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``draftsmith bench memory``; exit 0, 1 on a bad target config / length / launcher, 2 on a bad recipe."""
+    from ..recipe import recipe_from_args
+    from ..train.launchers import LauncherError
+
+    args = build_parser().parse_args(argv)
+    recipe = recipe_from_args(args)
+    try:
+        rows = run(args, recipe)
+    except (ValueError, FileNotFoundError, LauncherError) as exc:
+        print(f"draftsmith bench memory: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype ({DTYPE_AUTO_HELP}, of --device)")
+                   help=f"target and draft dtype; {DTYPE_AUTO_HELP}, by --device")
     p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
     return p
 

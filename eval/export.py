@@ -37,7 +37,7 @@ from .. import __version__
 from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
 from ..methods import UnknownMethodError, get_method
 from ..models.eagle3 import Eagle3Config
-from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
+from ..runtime import DTYPE_CHOICES, resolve_dtype
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows
 
@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="EAGLE-3: K written as the default proposal length")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"storage dtype of the floating-point weights ({DTYPE_AUTO_HELP}: of this machine; "
-                   "vLLM casts to its own --dtype when it loads the draft)")
+                   help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
+                   "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
     return p
 
 

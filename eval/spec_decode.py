@@ -680,8 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype ({DTYPE_AUTO_HELP}, of --device; default: %(default)s); "
-                   "also vLLM's with --compare-vllm")
+                   help=f"target and draft dtype, also vLLM's with --compare-vllm; {DTYPE_AUTO_HELP}, by --device")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
                    "machine 1 thread avoids waiting for cores)")

@@ -21,6 +21,13 @@ each block attending to the context strictly before its anchor (and within its d
 packed rows) and to its own block; inference (:meth:`DFlashDraftModel.append_context` +
 :meth:`DFlashDraftModel.propose_block`) runs exactly what vLLM runs (SPEC 2.2).
 
+Attention (:func:`block_attention`): the A*Bk block queries of a row attend in ONE
+``scaled_dot_product_attention`` call per layer over ``[context (T) | all block tokens (A*Bk)]``
+with a head-free bool mask built once per forward (:func:`block_attention_mask`), so no
+``(nh, A*Bk, T)`` scores exist (fused kernels); ``attention_backend="flex"`` uses
+``flex_attention`` with a block mask instead (compiled on CUDA). With ``targets``
+(:class:`DFlashTargets`) the forward returns the distillation loss, computed in chunks of rows.
+
 Shapes: B batch, T sequence length (tokens), A anchors per row, Bk block size, H hidden size,
 Ht target hidden size, n number of aux layers, Vd draft vocab size, nh / nkv query / key-value
 heads, hd head dim.
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .eagle3 import Eagle3Config, TargetSharedDraft, rope_theta_and_scaling
+from .eagle3 import Eagle3Config, TargetSharedDraft, flex_attention, rope_theta_and_scaling, sdpa_with_mask
 
 
 @dataclass
@@ -348,26 +355,6 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
     raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
 
 
-_compiled_flex: Any = None
-
-
-def _flex_attention(q, k, v, block_mask, scale, enable_gqa):
-    """``flex_attention``, ``torch.compile``d on CUDA (the fused kernel), eager elsewhere (an
-    unfused reference that materialises the scores: tests only)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if q.device.type != "cuda":
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes: A varies per batch
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-
-
 def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
                     v_blk: torch.Tensor, mask: DFlashAttentionMask, scale: float) -> torch.Tensor:
     """Anchor blocks attending to the context and bidirectionally to their own block: ONE
@@ -393,30 +380,10 @@ def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k
     v = torch.cat([v_ctx, v_blk], dim=2)
     nh, nkv = q.shape[1], k.shape[1]
     if mask.flex is not None:
-        out = _flex_attention(q, k, v, mask.flex, scale, nkv != nh)
+        out = flex_attention(q, k, v, mask.flex, scale, nkv != nh)
     else:
-        gqa = nkv != nh and sdpa_native_gqa(q.device)
-        if nkv != nh and not gqa:
-            k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allow, scale=scale, enable_gqa=gqa)
+        out = sdpa_with_mask(q, k, v, mask.allow, scale)
     return out * mask.keep.to(out.dtype)
-
-
-def sdpa_native_gqa(device: torch.device) -> bool:
-    """Whether SDPA gets the un-repeated GQA keys (``enable_gqa=True``) together with the bool
-    mask and still runs a fused kernel: measured True on CPU (``_scaled_dot_product_flash_attention_for_cpu``
-    in forward and backward, largest tensor the float copy of the mask); elsewhere False (CUDA's
-    fused kernels take GQA only without a mask: the math fallback would build the scores)."""
-    return device.type == "cpu"
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(B, nkv, S, hd)`` -> ``(B, nkv*groups, S, hd)``: each key / value head repeated for the
-    ``groups`` query heads that share it (HF ``repeat_kv``)."""
-    if groups == 1:
-        return x
-    B, nkv, S, hd = x.shape
-    return x[:, :, None].expand(B, nkv, groups, S, hd).reshape(B, nkv * groups, S, hd)
 
 
 class DFlashAttention(nn.Module):
@@ -513,15 +480,18 @@ class DFlashTargets:
         teacher: ``(N, Vd)`` target logits over the draft vocab (no grad).
         teacher_index: ``(B, A, Bk)`` long: the ``teacher`` row of each slot (slot 0 ignored).
         weight: ``(B, A, Bk)`` float loss weight per slot, 0 where not trained (slot 0 ignored).
+        distill: ``chunked_distill`` itself (models import nothing from ``train/``):
+            ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
         loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
-        chunk_size: rows per chunk.
+        chunk_size: rows per chunk (None: ``chunk_rows`` of Vd, ``train.loss_chunk_rows``).
     """
 
     teacher: torch.Tensor
     teacher_index: torch.Tensor
     weight: torch.Tensor
+    distill: Callable[..., Any]
     loss: Any = None
-    chunk_size: int = 2048
+    chunk_size: int | None = None
 
 
 class DFlashDraftModel(TargetSharedDraft):
@@ -531,8 +501,9 @@ class DFlashDraftModel(TargetSharedDraft):
     The target's token embedding is a frozen, non-persistent buffer (not trained, not in
     checkpoints, not exported: vLLM shares the target's). ``d2t`` / ``t2d`` are persistent buffers
     (:mod:`draftsmith.data_prep.vocab`). ``gradient_checkpointing`` recomputes each layer in backward.
-    ``attention_backend`` (training forward only): ``"sdpa"`` (default) or ``"flex"``
-    (``flex_attention`` with a block mask, compiled on CUDA; see :func:`block_attention_mask`).
+    ``attention_backend`` (training forward only; ``train.attention_backend``): ``"sdpa"``
+    (default) or ``"flex"`` (``flex_attention`` with a block mask, compiled on CUDA; on CPU it
+    runs eagerly, forward only: torch has no flex backward on CPU).
     """
 
     _no_split_modules = ["DFlashDecoderLayer"]
@@ -620,9 +591,7 @@ class DFlashDraftModel(TargetSharedDraft):
             else:
                 h = layer(*args)
         if targets is not None:
-            from ..train.losses import chunked_distill
-
-            return chunked_distill(h[:, :, 1:].reshape(-1, h.shape[-1]), self.compute_logits, targets.teacher,
+            return targets.distill(h[:, :, 1:].reshape(-1, h.shape[-1]), self.compute_logits, targets.teacher,
                                    targets.teacher_index[:, :, 1:].reshape(-1), targets.weight[:, :, 1:].reshape(-1),
                                    targets.loss, targets.chunk_size)
         if label_mask is not None:

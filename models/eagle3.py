@@ -435,7 +435,8 @@ def sdpa_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
     Args:
         q: ``(B, nh, Tq, hd)``. k / v: ``(B, nkv, Tk, hd)`` with ``nh % nkv == 0``.
-        mask: bool, broadcastable to ``(B, nh, Tq, Tk)``; every query row must allow a key.
+        mask: bool (True = attend) or additive float in q's dtype, 4-D and broadcastable to
+            ``(B, nh, Tq, Tk)`` with a head dimension of 1; every query row must allow a key.
     """
     groups = q.shape[1] // k.shape[1]
     native = groups > 1 and sdpa_supports_gqa_with_mask(q.device)
@@ -479,8 +480,7 @@ class TTTMask:
         ``(B, nkv, Tk, hd)`` -> ``(B, nh, T, hd)``."""
         step = k.shape[2] // self.seq_len - 1
         if self.block_masks is not None:
-            return _flex_attention()(q, k, v, block_mask=self.block_masks[step], scale=scale,
-                                     enable_gqa=q.shape[1] != k.shape[1])
+            return flex_attention(q, k, v, self.block_masks[step], scale, enable_gqa=q.shape[1] != k.shape[1])
         return sdpa_with_mask(q, k, v, self.dense[..., : k.shape[2]], scale)
 
 
@@ -501,17 +501,29 @@ def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids:
     return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device)
 
 
-_FLEX = None
+_compiled_flex: Any = None
 
 
-def _flex_attention():
-    """``flex_attention``, compiled once on CUDA (uncompiled it materialises the scores)."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """torch's ``flex_attention`` under a ``BlockMask`` (EAGLE-3, DFlash and P-EAGLE's ``flex``
+    backend): ``torch.compile``d on CUDA, the fused kernel that skips fully masked tiles and keeps
+    memory linear in the key length; eager elsewhere, an unfused reference that materialises the
+    scores and has no backward on the CPU in torch 2.13 (tests only). Sequence lengths vary per
+    batch, so shapes are left to torch.compile's automatic dynamic marking (``dynamic=False`` would
+    recompile for every new length until its recompile limit, then run the unfused kernel)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention as _flex
 
-        _FLEX = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
-    return _FLEX
+    if q.device.type != "cuda":
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(_flex)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def ttt_attention(

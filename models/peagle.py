@@ -33,7 +33,7 @@ Vd draft vocab size, nh / nkv heads, hd head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +41,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..train.losses import DistillOut, LossSpec, chunked_distill
-from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft, sdpa_with_mask,
-                     shift_left, ttt_prediction_mask)
+from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft,
+                     flex_attention, sdpa_with_mask, shift_left, ttt_prediction_mask)
 
 
 @dataclass
@@ -175,15 +174,16 @@ class CODElements:
 
 
 def cod_budget(seq_len: int, num_depths: int, ratio: float, ratio_min: float,
-               max_anchors: int | None = None) -> list[int]:
+               max_anchors: int | None = None, seed_bound: int | None = None) -> list[int]:
     """Slots reserved for depths 1, 2, ... in a row of ``seq_len`` positions (host-side numbers).
 
     Depth d keeps ``int(max(0, n - d) * max(ratio**d, ratio_min))`` chains for n seeds
-    (:func:`cod_sample`); with n at its largest (``seq_len``, or ``max_anchors``) this is the
-    number of slots depth d may fill. The list stops before the first depth with no slot, so
+    (:func:`cod_sample`); with n at its largest (``seq_len``, ``max_anchors``, or
+    ``seed_bound``, a host-side bound on the trained positions per row) this is the number of
+    slots depth d may fill. The list stops before the first depth with no slot, so
     ``seq_len + sum(cod_budget(...))`` is the element count S of :func:`cod_sample`.
     """
-    n = seq_len if max_anchors is None else min(seq_len, max_anchors)
+    n = min([seq_len] + [b for b in (max_anchors, seed_bound) if b is not None])
     out = []
     for d in range(1, num_depths):
         k = int(max(0, n - d) * max(ratio**d, ratio_min))
@@ -208,6 +208,7 @@ def cod_sample(
     generator: torch.Generator,
     max_anchors: int | None = None,
     document_ids: torch.Tensor | None = None,
+    seed_bound: int | None = None,
 ) -> CODElements:
     """Conditional-drop sampling (speculators ``peagle/data.py``; SPEC section 3.3), vectorised on
     ``prediction_mask``'s device: no tensor is read on the host.
@@ -220,7 +221,7 @@ def cod_sample(
     ``max_anchors`` of them).
 
     Layout: ``[T depth-0 slots | K_1 depth-1 slots | ... ]`` with ``K_d`` from
-    :func:`cod_budget` (the count for ``n = T``), so S is known on the host. Each depth's kept
+    :func:`cod_budget` (the count for n = T, or ``seed_bound``), so S is known on the host. Each depth's kept
     elements come first in position order; the slots a row does not fill are invalid.
 
     The subsets are drawn by ``topk`` over i.i.d. uniform keys from ``generator`` (a generator
@@ -234,6 +235,10 @@ def cod_sample(
         generator: RNG on ``prediction_mask``'s device, seeded for this micro-batch.
         max_anchors: optional number of seeds (random subset of the trained positions).
         document_ids: optional ``(B, T)`` document per position (packed rows).
+        seed_bound: optional host-side bound on the trained positions of any row (e.g. counted
+            on the CPU batch, :class:`~draftsmith.train.method_peagle.CODPlan`): sizes the
+            depth budgets to the batch instead of T (fewer empty slots, smaller S). A row with
+            more would keep at most the budget.
 
     Returns:
         :class:`CODElements` on ``prediction_mask``'s device.
@@ -251,7 +256,7 @@ def cod_sample(
     depths = [torch.zeros(B, T, dtype=torch.long, device=dev)]
     valids = [torch.ones(B, T, dtype=torch.bool, device=dev)]
     prev = seeds  # (B, T): positions that may take the next depth
-    for d, budget in enumerate(cod_budget(T, num_depths, ratio, ratio_min, max_anchors), start=1):
+    for d, budget in enumerate(cod_budget(T, num_depths, ratio, ratio_min, max_anchors, seed_bound), start=1):
         eligible = prev.clone()
         eligible[:, :d] = False
         if document_ids is not None:
@@ -305,8 +310,8 @@ def cod_attention_keys(elements: CODElements, document_ids: torch.Tensor | None 
 
 def _row_chunks(B: int, S: int, elements: int = 1 << 24) -> int:
     """Query rows per chunk when filling a ``(B, S, S)`` mask: the ``(B, rows, S)`` temporaries
-    stay near ``elements``."""
-    return max(1, elements // max(1, B * S))
+    stay below an eighth of the mask and near ``elements`` at most."""
+    return max(16, min(elements // max(1, B * S), -(-S // 8)))
 
 
 def cod_attention_mask(elements: CODElements, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -434,28 +439,8 @@ class CODMask:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q (B, nh, S, hd)``, ``k / v (B, nkv, S, hd)`` -> ``(B, nh, S, hd)``."""
         if self.block_mask is not None:
-            return _flex_attention(q, k, v, self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+            return flex_attention(q, k, v, self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
         return sdpa_with_mask(q, k, v, self.bias(q.dtype))
-
-
-_compiled_flex: Any = None
-
-
-def _flex_attention(q, k, v, block_mask, enable_gqa):
-    """``flex_attention``, ``torch.compile``d on CUDA (the fused kernel), eager elsewhere (an
-    unfused reference that materialises the scores, and has no backward on CPU: tests only)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if q.device.type != "cuda":
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 @dataclass
@@ -466,15 +451,22 @@ class CODTargets:
         teacher: ``(N, Vd)`` target logits over the draft vocab (no grad), computed once per batch.
         teacher_index: ``(B, S)`` int64, the ``teacher`` row of each element (its position + 1).
         weight: ``(B, S)`` float, the loss weight of each element (0: not trained).
-        loss: the divergence (``train.loss``); None: forward KL.
+        distill: ``chunked_distill`` itself (models import nothing from ``train/``):
+            ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
+        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
         chunk_size: rows per loss chunk (None: :func:`~draftsmith.train.losses.chunk_rows`).
+        rows: optional ``(M,)`` int64 row-major element indices (``b * S + s``) to train: then
+            ``teacher_index`` and ``weight`` are ``(M,)``, aligned with ``rows`` (elements
+            outside ``rows`` are not projected by the ``lm_head``).
     """
 
     teacher: torch.Tensor
     teacher_index: torch.Tensor
     weight: torch.Tensor
-    loss: LossSpec | None = None
+    distill: Callable[..., Any]
+    loss: Any = None
     chunk_size: int | None = None
+    rows: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -578,7 +570,7 @@ class PEagleDraftModel(TargetSharedDraft):
         document_ids: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
         targets: CODTargets | None = None,
-    ) -> torch.Tensor | DistillOut:
+    ) -> Any:
         """COD training forward over the sampled elements (SPEC section 3.3).
 
         Args:
@@ -601,7 +593,8 @@ class PEagleDraftModel(TargetSharedDraft):
             :meth:`compute_logits`); with ``select`` the ``(M, Vd)`` logits of the M selected
             elements in row-major order; with ``targets`` a
             :class:`~draftsmith.train.losses.DistillOut` over the ``B*S`` elements in
-            row-major order (``loss_sum`` with grad, detached ``row_loss`` / ``row_hit``).
+            row-major order, or over ``targets.rows`` (``loss_sum`` with grad, detached
+            ``row_loss`` / ``row_hit``).
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -618,9 +611,11 @@ class PEagleDraftModel(TargetSharedDraft):
         mask = CODMask(elements, document_ids, self.attention_backend)
         hidden = self._run_layers(ids, hidden, torch.where(v, rope_pos, torch.zeros_like(rope_pos)), mask)
         if targets is not None:
-            return chunked_distill(hidden.reshape(-1, hidden.shape[-1]), self.compute_logits, targets.teacher,
-                                   targets.teacher_index.reshape(-1), targets.weight.reshape(-1), targets.loss,
-                                   targets.chunk_size)
+            flat = hidden.reshape(-1, hidden.shape[-1])  # (B*S, H)
+            if targets.rows is not None:
+                flat = flat.index_select(0, targets.rows)
+            return targets.distill(flat, self.compute_logits, targets.teacher, targets.teacher_index.reshape(-1),
+                                   targets.weight.reshape(-1), targets.loss, targets.chunk_size)
         return hidden if select is None else self.compute_logits(hidden[select])
 
     def forward_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,

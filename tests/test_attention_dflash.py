@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import draftsmith.models.dflash as dflash
+import draftsmith.models.eagle3 as eagle3
 from draftsmith.models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
     block_attention,
     block_attention_mask,
-    block_labels,
     sample_anchors,
     slot_weights,
 )
@@ -86,7 +85,7 @@ def random_case(B, nh, nkv, A, Bk, T, hd, packed, seed=0):
 def test_one_sdpa_call_equals_the_dense_reference_in_outputs_and_gradients(packed, nh, nkv, native_gqa, Bk,
                                                                            monkeypatch):
     if not native_gqa:  # the CUDA path: keys / values repeated per query head
-        monkeypatch.setattr(dflash, "sdpa_native_gqa", lambda device: False)
+        monkeypatch.setattr(eagle3, "sdpa_supports_gqa_with_mask", lambda device: False)
     B, A, T, hd = 2, 5, 17, 8
     (q, kc, vc, kb, vb), allow, valid = random_case(B, nh, nkv, A, Bk, T, hd, packed)
     scale = hd ** -0.5

@@ -1,14 +1,16 @@
-"""Every shipped recipe passes the dry run against its target's config (built in code, no hub)."""
+"""Every shipped recipe passes the dry run against its target's config (shipped under recipes/targets/, no
+hub); the per-GPU estimate, its refusal above the device memory and the bad-input errors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from draftsmith.methods import registered_methods
 from draftsmith.recipe import load_recipe
-from draftsmith.train.dry_run import dry_run, format_report
+from draftsmith.train.dry_run import bundled_target_config, check_fits, dry_run, format_report
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -37,29 +39,46 @@ def target_config(name: str):
 TARGET_LAYERS = {"gptoss120b": 36, "gptoss20b": 24, "llama3_1_8b": 32, "qwen3_8b": 36, "smollm2_135m": 30}
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
-def test_shipped_recipe_passes_dry_run(path, tmp_path):
-    recipe = load_recipe(path)
-    # the other methods' recipes (<target>_<method>.yaml) share their target's config with the EAGLE-3 one
+def target_of(path: Path) -> str:
+    """The target part of a recipe name (<target>_<method>.yaml share their target's config)."""
     target = path.stem
     for method in registered_methods():
         target = target.removesuffix(f"_{method}")
-    cfg = target_config(target)
-    config_file = None
-    if cfg is not None:
-        cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
-        cfg.save_pretrained(tmp_path)
-        config_file = tmp_path / "config.json"
-    report = dry_run(recipe, config_file)
+    return target
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipe_passes_dry_run(path):
+    """Offline: the GPU recipes' targets are read from recipes/targets/, SmolLM2 is embedded."""
+    recipe = load_recipe(path)
+    report = dry_run(recipe)
+    target = target_of(path)
     n = TARGET_LAYERS[target]
     assert report["target_layers"] == n
     # every shipped recipe uses vLLM's default layers (2, N//2, N-3), named or not
     assert report["aux_layer_ids"] == [2, n // 2, n - 3]
     assert report["aux_layer_ids_are_vllm_default"]
     assert report["draft_trainable_parameters"] > 0
-    assert "aux layer ids" in format_report(report)
+    assert "aux layer ids" in format_report(report) and "per-GPU memory" in format_report(report)
     # the recipe's launcher (when it names one) was validated and is reported
     assert (report["launcher"] is None) == (recipe.launcher is None)
+    if target != "smollm2_135m":  # a GPU recipe: its bundled config, and it fits one 80 GB GPU
+        assert report["target_config"].endswith(f"recipes/targets/{recipe.target.name_or_path}/config.json")
+        check_fits(report, 80)
+        assert report["estimate"]["per_gpu_bytes"] < 78 * 2**30
+
+
+@pytest.mark.parametrize("name", ["gptoss120b", "gptoss20b", "llama3_1_8b", "qwen3_8b"])
+def test_bundled_target_configs_have_the_published_geometry(name):
+    recipe = load_recipe(RECIPES / f"{name}.yaml")
+    path = bundled_target_config(recipe.target.name_or_path)
+    assert path is not None and path.is_relative_to(RECIPES / "targets")
+    shipped = json.loads(path.read_text())
+    published = target_config(name).to_dict()
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size"):
+        assert shipped[key] == published[key], key
+    assert shipped["architectures"] == [type(target_config(name)).__name__.replace("Config", "ForCausalLM")]
 
 
 def test_gptoss120b_dry_run_figures(tmp_path):
@@ -92,34 +111,87 @@ def test_launcher_configs_parse_with_accelerate():
 
 
 def llama_config_file(tmp_path):
-    cfg = target_config("llama3_1_8b")
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.save_pretrained(tmp_path)
-    return tmp_path / "config.json"
+    """A copy of the shipped Llama-3.1-8B-Instruct config (--target-config given explicitly)."""
+    path = tmp_path / "config.json"
+    path.write_text((RECIPES / "targets/meta-llama/Llama-3.1-8B-Instruct/config.json").read_text())
+    return path
 
 
 def test_dry_run_reports_the_fsdp_launcher_and_per_gpu_memory(tmp_path):
     r = dry_run(load_recipe(RECIPES / "llama3_1_8b_medusa.yaml"), llama_config_file(tmp_path))
-    launch, mem, gpu = r["launcher"], r["memory_bytes"], r["memory_bytes_per_gpu"]
+    launch, est, gpu = r["launcher"], r["estimate"], r["memory_bytes_per_gpu"]
     assert launch["path"].endswith("recipes/accelerate/fsdp_8gpu.yaml")
     assert (launch["distributed_type"], launch["num_processes"], launch["mixed_precision"]) == ("FSDP", 8, "bf16")
     assert launch["wrap_classes"] == ["MedusaBlock"]
-    # FSDP shards weights, gradients and AdamW state over the 8 ranks
-    assert gpu["draft_weights_fp32"] == mem["draft_weights_fp32"] // 8
-    assert gpu["adamw_state_fp32"] == mem["adamw_state_fp32"] // 8
-    # the root unit (the 3 lm_heads, 128256 x 4096 each) is gathered whole in bf16
-    assert gpu["fsdp_gathered_root"] == 3 * 128256 * 4096 * 2
+    N = r["draft_trainable_parameters"]
+    # FSDP shards fp32 weights, gradients and AdamW state over the 8 ranks (bf16 autocast path)
+    assert est["precision"] == "amp-bf16"
+    assert (gpu["weights"], gpu["gradients"], gpu["optimizer_state"]) == (4 * N // 8, 4 * N // 8, 8 * N // 8)
+    # backward at a head: its bf16 lm_head (128256 x 4096), bf16 gradient and the one accumulated
+    assert est["activations"]["head_weight_and_gradients"] == 3 * 128256 * 4096 * 2
+    assert gpu["total"] == est["per_gpu_bytes"] == max(est["forward_backward_bytes"], est["optimizer_bytes"])
     assert "FSDP2 units: MedusaBlock, root" in format_report(r)
 
 
 def test_dry_run_zero2_shards_optimizer_state_and_gradients_only(tmp_path):
     r = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml"), llama_config_file(tmp_path),
                 RECIPES / "accelerate/multinode_2x8.yaml")
-    mem, gpu = r["memory_bytes"], r["memory_bytes_per_gpu"]
+    state = r["estimate"]["state"]
+    N = r["draft_trainable_parameters"]
     assert r["launcher"]["zero_stage"] == 2 and r["launcher"]["num_processes"] == 16
-    assert gpu["draft_weights_fp32"] == mem["draft_weights_fp32"]
-    assert gpu["gradients_fp32"] == mem["gradients_fp32"] // 16
-    assert gpu["adamw_state_fp32"] == mem["adamw_state_fp32"] // 16
+    assert r["estimate"]["precision"] == "bf16"  # DeepSpeed casts the weights; fp32 masters in its optimizer
+    assert state["weights"] == 2 * N + 4 * N // 16
+    assert state["gradients"] == 2 * N // 16 + 4 * N // 16
+    assert state["optimizer_state"] == 8 * N // 16 and state["optimizer_shards"] == 16
+
+
+def test_dry_run_memory_terms_follow_their_dtypes(tmp_path):
+    """The frozen embedding and teacher head in the target's dtype, the teacher distribution in
+    fp32, the hidden states in data.hidden_states_dtype."""
+    cfg = llama_config_file(tmp_path)
+    bf16 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml"), cfg)["estimate"]
+    fp32 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["target.dtype=float32",
+                                                              "data.hidden_states_dtype=float32"]), cfg)["estimate"]
+    assert bf16["frozen"]["frozen_embedding"] == 128256 * 4096 * 2 and fp32["frozen"]["frozen_embedding"] == 128256 * 4096 * 4
+    assert bf16["frozen"]["teacher_head"] == 32000 * 4096 * 2
+    assert bf16["activations"]["teacher"] == 4 * 2048 * 32000 * 4
+    assert fp32["batch"] - bf16["batch"] == 4 * 2048 * 4 * 4096 * 2
+    # longer sequences and gradient checkpointing move the estimate the way they move memory
+    longer = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.max_length=4096"]), cfg)["estimate"]
+    ckpt = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["train.gradient_checkpointing=true"]), cfg)["estimate"]
+    assert longer["per_gpu_bytes"] > 1.8 * (bf16["per_gpu_bytes"] - sum(bf16["state"].values()) // 2)
+    assert ckpt["activations"]["layers"] < bf16["activations"]["layers"] / 2
+
+
+def test_dry_run_refuses_a_config_without_a_geometry_key(tmp_path):
+    cfg = json.loads((RECIPES / "targets/meta-llama/Llama-3.1-8B-Instruct/config.json").read_text())
+    del cfg["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_attention_heads missing"):
+        dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml"), tmp_path / "config.json")
+
+
+def test_dry_run_refuses_a_length_beyond_the_target():
+    with pytest.raises(ValueError, match=r"data.max_length=65536 exceeds the target's max_position_embeddings=40960"):
+        dry_run(load_recipe(RECIPES / "qwen3_8b.yaml", ["data.max_length=65536"]))
+
+
+def test_train_dry_run_refuses_a_step_beyond_device_memory(tmp_path, capsys, monkeypatch):
+    """Exit 2, one line naming the three keys that reduce it; nothing written."""
+    from draftsmith.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = str(RECIPES / "llama3_1_8b.yaml")
+    rc = cli_main(["train", recipe, "--dry-run", "--set", "train.batch_size=64"])
+    err = [line for line in capsys.readouterr().err.splitlines() if " INFO " not in line]
+    assert rc == 2 and len(err) == 1
+    for key in ("train.batch_size=64", "data.max_length=2048", "train.gradient_checkpointing", "80 GiB"):
+        assert key in err[0]
+    assert list(tmp_path.iterdir()) == []
+    # a smaller device: the shipped recipe itself is refused; the default 80 GiB passes it
+    assert cli_main(["train", recipe, "--dry-run", "--device-memory-gib", "8"]) == 2
+    assert cli_main(["train", recipe, "--dry-run"]) == 0
+    assert "per-GPU memory" in capsys.readouterr().out
 
 
 def test_dry_run_refuses_a_launcher_that_does_not_fit(tmp_path):

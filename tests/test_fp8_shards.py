@@ -185,7 +185,8 @@ def test_decoding_a_collated_batch_after_the_copy_equals_todays_cpu_decode_exact
     for key in ("aux_hidden_states", "final_hidden_states"):
         assert out[key].dtype == torch.float32 and torch.equal(out[key], today[key]), key
         # padding decodes to the zeros collate pads the decoded states with
-        assert torch.equal(out[key][today["attention_mask"] == 0], torch.zeros_like(today[key][today["attention_mask"] == 0]))
+        pad = today["attention_mask"] == 0
+        assert pad.any() and not out[key][pad].any()
         # decoding straight to bf16 = the fp32 decode rounded once = a bf16 reader's items
         b = decode_states(dict(batch), torch.bfloat16)[key]
         assert b.dtype == torch.bfloat16 and torch.equal(b, today[key].to(torch.bfloat16))

@@ -109,3 +109,76 @@ def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
         Recipe.model_validate({"train": {"loss": "l2"}})
     with pytest.raises(ValueError, match="hard labels"):
         Recipe.model_validate({"draft": {"method": "medusa"}, "train": {"loss": "jsd"}})
+
+
+def _tiny_eagle3(seed: int = 0):
+    from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
+    model = Eagle3DraftModel(cfg)
+    model.init_from_target(torch.randn(100, 32))
+    return model
+
+
+def _method_stub(kind: str, gamma: float, chunk: int | None):
+    """An Eagle3Method with only what compute_loss reads (no run directory)."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.losses import TargetDraftHead
+    from draftsmith.train.method_eagle3 import Eagle3Method
+
+    method = Eagle3Method.__new__(Eagle3Method)
+    method.recipe = SimpleNamespace(train=SimpleNamespace(ttt_steps=3, gamma=gamma, loss_chunk_rows=chunk))
+    method.loss = LossSpec(kind)
+    method.target_head = TargetDraftHead(torch.randn(40, 32))
+    method.accelerator = SimpleNamespace(num_processes=1)
+    return method
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_ttt_loss_inside_forward_equals_the_unchunked_loss_with_gradients(kind, packed):
+    # the training path (batch plan -> teacher once per batch -> chunked divergence inside the
+    # draft's forward) against the reference that keeps every step's (M_k, Vd) logits
+    model = _tiny_eagle3()
+    method = _method_stub(kind, gamma=0.7, chunk=5)
+    B, T = 2, 24
+    batch = {"input_ids": torch.randint(0, 100, (B, T)), "loss_mask": (torch.rand(B, T) > 0.3).long(),
+             "aux_hidden_states": torch.randn(B, T, 96), "final_hidden_states": torch.randn(B, T, 32)}
+    if packed:
+        batch["document_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4])
+    docs = batch.get("document_ids")
+    logits = model(batch["input_ids"], batch["aux_hidden_states"], 3, batch["loss_mask"], None, docs)
+    want, m = ttt_loss(logits, method.target_head(batch["final_hidden_states"]), batch["loss_mask"], 0.7, None,
+                       docs, LossSpec(kind))
+    want_grads = torch.autograd.grad(want, [p for p in model.parameters() if p.requires_grad])
+    from draftsmith.train.method_eagle3 import eagle3_batch_plan
+
+    for b in (batch, eagle3_batch_plan(batch, steps=3)):  # without and with the collate's plan
+        got, metrics = method.compute_loss(model, b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = torch.autograd.grad(got, [p for p in model.parameters() if p.requires_grad])
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        for k in range(3):  # per-step metrics stay device tensors, equal to the reference's
+            assert isinstance(metrics[f"loss_{k}"], torch.Tensor)
+            assert metrics[f"loss_{k}"].item() == pytest.approx(m.loss[k], rel=1e-5, abs=1e-6)
+            assert metrics[f"acc_{k}"].item() == pytest.approx(m.acc[k], abs=1e-6)
+
+
+def test_chunked_ttt_loss_weights_step_k_by_gamma_to_the_k():
+    # the step weights are pinned: with gamma = 1 every step counts fully, with gamma = 0.5
+    # step k's divergence is halved k times
+    model = _tiny_eagle3(1)
+    B, T = 2, 20
+    batch = {"input_ids": torch.randint(0, 100, (B, T)), "loss_mask": torch.ones(B, T, dtype=torch.long),
+             "aux_hidden_states": torch.randn(B, T, 96), "final_hidden_states": torch.randn(B, T, 32)}
+    torch.manual_seed(5)
+    loss_1, m1 = _method_stub("forward_kl", 1.0, None).compute_loss(model, batch)
+    torch.manual_seed(5)
+    loss_h, mh = _method_stub("forward_kl", 0.5, None).compute_loss(model, batch)
+    steps = [m1[f"loss_{k}"] for k in range(3)]
+    torch.testing.assert_close(loss_1, sum(steps))
+    torch.testing.assert_close(loss_h, sum(0.5**k * s for k, s in enumerate(steps)))

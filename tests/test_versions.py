@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from importlib import metadata
@@ -277,3 +278,61 @@ def test_deepspeed_pin_keeps_fp32_buffers():
     old releases and admits 0.19.8, the release the launcher tests run."""
     pin = _pin(_requirements("deepspeed"), "deepspeed")
     assert not pin.specifier.contains("0.19.1") and pin.specifier.contains("0.19.8"), pin
+
+
+# ------------------------------------------------------------------------------------------
+# --dtype auto (spec-decode, compare, export): bf16 on CUDA, fp32 on CPU
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch):
+    from draftsmith.runtime import DTYPE_CHOICES, resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("auto", torch.device("cuda", 1)) == resolve_dtype("auto", "cuda") == "bfloat16"
+    for name in DTYPE_CHOICES[1:]:  # explicit names stay what they say, on any device
+        assert resolve_dtype(name, "cuda") == resolve_dtype(name, "cpu") == name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_dtype("auto") == "bfloat16"
+    with pytest.raises(ValueError, match="float64"):
+        resolve_dtype("float64")
+
+
+def test_spec_decode_compare_and_export_default_to_auto():
+    from draftsmith.eval import compare_drafts, export, spec_decode
+
+    assert spec_decode.build_parser().parse_args(["--target", "t", "--draft", "d"]).dtype == "auto"
+    assert compare_drafts.build_parser().parse_args(["--target", "t", "--run", "r"]).dtype == "auto"
+    assert export.build_parser().parse_args(["ckpt", "out"]).dtype == "auto"
+    for build in (spec_decode.build_parser, compare_drafts.build_parser, export.build_parser):
+        help_text = " ".join(build().format_help().split())
+        assert "auto: bfloat16" in help_text and "float32" in help_text, build
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
+def test_export_auto_writes_float32_on_a_cpu_machine_and_bf16_on_a_gpu_one(tmp_path, monkeypatch, cuda):
+    from safetensors.torch import load_file
+
+    from draftsmith.eval.export import ExportError, export
+
+    from conftest import write_draft_checkpoint
+
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, vocab_size=64, draft_vocab_size=48, aux_layer_ids=[0, 2, 3])
+    model = Eagle3DraftModel(cfg)
+    ckpt = tmp_path / "ckpt"
+    state = write_draft_checkpoint(model, ckpt, "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    out = export(ckpt, tmp_path / "export")  # the default: dtype="auto"
+    want = torch.bfloat16 if cuda else torch.float32
+    written = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for k, v in written.items() if k not in ("d2t", "t2d")} == {want}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == str(want).removeprefix("torch.")
+    if not cuda:  # today's CPU export, bit for bit
+        assert all(torch.equal(written[k], v) for k, v in state.items())
+    assert {v.dtype for v in load_file(str(export(ckpt, tmp_path / "f16", dtype="float16")
+                                               / "model.safetensors")).values() if v.is_floating_point()} \
+        == {torch.float16}
+    with pytest.raises(ExportError, match="float64"):
+        export(ckpt, tmp_path / "bad", dtype="float64")

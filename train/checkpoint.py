@@ -67,8 +67,11 @@ class TrainState:
     train_seconds: float = 0.0  # wall time of the training loop, summed over resumes (s)
     distributed_type: str = "NO"  # accelerate DistributedType the checkpoint was written under
     num_processes: int = 1
-    # per-micro-batch metrics since the last logged step: a resumed run logs the same means
+    # metrics since the last logged step, so a resumed run logs the same means: per key the
+    # (sum, count) of every rank in rank order, [sum_0, count_0, sum_1, count_1, ...]
+    # (window_format 2, trainer.MetricWindow); format 1 (older checkpoints): rank 0's values
     window: dict[str, list[float]] = field(default_factory=dict)
+    window_format: int = 1
     # validation (data.validation_fraction): the best train.best_metric so far, at which step,
     # and validations since it improved (early stopping)
     best_value: float | None = None

@@ -1,10 +1,12 @@
 """Training datasets and batching: offline shards (hidden states on disk) or token ids only
-(online: the target computes hidden states on the fly), and right-padding ``collate``."""
+(online: the target computes hidden states on the fly), right-padding ``collate``, the
+DataLoader's :class:`BatchCollator` (token count and the method's batch plan, on the CPU) and
+:func:`to_device`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -97,3 +99,37 @@ def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([x["input_ids"].shape[0] for x in batch])
     out["attention_mask"] = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (B, T)
     return out
+
+
+class BatchCollator:
+    """The DataLoader's ``collate_fn``: ``base`` (:func:`collate` or
+    :func:`~draftsmith.train.packing.collate_packed`), then ``num_tokens`` (a python int, the
+    sum of ``attention_mask``) and what the method's batch plan adds.
+
+    It runs on the CPU batch, in the DataLoader workers when ``train.num_workers > 0``, so
+    whatever the plan computes (index tensors, sizes, python values) costs the training step
+    no host sync. Picklable when ``base`` and ``plan`` are (module-level functions, or
+    instances of module-level classes).
+
+    Args:
+        base: list of items -> batch of ``(B, T, ...)`` tensors with ``attention_mask``.
+        plan: ``method.batch_plan()``: ``plan(batch) -> dict`` of CPU tensors and python values
+            merged into the batch; None: nothing added.
+    """
+
+    def __init__(self, base: Callable[[list], dict[str, torch.Tensor]],
+                 plan: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+        self.base, self.plan = base, plan
+
+    def __call__(self, items: list) -> dict[str, Any]:
+        batch: dict[str, Any] = self.base(items)
+        batch["num_tokens"] = int(batch["attention_mask"].sum())
+        if self.plan is not None:
+            batch.update(self.plan(batch))
+        return batch
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (``non_blocking``: asynchronous from the pinned memory of
+    a CUDA DataLoader); python values (``num_tokens``, a plan's sizes) stay as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -19,6 +19,20 @@ match the real process group, on GPUs and on the CPU lab alike:
 What the launcher asked for is then checked against what was built, and the DeepSpeed
 micro-batch, accumulation and clipping are taken from the recipe
 (:func:`draftsmith.train.launchers.check_runtime`).
+
+GPU defaults set here (:func:`gpu_defaults`, :func:`distributed_kwargs`):
+
+- TF32 matmuls and cuDNN convolutions on CUDA (fp32 work left outside bf16 autocast, e.g. the
+  target head, runs on tensor cores).
+- DDP: ``broadcast_buffers=False``. The drafts' buffers (the frozen target embedding, RoPE
+  frequencies, the vocab maps) are built identically on every rank from the target and never
+  change; the default would re-broadcast the multi-GB fp32 embedding at every synced forward.
+- FSDP2 with ``mixed_precision: bf16``: ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=float32, output_dtype=bf16)``. accelerate 1.15 builds ``reduce_dtype=bf16``
+  from the launcher (``set_mixed_precision``), i.e. gradients summed over ranks in bf16; an
+  explicit policy is kept as given. The launcher YAML cannot express it, so it is passed as
+  accelerate's ``FullyShardedDataParallelPlugin`` (the other ``FSDP_*`` settings still come
+  from the launcher's environment).
 """
 
 from __future__ import annotations
@@ -74,11 +88,36 @@ def check_trackers(report_to: list[str]) -> None:
                              f"installed: pip install 'draftsmith[{name}]' or remove it from train.report_to")
 
 
+def gpu_defaults() -> None:
+    """TF32 for fp32 matmuls / convolutions when training on CUDA (no effect on CPU)."""
+    if runs_on_cpu() or not torch.cuda.is_available():
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def distributed_kwargs() -> dict[str, Any]:
+    """``kwargs_handlers`` / ``fsdp_plugin`` arguments of the Accelerator (see the module docstring):
+    DDP without buffer broadcasts, and under FSDP with bf16 an fp32 gradient reduction."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    out: dict[str, Any] = {"kwargs_handlers": [DistributedDataParallelKwargs(broadcast_buffers=False)]}
+    if requested_distributed_type() == "FSDP" and cpu_mixed_precision() is None \
+            and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.bfloat16)
+        out["fsdp_plugin"] = FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+    return out
+
+
 def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     """The run's ``accelerate.Accelerator`` (see the module docstring).
 
-    Trackers (``train.report_to``) log under ``RUN_DIR/logs``; gradient accumulation and the
-    CPU fp32 rule are applied here. Call once per process, before anything else touches
+    Trackers (``train.report_to``) log under ``RUN_DIR/logs``; gradient accumulation, the
+    CPU fp32 rule and the GPU defaults (TF32, DDP/FSDP2 settings) are applied here. Call once per process, before anything else touches
     ``accelerate.PartialState``.
 
     Raises:
@@ -91,7 +130,9 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     cfg = recipe.train
     check_trackers(cfg.report_to)
     asked = requested_distributed_type()
-    handlers = []
+    gpu_defaults()
+    extra = distributed_kwargs()
+    handlers = extra.pop("kwargs_handlers")
     if asked and runs_on_cpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
@@ -102,6 +143,7 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
         step_scheduler_with_optimizer=False,
         mixed_precision=cpu_mixed_precision(),
         kwargs_handlers=handlers,
+        **extra,
     )
     if asked == "FSDP" and runs_on_cpu() and accelerator.distributed_type != DistributedType.FSDP:
         _route_fsdp_on_cpu(accelerator)

@@ -2,19 +2,35 @@
 without downloading weights.
 
     python train/eagle3.py RECIPE.yaml --dry-run [--target-config path/to/config.json]
-        [--set launcher=recipes/accelerate/fsdp_8gpu.yaml]
+        [--launcher recipes/accelerate/fsdp_8gpu.yaml] [--device-memory-gib 80]
 
-Reports the aux layer ids (vLLM convention), the draft's parameter count, the training memory
-of its parameters + gradients + AdamW state, the bytes per token of offline hidden states and
-the disk the configured dataset needs in offline mode. When the recipe names a ``launcher``
-(accelerate launcher YAML), it is validated against the recipe and the method's draft model
-(:func:`draftsmith.train.launchers.validate_launcher`) and the training memory is also given
-per GPU, with what ZeRO / FSDP shard divided over the processes.
+Reports the aux layer ids (vLLM convention), the draft's parameter count, the bytes per token of
+offline hidden states, the disk the configured dataset needs in offline mode and the training
+memory of one GPU (:func:`memory_estimate`): the trainable state as the launcher shards it
+(:func:`state_bytes_per_gpu`), the frozen target embedding and teacher head in the target's
+dtype, the batch, and the method's activations at ``train.batch_size x data.max_length`` (per
+method: EAGLE-3's K unrolled steps and their attention over the concatenated step keys,
+DFlash's anchor blocks, P-EAGLE's COD elements, the heads of Medusa / the MLP speculator; the
+teacher distribution; the chunked loss; with or without ``train.gradient_checkpointing``).
+``draftsmith bench memory RECIPE`` measures the same step (its real code under fake tensors)
+beside this estimate; the two agree within 20% for every shipped GPU recipe
+(``tests/test_bench_memory.py``).
+
+The target's ``config.json`` comes from ``--target-config``, else from the copy shipped under
+``recipes/targets/<hub id>/config.json`` (:func:`bundled_target_config`: every shipped GPU
+recipe's target is there, so the dry run works offline), else from a local target directory
+or the hub (the config file only, never weights).
+
+When the recipe names a ``launcher`` (accelerate launcher YAML), it is validated against the
+recipe and the method's draft model (:func:`draftsmith.train.launchers.validate_launcher`).
+:func:`check_fits` refuses a recipe whose per-GPU estimate exceeds the device memory, naming
+the keys that reduce it.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +50,116 @@ from .launchers import LauncherReport, draft_model_class, validate_launcher
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
 
 
-def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
-    """The target's transformers config, from a local ``config.json`` when given, else from the
-    target directory / hub (config file only, never weights)."""
-    from transformers import AutoConfig
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "targets"
 
+# keys of the target's (text) config the estimates read; a config without one is refused
+GEOMETRY_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                 "max_position_embeddings")
+
+
+def bundled_target_config(name_or_path: str) -> Path | None:
+    """The ``config.json`` shipped for a hub target: ``recipes/targets/<org>/<name>/config.json``
+    (the hub id as a path; e.g. ``recipes/targets/openai/gpt-oss-120b/config.json``), or None."""
+    if not name_or_path or name_or_path.startswith((EMBEDDED_PREFIX, "/", ".", "~")):
+        return None
+    path = TARGETS_DIR / name_or_path / "config.json"
+    return path if path.is_file() else None
+
+
+def load_config_json(recipe: Recipe, target_config: Path | None) -> tuple[dict[str, Any], str]:
+    """The target's ``config.json`` contents and where they came from: ``target_config`` (a file,
+    or a directory holding ``config.json``); else the target directory (local or embedded); else
+    :func:`bundled_target_config`; else the hub (the config only).
+
+    Raises:
+        FileNotFoundError: ``target_config`` does not exist; the hub cannot be reached and no
+            copy is shipped (the message names ``--target-config``).
+        ValueError: the file is not a JSON object.
+    """
     if target_config is not None:
-        if not target_config.is_file():
+        path = Path(target_config).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
             raise FileNotFoundError(f"--target-config {target_config} does not exist")
-        return AutoConfig.from_pretrained(str(target_config.parent) if target_config.name == "config.json"
-                                          else target_config, trust_remote_code=recipe.target.trust_remote_code)
+        return _read_config(path), str(path)
     name = recipe.target.name_or_path
     if name.startswith(EMBEDDED_PREFIX) or Path(name).expanduser().is_dir():
-        return AutoConfig.from_pretrained(resolve_target(name), trust_remote_code=recipe.target.trust_remote_code)
+        path = Path(resolve_target(name)) / "config.json"
+        return _read_config(path), str(path)
+    bundled = bundled_target_config(name)
+    if bundled is not None:
+        return _read_config(bundled), str(bundled)
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
     except Exception as exc:
         raise FileNotFoundError(
             f"cannot fetch the config of '{name}' ({type(exc).__name__}); pass --target-config path/to/config.json"
         ) from exc
+    return config.to_dict(), f"hub:{name}"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a config.json (a JSON object)")
+    return data
+
+
+def _text_json(config_json: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a (possibly multimodal) config.json."""
+    text = config_json.get("text_config")
+    return {**config_json, **text} if isinstance(text, dict) else config_json
+
+
+def validate_geometry(config_json: dict[str, Any], source: str) -> None:
+    """Refuse a target config without a key the estimates read (:data:`GEOMETRY_KEYS`).
+
+    Raises:
+        ValueError: one line naming the first missing / non-positive key and the file.
+    """
+    text = _text_json(config_json)
+    for key in GEOMETRY_KEYS:
+        value = text.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            what = "missing" if value is None else f"{value!r} is not a positive integer"
+            raise ValueError(f"{source}: target config key {key} {what} (needed for the memory estimate)")
+
+
+def check_lengths(config_json: dict[str, Any], lengths: list[int], source: str, key: str = "data.max_length") -> None:
+    """Refuse a sequence length beyond the target's ``max_position_embeddings`` (or below 2).
+
+    Raises:
+        ValueError: one line naming ``key``, the length and the target's limit.
+    """
+    limit = _text_json(config_json).get("max_position_embeddings")
+    for T in lengths:
+        if T < 2:
+            raise ValueError(f"{key}={T}: must be >= 2")
+        if isinstance(limit, int) and T > limit:
+            raise ValueError(f"{key}={T} exceeds the target's max_position_embeddings={limit} ({source})")
+
+
+def config_from_json(config_json: dict[str, Any], trust_remote_code: bool = False) -> Any:
+    """A transformers config object of ``config_json`` (through a temporary directory)."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory(prefix="draftsmith-config-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config_json))
+        return AutoConfig.from_pretrained(tmp, trust_remote_code=trust_remote_code)
+
+
+def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
+    """The target's transformers config (see :func:`load_config_json`; config file only, never weights)."""
+    config_json, _ = load_config_json(recipe, target_config)
+    return config_from_json(config_json, recipe.target.trust_remote_code)
 
 
 def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
@@ -155,47 +262,302 @@ def mlp_speculator_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_s
     return _head_estimate(counts, recipe.draft.n_predict, recipe, vocab_size)
 
 
-def per_gpu_memory(memory: dict[str, int], counts: dict[str, int], method: str,
-                   launcher: LauncherReport) -> dict[str, int]:
-    """Training memory of one GPU (bytes) under ``launcher``: what it shards (ZeRO-1: optimizer
-    state; ZeRO-2: + gradients; FSDP: + weights) is divided by ``num_processes`` (unset: 1);
-    the frozen target embedding and lm_head rows stay whole on every rank. Under FSDP the root
-    unit (all weights outside the model's ``_no_split_modules`` blocks) is gathered whole for
-    the step, in bf16 under ``mixed_precision: bf16``: ``fsdp_gathered_root``. Activations
-    (``ttt_logits_activations_per_microbatch``) are per process already and not included."""
-    world = launcher.num_processes or 1
-    out = {
-        "draft_weights_fp32": memory["draft_weights_fp32"] // (world if "weights" in launcher.sharded else 1),
-        "gradients_fp32": memory["gradients_fp32"] // (world if "gradients" in launcher.sharded else 1),
-        "adamw_state_fp32": memory["adamw_state_fp32"] // (world if "optimizer state" in launcher.sharded else 1),
-        "frozen_embedding_bf16": memory["frozen_embedding_bf16"],
-        "target_lm_head_draft_rows_bf16": memory["target_lm_head_draft_rows_bf16"],
-    }
-    if launcher.distributed_type == "FSDP":
-        trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
-        # parts inside the model's _no_split_modules blocks are FSDP units of their own
-        in_blocks = sum(counts[k] for k in get_method(method).fsdp_block_parts) if launcher.wrap_classes else 0
-        out["fsdp_gathered_root"] = (trainable - in_blocks) * (2 if launcher.mixed_precision == "bf16" else 4)
+def precision_of(launch: LauncherReport | None) -> str:
+    """The precision path a launcher trains the draft on: ``"amp-bf16"`` (fp32 weights, bf16
+    autocast: single GPU, DDP, FSDP with ``mixed_precision: bf16``), ``"bf16"`` (DeepSpeed casts
+    the weights to bf16 and keeps fp32 masters in its optimizer) or ``"fp32"``."""
+    if launch is None or launch.mixed_precision != "bf16":
+        return "fp32"
+    return "bf16" if launch.distributed_type == "DEEPSPEED" else "amp-bf16"
+
+
+def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision: str | None = None) -> dict[str, int]:
+    """Bytes of the training state of ``trainable`` parameters one rank holds under ``launch``
+    (None: one process), by part: ``weights``, ``gradients``, ``optimizer_state`` (AdamW
+    ``exp_avg`` + ``exp_avg_sq``, fp32), ``total``, and ``optimizer_shards`` (the number of
+    ranks the optimizer state, and so the update's transients, is divided over).
+
+    What the launcher shards (:attr:`LauncherReport.sharded`) is divided by its
+    ``num_processes``. ``amp-bf16`` / ``fp32``: fp32 weights (4 B), gradients (4 B) and AdamW
+    state (8 B) per parameter. ``bf16`` (DeepSpeed ZeRO <= 2): bf16 module weights (2 B, whole)
+    plus the fp32 master copy (4 B) sharded with the optimizer state, bf16 gradients (2 B;
+    sharded under ZeRO-2) plus the fp32 gradient partition the update reads (4 B, sharded with
+    the optimizer state), AdamW state (8 B).
+    """
+    precision = precision or precision_of(launch)
+    world = (launch.num_processes or 1) if launch is not None else 1
+    sharded = launch.sharded if launch is not None else ()
+
+    def part(nbytes: int, what: str) -> int:
+        return nbytes // world if what in sharded else nbytes
+
+    N = trainable
+    if precision == "bf16":
+        out = {"weights": 2 * N + part(4 * N, "optimizer state"),
+               "gradients": part(2 * N, "gradients") + part(4 * N, "optimizer state"),
+               "optimizer_state": part(8 * N, "optimizer state")}
+    else:
+        out = {"weights": part(4 * N, "weights"), "gradients": part(4 * N, "gradients"),
+               "optimizer_state": part(8 * N, "optimizer state")}
     out["total"] = sum(out.values())
+    out["optimizer_shards"] = world if "optimizer state" in sharded else 1
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# activations: bytes per token of the layers' tensors, by precision path
+#
+# The coefficients are bytes per token per unit of each width (H: hidden size, I: MLP width,
+# Q = nh * hd: query width, KV = nkv * hd: key/value width) of the tensors a layer pass keeps for
+# backward or holds at the step's peak; they are the inventory of the methods' code as
+# ``draftsmith bench memory`` measures it (storages live at the peak, grouped by shape and dtype:
+# e.g. EAGLE-3 under bf16 autocast keeps per step four (T, I) bf16 MLP tensors, 8 B/token per
+# unit of I, three bf16 casts of the (T, 2H) layer input, 12 B per unit of H, and about five fp32
+# (T, H) RMSNorm / residual tensors). The global terms (teacher distribution, loss chunks,
+# attention masks, weight copies, input casts) are counted explicitly. ``tests/test_bench_memory.py``
+# holds the estimate to the measurement within 20% for every shipped GPU recipe: when a method's
+# code changes what it keeps, its coefficients here are re-read from the bench (``--json``
+# lists the largest groups at the peak).
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per token per unit of H, I, Q and KV (see above)."""
+
+    H: float = 0.0
+    I: float = 0.0
+    Q: float = 0.0
+    KV: float = 0.0
+
+    def __call__(self, s: "Shapes", tokens: int) -> int:
+        return int(tokens * (self.H * s.H + self.I * s.I + self.Q * s.Q + self.KV * s.KV))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the activation estimates read: micro-batch and geometry of the draft's layers."""
+
+    B: int
+    T: int
+    H: int  # draft hidden size (= the target's)
+    Ht: int  # target hidden size
+    I: int
+    nh: int
+    nkv: int
+    hd: int
+    Vd: int
+    V: int
+    n_aux: int
+    precision: str  # amp-bf16 | bf16 | fp32
+    param_bytes: int  # bytes of a trainable weight in the module (4 under autocast, 2 under DeepSpeed bf16)
+    act_bytes: int  # bytes of a matmul output (2 under bf16, 4 in fp32)
+    hidden_state_bytes: int  # bytes of an aux / final hidden state element on the device
+    target_bytes: int  # bytes of the target's dtype (frozen embedding, teacher head)
+    checkpointing: bool
+    packing: bool
+
+    @property
+    def E(self) -> int:
+        return self.B * self.T
+
+    @property
+    def Q(self) -> int:
+        return self.nh * self.hd
+
+    @property
+    def KV(self) -> int:
+        return self.nkv * self.hd
+
+
+def shapes_of(recipe: Recipe, cfg: Eagle3Config, vocab_size: int, precision: str) -> Shapes:
+    from .losses import chunk_rows  # noqa: F401  (the loss chunk below follows its rule)
+
+    bf16 = precision in ("amp-bf16", "bf16")
+    hs = recipe.data.hidden_states_dtype
+    return Shapes(B=recipe.train.batch_size, T=recipe.data.max_length, H=cfg.hidden_size, Ht=cfg.target_hidden_size,
+                  I=cfg.intermediate_size, nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim,
+                  Vd=cfg.draft_vocab_size, V=vocab_size, n_aux=len(cfg.aux_layer_ids), precision=precision,
+                  param_bytes=2 if precision == "bf16" else 4, act_bytes=2 if bf16 else 4,
+                  hidden_state_bytes=4 if hs == "float8_e4m3fn" else DTYPE_BYTES[hs],  # fp8 shards decode to fp32
+                  target_bytes=DTYPE_BYTES[recipe.target.dtype],
+                  checkpointing=bool(recipe.train.gradient_checkpointing), packing=bool(recipe.train.packing))
+
+
+def loss_chunk_bytes(recipe: Recipe, rows_total: int, vocab: int) -> int:
+    """The chunked loss at its peak: one chunk of ``chunk_rows`` rows recomputed in backward,
+    about six fp32 ``(C, V)`` tensors (logits, log-softmaxes, their product and gradients)."""
+    from .losses import chunk_rows
+
+    C = min(chunk_rows(vocab, recipe.train.loss_chunk_rows), max(1, rows_total))
+    return 6 * C * vocab * 4
+
+
+def _input_cast(s: Shapes, n_aux: int) -> int:
+    """``aux.to(param.dtype)``: a copy of the ``(B, T, n*Ht)`` aux states when their dtype differs."""
+    want = s.param_bytes
+    return s.E * n_aux * s.Ht * want if want != s.hidden_state_bytes else 0
+
+
+def _weight_copies(s: Shapes, trainable: int) -> int:
+    """Under bf16 autocast every weight a matmul reads is cast to bf16 once per forward and kept
+    for backward (under FSDP2 the gathered bf16 weights, the same bytes)."""
+    return 2 * trainable if s.precision == "amp-bf16" else 0
+
+
+# EAGLE-3, per TTT step: the layer's tensors kept for backward (no checkpointing) ...
+EAGLE3_STEP = {"amp-bf16": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9),
+               "bf16": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9),
+               "fp32": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9)}
+# ... with train.gradient_checkpointing: what each step keeps (its inputs, keys / values) and the
+# one step recomputed in backward
+EAGLE3_CKPT_KEPT = {"amp-bf16": LayerBytes(H=9.2, KV=11.3), "bf16": LayerBytes(H=9.2, KV=11.3),
+                    "fp32": LayerBytes(H=9.2, KV=11.3)}
+EAGLE3_CKPT_STEP = {"amp-bf16": LayerBytes(H=40.7, I=10.6), "bf16": LayerBytes(H=40.7, I=10.6),
+                    "fp32": LayerBytes(H=40.7, I=10.6)}
+
+
+def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """EAGLE-3: K unrolled steps of the decoder layer over ``B x T`` tokens, attention over the
+    concatenated step keys (SDPA with a bool mask: memory linear in T; the mask's float bias,
+    ``(k + 1) T^2`` elements at step k, is kept for backward), the teacher's distribution over
+    the draft vocab once per batch (fp32 ``(B*T, Vd)``) and the chunked loss."""
+    K = recipe.train.ttt_steps
+    if s.checkpointing:
+        layers = K * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
+    else:
+        layers = K * EAGLE3_STEP[s.precision](s, s.E)
+    flex = getattr(recipe.train, "attention_backend", "sdpa") == "flex"
+    masks = 0 if flex else K * (K + 1) // 2 * s.T * s.T * s.act_bytes * (s.B if s.packing else 1)
+    return {"layers": layers, "attention_masks": masks, "teacher": s.E * s.Vd * 4,
+            "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": _input_cast(s, s.n_aux),
+            "weight_copies": _weight_copies(s, trainable)}
+
+
+def medusa_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """Medusa: K heads over the M = B*T gathered rows, each a full-vocab ``lm_head`` trained with
+    chunked cross-entropy. The peak is in backward at a head's ``lm_head``: its bf16 weight, its
+    bf16 weight gradient and the one being accumulated (3 x V x H x 2 B); the rows' ResBlock
+    tensors (fp32 / bf16, ``(4 + 8 * layers)`` B per unit of H); one bf16 chunk of logits."""
+    from .losses import chunk_rows
+
+    V, M = s.V, s.E
+    layers = recipe.draft.num_layers
+    C = min(chunk_rows(V, recipe.train.loss_chunk_rows), M)
+    return {"head_weight_and_gradients": 3 * V * s.H * s.act_bytes, "rows": M * s.H * (4 + 8 * layers),
+            "loss_chunk": C * V * s.act_bytes, "input_cast": 0}
+
+
+def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """MLP speculator: P stages over the M = B*T gathered rows (inner width D), each with a
+    token embedding and a full-vocab head. The peak is in backward at the embeddings: their
+    dense fp32 ``(V, D)`` gradients (tied weights: every stage's, summed: about 3.5 fp32 tables),
+    plus the rows' stage tensors (about 22 B per unit of D)."""
+    D = recipe.draft.inner_dim or s.H
+    tables = 14 * s.V * D if recipe.draft.tie_weights else 6 * s.V * D
+    return {"embedding_gradients": tables, "rows": 22 * s.E * D, "input_cast": 0}
+
+
+ACTIVATIONS = {"eagle3": eagle3_activations, "medusa": medusa_activations,
+               "mlp_speculator": mlp_speculator_activations}
+
+
+def frozen_bytes(recipe: Recipe, s: Shapes, counts: dict[str, int]) -> dict[str, int]:
+    """The frozen tensors on every GPU: the target embedding (drafts that read it) and the
+    teacher head over the draft vocab, both in the target's dtype, and the vocab maps."""
+    if recipe.draft.method in ("medusa", "mlp_speculator"):
+        return {}
+    return {"frozen_embedding": counts.get("frozen_embedding", 0) * s.target_bytes,
+            "teacher_head": s.Vd * s.Ht * s.target_bytes, "vocab_maps": s.Vd * 8 + s.V}
+
+
+def memory_estimate(recipe: Recipe, cfg: Eagle3Config, counts: dict[str, int], vocab_size: int,
+                    launch: LauncherReport | None, precision: str | None = None) -> dict[str, Any]:
+    """The training memory of one GPU at ``train.batch_size x data.max_length`` (bytes).
+
+    ``per_gpu_bytes`` is the larger of the forward / backward peak (state + frozen + batch +
+    activations) and the optimizer step (state + frozen + batch + the update's fp32 transients,
+    divided like the optimizer state). ``state``: :func:`state_bytes_per_gpu`; ``frozen``:
+    :func:`frozen_bytes`; ``batch``: the hidden states and token tensors of one micro-batch;
+    ``activations``: the method's terms (e.g. :func:`eagle3_activations`).
+    """
+    precision = precision or precision_of(launch)
+    trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
+    s = shapes_of(recipe, cfg, vocab_size, precision)
+    state = state_bytes_per_gpu(trainable, launch, precision)
+    frozen = frozen_bytes(recipe, s, counts)
+    batch = s.E * (s.n_aux + 1) * s.Ht * s.hidden_state_bytes + 3 * s.E * 8  # aux + final states, ids / masks
+    estimator = ACTIVATIONS.get(recipe.draft.method)
+    if estimator is None:  # a method without its own terms: the registry's logits estimate
+        acts = {"logits": get_method(recipe.draft.method).parameter_estimator(recipe, cfg, vocab_size)[1]}
+    else:
+        acts = estimator(recipe, s, trainable)
+    update = s.param_bytes * trainable // state["optimizer_shards"]
+    fixed = state["total"] + sum(frozen.values()) + batch
+    forward_backward = fixed + sum(acts.values())
+    optimizer = fixed + update
+    return {"precision": precision, "batch_size": s.B, "max_length": s.T, "trainable_parameters": trainable,
+            "state": state, "frozen": frozen, "batch": batch, "activations": acts,
+            "optimizer_transients": update, "forward_backward_bytes": forward_backward, "optimizer_bytes": optimizer,
+            "per_gpu_bytes": max(forward_backward, optimizer),
+            "peak_phase": "forward_backward" if forward_backward >= optimizer else "optimizer"}
+
+
+def estimate_inputs(recipe: Recipe, config_json: dict[str, Any]) -> tuple[Eagle3Config, dict[str, int], int]:
+    """``(cfg, parameter counts, V)`` of :func:`memory_estimate` from the target's ``config.json``."""
+    config = config_from_json(config_json, recipe.target.trust_remote_code)
+    n = num_decoder_layers(config)
+    ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
+    V = int(text_config(config).vocab_size)
+    cfg = Eagle3Config.from_target(config, min(recipe.data.draft_vocab_size, V), ids)
+    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
+    return cfg, counts, V
+
+
+class MemoryBudgetError(ValueError):
+    """The per-GPU estimate exceeds the device memory; the message is one line naming the keys
+    that reduce it."""
+
+
+def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
+    """Refuse a recipe whose per-GPU estimate (``report["estimate"]``) exceeds ``device_memory_gib``.
+
+    Raises:
+        MemoryBudgetError: one line with the estimate, the budget and the keys to change
+            (``train.batch_size``, ``data.max_length``, ``train.gradient_checkpointing``).
+    """
+    est = report["estimate"]
+    budget = device_memory_gib * 1024**3
+    if est["per_gpu_bytes"] <= budget:
+        return
+    ckpt = "on" if report.get("gradient_checkpointing") else "off"
+    raise MemoryBudgetError(
+        f"estimated {est['per_gpu_bytes'] / 1024**3:.1f} GiB per GPU exceeds the device's {device_memory_gib:g} GiB "
+        f"(--device-memory-gib) at train.batch_size={est['batch_size']} x data.max_length={est['max_length']}: "
+        f"lower train.batch_size or data.max_length, or set train.gradient_checkpointing: true (now {ckpt})")
 
 
 def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | Path | None = None) -> dict[str, Any]:
     """Everything the dry run reports, as a dict (see module docstring).
 
     ``launcher`` (an accelerate launcher YAML) overrides the recipe's ``launcher``; with neither,
-    ``launcher`` and ``memory_bytes_per_gpu`` are None. Relative paths: see
-    :func:`~draftsmith.train.launchers.resolve_launcher_path`.
+    ``launcher`` is None and the estimate is for one process in fp32. Relative paths: see
+    :func:`~draftsmith.train.launchers.resolve_launcher_path`. ``estimate`` /
+    ``memory_bytes_per_gpu``: :func:`memory_estimate`.
 
     Raises:
         LauncherError (a ValueError): the launcher file is missing or does not fit the recipe
             or the method's draft model (message names file and key).
-        ValueError: aux layer ids invalid for the target; draft vocab larger than the target's.
+        ValueError: aux layer ids invalid for the target; draft vocab larger than the target's; the
+            target config lacks a geometry key; ``data.max_length`` beyond the target's
+            ``max_position_embeddings``.
         FileNotFoundError: the target config cannot be read.
     """
     launcher = launcher or recipe.launcher
     launch = validate_launcher(recipe, launcher, draft_model_class(recipe.draft.method)) if launcher else None
-    config = load_config_only(recipe, target_config)
+    config_json, source = load_config_json(recipe, target_config)
+    validate_geometry(config_json, source)
+    check_lengths(config_json, [recipe.data.max_length], source)
+    config = config_from_json(config_json, recipe.target.trust_remote_code)
     text = text_config(config)
     n = num_decoder_layers(config)
     ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
@@ -205,20 +567,17 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     # the target's shapes for every method's estimator (norm_before_residual changes no count)
     cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids)
     T = recipe.data.max_length
-    counts, logits_bytes = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
+    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
     trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
     hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
     tokens = recipe.data.expected_tokens
-    memory = {
-        "draft_weights_fp32": 4 * trainable,
-        "gradients_fp32": 4 * trainable,
-        "adamw_state_fp32": 8 * trainable,
-        "frozen_embedding_bf16": 2 * counts["frozen_embedding"],
-        "target_lm_head_draft_rows_bf16": 2 * cfg.draft_vocab_size * cfg.hidden_size,
-        "ttt_logits_activations_per_microbatch": logits_bytes,
-    }
+    estimate = memory_estimate(recipe, cfg, counts, V, launch)
+    gpu = {**{k: v for k, v in estimate["state"].items() if k not in ("total", "optimizer_shards")},
+           **estimate["frozen"], "batch": estimate["batch"],
+           "activations": sum(estimate["activations"].values()), "total": estimate["per_gpu_bytes"]}
     return {
         "target": recipe.target.name_or_path,
+        "target_config": source,
         "method": recipe.draft.method,
         "architectures": list(getattr(config, "architectures", None) or []),
         "target_layers": n,
@@ -230,9 +589,10 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
         "rope": {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling},
         "draft_parameters": counts,
         "draft_trainable_parameters": trainable,
-        "memory_bytes": memory,
         "launcher": None if launch is None else dict(vars(launch), path=str(launch.path)),
-        "memory_bytes_per_gpu": None if launch is None else per_gpu_memory(memory, counts, recipe.draft.method, launch),
+        "estimate": estimate,
+        "memory_bytes_per_gpu": gpu,
+        "gradient_checkpointing": bool(recipe.train.gradient_checkpointing),
         "hidden_state_bytes_per_token": hs_bytes,
         "expected_tokens": tokens,
         "offline_disk_bytes": hs_bytes * tokens if tokens else None,
@@ -252,29 +612,41 @@ def _human(n: float | None) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    mem = r["memory_bytes"]
+    est = r["estimate"]
+    state, frozen = est["state"], est["frozen"]
+    acts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}" for k, v in est["activations"].items() if v)
     lines = [
-        f"target           {r['target']} {r['architectures']}: {r['target_layers']} layers, H={r['hidden_size']}, V={r['vocab_size']}",
+        f"target           {r['target']} {r['architectures']}: {r['target_layers']} layers, H={r['hidden_size']}, "
+        f"V={r['vocab_size']} (config: {r['target_config']})",
         f"aux layer ids    {r['aux_layer_ids']}" + (" (vLLM default)" if r["aux_layer_ids_are_vllm_default"] else " (differs from vLLM default: written into the export)"),
         f"draft            {r['method']}: {r['draft_trainable_parameters'] / 1e6:.1f}M trainable params "
         f"({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in r['draft_parameters'].items())}); draft vocab {r['draft_vocab_size']}",
-        f"train memory     weights {_human(mem['draft_weights_fp32'])} + grads {_human(mem['gradients_fp32'])} + "
-        f"AdamW {_human(mem['adamw_state_fp32'])} (fp32) + frozen embedding {_human(mem['frozen_embedding_bf16'])} + "
-        f"target lm_head rows {_human(mem['target_lm_head_draft_rows_bf16'])}; "
-        f"TTT logits <= {_human(mem['ttt_logits_activations_per_microbatch'])} per micro-batch (all positions at max_length)",
         f"hidden states    {_human(r['hidden_state_bytes_per_token'])} per token (3 aux + 1 final); "
         f"{_human(r['hidden_state_bytes_per_token'] * 1e9)} per billion tokens",
         f"offline disk     {_human(r['offline_disk_bytes'])} for {r['expected_tokens'] or 'unknown'} expected tokens"
         + ("" if r["expected_tokens"] else " (set data.expected_tokens)"),
         f"rope             {json.dumps(r['rope'])}",
     ]
-    return "\n".join(lines + _launcher_lines(r))
+    lines += _launcher_lines(r)
+    lines.append(
+        f"per-GPU memory   {_gib(est['per_gpu_bytes'])} at train.batch_size={est['batch_size']} x "
+        f"data.max_length={est['max_length']} ({est['precision']}, gradient checkpointing "
+        f"{'on' if r['gradient_checkpointing'] else 'off'}; peak in {est['peak_phase'].replace('_', '/')}): "
+        f"weights {_human(state['weights'])} + grads {_human(state['gradients'])} + AdamW "
+        f"{_human(state['optimizer_state'])} + frozen {_human(sum(frozen.values()))} + batch {_human(est['batch'])} + "
+        f"activations {_human(sum(est['activations'].values()))} ({acts})")
+    return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.1f} GiB"
 
 
 def _launcher_lines(r: dict[str, Any]) -> list[str]:
-    launch, gpu = r["launcher"], r["memory_bytes_per_gpu"]
+    launch = r["launcher"]
     if launch is None:
-        return ["launcher         none (set launcher: recipes/accelerate/<name>.yaml to validate it)"]
+        return ["launcher         none (set launcher: recipes/accelerate/<name>.yaml to validate it; "
+                "the estimate is for one fp32 process)"]
     kind = launch["distributed_type"]
     if launch["zero_stage"] is not None:
         kind += f" ZeRO-{launch['zero_stage']}"
@@ -284,15 +656,8 @@ def _launcher_lines(r: dict[str, Any]) -> list[str]:
     procs = launch["num_processes"] or "all GPUs"
     world = launch["num_processes"] or 1
     sharded = f"1/{world} of {', '.join(launch['sharded'])}" if launch["sharded"] else "nothing sharded"
-    gathered = (f" + FSDP root unit gathered {_human(gpu['fsdp_gathered_root'])}"
-                if "fsdp_gathered_root" in gpu else "")
     return [
         f"launcher         {launch['path']}: {kind}; {procs} processes on {launch['num_machines']} machine(s); "
-        f"mixed precision {launch['mixed_precision']}; "
+        f"mixed precision {launch['mixed_precision']}; {sharded}; "
         f"clip grad norm {launch['gradient_clipping']} (train.max_grad_norm)",
-        f"per-GPU memory   {_human(gpu['total'])}: weights {_human(gpu['draft_weights_fp32'])} + grads "
-        f"{_human(gpu['gradients_fp32'])} + AdamW {_human(gpu['adamw_state_fp32'])} ({sharded}) + frozen embedding "
-        f"and target lm_head rows {_human(gpu['frozen_embedding_bf16'] + gpu['target_lm_head_draft_rows_bf16'])} "
-        f"(whole on every rank){gathered}; plus activations",
     ]
-

@@ -388,6 +388,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
     p.add_argument("--launcher", type=Path,
                    help="with --dry-run: accelerate launcher YAML to validate (default: the recipe's `launcher`)")
+    p.add_argument("--device-memory-gib", type=float, default=80.0,
+                   help="with --dry-run: memory of one GPU; a per-GPU estimate above it is refused (exit 2)")
     return p
 
 
@@ -400,7 +402,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     train/eagle3.py RECIPE.yaml`` alone prepares and trains.
 
     Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
-    data, a mask token that occurs in the data); 2 (recipe invalid or for another method, run directory in use).
+    data, a mask token that occurs in the data); 2 (recipe invalid or for another method, run directory in use,
+    ``--dry-run`` estimate above ``--device-memory-gib``).
     """
     import sys
 
@@ -423,13 +426,18 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         print(f"{args.recipe}: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from .dry_run import dry_run, format_report
+        from .dry_run import MemoryBudgetError, check_fits, dry_run, format_report
 
         try:
-            print(format_report(dry_run(recipe, args.target_config, args.launcher)))
+            report = dry_run(recipe, args.target_config, args.launcher)
+            check_fits(report, args.device_memory_gib)
+        except MemoryBudgetError as exc:
+            print(f"{args.recipe}: {exc}", file=sys.stderr)
+            return 2
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        print(format_report(report))
         return 0
     run_dir = args.run_dir or Path("runs") / recipe.name
     try:

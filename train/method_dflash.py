@@ -17,8 +17,8 @@ computed in chunks inside the draft's forward (:class:`~draftsmith.models.dflash
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from ..models.dflash import (
     slot_weights,
 )
 from ..recipe import Recipe
+from .losses import chunked_distill
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.dflash")
@@ -132,7 +133,7 @@ def dflash_step(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
     weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
     out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
-                targets=DFlashTargets(teacher, teacher_index, weight, loss, chunk_size))
+                targets=DFlashTargets(teacher, teacher_index, weight, chunked_distill, loss, chunk_size))
     local = weight.sum()
     denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
     total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))

@@ -22,7 +22,7 @@ from ..models.eagle3 import Eagle3Config
 from ..models.peagle import (CODElements, CODTargets, PEagleConfig, PEagleDraftModel, cod_sample, cod_targets,
                              step0_prediction_mask)
 from ..recipe import Recipe
-from .losses import DistillOut
+from .losses import DistillOut, chunked_distill
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.peagle")
@@ -39,9 +39,10 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
     (``index_add`` over depth).
 
     Args:
-        out: the ``DistillOut`` over the ``M = B*S`` elements (row-major).
-        depth: ``(M,)`` element depths.
-        trained: ``(M,)`` bool, the elements trained on.
+        out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
+            rows (``CODTargets.rows``).
+        depth: ``(M,)`` depth of each row.
+        trained: ``(M,)`` bool, the rows trained on.
         num_depths: D, the number of per-depth metric slots.
 
     Returns:
@@ -78,6 +79,22 @@ def cod_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class CODPlan:
+    """The P-EAGLE ``batch_plan``: host-side numbers of the collated CPU batch (DataLoader
+    workers), so that the step sizes its tensors without reading the device.
+
+    Adds ``cod_seed_bound`` (python int: the most trained positions in a row, which sizes the
+    COD depth budgets, :func:`~draftsmith.models.peagle.cod_budget`) and ``cod_rows0``
+    (``(N0,)`` int64 CPU tensor: ``b * T + i`` of the trained depth-0 positions, so the loss
+    projects only those depth-0 elements and every depth >= 1 slot).
+    """
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, object]:
+        pred = step0_prediction_mask(batch["loss_mask"], batch.get("document_ids"))
+        return {"cod_seed_bound": int(pred.sum(1).max()) if pred.numel() else 0,
+                "cod_rows0": torch.nonzero(pred.reshape(-1)).flatten()}
+
+
 class PEagleMethod(DraftVocabMethod):
     """P-EAGLE: COD chains of mask slots on the EAGLE-3 data, forward-KL loss."""
 
@@ -100,8 +117,7 @@ class PEagleMethod(DraftVocabMethod):
 
     def build_model(self) -> PEagleDraftModel:
         torch.manual_seed(self.recipe.seed)  # mask_hidden's randn init
-        backend = getattr(self.recipe.train, "attention_backend", "sdpa")
-        return self.init_draft(PEagleDraftModel(self.config, attention_backend=backend))
+        return self.init_draft(PEagleDraftModel(self.config))  # init_draft sets train.attention_backend
 
     def begin_step(self, step: int) -> None:
         """COD samples are re-drawn every micro-batch from a generator on the batch's device
@@ -118,13 +134,17 @@ class PEagleMethod(DraftVocabMethod):
         self._micro += 1
         return torch.Generator(device=device).manual_seed(seed)
 
+    def batch_plan(self) -> CODPlan:
+        return CODPlan()
+
     def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CODElements]:
-        """``(prediction mask (B, T), COD elements)`` of a batch (the next micro-batch's draw)."""
+        """``(prediction mask (B, T), COD elements)`` of a batch (the next micro-batch's draw);
+        the depth budgets come from the plan's ``cod_seed_bound`` when the batch has one, else T."""
         docs = batch.get("document_ids")
         pred = step0_prediction_mask(batch["loss_mask"], docs)  # (B, T): position i predicts x_{i+2}
         d = self.recipe.draft
         elements = cod_sample(pred, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min,
-                              self.cod_generator(pred.device), d.max_anchors, docs)
+                              self.cod_generator(pred.device), d.max_anchors, docs, batch.get("cod_seed_bound"))
         return pred, elements
 
     def denominator(self, count: torch.Tensor) -> torch.Tensor:
@@ -144,11 +164,19 @@ class PEagleMethod(DraftVocabMethod):
         B, T = pred.shape
         # the teacher of position i is the target's distribution of x_{i+2}: its row at i + 1,
         # computed once at positions 1..T-1 and indexed (position T-1 is never trained)
-        rows = final[:, 1:] if T > 1 else final
-        teacher = self.target_head(rows).reshape(-1, self.target_head.weight.shape[0])  # (B * (T-1), Vd)
-        per_row = rows.shape[1]
+        shifted = final[:, 1:] if T > 1 else final  # a view
+        teacher = self.target_head(shifted).reshape(-1, self.target_head.weight.shape[0])  # (B * (T-1), Vd)
+        per_row = shifted.shape[1]
         index = elements.pos.clamp_max(per_row - 1) + per_row * torch.arange(B, device=pred.device).unsqueeze(1)
-        weight = sel.float() / self.denominator(sel.sum())
+        weight = (sel.float() / self.denominator(sel.sum())).reshape(-1)
+        index, depth, sel = index.reshape(-1), elements.depth.reshape(-1), sel.reshape(-1)
+        train_rows = None
+        if "cod_rows0" in batch:  # the plan's trained depth-0 positions, then every deeper slot
+            S = elements.anchor.shape[1]
+            r0 = batch["cod_rows0"]
+            deeper = torch.arange(T, S, device=pred.device) + S * torch.arange(B, device=pred.device).unsqueeze(1)
+            train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
+            index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
         out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
-                    targets=CODTargets(teacher, index, weight, self.loss))
-        return cod_loss(out, elements.depth.reshape(-1), sel.reshape(-1), self.recipe.draft.num_depths)
+                    targets=CODTargets(teacher, index, weight, chunked_distill, self.loss, rows=train_rows))
+        return cod_loss(out, depth, sel, self.recipe.draft.num_depths)
