@@ -65,10 +65,15 @@ aten = torch.ops.aten
 
 @dataclass
 class PhasePeak:
-    """The peak of one phase: bytes and the storages (serials) live at that moment."""
+    """The peak bytes of one phase; ``start`` / ``end``: the phase's span in the tracker's event
+    log, ``live_at_start`` the storages (serials) live when it began (:meth:`MemoryTracker.weighted_peak`
+    replays it)."""
 
     bytes: int = 0
     serials: frozenset[int] = frozenset()
+    start: int = 0
+    end: int | None = None
+    live_at_start: frozenset[int] = frozenset()
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -78,7 +83,9 @@ class MemoryTracker(TorchDispatchMode):
     not counted again) with a weak reference; the bytes are released when the storage is
     freed (its last tensor, including one autograd saved, is gone). :meth:`track` registers
     tensors created outside the mode; :meth:`exclude` takes storages out of the count (host
-    tensors). :meth:`phase` keeps the peak of a code region with the storages live at it.
+    tensors); with ``device``, only storages on that device type are counted. :meth:`phase`
+    keeps the peak of a code region; :meth:`weighted_peak` replays the region's allocations and
+    frees to find the peak of a weighted count (and the storages live at it).
 
     Under ``fake`` (a :class:`FakeTensorMode` entered *before* this mode), ops whose tensor
     inputs are all real run for real (integer / bool factories, and any factory given a
@@ -87,9 +94,10 @@ class MemoryTracker(TorchDispatchMode):
     is applied as if every element were True, and a scalar read from a fake tensor is 1.
     """
 
-    def __init__(self, fake: Any | None = None):
+    def __init__(self, fake: Any | None = None, device: torch.device | str | None = None):
         super().__init__()
         self.fake = fake
+        self.device_type = None if device is None else torch.device(device).type  # None: every device
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> serial
         self._bytes: dict[int, int] = {}  # live serial -> bytes
         self._size: dict[int, int] = {}  # every serial -> bytes (peaks are broken down after the fact)
@@ -102,10 +110,11 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self._phases: dict[str, PhasePeak] = {}
         self._open: list[str] = []
+        self._events: list[tuple[int, int]] = []  # (serial, +1 allocated / -1 freed or excluded)
 
     # -- accounting
     def _register(self, t: torch.Tensor) -> None:
-        if t.layout != torch.strided:
+        if t.layout != torch.strided or (self.device_type is not None and t.device.type != self.device_type):
             return
         try:
             st = t.untyped_storage()
@@ -117,6 +126,7 @@ class MemoryTracker(TorchDispatchMode):
         n = int(st.nbytes())
         self._live[st] = serial
         self._bytes[serial] = self._size[serial] = n
+        self._events.append((serial, 1))
         self._origin[serial] = f"{self._op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         self.current += n
         weakref.finalize(st, self._release, serial)
@@ -128,6 +138,7 @@ class MemoryTracker(TorchDispatchMode):
             self._excluded.discard(serial)
         else:
             self.current -= n
+            self._events.append((serial, -1))
 
     def _update_peak(self) -> None:
         if self.current > self.peak:
@@ -136,7 +147,6 @@ class MemoryTracker(TorchDispatchMode):
             ph = self._phases[name]
             if self.current > ph.bytes:
                 ph.bytes = self.current
-                ph.serials = frozenset(s for s in self._bytes if s not in self._excluded)
 
     def track(self, tensors: Any) -> None:
         """Register the storages of the tensors in ``tensors`` (any pytree; modules' state too)."""
@@ -151,6 +161,7 @@ class MemoryTracker(TorchDispatchMode):
             if serial is not None and serial not in self._excluded:
                 self._excluded.add(serial)
                 self.current -= self._bytes[serial]
+                self._events.append((serial, -1))
 
     def serial(self, t: torch.Tensor) -> int | None:
         """The serial of ``t``'s storage (None: not registered)."""
@@ -166,12 +177,33 @@ class MemoryTracker(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[PhasePeak]:
         """Keep the peak of the enclosed region as ``phases[name]`` (starting from the bytes live
         on entry)."""
-        ph = self._phases[name] = PhasePeak(self.current, frozenset(s for s in self._bytes if s not in self._excluded))
+        live = frozenset(s for s in self._bytes if s not in self._excluded)
+        ph = self._phases[name] = PhasePeak(self.current, live, len(self._events), None, live)
         self._open.append(name)
         try:
             yield ph
         finally:
             self._open.remove(name)
+            ph.end = len(self._events)
+
+    def weighted_peak(self, name: str, weight: dict[int, float], default: float = 1.0) -> tuple[float, frozenset[int]]:
+        """The peak over phase ``name`` of the live bytes with storage ``s`` counted
+        ``weight.get(s, default)`` times (e.g. 0 for the trainable state a launcher shards, whose
+        per-rank bytes are added by arithmetic), and the storages live at that moment: replayed
+        from the event log, so it may fall at another moment than the plain peak."""
+        ph = self._phases[name]
+        events = self._events[ph.start:ph.end]
+        w = lambda s: weight.get(s, default) * self._size[s]  # noqa: E731
+        cur = best = sum(w(s) for s in ph.live_at_start)
+        at = 0
+        for i, (s, sign) in enumerate(events, start=1):
+            cur += sign * w(s)
+            if cur > best:
+                best, at = cur, i
+        live = set(ph.live_at_start)
+        for s, sign in events[:at]:
+            (live.add if sign > 0 else live.discard)(s)
+        return best, frozenset(live)
 
     @property
     def phases(self) -> dict[str, PhasePeak]:
@@ -210,23 +242,23 @@ class MemoryTracker(TorchDispatchMode):
         return func(*args, **kwargs)
 
     # -- reporting
-    def breakdown(self, name: str, categories: dict[str, set[int]]) -> dict[str, int]:
-        """Bytes of phase ``name``'s peak by category (``categories``: name -> serials); the rest
-        is ``"activations"``."""
-        ph = self._phases[name]
+    def breakdown(self, serials: frozenset[int], categories: dict[str, set[int]]) -> dict[str, int]:
+        """Bytes of the storages ``serials`` by category (``categories``: name -> serials); the
+        rest is ``"activations"``; ``"total"``: all of them."""
         out, seen = {}, set()
-        for cat, serials in categories.items():
-            mine = (ph.serials & serials) - seen
+        for cat, members in categories.items():
+            mine = (serials & members) - seen
             seen |= mine
             out[cat] = self._bytes_at_peak(mine)
-        out["activations"] = ph.bytes - sum(out.values())
+        out["activations"] = self._bytes_at_peak(serials - seen)
+        out["total"] = self._bytes_at_peak(serials)
         return out
 
-    def largest(self, name: str, n: int = 20, skip: set[int] = frozenset()) -> list[tuple[int, int, str]]:
-        """The storages live at phase ``name``'s peak (less ``skip``), grouped by the op, shape and
-        dtype that created them, largest groups first: ``(bytes, count, "op shape dtype")``."""
+    def largest(self, serials: frozenset[int], n: int = 20) -> list[tuple[int, int, str]]:
+        """The storages ``serials`` grouped by the op, shape and dtype that created them, largest
+        groups first: ``(bytes, count, "op shape dtype")``."""
         groups: dict[str, list[int]] = {}
-        for s in self._phases[name].serials - set(skip):
+        for s in serials:
             g = groups.setdefault(self._origin.get(s, "?"), [0, 0])
             g[0] += self._size[s]
             g[1] += 1
@@ -529,7 +561,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
     dev = torch.device("cpu" if fake else device)
     torch.manual_seed(seed)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    tracker = MemoryTracker(fake=fake_mode)
+    tracker = MemoryTracker(fake=fake_mode, device=None if fake else dev)  # real runs: the device's storages only
     ctx = contextlib.ExitStack()
     with ctx:
         if fake_mode is not None:
@@ -597,16 +629,21 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
             categories = _categories(tracker, model, trainable, opt, method, batch)
             n_trainable = sum(p.numel() for p in trainable)
             state = state_bytes_per_gpu(n_trainable, launch, precision.name)
-            phases, per_gpu = {}, {}
+            held = categories["weights"] | categories["gradients"] | categories["optimizer_state"]
+            known = held | categories["frozen"] | categories["batch"]
+            phases, per_gpu, at_peak = {}, {}, {}
             for name in ("forward_backward", "optimizer"):
-                bd = tracker.breakdown(f"{name}1", categories)
-                bd["total"] = tracker.phases[f"{name}1"].bytes
-                phases[name] = bd
-                held = bd["weights"] + bd["gradients"] + bd["optimizer_state"]
-                rest = bd["total"] - held
+                # one rank: the state it holds comes from the launcher's arithmetic (weight 0 here);
+                # in the optimizer step the update's transients are divided like the optimizer state
+                weight = dict.fromkeys(held, 0.0)
+                default = 1.0
                 if name == "optimizer" and state["optimizer_shards"] > 1:
-                    rest -= bd["activations"] - bd["activations"] // state["optimizer_shards"]
-                per_gpu[name] = rest + state["total"]
+                    weight.update(dict.fromkeys(known - held, 1.0))
+                    default = 1.0 / state["optimizer_shards"]
+                rest, serials = tracker.weighted_peak(f"{name}1", weight, default)
+                per_gpu[name] = int(rest) + state["total"]
+                at_peak[name] = serials
+                phases[name] = tracker.breakdown(serials, categories)
             where = max(per_gpu, key=per_gpu.get)
             peak = max(tracker.phases["forward_backward1"].bytes, tracker.phases["optimizer1"].bytes)
             return Measurement(max_length=recipe.data.max_length, batch_size=recipe.train.batch_size,
@@ -614,7 +651,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                per_gpu_bytes=per_gpu[where], per_gpu_phase=where, state_per_gpu=state,
                                cuda_max_memory_allocated=cuda_peak,
                                extra={"precision": precision.name, "device": device,
-                                      "largest_at_peak": tracker.largest(f"{where}1", LARGEST_GROUPS, set().union(*categories.values()))})
+                                      "largest_at_peak": tracker.largest(at_peak[where] - set().union(*categories.values()),
+                                                                         LARGEST_GROUPS)})
 
 
 def gc_collect() -> None:

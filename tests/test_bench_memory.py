@@ -67,14 +67,38 @@ def test_tracker_keeps_what_autograd_saved_and_breaks_a_phase_down():
         assert t.current == 1024 + 1024 + 4  # y freed by the program but kept for backward
         assert t.phases["forward"].bytes == 1024 + 1024 + 4
         serial_x = t.serial(x)
-        parts = t.breakdown("forward", {"weights": {serial_x}})
-        assert parts == {"weights": 1024, "activations": 1028}
+        peak, live = t.weighted_peak("forward", {})
+        assert peak == 1024 + 1024 + 4
+        assert t.breakdown(live, {"weights": {serial_x}}) == {"weights": 1024, "activations": 1028, "total": 2052}
+        # not counting x (weight 0), the peak is the same moment, 1028 bytes
+        assert t.weighted_peak("forward", {serial_x: 0.0})[0] == 1028
         z.backward()
         del z
         gc.collect()
         assert t.current == 1024 + 1024  # x and its gradient; y is gone
         t.exclude([x])
         assert t.current == 1024
+
+
+def test_weighted_peak_finds_the_moment_a_weighted_count_peaks():
+    """Counting storage a at 0 (state a launcher shards) moves the peak to another moment."""
+    with MemoryTracker() as t:
+        with t.phase("p"):
+            a = torch.empty(1000, dtype=torch.uint8)
+            sa = t.serial(a)
+            b = torch.empty(300, dtype=torch.uint8)  # 1300
+            del b
+            gc.collect()
+            c = torch.empty(500, dtype=torch.uint8)  # 1500: the plain peak
+            del a
+            gc.collect()
+            d = torch.empty(600, dtype=torch.uint8)  # 1100, all of it not a
+    assert t.phases["p"].bytes == 1500
+    peak, live = t.weighted_peak("p", {})
+    assert peak == 1500 and live == {sa, t.serial(c)}
+    without_a, live = t.weighted_peak("p", {sa: 0.0})
+    assert without_a == 1100 and live == {t.serial(c), t.serial(d)}
+    assert t.breakdown(live, {"c": {t.serial(c)}}) == {"c": 500, "activations": 600, "total": 1100}
 
 
 def test_tracker_under_fake_tensors_matches_real_tensors():

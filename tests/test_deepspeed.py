@@ -25,9 +25,9 @@ pytestmark = pytest.mark.integration  # accelerate launch of DeepSpeed training
 REPO = Path(__file__).resolve().parent.parent
 
 
-def deepspeed_launcher(tmp_path: Path, processes: int, **ds: object) -> Path:
-    """An accelerate launcher YAML for ZeRO-2 on ``processes`` CPU processes; ``ds`` adds keys to
-    its DeepSpeed JSON."""
+def deepspeed_launcher(tmp_path: Path, processes: int, port: int = 29710, **ds: object) -> Path:
+    """An accelerate launcher YAML for ZeRO-2 on ``processes`` CPU processes (rendezvous on
+    ``port``); ``ds`` adds keys to its DeepSpeed JSON."""
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, **ds}
     ds_json = tmp_path / "ds_zero2.json"
@@ -36,7 +36,7 @@ def deepspeed_launcher(tmp_path: Path, processes: int, **ds: object) -> Path:
     yaml.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
         f"deepspeed_config:\n  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\n"
-        f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\nmain_process_port: 29710\nuse_cpu: false\n")
+        f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\nmain_process_port: {port}\nuse_cpu: false\n")
     return yaml
 
 

@@ -127,8 +127,8 @@ def test_dry_run_reports_the_fsdp_launcher_and_per_gpu_memory(tmp_path):
     # FSDP shards fp32 weights, gradients and AdamW state over the 8 ranks (bf16 autocast path)
     assert est["precision"] == "amp-bf16"
     assert (gpu["weights"], gpu["gradients"], gpu["optimizer_state"]) == (4 * N // 8, 4 * N // 8, 8 * N // 8)
-    # backward at a head: its bf16 lm_head (128256 x 4096), bf16 gradient and the one accumulated
-    assert est["activations"]["head_weight_and_gradients"] == 3 * 128256 * 4096 * 2
+    # bf16 autocast keeps each of the 3 heads' bf16 lm_head copy (128256 x 4096) through forward
+    assert est["activations"]["head_weight_copies"] == 3 * 128256 * 4096 * 2
     assert gpu["total"] == est["per_gpu_bytes"] == max(est["forward_backward_bytes"], est["optimizer_bytes"])
     assert "FSDP2 units: MedusaBlock, root" in format_report(r)
 

@@ -73,7 +73,8 @@ def _where() -> str:
     """``file:line (function)`` of the innermost repository frame that is not the recorder's."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
-        if REPO in path.parents and not (path.name == "test_host_sync.py" and frame.name in _RECORDER_FRAMES):
+        if REPO in path.parents and not {".venv", "site-packages"} & set(path.parts) \
+                and not (path.name == "test_host_sync.py" and frame.name in _RECORDER_FRAMES):
             return f"{path.relative_to(REPO)}:{frame.lineno} ({frame.name})"
     return "outside the repository"
 
@@ -241,7 +242,7 @@ def test_the_recorder_sees_the_syncs_a_loss_can_make(prepared_data, tiny_target,
     def syncing_loss(model, batch):
         loss, metrics = inner(model, batch)
         mask = batch["loss_mask"].bool()
-        metrics = dict(metrics, loss=float(loss),  # a float() of the loss
+        metrics = dict(metrics, loss=float(loss.detach()),  # a float() of the loss
                        picked=batch["input_ids"][mask].float().mean(),  # boolean-mask indexing
                        tokens=sum(batch["attention_mask"].sum(1).tolist()))  # a .tolist()
         return loss, metrics

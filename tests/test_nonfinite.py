@@ -6,8 +6,10 @@ norm and, under DeepSpeed, the gradients the optimizer is about to apply, all-re
 ranks, becomes the optimizer's ``found_inf``; the step then leaves parameters and optimizer state
 untouched on every rank, without a host sync. Under DeepSpeed the step runs inside
 ``accelerator.backward`` (accelerate's ``DeepSpeedEngineWrapper`` calls ``engine.step()`` at the
-accumulation boundary), so a check after backward comes too late: these runs fail on the trainer
-of commit 617318e, which applied such a step under DeepSpeed while logging "update skipped".
+accumulation boundary), so a check after backward comes too late. The trainer of commit 617318e
+fails the one-process, DDP and both DeepSpeed runs below: it checked the boundary micro-batch's
+loss only, on each rank alone (DDP ranks then diverge), and under DeepSpeed after the step was
+applied, while logging "update skipped".
 
 The injected fault is ``loss + nan`` on ONE rank's micro-batch, the first of the accumulation
 window (not the boundary): the loss is NaN while the gradients stay finite, so nothing but the
@@ -200,6 +202,7 @@ def test_guard_counts_runs_and_stops_at_the_limit():
 # Whole runs under each launcher
 
 
+@pytest.mark.integration
 def test_one_process_skips_a_nan_loss_of_a_non_boundary_micro_batch(prepared_data, tmp_path):
     from draftsmith.recipe import load_recipe
     from draftsmith.train.method_eagle3 import Eagle3Method
@@ -252,8 +255,7 @@ def test_deepspeed_zero2_skips_a_nan_loss_on_one_rank_on_every_rank(prepared_dat
     from test_deepspeed import deepspeed_launcher
 
     run = new_run(prepared_data, tmp_path / "run")
-    config = deepspeed_launcher(tmp_path, processes=2)
-    config.write_text(config.read_text().replace("main_process_port: 29710", "main_process_port: 29831"))
+    config = deepspeed_launcher(tmp_path, processes=2, port=29831)
     # ACCELERATE_USE_CPU unset: accelerate skips DeepSpeed when told to use the CPU
     launch_nan_run(prepared_data, run, ["-m", "accelerate.commands.launch", "--config_file", str(config)],
                    {"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": None}, nan_rank=1, nan_call=nan_call)

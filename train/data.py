@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..data_prep.shards import ShardReader
+from ..data_prep.shards import ShardReader, decode_states
 from ..layout import DataPaths, read_tokenized
 
 
@@ -21,7 +21,8 @@ class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):
 
     ``{"input_ids" (T,) long, "loss_mask" (T,) long, "aux_hidden_states" (T, 3H),
     "final_hidden_states" (T, H)}``: plain shards in their storage dtype, fp8 shards decoded
-    to ``decode_dtype``.
+    to ``decode_dtype``, or (``decode_dtype=None``, what training uses) handed out as the fp8
+    payload plus ``*_hidden_states_scale`` and decoded on the device by :func:`to_device`.
 
     Raises:
         ShardError: missing manifest or shard, incomplete shard set, or (``verify=True``)
@@ -131,5 +132,8 @@ class BatchCollator:
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device`` (``non_blocking``: asynchronous from the pinned memory of
-    a CUDA DataLoader); python values (``num_tokens``, a plan's sizes) stay as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    a CUDA DataLoader); python values (``num_tokens``, a plan's sizes) stay as they are. fp8 hidden
+    states (handed out undecoded, with their scales) are decoded there, after the copy
+    (:func:`~draftsmith.data_prep.shards.decode_states`): the copy moves 1 byte per value, not 4."""
+    moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return decode_states(moved, torch.float32)

@@ -404,16 +404,18 @@ def _weight_copies(s: Shapes, trainable: int) -> int:
     return 2 * trainable if s.precision == "amp-bf16" else 0
 
 
-# EAGLE-3, per TTT step: the layer's tensors kept for backward (no checkpointing) ...
+# EAGLE-3, per TTT step: the layer's tensors kept for backward (no checkpointing). Under bf16
+# autocast (fp32 weights) the RMSNorm / residual stream stays fp32 and the (T, 2H) layer input is
+# cast to bf16 once per projection; under DeepSpeed's bf16 weights they are bf16 throughout.
 EAGLE3_STEP = {"amp-bf16": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9),
-               "bf16": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9),
-               "fp32": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9)}
-# ... with train.gradient_checkpointing: what each step keeps (its inputs, keys / values) and the
-# one step recomputed in backward
-EAGLE3_CKPT_KEPT = {"amp-bf16": LayerBytes(H=9.2, KV=11.3), "bf16": LayerBytes(H=9.2, KV=11.3),
-                    "fp32": LayerBytes(H=9.2, KV=11.3)}
-EAGLE3_CKPT_STEP = {"amp-bf16": LayerBytes(H=40.7, I=10.6), "bf16": LayerBytes(H=40.7, I=10.6),
-                    "fp32": LayerBytes(H=40.7, I=10.6)}
+               "bf16": LayerBytes(H=24.6, I=8.7, Q=4.3, KV=11.2),
+               "fp32": LayerBytes(H=49.2, I=16.3, Q=11.3, KV=16.3)}
+# ... with train.gradient_checkpointing: what each step keeps (its inputs and keys / values) and
+# the one step recomputed in backward
+EAGLE3_CKPT_KEPT = {"amp-bf16": LayerBytes(H=9.2, KV=10.2), "bf16": LayerBytes(H=1.2, KV=10.4),
+                    "fp32": LayerBytes(H=12.0, KV=16.0)}
+EAGLE3_CKPT_STEP = {"amp-bf16": LayerBytes(H=40.1, I=10.7, Q=1.2), "bf16": LayerBytes(H=35.3, I=13.0),
+                    "fp32": LayerBytes(H=49.2, I=16.3, Q=11.3, KV=16.3)}
 
 
 def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
@@ -433,18 +435,93 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
             "weight_copies": _weight_copies(s, trainable)}
 
 
-def medusa_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
-    """Medusa: K heads over the M = B*T gathered rows, each a full-vocab ``lm_head`` trained with
-    chunked cross-entropy. The peak is in backward at a head's ``lm_head``: its bf16 weight, its
-    bf16 weight gradient and the one being accumulated (3 x V x H x 2 B); the rows' ResBlock
-    tensors (fp32 / bf16, ``(4 + 8 * layers)`` B per unit of H); one bf16 chunk of logits."""
+# DFlash, per layer over the B*A*Bk block tokens (A anchors of Bk slots): the layer recomputed in
+# backward (train.gradient_checkpointing; without it every layer keeps these). Under bf16 autocast
+# the block's residual stream is fp32.
+DFLASH_LAYER = {"amp-bf16": LayerBytes(H=30, I=8, Q=8), "bf16": LayerBytes(H=27, I=10, Q=8),
+                "fp32": LayerBytes(H=40, I=16, Q=16)}
+DFLASH_CONTEXT = {"amp-bf16": 10, "bf16": 10, "fp32": 20}  # B / token / unit of H: the fused aux context
+
+
+def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """DFlash: ``draft.num_layers`` layers over the fused context (``B x T``) and ``A =
+    min(draft.num_anchors, T - 1)`` anchor blocks of ``Bk = draft.block_size`` tokens that attend
+    to the context before their anchor and to their own block (SDPA over ``[context | blocks]``
+    with a bool mask; its float bias and the bool mask, 3 B per ``(A*Bk) x (T + A*Bk)`` element,
+    are kept for backward). The peak is the larger of a layer's backward (recomputed under
+    ``train.gradient_checkpointing``) and the loss: the teacher's fp32 distribution at the
+    ``B*A*(Bk-1)`` trained slots and the chunked loss."""
+    d = recipe.draft
+    L, Bk = d.num_layers, d.block_size
+    A = max(1, min(d.num_anchors, s.T - 1))
+    Eb = s.B * A * Bk
+    layer = DFLASH_LAYER[s.precision](s, Eb)
+    kept_bytes = s.act_bytes if s.precision == "bf16" else 4
+    saved = {"attention_masks": 3 * s.B * A * Bk * (s.T + A * Bk),
+             "context": DFLASH_CONTEXT[s.precision] * s.E * s.H,
+             "input_cast": _input_cast(s, s.n_aux),
+             "weight_copies": _weight_copies(s, trainable) // (L if s.checkpointing else 1)}
+    loss = {"teacher": s.B * A * (Bk - 1) * s.Vd * 4, "loss_chunk": 7 * _chunk(recipe, s.B * A * Bk, s.Vd) * s.Vd * 4}
+    if s.checkpointing:
+        saved["layer_inputs"] = L * Eb * s.H * kept_bytes
+        layers = {"layer_backward": layer}
+    else:
+        layers = {"layers": L * layer}
+    peak = layers if sum(layers.values()) >= sum(loss.values()) else loss
+    return {**saved, **peak}
+
+
+# P-EAGLE, per layer over the B*S COD elements (S = T + the depths' budgets): layer 0 reads the
+# (S, 2H) concatenation of embedding and hidden state (cast once per projection under autocast).
+PEAGLE_LAYER = {"amp-bf16": LayerBytes(H=26.5, I=8, Q=4, KV=4), "bf16": LayerBytes(H=22.5, I=6.5, Q=4.5, KV=4),
+                "fp32": LayerBytes(H=53, I=16, Q=8, KV=8)}
+PEAGLE_LAYER0_INPUT = {"amp-bf16": 12, "bf16": 4, "fp32": 8}
+
+
+def cod_elements(recipe: Recipe, T: int) -> int:
+    """S, the COD elements of a row of T positions (every position trained: the upper bound)."""
+    from ..models.peagle import cod_budget
+
+    d = recipe.draft
+    return T + sum(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))
+
+
+def peagle_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """P-EAGLE: ``draft.num_layers`` layers over the ``B x S`` COD elements of one forward
+    (:func:`cod_elements`), attention with a ``(B, S, S)`` mask (its bf16 bias kept for backward),
+    the teacher's fp32 distribution at the ``B x T`` positions, the chunked loss over the
+    trained elements and their gathered rows."""
+    d = recipe.draft
+    S = cod_elements(recipe, s.T)
+    Es = s.B * S
+    L = d.num_layers
+    embed = s.V * s.H if d.train_embeddings else 0  # a lookup, never cast by autocast
+    layers = L * PEAGLE_LAYER[s.precision](s, Es) + PEAGLE_LAYER0_INPUT[s.precision] * Es * s.H
+    if s.checkpointing:  # each layer keeps its input; one layer recomputed in backward
+        layers = L * Es * s.H * (4 if s.precision != "bf16" else 2) + PEAGLE_LAYER[s.precision](s, Es)
+    return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "teacher": s.E * s.Vd * 4,
+            "loss_chunk": 7 * _chunk(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
+            "input_cast": _input_cast(s, s.n_aux), "weight_copies": _weight_copies(s, trainable - embed)}
+
+
+def _chunk(recipe: Recipe, rows_total: int, vocab: int) -> int:
     from .losses import chunk_rows
 
-    V, M = s.V, s.E
-    layers = recipe.draft.num_layers
-    C = min(chunk_rows(V, recipe.train.loss_chunk_rows), M)
-    return {"head_weight_and_gradients": 3 * V * s.H * s.act_bytes, "rows": M * s.H * (4 + 8 * layers),
-            "loss_chunk": C * V * s.act_bytes, "input_cast": 0}
+    return min(chunk_rows(vocab, recipe.train.loss_chunk_rows), max(1, rows_total))
+
+
+def medusa_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """Medusa: K heads over the M = B*T gathered rows, each ``draft.num_layers`` ResBlocks and a
+    full-vocab ``lm_head`` trained with chunked cross-entropy. The peak is the larger of the end
+    of forward (under bf16 autocast every head's bf16 ``lm_head`` copy, K x V x H x 2 B, and the
+    rows' ResBlock tensors, ``4 + 8 * K * layers`` B per unit of H) and the backward of a head
+    (its bf16 ``lm_head`` weight and gradients, 3 x V x H x 2 B, and its rows)."""
+    K, L, V, M = recipe.draft.num_heads, recipe.draft.num_layers, s.V, s.E
+    cast = s.act_bytes if s.precision == "amp-bf16" else 0
+    forward = {"head_weight_copies": K * V * s.H * cast, "block_weight_copies": K * L * s.H * s.H * cast,
+               "rows": M * s.H * (4 + 8 * K * L), "loss_chunk": 2 * _chunk(recipe, M, V) * V * 4}
+    backward = {"head_weight_and_gradients": 3 * V * s.H * s.act_bytes, "rows": M * s.H * (4 + 8 * L)}
+    return forward if sum(forward.values()) >= sum(backward.values()) else backward
 
 
 def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
@@ -457,8 +534,8 @@ def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dic
     return {"embedding_gradients": tables, "rows": 22 * s.E * D, "input_cast": 0}
 
 
-ACTIVATIONS = {"eagle3": eagle3_activations, "medusa": medusa_activations,
-               "mlp_speculator": mlp_speculator_activations}
+ACTIVATIONS = {"eagle3": eagle3_activations, "dflash": dflash_activations, "peagle": peagle_activations,
+               "medusa": medusa_activations, "mlp_speculator": mlp_speculator_activations}
 
 
 def frozen_bytes(recipe: Recipe, s: Shapes, counts: dict[str, int]) -> dict[str, int]:

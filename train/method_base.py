@@ -72,8 +72,9 @@ class TargetDataMethod:
         if self.recipe.data.hidden_states_mode == "online":
             # memory-mapped Arrow rows read by index (a legacy tokenized.jsonl is converted once)
             return TokenizedDataset(self.paths, self.recipe.data.max_length)
+        # fp8 shards stay fp8 until the device (decoded by train.data.to_device after the copy)
         return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length,
-                                  verify=self.verify_shards)
+                                  verify=self.verify_shards, decode_dtype=None)
 
     def setup(self, accelerator: Any) -> None:
         self.accelerator = accelerator

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from .data import to_device
+
 log = logging.getLogger("draftsmith.train")
 
 _SAME_CONVERSATION = re.compile(r"(_gen\d+|#\d+)+$")
@@ -250,7 +252,7 @@ def run_validation(method: Any, model: torch.nn.Module, batches: Iterable[dict[s
     try:
         for batch in batches:
             weight = float(batch.pop("_weight", 1.0))
-            batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = to_device(batch, accelerator.device)
             for key, value in method.validation_sums(model, batch).items():
                 value = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device).reshape(-1) * weight
                 sums[key] = sums[key] + value if key in sums else value
