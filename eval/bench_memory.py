@@ -502,8 +502,7 @@ HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
                  "float8_e4m3fn": torch.float32}  # fp8 shards are decoded to float32 by the loader
 
 
-def random_batch(recipe: Any, H: int, V: int, n_aux: int, device: torch.device, fake: bool,
-                 seed: int = 0) -> dict[str, Any]:
+def random_batch(recipe: Any, H: int, V: int, n_aux: int, fake: bool, seed: int = 0) -> dict[str, Any]:
     """A batch shaped like the method's real one: every position real and trained (the memory
     upper bound), hidden states in ``data.hidden_states_dtype`` (fake under ``fake``)."""
     B, T = recipe.train.batch_size, recipe.data.max_length
@@ -579,8 +578,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
             if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
                 model.to(dev)
             trainable = [p for p in model.parameters() if p.requires_grad]
-            if precision.param_dtype != torch.float32:  # DeepSpeed casts the parameters, not the buffers
-                for p in trainable:
+            if precision.param_dtype != torch.float32:  # DeepSpeed casts the parameters (frozen too), not the buffers
+                for p in model.parameters():
                     p.data = p.data.to(precision.param_dtype)
             if precision.autocast:
                 from types import MethodType
@@ -591,12 +590,11 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                 forward = model.forward.__func__
                 auto = torch.autocast(device_type=dev.type, dtype=dtype)(forward)
                 model.forward = MethodType(convert_outputs_to_fp32(auto), model)
-            opt = torch.optim.AdamW(trainable, lr=1e-4, betas=tuple(recipe.train.betas),
-                                    weight_decay=recipe.train.weight_decay, foreach=True)
+            opt = _optimizer(trainable, recipe, dev, fake)
             accelerator = OneProcess(dev)
             method.setup(accelerator)
             model.train()
-            cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, dev, fake, seed)
+            cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, fake, seed)
             plan = method.batch_plan() if hasattr(method, "batch_plan") else None
             if fake:
                 gc_collect()
@@ -653,6 +651,18 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                extra={"precision": precision.name, "device": device,
                                       "largest_at_peak": tracker.largest(at_peak[where] - set().union(*categories.values()),
                                                                          LARGEST_GROUPS)})
+
+
+def _optimizer(params: list[torch.nn.Parameter], recipe: Any, dev: torch.device, fake: bool) -> torch.optim.Optimizer:
+    """The trainer's AdamW (:func:`draftsmith.train.trainer.build_optimizer`: fused where torch has
+    the kernel) as it is built on the GPU the step stands for (a fake step: CUDA); the
+    multi-tensor AdamW, CUDA's default, where the trainer has no builder."""
+    try:
+        from ..train.trainer import build_optimizer
+    except ImportError:
+        return torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
+                                 weight_decay=recipe.train.weight_decay, foreach=True)
+    return build_optimizer(params, recipe.train, torch.device("cuda") if fake else dev)
 
 
 def gc_collect() -> None:
@@ -769,6 +779,7 @@ def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
             "measured_phases": m.phases, "state_per_gpu": m.state_per_gpu,
             "estimate": est, "trainable_parameters": m.trainable_parameters,
             "cuda_max_memory_allocated": m.cuda_max_memory_allocated,
+            "largest_at_peak": [{"bytes": b, "count": c, "what": w} for b, c, w in m.extra["largest_at_peak"]],
             "device_memory_bytes": int(args.device_memory_gib * GiB),
             "fits": m.per_gpu_bytes <= args.device_memory_gib * GiB,
         })

@@ -148,6 +148,7 @@ def test_bench_memory_json_prints_one_object_per_length(tmp_path, capsys):
         assert r["measured_bytes"] > 0 and r["estimated_bytes"] > 0
         assert r["process_peak_bytes"] > 0 and r["precision"] == "fp32" and r["device"] == "fake"
         assert set(r["measured_phases"]) == {"forward_backward", "optimizer"}
+        assert r["largest_at_peak"] and {"bytes", "count", "what"} <= set(r["largest_at_peak"][0])
     assert rows[1]["measured_bytes"] > rows[0]["measured_bytes"]  # longer sequences, more activations
     assert list(tmp_path.iterdir()) == [cfg]  # nothing written
 

@@ -193,8 +193,9 @@ def mlp_speculator_parameter_count(recipe: Recipe, hidden_size: int, vocab_size:
 
 
 def eagle3_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
-    """EAGLE-3 parameter counts by part and the peak bytes of TTT logits per micro-batch: K steps
-    of (B*T, Vd) fp32 logits + their softmax grads, which dominate the activations."""
+    """EAGLE-3 parameter counts by part, and (the registry's second value) an upper bound of
+    unchunked TTT logits per micro-batch, K steps of (B*T, Vd) fp32 logits + their softmax grads;
+    :func:`memory_estimate` uses the method's own terms (:func:`eagle3_activations`) instead."""
     logits_bytes = recipe.train.ttt_steps * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3
     return draft_parameter_count(cfg), logits_bytes
 
@@ -370,8 +371,6 @@ class Shapes:
 
 
 def shapes_of(recipe: Recipe, cfg: Eagle3Config, vocab_size: int, precision: str) -> Shapes:
-    from .losses import chunk_rows  # noqa: F401  (the loss chunk below follows its rule)
-
     bf16 = precision in ("amp-bf16", "bf16")
     hs = recipe.data.hidden_states_dtype
     return Shapes(B=recipe.train.batch_size, T=recipe.data.max_length, H=cfg.hidden_size, Ht=cfg.target_hidden_size,
@@ -448,27 +447,27 @@ def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     min(draft.num_anchors, T - 1)`` anchor blocks of ``Bk = draft.block_size`` tokens that attend
     to the context before their anchor and to their own block (SDPA over ``[context | blocks]``
     with a bool mask; its float bias and the bool mask, 3 B per ``(A*Bk) x (T + A*Bk)`` element,
-    are kept for backward). The peak is the larger of a layer's backward (recomputed under
-    ``train.gradient_checkpointing``) and the loss: the teacher's fp32 distribution at the
-    ``B*A*(Bk-1)`` trained slots and the chunked loss."""
+    are kept for backward). The peak is the larger of the loss at the end of forward (the
+    teacher's fp32 distribution at the ``B x T`` positions, the chunked loss, and under bf16
+    autocast every weight's bf16 copy) and a layer's backward (recomputed under
+    ``train.gradient_checkpointing``, with its weights' bf16 copies)."""
     d = recipe.draft
     L, Bk = d.num_layers, d.block_size
     A = max(1, min(d.num_anchors, s.T - 1))
     Eb = s.B * A * Bk
     layer = DFLASH_LAYER[s.precision](s, Eb)
     kept_bytes = s.act_bytes if s.precision == "bf16" else 4
+    copies = _weight_copies(s, trainable)
     saved = {"attention_masks": 3 * s.B * A * Bk * (s.T + A * Bk),
              "context": DFLASH_CONTEXT[s.precision] * s.E * s.H,
-             "input_cast": _input_cast(s, s.n_aux),
-             "weight_copies": _weight_copies(s, trainable) // (L if s.checkpointing else 1)}
-    loss = {"teacher": s.B * A * (Bk - 1) * s.Vd * 4, "loss_chunk": 7 * _chunk(recipe, s.B * A * Bk, s.Vd) * s.Vd * 4}
+             "input_cast": _input_cast(s, s.n_aux)}
     if s.checkpointing:
         saved["layer_inputs"] = L * Eb * s.H * kept_bytes
-        layers = {"layer_backward": layer}
+        backward = {"layer_backward": layer, "weight_copies": copies // L}
     else:
-        layers = {"layers": L * layer}
-    peak = layers if sum(layers.values()) >= sum(loss.values()) else loss
-    return {**saved, **peak}
+        backward = {"layers": L * layer, "weight_copies": copies}
+    loss = {"teacher": s.E * s.Vd * 4, "loss_chunk": 7 * _chunk(recipe, Eb, s.Vd) * s.Vd * 4, "weight_copies": copies}
+    return {**saved, **(backward if sum(backward.values()) >= sum(loss.values()) else loss)}
 
 
 # P-EAGLE, per layer over the B*S COD elements (S = T + the depths' budgets): layer 0 reads the
@@ -538,12 +537,28 @@ ACTIVATIONS = {"eagle3": eagle3_activations, "dflash": dflash_activations, "peag
                "medusa": medusa_activations, "mlp_speculator": mlp_speculator_activations}
 
 
+def parameter_counts(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> dict[str, int]:
+    """The method's parameter counts by part (``methods`` registry estimator), with the draft's
+    ``lm_head`` as ``frozen_lm_head`` under ``draft.freeze_lm_head``. Parts named ``frozen_*``
+    are not trained (:func:`trainable_parameters`)."""
+    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, vocab_size)
+    if getattr(recipe.draft, "freeze_lm_head", False) and "lm_head" in counts:
+        counts["frozen_lm_head"] = counts.pop("lm_head")
+    return counts
+
+
+def trainable_parameters(counts: dict[str, int]) -> int:
+    return sum(v for k, v in counts.items() if not k.startswith("frozen_"))
+
+
 def frozen_bytes(recipe: Recipe, s: Shapes, counts: dict[str, int]) -> dict[str, int]:
     """The frozen tensors on every GPU: the target embedding (drafts that read it) and the
-    teacher head over the draft vocab, both in the target's dtype, and the vocab maps."""
+    teacher head over the draft vocab, both in the target's dtype, a frozen ``lm_head`` (a
+    parameter: fp32, bf16 under DeepSpeed) and the vocab maps."""
     if recipe.draft.method in ("medusa", "mlp_speculator"):
         return {}
     return {"frozen_embedding": counts.get("frozen_embedding", 0) * s.target_bytes,
+            "frozen_lm_head": counts.get("frozen_lm_head", 0) * s.param_bytes,
             "teacher_head": s.Vd * s.Ht * s.target_bytes, "vocab_maps": s.Vd * 8 + s.V}
 
 
@@ -552,13 +567,13 @@ def memory_estimate(recipe: Recipe, cfg: Eagle3Config, counts: dict[str, int], v
     """The training memory of one GPU at ``train.batch_size x data.max_length`` (bytes).
 
     ``per_gpu_bytes`` is the larger of the forward / backward peak (state + frozen + batch +
-    activations) and the optimizer step (state + frozen + batch + the update's fp32 transients,
-    divided like the optimizer state). ``state``: :func:`state_bytes_per_gpu`; ``frozen``:
+    activations) and the optimizer step (state + frozen + batch; the trainer's fused AdamW keeps
+    no per-parameter temporaries). ``state``: :func:`state_bytes_per_gpu`; ``frozen``:
     :func:`frozen_bytes`; ``batch``: the hidden states and token tensors of one micro-batch;
     ``activations``: the method's terms (e.g. :func:`eagle3_activations`).
     """
     precision = precision or precision_of(launch)
-    trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
+    trainable = trainable_parameters(counts)
     s = shapes_of(recipe, cfg, vocab_size, precision)
     state = state_bytes_per_gpu(trainable, launch, precision)
     frozen = frozen_bytes(recipe, s, counts)
@@ -568,7 +583,7 @@ def memory_estimate(recipe: Recipe, cfg: Eagle3Config, counts: dict[str, int], v
         acts = {"logits": get_method(recipe.draft.method).parameter_estimator(recipe, cfg, vocab_size)[1]}
     else:
         acts = estimator(recipe, s, trainable)
-    update = s.param_bytes * trainable // state["optimizer_shards"]
+    update = 0  # the trainer's fused AdamW (CUDA) updates in place: no per-parameter temporaries
     fixed = state["total"] + sum(frozen.values()) + batch
     forward_backward = fixed + sum(acts.values())
     optimizer = fixed + update
@@ -586,8 +601,7 @@ def estimate_inputs(recipe: Recipe, config_json: dict[str, Any]) -> tuple[Eagle3
     ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
     V = int(text_config(config).vocab_size)
     cfg = Eagle3Config.from_target(config, min(recipe.data.draft_vocab_size, V), ids)
-    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
-    return cfg, counts, V
+    return cfg, parameter_counts(recipe, cfg, V), V
 
 
 class MemoryBudgetError(ValueError):
@@ -644,8 +658,8 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     # the target's shapes for every method's estimator (norm_before_residual changes no count)
     cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids)
     T = recipe.data.max_length
-    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, cfg, V)
-    trainable = sum(v for k, v in counts.items() if k != "frozen_embedding")
+    counts = parameter_counts(recipe, cfg, V)
+    trainable = trainable_parameters(counts)
     hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
     tokens = recipe.data.expected_tokens
     estimate = memory_estimate(recipe, cfg, counts, V, launch)
