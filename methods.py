@@ -57,7 +57,8 @@ class DraftMethodSpec:
             takes the target embedding as a second argument when the export has none.
         export_detector_path: ``detector(config_json: dict) -> bool``, true for its exports.
         parameter_estimator_path: ``estimator(recipe, eagle3_cfg, vocab_size) ->
-            (parameter counts by part, peak logits bytes per micro-batch)`` (dry run).
+            (parameter counts by part, an upper bound of unchunked logits bytes per micro-batch)``
+            (dry run; its per-GPU memory estimate uses the method's own terms in ``train/dry_run.py``).
         proposer_factory_path: ``factory(export_dir, target_model | None) -> Proposer`` of
             ``eval/spec_decode.py``.
         vllm_serve_check_path: ``check(export_dir)`` raising ValueError when the installed vLLM

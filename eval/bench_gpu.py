@@ -1,56 +1,80 @@
-"""GPU benchmark: target hidden-state capture and EAGLE-3 training at Llama-3.1-8B geometry.
+"""GPU benchmark of the real training step of EAGLE-3, DFlash and P-EAGLE at each recipe's geometry.
 
-    python -m draftsmith.eval.bench_gpu [--geometry llama3_8b] [--device cuda] [--seq-len 2048] [--batch 1]
-        [--ttt-steps 7] [--draft-vocab 32000] [--steps 10] [--warmup 3] [--peak-tflops 790] [--out results.json]
-    python -m draftsmith.eval.bench_gpu --geometry tiny --device cpu     # the same code path on a CPU, in seconds
+    python -m draftsmith.eval.bench_gpu [--recipes R [R ...]] [--backends sdpa flex] [--steps 10]
+        [--warmup 3] [--batch-size B] [--max-length T] [--set KEY=VALUE ...] [--out bench_gpu.json]
+    python -m draftsmith.eval.bench_gpu --tiny --device cpu --steps 1 --warmup 0   # the same code on a CPU
 
-The target is a random-init ``LlamaForCausalLM`` built in code from the geometry (no download).
-``llama3_8b``: H 4096, 32 layers, MLP 14336, 32 query / 8 key-value heads of 128, V 128256,
-RoPE theta 500000 with Llama-3.1's scaling: 8.0B parameters, 16 GB in bf16. Random weights give
-real speed and memory figures, not acceptance. Aux layers are vLLM's default ``(2, N//2, N-3)``,
-``(2, 16, 29)`` for N = 32.
+For every recipe (a name under ``recipes/`` or a YAML path; default: the Llama-3.1-8B and
+gpt-oss-120b recipes of the three methods) and every ``train.attention_backend`` (``--backends``),
+one row: the recipe's method object is built at the target's true geometry with random weights by
+the builders of ``draftsmith bench memory`` (:mod:`draftsmith.eval.bench_memory`:
+:func:`~draftsmith.eval.bench_memory.offline_method`, :func:`~draftsmith.eval.bench_memory.prepare_model`,
+:func:`~draftsmith.eval.bench_memory.random_batch`; the target's ``config.json`` from
+``recipes/targets/``, nothing downloaded), at the recipe's micro-batch ``B x T`` (Llama-3.1-8B /
+Qwen3-8B recipes 4 x 2048, gpt-oss-120b 2 x 4096; ``--batch-size`` / ``--max-length`` override)
+and on the launcher's precision path (bf16 autocast with fp32 weights; bf16 weights under
+DeepSpeed; ``--precision``). The batch is real random tensors on the device: every position real
+and trained (the upper bound of the loss work), the method's batch plan applied on the host, the
+aux / final hidden states in ``data.hidden_states_dtype``. Each step is the trainer's: the method's
+``compute_loss`` (loss chunked inside the draft's forward), ``backward``, gradient clipping at
+``train.max_grad_norm``, the non-finite guard and the fused AdamW step, the metrics summed on the
+device; ``begin_step`` advances, so DFlash anchors and P-EAGLE COD elements are redrawn every step.
+``--warmup`` untimed steps (torch.compile of the flex kernels happens there; each row compiles
+afresh, for its one shape, where a run whose lengths vary compiles dynamic-shape kernels), then
+``--steps`` timed back to back, timed by CUDA events around the whole run (no synchronisation in
+between).
+The batch's host-to-device copy is not timed (the trainer overlaps it: pinned, non-blocking).
 
-Rows (each: ``--warmup`` untimed iterations, then ``--steps`` timed ones; CUDA events, tokens/s =
-batch x seq-len / mean step time), all on the same random ``(batch, seq-len)`` token batch:
+Per row: ``ms_per_step``, ``tokens_per_s`` (``B * T`` positions per step), ``cuda_max_allocated`` /
+``cuda_max_reserved`` (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed
+steps, i.e. with the optimizer state; one process holding the whole training state),
+``fake_process_peak`` / ``fake_per_gpu`` (``draftsmith bench memory``'s FakeTensorMode
+measurement of the same step with the SDPA backend: one process, and per GPU under the recipe's
+launcher), ``per_gpu`` (the CUDA peak with the launcher's sharding applied as the fake measurement
+applies it: ``cuda_max_allocated - fake_process_peak + fake_per_gpu``; for the 8-GPU FSDP /
+ZeRO-2 recipes the trainable state a rank holds is an eighth) and ``mfu``.
 
-- ``plain forward``: ``model(input_ids)``, logits over the full vocabulary, no KV cache.
-- ``decoder only``: the decoder stack without ``lm_head``.
-- ``capture``: draftsmith's :func:`~draftsmith.data_prep.capture.capture_batch`: the decoder
-  stack with pre-hooks on the aux layers, returning aux ``(B, T, 3H)`` and final normed ``(B, T, H)``
-  states. The three forward rows run under ``torch.no_grad`` alike.
-- ``EAGLE-3 train online``: per step, ``capture_batch`` on the target (no grad), then the
-  training step below.
-- ``EAGLE-3 train offline``: the aux and final states are precomputed once and kept on the device
-  in the target dtype, i.e. what a batch read from the bf16 shards gives once moved to the GPU;
-  the disk read and the host-to-device copy are NOT timed. The target is freed first, so the peak
-  memory is the draft's alone.
+MFU = credited FLOPs per step / step time / the device's dense bf16 peak (``--peak-tflops``, else
+from the device name: H100 SXM / H200 / GH200 989, H100 NVL 835, H100 PCIe 756, A100 312, B200
+2250, L40S 362 TFLOP/s, NVIDIA's datasheets; none on a CPU). Credited FLOPs (model FLOPs: what the
+step must compute, not what the kernels execute):
 
-The training step is the trainer's work per micro-batch (``train/eagle3.py`` under a launcher with
-``mixed_precision: bf16``): :class:`~draftsmith.models.eagle3.Eagle3DraftModel` (fp32 parameters)
-forward with TTT under bf16 autocast (fp32 without autocast when the dtype is float32), the
-target distribution from :class:`~draftsmith.train.losses.TargetDraftHead` (fp32) and
-:func:`~draftsmith.train.losses.ttt_loss` outside autocast, backward, gradient clipping at 0.5
-and an AdamW step. Every position is a trained (assistant) token: the upper bound of the
-``lm_head`` and loss work; real data trains on the assistant share of each row only.
+- every ``nn.Linear`` of the draft over the rows it really runs on: ``2 * P * rows`` forward, plus
+  ``2 * P * rows`` for the weight gradient when the weight is trained, plus ``2 * P * rows`` for
+  the input gradient when the input needs one (not ``fc``, whose input is the target's states).
+  Rows: EAGLE-3 ``fc`` B*T, its layer B*T per TTT step, ``lm_head`` the M_k trained rows of each
+  step (the batch plan's counts); DFlash ``fc`` B*T, per layer ``k_proj`` / ``v_proj`` over the
+  context and the blocks (B*T + B*A*Bk), ``q_proj`` / ``o_proj`` / the MLP over the blocks, the
+  (frozen) ``lm_head`` over the B*A*(Bk-1) slot rows; P-EAGLE ``fc`` B*T, every layer over the B*S
+  COD elements, ``lm_head`` over the plan's trained rows. Embedding lookups, norms, RoPE, softmax
+  and the optimizer are not counted.
+- attention at its real masked work: ``12 * nh * hd`` per allowed (query, key) pair and layer
+  (QK^T and PV, ``4 * hd`` per pair and head forward, twice that backward). Allowed pairs:
+  EAGLE-3 ``K * sum T_doc (T_doc + 1) / 2 + B * T * K (K - 1) / 2`` (the causal step-0 block and one
+  diagonal key per earlier step); DFlash ``sum over valid anchors Bk * (context before the anchor + Bk)``;
+  P-EAGLE the pairs the COD interval rule allows between valid elements. DFlash's anchors and
+  P-EAGLE's elements are drawn on the device inside the step: the count is taken on one draw of
+  the same sampler on the CPU batch (same sizes; the pair count varies between draws by a few
+  tenths of a percent). Fully masked work SDPA still computes is not credited; flex skips it.
+- the teacher head (the target's ``lm_head`` rows of the draft vocab, bf16 on a GPU, no grad):
+  ``2 * Ht * Vd`` per teacher row (EAGLE-3 the rows some TTT step needs, DFlash ``min(B*A*(Bk-1),
+  B*T)``, P-EAGLE ``B*(T-1)``).
+- not credited: activation-checkpointing recomputation (DFlash's layers) and the chunked loss's
+  recomputation of each chunk's logits in backward. ``counted_tflop_per_step`` (SDPA rows) is
+  ``torch.utils.flop_counter``'s count of one extra step for comparison: every matmul executed,
+  recomputation included, and attention as dense over its whole mask (CUDA kernels; torch counts
+  no CPU attention kernel).
 
-FLOP counts (``MFU`` = achieved FLOP/s / ``--peak-tflops``; B batch, T seq-len, N = B*T tokens,
-L target layers, d = heads * head_dim, K TTT steps):
+Unless ``--no-capture``: the target's hidden-state capture at the same ``B x T`` (the online
+mode's per-micro-batch work) for each distinct dense target whose random bf16 weights fit the
+device (not gpt-oss-120b): ``target plain forward`` (logits over the full vocab), ``decoder only``
+and ``capture`` (:func:`~draftsmith.data_prep.capture.capture_batch`: the decoder with hooks on
+the aux layers), all under ``no_grad``; FLOPs ``2 * P_decoder * B*T`` plus causal attention
+``4 * d * T (T + 1) / 2`` per layer and row, plus ``2 * P_lm_head * B*T`` for the plain forward.
 
-- a Linear-layer forward over n tokens: ``2 * P * n``, P = the weights of its ``nn.Linear``
-  modules (embedding lookups, norms, RoPE, softmax are not counted); training (forward +
-  backward): ``6 * P * n``.
-- causal attention forward, per layer and sequence: ``2 * T^2 * d`` (QK^T and PV over the causal
-  half; the masked half is not credited, even where a kernel computes it); training 3x that.
-- capture / decoder only: ``2 * P_decoder * N + L * B * 2 T^2 d``; plain forward adds
-  ``2 * P_lm_head * N``.
-- EAGLE-3 training step: ``6 * P_fc * N + sum_k 6 * (P_layer * N + P_lm_head * M_k)`` plus
-  attention ``sum_k B * 3 * (2 T^2 d + 4 T d k)`` (step 0's causal block and one diagonal per
-  earlier step) plus the target distribution ``2 * H * Vd * N`` (fp32, no grad); ``M_k`` = the
-  positions trained at step k (N minus the ``k + 2`` last of each row). Online adds the capture.
-
-The default peak, 790 TFLOP/s, is the project's working figure for the dense bf16 peak of its
-H100/H200 (GPU.md); NVIDIA's datasheets give 989 (H100 SXM, H200), 835 (H100 NVL) and 756
-(H100 PCIe): pass ``--peak-tflops`` to rescale. On a CPU no peak is assumed unless given.
+Output: a table on stdout and, with ``--out``, one JSON object (``environment``, ``settings``,
+``rows``, ``capture``). Exit 0; 1 when a row failed (its ``error`` is recorded, the other rows
+still run); 2 on bad arguments or no CUDA device.
 """
 
 from __future__ import annotations
@@ -60,56 +84,417 @@ import gc
 import json
 import platform
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..data_prep.capture import capture_batch
-from ..data_prep.target import default_aux_layer_ids
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_prediction_mask
-from ..train.losses import TargetDraftHead, ttt_loss
-
-LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
-
-# Target config (LlamaConfig keyword arguments) and the defaults of each geometry.
-GEOMETRIES: dict[str, dict[str, Any]] = {
-    "llama3_8b": {
-        "config": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
-                       rope_scaling=LLAMA31_ROPE_SCALING, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False),
-        "seq_len": 2048, "batch": 1, "draft_vocab": 32000,
-    },
-    "tiny": {
-        "config": dict(hidden_size=128, num_hidden_layers=8, intermediate_size=256, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=32, vocab_size=2048, rope_theta=500000.0,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-        "seq_len": 128, "batch": 2, "draft_vocab": 512,
-    },
-}
-DEFAULT_PEAK_TFLOPS_GPU = 790.0
-LR, BETAS, MAX_GRAD_NORM, GAMMA = 1e-4, (0.9, 0.95), 0.5, 0.8  # the recipe defaults
+GiB = 1024**3
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# one 80 GB GPU: the Llama recipes' one-process peaks are 27-49 GiB, gpt-oss's 7-13 GiB (bench memory)
+DEFAULT_RECIPES = ("llama3_1_8b", "llama3_1_8b_dflash", "llama3_1_8b_peagle",
+                   "gptoss120b", "gptoss120b_dflash", "gptoss120b_peagle")
+TINY_RECIPES = ("smollm2_135m", "smollm2_135m_dflash", "smollm2_135m_peagle")
+TINY_BATCH, TINY_LENGTH = 1, 64
+METHODS = ("eagle3", "dflash", "peagle")
+BACKENDS = ("sdpa", "flex")
+# dense bf16 tensor-core peak per GPU (TFLOP/s), NVIDIA datasheets; the first name contained in the
+# device name wins ("NVIDIA H100 80GB HBM3" is the SXM part)
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                    ("A100", 312.0), ("B200", 2250.0), ("L40S", 362.0))
 
 
-@dataclass
-class Row:
-    """One measurement: ``tokens_per_s`` (batch x seq-len / mean step seconds), ``ms_per_step``,
-    ``tflop_per_step`` (the count in the module docstring), ``tflops`` (achieved TFLOP/s),
-    ``mfu`` (fraction of the peak; None without one) and ``peak_mem_gib``
-    (``torch.cuda.max_memory_allocated`` over warm-up and timed steps; None on CPU)."""
+# ---------------------------------------------------------------------------------------------
+# FLOP counts (module docstring)
 
-    name: str
-    tokens_per_s: float
-    ms_per_step: float
-    tflop_per_step: float
-    tflops: float
-    mfu: float | None
-    peak_mem_gib: float | None
+
+def linear_flops(module: nn.Module, rows: int, input_grad: bool = True) -> float:
+    """Training FLOPs of every ``nn.Linear`` in ``module`` over ``rows`` rows: ``2 * P * rows``
+    forward, the same again for the weight gradient (trained weights) and for the input gradient
+    (``input_grad``)."""
+    total = 0.0
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            passes = 1 + int(m.weight.requires_grad) + int(input_grad)
+            total += 2.0 * m.weight.numel() * rows * passes
+    return total
+
+
+def attention_flops(pairs: float, heads: int, head_dim: int) -> float:
+    """Training FLOPs of attention over ``pairs`` allowed (query, key) pairs: ``12 * nh * hd`` each."""
+    return 12.0 * pairs * heads * head_dim
+
+
+def document_lengths(document_ids: torch.Tensor | None, B: int, T: int) -> list[list[int]]:
+    """Per row, the lengths of its documents (contiguous runs of ``document_ids``); one of T without."""
+    if document_ids is None:
+        return [[T]] * B
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids.cpu()]
+
+
+def document_starts(document_ids: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+    """``(B, T)`` the first position of each position's document (0 without documents)."""
+    if document_ids is None:
+        return torch.zeros(B, T, dtype=torch.long)
+    docs = document_ids.cpu()
+    start = torch.ones_like(docs, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    idx = torch.arange(T).expand(B, T)
+    return torch.where(start, idx, 0).cummax(1).values
+
+
+def ttt_pairs(document_ids: torch.Tensor | None, B: int, T: int, steps: int) -> int:
+    """Allowed (query, key) pairs of EAGLE-3's TTT attention over ``steps`` steps: each step's
+    causal step-0 block inside the documents plus one diagonal key per earlier step."""
+    causal = sum(L * (L + 1) // 2 for row in document_lengths(document_ids, B, T) for L in row)
+    return steps * causal + B * T * steps * (steps - 1) // 2
+
+
+def dflash_pairs(anchors: torch.Tensor, valid: torch.Tensor, document_ids: torch.Tensor | None,
+                 block_size: int) -> int:
+    """Allowed (query, key) pairs of one DFlash layer over the valid anchor blocks: each of a
+    block's Bk queries sees the context before its anchor (in its document) and its own block."""
+    context = anchors  # keys strictly before the anchor ...
+    if document_ids is not None:  # ... in its document
+        context = anchors - document_starts(document_ids, *document_ids.shape).gather(1, anchors)
+    return int((block_size * (context + block_size))[valid].sum())
+
+
+def cod_allowed_pairs(elements: Any, document_ids: torch.Tensor | None) -> int:
+    """The (query, key) pairs between valid COD elements that P-EAGLE's mask allows
+    (``lo[k] <= x[q] <= hi[k]``, :func:`~draftsmith.models.peagle.cod_attention_keys`), counted
+    with sorted interval bounds (no ``S x S`` tensor)."""
+    from ..models.peagle import cod_attention_keys
+
+    x, lo, hi = cod_attention_keys(elements, document_ids)
+    total = 0
+    for b in range(x.shape[0]):
+        xq = x[b][elements.valid[b]]
+        los, his = lo[b].sort().values, hi[b].sort().values
+        # hi >= lo for every key, so the keys with hi < x are a subset of those with lo <= x
+        n = torch.searchsorted(los, xq, right=True) - torch.searchsorted(his, xq, right=False)
+        total += int(n.sum())
+    return total
+
+
+def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any, seed: int = 0) -> dict[str, Any]:
+    """The credited FLOPs of one training step of ``method`` on ``batch`` (the device batch with
+    its plan), by part (``linear``, ``attention``, ``teacher``, ``total``), and the sizes they
+    come from (``attention_pairs``, ``lm_head_rows``, ``teacher_rows``, method-specific sizes)."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    n = B * T
+    docs = batch.get("document_ids")
+    docs_cpu = None if docs is None else docs.cpu()
+    loss_mask = batch["loss_mask"].cpu()
+    cfg = model.config
+    nh, hd = cfg.num_attention_heads, cfg.head_dim
+    Vd, Ht = method.target_head.weight.shape
+    out: dict[str, Any] = {}
+    if method.name == "eagle3":
+        K = recipe.train.ttt_steps
+        pairs = ttt_pairs(docs_cpu, B, T, K)
+        lm_rows = int(sum(batch["ttt_counts_host"]))
+        teacher_rows = int(batch["ttt_teacher_rows"].numel())
+        linear = (linear_flops(model.fc, n, input_grad=False) + K * linear_flops(model.layers[0], n)
+                  + linear_flops(model.lm_head, lm_rows))
+        attention = attention_flops(pairs, nh, hd)
+        out.update(ttt_steps=K)
+    elif method.name == "dflash":
+        from ..models.dflash import sample_anchors
+        from ..train.method_dflash import NUM_ANCHORS_KEY
+
+        Bk = cfg.block_size
+        A = batch.get(NUM_ANCHORS_KEY) or min(recipe.draft.num_anchors, max(T - 1, 1))
+        anchors, valid = sample_anchors(loss_mask, A, torch.Generator().manual_seed(seed), docs_cpu)
+        A = anchors.shape[1]
+        pairs = dflash_pairs(anchors, valid, docs_cpu, Bk) * cfg.num_layers
+        blocks = B * A * Bk
+        lm_rows = B * A * (Bk - 1)
+        teacher_rows = lm_rows if A * (Bk - 1) < T else n
+        linear = linear_flops(model.fc, n, input_grad=False) + linear_flops(model.lm_head, lm_rows)
+        for layer in model.layers:
+            att = layer.self_attn
+            linear += linear_flops(att.k_proj, n + blocks) + linear_flops(att.v_proj, n + blocks)
+            linear += linear_flops(att.q_proj, blocks) + linear_flops(att.o_proj, blocks)
+            linear += linear_flops(layer.mlp, blocks)
+        attention = attention_flops(pairs, nh, hd)
+        out.update(anchors=A, valid_anchors=int(valid.sum()), block_size=Bk)
+    elif method.name == "peagle":
+        from ..models.peagle import cod_sample, step0_prediction_mask
+
+        d = recipe.draft
+        pred = step0_prediction_mask(loss_mask, docs_cpu)
+        elements = cod_sample(pred, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min,
+                              torch.Generator().manual_seed(seed), d.max_anchors, docs_cpu, batch.get("cod_seed_bound"))
+        S = elements.anchor.shape[1]
+        pairs = cod_allowed_pairs(elements, docs_cpu) * cfg.num_layers
+        rows0 = batch.get("cod_rows0")
+        lm_rows = (int(rows0.numel()) if rows0 is not None else B * T) + B * (S - T)
+        teacher_rows = B * (T - 1) if T > 1 else B
+        linear = linear_flops(model.fc, n, input_grad=False) + linear_flops(model.lm_head, lm_rows)
+        linear += sum(linear_flops(layer, B * S) for layer in model.layers)
+        attention = attention_flops(pairs, nh, hd)
+        out.update(cod_elements=S, valid_elements=int(elements.valid.sum()))
+    else:
+        raise ValueError(f"draft.method {method.name!r}: bench_gpu measures {', '.join(METHODS)}")
+    teacher = 2.0 * Ht * Vd * teacher_rows
+    out.update(linear=linear, attention=attention, teacher=teacher, total=linear + attention + teacher,
+               attention_pairs=pairs, lm_head_rows=lm_rows, teacher_rows=teacher_rows)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the device
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free_memory(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_steps(step: Callable[[int], Any], steps: int, warmup: int, dev: torch.device, first: int = 0
+               ) -> tuple[float, dict[str, int | None]]:
+    """Run ``step(i)`` for ``warmup`` untimed then ``steps`` timed steps, numbered from ``first``;
+    returns the seconds of the timed run (CUDA events around it, no sync in between) and the CUDA
+    memory (peaks over the timed steps; None on other devices)."""
+    for i in range(warmup):
+        step(first + i)
+    synchronize(dev)
+    mem: dict[str, int | None] = {"allocated_before": None, "max_allocated": None, "max_reserved": None}
+    if dev.type == "cuda":
+        mem["allocated_before"] = int(torch.cuda.memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(steps):
+            step(first + warmup + i)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000.0
+        mem["max_allocated"] = int(torch.cuda.max_memory_allocated(dev))
+        mem["max_reserved"] = int(torch.cuda.max_memory_reserved(dev))
+        return seconds, mem
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(first + warmup + i)
+    return time.perf_counter() - t0, mem
+
+
+def device_peak_tflops(dev: torch.device, given: float | None) -> tuple[float | None, str]:
+    """``(peak, where it came from)``: ``--peak-tflops``, else the table for a CUDA device's name."""
+    if given:
+        return given, "--peak-tflops"
+    if dev.type != "cuda":
+        return None, "none on a CPU (give --peak-tflops)"
+    name = torch.cuda.get_device_name(dev)
+    for key, peak in BF16_PEAK_TFLOPS:
+        if key in name:
+            return peak, f"dense bf16 datasheet figure for {key}"
+    return None, f"unknown device {name!r} (give --peak-tflops)"
+
+
+def environment(dev: torch.device) -> dict[str, Any]:
+    import transformers
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env.update(device=props.name, device_memory_bytes=int(props.total_memory))
+    else:
+        env.update(device=f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# recipes
+
+
+def recipe_path(name: str) -> Path:
+    """A recipe named under ``recipes/`` (``llama3_1_8b``) or a YAML path."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return RECIPES_DIR / f"{name}.yaml"
+
+
+def load_bench_recipe(name: str, sets: list[str], args: argparse.Namespace) -> tuple[Any, dict[str, Any], str, Any]:
+    """``(recipe at the benchmark's B x T, target config.json, its source, launcher report)``.
+
+    Raises:
+        ValueError / FileNotFoundError / RecipeError / LauncherError: one line naming the problem.
+    """
+    from ..recipe import load_recipe
+    from ..train.dry_run import check_lengths, load_config_json, validate_geometry
+    from ..train.launchers import draft_model_class, validate_launcher
+    from .bench_memory import bench_recipe
+
+    recipe = load_recipe(recipe_path(name), sets)
+    if recipe.draft.method not in METHODS:
+        raise ValueError(f"{name}: draft.method {recipe.draft.method!r}; bench_gpu measures {', '.join(METHODS)}")
+    config_json, source = load_config_json(recipe, args.target_config)
+    validate_geometry(config_json, source)
+    B = args.batch_size or recipe.train.batch_size
+    T = args.max_length or recipe.data.max_length
+    check_lengths(config_json, [T], source, "--max-length" if args.max_length else "data.max_length")
+    launch = None
+    if recipe.launcher:
+        launch = validate_launcher(recipe, recipe.launcher, draft_model_class(recipe.draft.method))
+    return bench_recipe(recipe, B, T), config_json, source, launch
+
+
+# ---------------------------------------------------------------------------------------------
+# one training row
+
+
+def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev: torch.device, steps: int,
+                   warmup: int, count_executed: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
+    ``steps`` training steps after ``warmup`` (module docstring). Returns the row's measurements."""
+    from ..train.trainer import MetricWindow, NonFiniteGuard
+    from .bench_memory import _device_batch, offline_method, prepare_model, random_batch, random_weights
+
+    torch.manual_seed(seed)
+    torch._dynamo.reset()  # each row compiles its own flex kernels, for its shapes (static: one length)
+    cfg = recipe.train
+    with offline_method(recipe, config_json, getattr(torch, recipe.target.dtype), random_weights) as method:
+        H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
+        n_aux = len(method.target_info["aux_layer_ids"])
+        model, trainable, opt = prepare_model(method, recipe, precision, dev)
+        plan = method.batch_plan() if hasattr(method, "batch_plan") else None
+        batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
+        flops = step_flops(method, model, batch, recipe, seed)
+        guard = NonFiniteGuard(opt, dev, 1)
+        window = MetricWindow(dev)
+
+        def step(i: int) -> None:  # train/trainer.py fit(), one process, no accumulation
+            method.begin_step(i)
+            loss, metrics = method.compute_loss(model, batch)
+            guard.note_loss(loss)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+            guard.note_grad_norm(norm)
+            opt.step()  # skipped on the device when not finite
+            guard.end_step()
+            opt.zero_grad(set_to_none=True)
+            window.add({**metrics, "grad_norm": norm})
+
+        seconds, mem = time_steps(step, steps, warmup, dev)
+        counted = None
+        if count_executed and cfg.attention_backend == "sdpa":
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            with counter:
+                step(warmup + steps)
+            counted = int(counter.get_total_flops())
+        synchronize(dev)
+        n_trainable = sum(p.numel() for p in trainable)
+        values = {k: float(v) for k, v in window.read(_OneRank())[0].items() if k in ("loss", "grad_norm")}
+    return {"seconds": seconds, "memory": mem, "flops": flops, "counted_flops": counted,
+            "trainable_parameters": n_trainable, "metrics": values}
+
+
+class _OneRank:
+    """What :meth:`MetricWindow.read` asks of the accelerator on one process."""
+
+    num_processes = 1
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return tensor
+
+
+def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precision: Any) -> dict[str, Any]:
+    """``draftsmith bench memory``'s FakeTensorMode measurement of the same step (SDPA)."""
+    from .bench_memory import measure_step
+
+    r = recipe.model_copy(deep=True)
+    r.train.attention_backend = "sdpa"
+    m = measure_step(r, config_json, launch, precision, device="fake")
+    return {"process_peak": m.process_peak_bytes, "per_gpu": m.per_gpu_bytes, "per_gpu_phase": m.per_gpu_phase}
+
+
+def training_row(name: str, recipe: Any, source: str, launch: Any, precision: Any, backend: str,
+                 config_json: dict[str, Any], args: argparse.Namespace, dev: torch.device,
+                 peak: float | None, fake: dict[str, Any] | None) -> dict[str, Any]:
+    """One table row: the measurement of ``recipe`` with ``backend``, or its error."""
+    r = recipe.model_copy(deep=True)
+    r.train.attention_backend = backend
+    B, T = r.train.batch_size, r.data.max_length
+    row: dict[str, Any] = {
+        "recipe": name, "method": r.draft.method, "target": r.target.name_or_path, "target_config": source,
+        "launcher": None if launch is None else str(launch.path), "precision": precision.name,
+        "attention_backend": backend, "batch_size": B, "max_length": T, "steps": args.steps, "warmup": args.warmup,
+        "error": None,
+    }
+    print(f"  {name} ({r.draft.method}, {backend}, {B} x {T}) ...", file=sys.stderr, flush=True)
+    try:
+        m = bench_training(r, config_json, precision, dev, args.steps, args.warmup, not args.no_flop_count)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run (one booked GPU)
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"    failed: {row['error']}", file=sys.stderr, flush=True)
+        free_memory(dev)
+        return row
+    free_memory(dev)
+    per_step = m["seconds"] / args.steps
+    flop = m["flops"]["total"]
+    tflops = flop / per_step / 1e12
+    mem = m["memory"]
+    row.update(
+        ms_per_step=1e3 * per_step, tokens_per_s=B * T / per_step,
+        tflop_per_step=flop / 1e12, tflops=tflops, mfu=tflops / peak if peak else None,
+        flops={k: v for k, v in m["flops"].items()},
+        counted_tflop_per_step=None if m["counted_flops"] is None else m["counted_flops"] / 1e12,
+        trainable_parameters=m["trainable_parameters"], final_metrics=m["metrics"],
+        cuda_allocated_before_steps=mem["allocated_before"], cuda_max_allocated=mem["max_allocated"],
+        cuda_max_reserved=mem["max_reserved"],
+        fake_process_peak=None if fake is None else fake["process_peak"],
+        fake_per_gpu=None if fake is None else fake["per_gpu"],
+    )
+    if fake is not None and mem["max_allocated"] is not None:
+        row["cuda_vs_fake"] = mem["max_allocated"] / fake["process_peak"]
+        row["per_gpu"] = mem["max_allocated"] - fake["process_peak"] + fake["per_gpu"]
+    else:
+        row["cuda_vs_fake"] = row["per_gpu"] = None
+    print(f"    {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# capture (the target forward)
+
+
+def target_config(config_json: dict[str, Any], trust_remote_code: bool = False) -> Any:
+    """The ``transformers`` config of a ``config.json``'s contents."""
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory(prefix="draftsmith-bench-gpu-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config_json))
+        return AutoConfig.from_pretrained(tmp, trust_remote_code=trust_remote_code)
+
+
+def build_target(config: Any, dtype: torch.dtype, dev: torch.device | str) -> nn.Module:
+    """A random-init causal LM of ``config``, created directly on ``dev`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
 
 
 def linear_params(module: nn.Module) -> int:
@@ -117,235 +502,174 @@ def linear_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def causal_attention_flops(batch: int, seq_len: int, width: int, layers: int = 1) -> float:
-    """Forward FLOPs of causal self-attention: ``2 * T^2 * d`` per layer and sequence."""
-    return 2.0 * batch * layers * seq_len**2 * width
+def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namespace, dev: torch.device,
+                 peak: float | None) -> dict[str, Any]:
+    """The target's plain forward, decoder-only forward and hidden-state capture at the recipe's
+    ``B x T`` (module docstring), or why they were skipped."""
+    from ..data_prep.capture import capture_batch
+    from ..data_prep.target import default_aux_layer_ids, text_config
 
-
-def forward_flops(target: nn.Module, batch: int, seq_len: int, with_lm_head: bool) -> float:
-    """Forward FLOPs of the target over ``(batch, seq_len)`` tokens (module docstring)."""
-    cfg = target.config
-    n = batch * seq_len
-    flops = 2.0 * linear_params(target.get_decoder()) * n
-    flops += causal_attention_flops(batch, seq_len, cfg.num_attention_heads * cfg.head_dim, cfg.num_hidden_layers)
-    if with_lm_head:
-        flops += 2.0 * target.get_output_embeddings().weight.numel() * n
-    return flops
-
-
-def draft_train_flops(draft: Eagle3DraftModel, loss_mask: torch.Tensor, ttt_steps: int) -> float:
-    """FLOPs of one EAGLE-3 training step (forward + backward of the draft, the target
-    distribution) on a batch with ``loss_mask (B, T)`` (module docstring)."""
-    cfg = draft.config
-    B, T = loss_mask.shape
-    n = B * T
-    width = cfg.num_attention_heads * cfg.head_dim
-    p_layer = linear_params(draft.layers[0])
-    flops = 6.0 * draft.fc.weight.numel() * n + 2.0 * cfg.hidden_size * cfg.draft_vocab_size * n
-    for k in range(ttt_steps):
-        m_k = int(ttt_prediction_mask(loss_mask, k).sum())
-        flops += 6.0 * (p_layer * n + draft.lm_head.weight.numel() * m_k)
-        flops += 3.0 * (causal_attention_flops(B, T, width) + 4.0 * B * T * width * k)
-    return flops
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(fn: Callable[[], Any], steps: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``steps`` calls of ``fn`` after ``warmup`` untimed calls (CUDA events on
-    a GPU, ``perf_counter`` around a synchronised call elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) / 1000.0 for start, end in events]
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def measure(name: str, fn: Callable[[], Any], flop_per_step: float, tokens: int, args: argparse.Namespace,
-            device: torch.device, peak_tflops: float | None) -> Row:
-    """Time ``fn`` (warm-up excluded) and record its peak device memory."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = time_steps(fn, args.steps, args.warmup, device)
-    mean = sum(times) / len(times)
-    tflops = flop_per_step / mean / 1e12
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row = Row(name, tokens / mean, 1e3 * mean, flop_per_step / 1e12, tflops,
-              tflops / peak_tflops if peak_tflops else None, peak)
-    print(f"  measured {name}: {row.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
-    return row
-
-
-def build_target(geometry: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A random-init ``LlamaForCausalLM`` of ``geometry``, created directly on ``device`` in ``dtype``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**GEOMETRIES[geometry]["config"])
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    B, T = recipe.train.batch_size, recipe.data.max_length
+    dtype = getattr(torch, recipe.target.dtype)
+    out: dict[str, Any] = {"target": recipe.target.name_or_path, "batch_size": B, "max_length": T,
+                           "dtype": recipe.target.dtype, "rows": [], "skipped": None}
     try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+        config = target_config(config_json, recipe.target.trust_remote_code)
+        text = text_config(config)
+        meta = build_target(config, dtype, "meta")  # the parameter count without memory
+        n_params = sum(p.numel() for p in meta.parameters())
+        weights = n_params * torch.finfo(dtype).bits // 8
+        del meta
+        room = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
+        out.update(target_params=n_params, target_weight_bytes=weights)
+        if weights > 0.6 * room:
+            out["skipped"] = (f"random {recipe.target.dtype} weights {weights / GiB:.0f} GiB do not fit "
+                              f"{room / GiB:.0f} GiB")
+            return out
+        moe = any(getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+        aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(int(text.num_hidden_layers)))
+        target = build_target(config, dtype, dev)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, int(text.vocab_size), (B, T), generator=g).to(dev)
+        att = torch.ones_like(ids)
+        decoder = target.get_decoder()
+        width = int(text.num_attention_heads) * int(getattr(text, "head_dim", None) or
+                                                    text.hidden_size // text.num_attention_heads)
+        fwd = 2.0 * linear_params(decoder) * B * T + int(text.num_hidden_layers) * B * 4.0 * width * T * (T + 1) / 2
+        lm = 2.0 * target.get_output_embeddings().weight.numel() * B * T
+
+        def plain(i: int) -> None:
+            with torch.no_grad():
+                target(input_ids=ids, attention_mask=att, use_cache=False)
+
+        def decoder_only(i: int) -> None:
+            with torch.no_grad():
+                decoder(input_ids=ids, attention_mask=att, use_cache=False)
+
+        def capture(i: int) -> None:
+            capture_batch(target, ids, att, aux_ids)
+
+        for name, fn, flop in (("target plain forward (logits)", plain, fwd + lm),
+                               ("target decoder only (no lm_head)", decoder_only, fwd),
+                               (f"capture aux {tuple(aux_ids)} + final", capture, fwd)):
+            seconds, mem = time_steps(fn, args.steps, args.warmup, dev)
+            per_step = seconds / args.steps
+            tflops = None if moe else flop / per_step / 1e12
+            out["rows"].append({"name": name, "ms_per_step": 1e3 * per_step, "tokens_per_s": B * T / per_step,
+                                "tflop_per_step": None if moe else flop / 1e12, "tflops": tflops,
+                                "mfu": tflops / peak if peak and tflops else None,
+                                "cuda_max_allocated": mem["max_allocated"], "cuda_max_reserved": mem["max_reserved"]})
+            print(f"  capture {out['target']}: {name}: {B * T / per_step:,.0f} tok/s", file=sys.stderr, flush=True)
+        del target, decoder
+    except Exception as exc:  # noqa: BLE001 - recorded; the training rows still run
+        out["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    free_memory(dev)
+    rows = out["rows"]
+    if len(rows) == 3:
+        out["capture_vs_plain_forward"] = rows[2]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        out["capture_vs_decoder_only"] = rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    return out
 
 
-def build_draft(target: nn.Module, draft_vocab: int, aux_layer_ids: list[int], device: torch.device
-                ) -> tuple[Eagle3DraftModel, TargetDraftHead]:
-    """The EAGLE-3 draft for ``target`` as ``train/eagle3.py`` builds it (fp32 parameters, frozen
-    target embedding, ``lm_head`` and ``norm`` started from the target's), with a random draft
-    vocab of ``draft_vocab`` target ids; and the fp32 target head over that vocab."""
-    V = target.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values  # (Vd,) target ids
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    d2t = ids - torch.arange(draft_vocab)  # offsets: target_id = i + d2t[i]
-    with torch.device(device):
-        draft = Eagle3DraftModel(Eagle3Config.from_target(target.config, draft_vocab, aux_layer_ids))
-    t2d = t2d.to(device)
-    head = TargetDraftHead.from_full(target.get_output_embeddings().weight, t2d).float()
-    draft.init_from_target(target.get_input_embeddings().weight.float(), head.weight,
-                           target.get_decoder().norm.weight.float())
-    draft.set_vocab_mapping(d2t.to(device), t2d)
-    return draft, head
+def _host_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    import transformers
-
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-           "python": platform.python_version()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(device=props.name, device_memory_gib=round(props.total_memory / 2**30, 1))
-    else:
-        env.update(device=f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-    return env
+# ---------------------------------------------------------------------------------------------
+# the command
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the target and draft, measure every row; returns what ``--out`` stores."""
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
-    geo = GEOMETRIES[args.geometry]
-    B, T = args.batch or geo["batch"], args.seq_len or geo["seq_len"]
-    Vd = min(args.draft_vocab or geo["draft_vocab"], geo["config"]["vocab_size"])
-    K = args.ttt_steps
-    peak = args.peak_tflops if args.peak_tflops else (DEFAULT_PEAK_TFLOPS_GPU if device.type == "cuda" else None)
-    torch.manual_seed(0)
+    """Measure every requested recipe and backend; returns what ``--out`` stores."""
+    from .bench_memory import Precision
 
-    target = build_target(args.geometry, dtype, device)
-    cfg = target.config
-    aux_ids = default_aux_layer_ids(cfg.num_hidden_layers)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), device=device)
-    att = torch.ones_like(ids)
-    loss_mask = torch.ones_like(ids)
-    n = B * T
-    setup = {"geometry": args.geometry, "dtype": str(dtype).removeprefix("torch."), "batch": B, "seq_len": T,
-             "ttt_steps": K, "draft_vocab": Vd, "aux_layer_ids": aux_ids, "steps": args.steps, "warmup": args.warmup,
-             "peak_tflops": peak, "target_params": sum(p.numel() for p in target.parameters()),
-             "target_weights_gib": sum(p.numel() * p.element_size() for p in target.parameters()) / 2**30,
-             "attn_implementation": getattr(cfg, "_attn_implementation", None)}
-    rows = []
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        from ..train.distributed import gpu_defaults
 
-    def plain():
-        with torch.no_grad():
-            target(input_ids=ids, attention_mask=att, use_cache=False)
-
-    def decoder_only():
-        with torch.no_grad():
-            target.get_decoder()(input_ids=ids, attention_mask=att, use_cache=False)
-
-    def capture():
-        capture_batch(target, ids, att, aux_ids)
-
-    fwd, fwd_lm = forward_flops(target, B, T, False), forward_flops(target, B, T, True)
-    rows.append(measure("target plain forward (logits)", plain, fwd_lm, n, args, device, peak))
-    rows.append(measure("target decoder only (no lm_head)", decoder_only, fwd, n, args, device, peak))
-    rows.append(measure(f"capture aux {tuple(aux_ids)} + final", capture, fwd, n, args, device, peak))
-
-    draft, target_head = build_draft(target, Vd, aux_ids, device)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    setup["draft_trainable_params"] = sum(p.numel() for p in params)
-    optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=0.0)
-    autocast = dtype != torch.float32
-
-    def train_step(aux: torch.Tensor, final: torch.Tensor) -> None:
-        target_logits = target_head(final)  # (B, T, Vd) fp32, as Eagle3Method.compute_loss
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):  # accelerate's mixed_precision
-            step_logits = draft(ids, aux.to(params[0].dtype), K, loss_mask)  # K x (M_k, Vd)
-        loss, _ = ttt_loss(step_logits, target_logits, loss_mask, GAMMA)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def online():
-        train_step(*capture_batch(target, ids, att, aux_ids))
-
-    train = draft_train_flops(draft, loss_mask, K)
-    rows.append(measure(f"EAGLE-3 train online (TTT {K})", online, train + fwd, n, args, device, peak))
-
-    aux, final = capture_batch(target, ids, att, aux_ids)  # (B, T, 3H), (B, T, H) in the target dtype
-    del target
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    rows.append(measure(f"EAGLE-3 train offline (TTT {K})", lambda: train_step(aux, final), train, n, args, device,
-                        peak))
-    return {"environment": environment(device), "setup": setup, "rows": [asdict(r) for r in rows],
-            "capture_vs_plain_forward": rows[2].tokens_per_s / rows[0].tokens_per_s,
-            "capture_vs_decoder_only": rows[2].tokens_per_s / rows[1].tokens_per_s}
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+        gpu_defaults()  # TF32 for fp32 matmuls, as the trainer sets on CUDA
+    peak, peak_source = device_peak_tflops(dev, args.peak_tflops)
+    backends = args.backends or (list(BACKENDS) if dev.type == "cuda" else ["sdpa"])
+    result: dict[str, Any] = {
+        "environment": environment(dev),
+        "settings": {"device": str(dev), "steps": args.steps, "warmup": args.warmup, "backends": backends,
+                     "peak_tflops": peak, "peak_source": peak_source, "sets": list(args.set or []),
+                     "batch_size": args.batch_size, "max_length": args.max_length},
+        "rows": [], "capture": [],
+    }
+    captured: set[str] = set()
+    for name in args.recipes:
+        try:
+            recipe, config_json, source, launch = load_bench_recipe(name, list(args.set or []), args)
+            precision = Precision.of(launch, args.precision)
+        except Exception as exc:  # noqa: BLE001 - a bad recipe is a row with its error
+            result["rows"].append({"recipe": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  {name}: {exc}", file=sys.stderr, flush=True)
+            continue
+        if not args.no_capture and recipe.target.name_or_path not in captured:
+            captured.add(recipe.target.name_or_path)
+            result["capture"].append(capture_rows(recipe, config_json, args, dev, peak))
+        fake = None
+        if not args.no_fake:
+            try:
+                fake = fake_reference(recipe, config_json, launch, precision)
+            except Exception as exc:  # noqa: BLE001 - the real rows do not need it
+                print(f"  {name}: no fake reference ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        for backend in backends:
+            result["rows"].append(training_row(recipe_path(name).stem, recipe, source, launch, precision, backend,
+                                               config_json, args, dev, peak, fake))
+    return result
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+def _gib(b: int | None) -> str:
+    return "-" if b is None else f"{b / GiB:.2f}"
 
 
 def format_table(result: dict[str, Any]) -> str:
-    env, s = result["environment"], result["setup"]
-    peak = f"MFU vs {s['peak_tflops']:g} TFLOP/s" if s["peak_tflops"] else "no MFU (no --peak-tflops)"
-    lines = [
-        f"torch {env['torch']}, CUDA {env['cuda']}, transformers {env['transformers']}; device {env['device']}"
-        + (f" ({env['device_memory_gib']} GiB)" if "device_memory_gib" in env else ""),
-        f"target: random-init Llama, {s['geometry']} geometry, {_count(s['target_params'])} parameters, "
-        f"{s['target_weights_gib']:.2f} GiB of {s['dtype']} weights, attention {s['attn_implementation']}; "
-        f"EAGLE-3 draft {_count(s['draft_trainable_params'])} trainable parameters, draft vocab {s['draft_vocab']}",
-        f"batch {s['batch']} x seq {s['seq_len']}, TTT {s['ttt_steps']}, aux layers {s['aux_layer_ids']}; "
-        f"{s['steps']} timed steps after {s['warmup']} warm-up; {peak}",
-        "",
-        "| measurement | tok/s | ms/step | TFLOP/step | TFLOP/s | MFU | peak mem GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    env, s = result["environment"], result["settings"]
+    mem = f" ({env['device_memory_bytes'] / GiB:.1f} GiB)" if "device_memory_bytes" in env else ""
+    peak = f"MFU vs {s['peak_tflops']:g} TFLOP/s bf16 ({s['peak_source']})" if s["peak_tflops"] else \
+        f"no MFU: {s['peak_source']}"
+    lines = [f"torch {env['torch']}, CUDA {env['cuda']}, transformers {env['transformers']}; device {env['device']}{mem}",
+             f"{s['steps']} timed steps after {s['warmup']} warm-up; {peak}", "",
+             "| recipe | method | attention | B x T | precision | ms/step | tok/s | TFLOP/step | TFLOP/s | MFU "
+             "| max alloc GiB | max reserved GiB | fake GiB | alloc/fake | per GPU GiB |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
+        if r.get("error"):
+            lines.append(f"| {r['recipe']} | {r.get('method', '-')} | {r.get('attention_backend', '-')} | "
+                         f"{r.get('batch_size', '-')} x {r.get('max_length', '-')} | {r.get('precision', '-')} | "
+                         f"error: {r['error']} |||||||||")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | {r['tflop_per_step']:.3g} "
-                     f"| {r['tflops']:.3g} | {mfu} | {mem} |")
-    lines += ["",
-              f"capture / plain forward: {result['capture_vs_plain_forward']:.2f}x tok/s; capture / decoder only: "
-              f"{result['capture_vs_decoder_only']:.2f}x",
-              "offline = aux/final states already on the device (disk read and host-to-device copy not timed); "
-              "online = target forward (no grad) inside each step; the peak memory of the forward and online rows "
-              "includes the target weights, offline's does not (target freed)"]
+        ratio = f"{r['cuda_vs_fake']:.2f}" if r["cuda_vs_fake"] is not None else "-"
+        lines.append(f"| {r['recipe']} | {r['method']} | {r['attention_backend']} | {r['batch_size']} x {r['max_length']} "
+                     f"| {r['precision']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflop_per_step']:.3g} "
+                     f"| {r['tflops']:.3g} | {mfu} | {_gib(r['cuda_max_allocated'])} | {_gib(r['cuda_max_reserved'])} "
+                     f"| {_gib(r['fake_process_peak'])} | {ratio} | {_gib(r['per_gpu'])} |")
+    lines += ["", "TFLOP/step credited: the draft's matmuls and attention at its masked work, the teacher head; no "
+              "recomputation (module docstring). fake = bench memory's FakeTensorMode peak of the same step (SDPA, "
+              "one process); per GPU = max alloc with the launcher's sharding of the trainable state applied."]
+    for c in result["capture"]:
+        lines += ["", f"capture, target {c['target']} ({c['dtype']}, {c['batch_size']} x {c['max_length']}, "
+                  f"{c.get('target_params', 0) / 1e9:.2f}B parameters)"
+                  + (f": skipped, {c['skipped']}" if c["skipped"] else "")]
+        if c["rows"]:
+            lines += ["| measurement | tok/s | ms/step | TFLOP/step | TFLOP/s | MFU | max alloc GiB |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for r in c["rows"]:
+                mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+                tf = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+                lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
+                             f"{tf(r['tflop_per_step'])} | {tf(r['tflops'])} | {mfu} | {_gib(r['cuda_max_allocated'])} |")
+        if "capture_vs_plain_forward" in c:
+            lines.append(f"capture / plain forward: {c['capture_vs_plain_forward']:.2f}x tok/s; capture / decoder "
+                         f"only: {c['capture_vs_decoder_only']:.2f}x")
     return "\n".join(lines)
 
 
@@ -353,42 +677,64 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``eval/bench_gpu.py``."""
     from ..cli import HelpFormatter
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3_8b",
-                   help="draft / target shapes to benchmark")
+    p = argparse.ArgumentParser(prog="python -m draftsmith.eval.bench_gpu", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--recipes", nargs="+", metavar="RECIPE",
+                   help=f"recipe names under recipes/ or YAML paths (default: {' '.join(DEFAULT_RECIPES)}; "
+                        f"--tiny: {' '.join(TINY_RECIPES)})")
+    p.add_argument("--tiny", action="store_true",
+                   help=f"the SmolLM2-135M recipes at {TINY_BATCH} x {TINY_LENGTH} (a CPU check of the whole path; "
+                        "--recipes / --batch-size / --max-length still win)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="recipe override applied to every recipe (repeatable), e.g. train.ttt_steps=3")
+    p.add_argument("--batch-size", type=int, help="micro-batch B (default: each recipe's train.batch_size)")
+    p.add_argument("--max-length", type=int, help="sequence length T (default: each recipe's data.max_length)")
+    p.add_argument("--target-config", type=Path,
+                   help="the target's config.json for every recipe (default: the copy under recipes/targets/)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS,
+                   help="train.attention_backend values to measure (default: sdpa flex on CUDA, sdpa on a CPU: "
+                        "torch has no flex backward on a CPU)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="target dtype and draft autocast dtype; auto = bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 llama3_8b, 128 tiny)")
-    p.add_argument("--batch", type=int, help="sequences per step (default: 1 llama3_8b, 2 tiny)")
-    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled TTT steps K")
-    p.add_argument("--draft-vocab", type=int, help="draft vocab size Vd (default: 32000 llama3_8b, 512 tiny)")
-    p.add_argument("--steps", type=int, default=10, help="timed iterations per row")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations before each row")
-    p.add_argument("--peak-tflops", type=float, help=f"dense bf16 peak for MFU (default {DEFAULT_PEAK_TFLOPS_GPU:g} "
-                   "on CUDA, none on CPU)")
-    p.add_argument("--out", type=Path, help="write the results as JSON")
+    p.add_argument("--precision", choices=["auto", "fp32", "amp-bf16", "bf16"], default="auto",
+                   help="auto: the launcher's (bf16 autocast; bf16 weights under DeepSpeed; fp32 without one)")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (flex compiles here)")
+    p.add_argument("--peak-tflops", type=float,
+                   help="dense bf16 peak for MFU (default: from the CUDA device's name; none on a CPU)")
+    p.add_argument("--no-capture", action="store_true", help="skip the target forward / capture rows")
+    p.add_argument("--no-fake", action="store_true",
+                   help="skip bench memory's FakeTensorMode reference (about 10 s per GPU recipe)")
+    p.add_argument("--no-flop-count", action="store_true",
+                   help="skip torch's FLOP counter over one extra SDPA step (counted_tflop_per_step)")
+    p.add_argument("--out", type=Path, help="write the results as one JSON file")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    for key in ("seq_len", "batch", "draft_vocab", "steps", "ttt_steps"):
+    if args.recipes is None:
+        args.recipes = list(TINY_RECIPES if args.tiny else DEFAULT_RECIPES)
+    if args.tiny:
+        args.batch_size = args.batch_size or TINY_BATCH
+        args.max_length = args.max_length or TINY_LENGTH
+    for key in ("batch_size", "max_length", "steps"):
         value = getattr(args, key)
         if value is not None and value < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: no CUDA device; on a CPU run `--geometry tiny --device cpu`", file=sys.stderr)
+        print("error: no CUDA device; on a CPU run `--tiny --device cpu --steps 1 --warmup 0`", file=sys.stderr)
         return 2
+    if not args.device.startswith("cuda") and args.backends and "flex" in args.backends:
+        p.error("--backends flex needs CUDA: torch has no flex_attention backward on a CPU")
     result = run(args)
     print(format_table(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    return 0
+    return 1 if any(r.get("error") for r in result["rows"]) else 0
 
 
 if __name__ == "__main__":

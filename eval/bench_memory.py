@@ -569,31 +569,12 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         if fake and precision.autocast:
             ctx.enter_context(cuda_autocast_policy())
         head_dtype = getattr(torch, recipe.target.dtype)
-        factory = torch.empty if fake else (lambda *s, dtype: torch.randn(*s).to(dtype) * 0.02)
+        factory = torch.empty if fake else random_weights
         with offline_method(recipe, config_json, head_dtype, factory) as method:
             geo = {"H": int(method.target_info["hidden_size"]), "V": int(method.target_info["vocab_size"])}
             n_aux = len(method.target_info["aux_layer_ids"])
             tracker.exclude(getattr(method, "heads", {}))  # host RAM in a run (moved lazily, if ever)
-            model = method.build_model()
-            if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
-                model.to(dev)
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            if precision.param_dtype != torch.float32:  # DeepSpeed casts the parameters (frozen too), not the buffers
-                for p in model.parameters():
-                    p.data = p.data.to(precision.param_dtype)
-            if precision.autocast:
-                from types import MethodType
-
-                from accelerate.utils import convert_outputs_to_fp32
-
-                dtype = torch.bfloat16
-                forward = model.forward.__func__
-                auto = torch.autocast(device_type=dev.type, dtype=dtype)(forward)
-                model.forward = MethodType(convert_outputs_to_fp32(auto), model)
-            opt = _optimizer(trainable, recipe, dev, fake)
-            accelerator = OneProcess(dev)
-            method.setup(accelerator)
-            model.train()
+            model, trainable, opt = prepare_model(method, recipe, precision, dev, fake)
             cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, fake, seed)
             plan = method.batch_plan() if hasattr(method, "batch_plan") else None
             if fake:
@@ -653,6 +634,41 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                                                          LARGEST_GROUPS)})
 
 
+def random_weights(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A real run's stand-in for a target tensor (embedding, ``lm_head``, final norm): N(0, 0.02^2)
+    in ``dtype`` (the ``factory`` of :func:`offline_method`)."""
+    return torch.randn(*shape).to(dtype) * 0.02
+
+
+def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.device, fake: bool = False
+                  ) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The method's draft as the launcher trains it: built, moved to ``dev`` (real runs), its
+    parameters in ``precision.param_dtype``, ``forward`` under bf16 autocast with accelerate's fp32
+    output upcast (``amp-bf16``), the trainer's AdamW over the trainable parameters, the method
+    set up on one process, in train mode. Returns ``(model, trainable, optimizer)``."""
+    model = method.build_model()
+    if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
+        model.to(dev)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if precision.param_dtype != torch.float32:  # DeepSpeed casts the parameters (frozen too), not the buffers
+        for p in model.parameters():
+            p.data = p.data.to(precision.param_dtype)
+    if precision.autocast:
+        from types import MethodType
+
+        from accelerate.utils import convert_outputs_to_fp32
+
+        dtype = torch.bfloat16
+        forward = model.forward.__func__
+        auto = torch.autocast(device_type=dev.type, dtype=dtype)(forward)
+        model.forward = MethodType(convert_outputs_to_fp32(auto), model)
+    opt = _optimizer(trainable, recipe, dev, fake)
+    accelerator = OneProcess(dev)
+    method.setup(accelerator)
+    model.train()
+    return model, trainable, opt
+
+
 def _optimizer(params: list[torch.nn.Parameter], recipe: Any, dev: torch.device, fake: bool) -> torch.optim.Optimizer:
     """The trainer's AdamW (:func:`draftsmith.train.trainer.build_optimizer`: fused where torch has
     the kernel) as it is built on the GPU the step stands for (a fake step: CUDA); the
@@ -671,7 +687,7 @@ def gc_collect() -> None:
     gc.collect()
 
 
-def _device_batch(cpu_batch: dict[str, Any], plan: Any, dev: torch.device, tracker: MemoryTracker,
+def _device_batch(cpu_batch: dict[str, Any], plan: Any, dev: torch.device, tracker: MemoryTracker | None,
                   fake: bool) -> dict[str, Any]:
     """What the trainer hands ``compute_loss``: the collated batch with the method's plan
     applied on the host, moved to the device, plus ``num_tokens``. Under fake mode the small
@@ -686,7 +702,8 @@ def _device_batch(cpu_batch: dict[str, Any], plan: Any, dev: torch.device, track
     out = {}
     for k, v in batch.items():
         out[k] = v.to(dev) if isinstance(v, torch.Tensor) and not fake else v
-    tracker.track({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})
+    if tracker is not None:
+        tracker.track({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})
     return out
 
 

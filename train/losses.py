@@ -249,7 +249,10 @@ def ttt_loss(
     loss: LossSpec | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
     """Weighted TTT loss ``sum_k gamma**k * D_k``, D the divergence ``loss`` (default: forward
-    KL target || draft; :func:`divergence`).
+    KL target || draft; :func:`divergence`), from every step's whole logits: the unchunked reference.
+    Training computes the same value and gradients without holding any ``(M_k, Vd)`` tensor
+    (``Eagle3Method.compute_loss``: :func:`chunked_distill` inside the draft's forward, no host read);
+    this form reads its metrics back per step and keeps all K logits, for tests and small checks.
 
     Args:
         step_logits: K tensors ``(M_k, Vd)``: the draft's logits at the positions

@@ -7,12 +7,14 @@ dataset (offline shards or, in online mode, token ids with the frozen target in 
 the target hidden states of a batch, and the data-parallel normalisers of per-step losses.
 :class:`DraftVocabMethod` adds what EAGLE-3, DFlash and P-EAGLE share (draft vocab, target
 head, head initialisation, mask token); :class:`HeadMethod` what Medusa and the MLP speculator
-share: K full-vocab heads trained with per-head cross-entropy (:func:`~draftsmith.train.losses.head_loss`).
+share: K full-vocab heads trained with per-head cross-entropy, computed in chunks of rows inside
+the heads' forward (:func:`~draftsmith.train.losses.chunked_distill`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -26,14 +28,7 @@ from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
 from .data import HiddenStateDataset, TokenizedDataset
-from .losses import (
-    HeadTargets,
-    LossSpec,
-    StepMetrics,
-    TargetDraftHead,
-    head_loss,
-    head_targets,
-)
+from .losses import LossSpec, StepMetrics, TargetDraftHead, chunked_distill, head_targets
 from .mask_token import resolve_mask_token_id, token_counts
 from .validation import ValidationSpec
 
@@ -256,8 +251,6 @@ class HeadMethod(TargetDataMethod):
     def batch_plan(self) -> Any:
         """:meth:`plan_heads` bound to K: the gathered positions and labels as index tensors,
         computed on the CPU batch, so the step gathers without reading a mask back."""
-        import functools
-
         return functools.partial(HeadMethod.plan_heads, num_heads=self.num_heads)
 
     def batch_states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -274,8 +267,6 @@ class HeadMethod(TargetDataMethod):
         ``loss``, ``loss_{k}``, ``acc_{k}`` are detached 0-dim device tensors. No host read when
         the batch carries its plan (:meth:`batch_plan`); otherwise (validation, tests) the plan is
         computed here from the batch."""
-        from .losses import chunked_distill
-
         batch = self.batch_states(batch)  # MLP stage 2: a generated batch, without the plan
         plan = batch if self.PLAN_KEYS[0] in batch else self.plan_heads(batch, self.num_heads)
         param = next(p for p in model.parameters() if p.requires_grad)
