@@ -48,9 +48,14 @@ bench-regenerate: install
 	$(BIN)/python -m draftsmith.eval.bench_regenerate --demo-prepare --before-ref $(BEFORE_REF)
 
 # On a GPU machine, with the Python whose torch has CUDA (not the CPU .venv above), after
-# `pip install -e ".[gpu]"`: Llama-3.1-8B-geometry capture and EAGLE-3 training figures.
+# `pip install -e ".[gpu]"`: the real training step of EAGLE-3, DFlash and P-EAGLE at each
+# recipe's B x T (Llama-3.1-8B 4 x 2048, gpt-oss-120b 2 x 4096; one process, the gpt-oss state also
+# per GPU of its 8-GPU ZeRO-2 launcher), SDPA and flex attention: tok/s, MFU, CUDA peak memory
+# beside bench memory's fake-tensor figure; and the Llama target's capture. Fits one 80 GB GPU.
+# CPU check of the same path: python -m draftsmith.eval.bench_gpu --tiny --device cpu --steps 1 --warmup 0
 GPU_PY ?= python
-BENCH_GPU_ARGS ?= --out runs/bench_gpu.json
+BENCH_GPU_ARGS ?= --recipes llama3_1_8b llama3_1_8b_dflash llama3_1_8b_peagle \
+	gptoss120b gptoss120b_dflash gptoss120b_peagle --out runs/bench_gpu.json
 bench-gpu:
 	$(GPU_PY) -m draftsmith.eval.bench_gpu $(BENCH_GPU_ARGS)
 

@@ -362,11 +362,12 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
     """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
     ``steps`` training steps after ``warmup`` (module docstring). Returns the row's measurements."""
     from ..train.trainer import MetricWindow, NonFiniteGuard
-    from .bench_memory import _device_batch, offline_method, prepare_model, random_batch, random_weights
+    from .bench_memory import OneProcess, _device_batch, offline_method, prepare_model, random_batch, random_weights
 
     torch.manual_seed(seed)
-    torch._dynamo.reset()  # each row compiles its own flex kernels, for its shapes (static: one length)
     cfg = recipe.train
+    if cfg.attention_backend == "flex":
+        torch._dynamo.reset()  # each row compiles its own flex kernels, for its shapes (static: one length)
     with offline_method(recipe, config_json, getattr(torch, recipe.target.dtype), random_weights) as method:
         H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
         n_aux = len(method.target_info["aux_layer_ids"])
@@ -400,18 +401,9 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
             counted = int(counter.get_total_flops())
         synchronize(dev)
         n_trainable = sum(p.numel() for p in trainable)
-        values = {k: float(v) for k, v in window.read(_OneRank())[0].items() if k in ("loss", "grad_norm")}
+        values = {k: float(v) for k, v in window.read(OneProcess(dev))[0].items() if k in ("loss", "grad_norm")}
     return {"seconds": seconds, "memory": mem, "flops": flops, "counted_flops": counted,
             "trainable_parameters": n_trainable, "metrics": values}
-
-
-class _OneRank:
-    """What :meth:`MetricWindow.read` asks of the accelerator on one process."""
-
-    num_processes = 1
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        return tensor
 
 
 def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precision: Any) -> dict[str, Any]:

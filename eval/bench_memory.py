@@ -368,6 +368,22 @@ def cuda_autocast_policy() -> Iterator[None]:
         lib._destroy()
 
 
+@contextlib.contextmanager
+def cuda_attention_policy() -> Iterator[None]:
+    """While active, the drafts' attention takes CUDA's path on any device: with a mask, CUDA's
+    fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
+    (:func:`~draftsmith.models.eagle3.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
+    A fake step then holds the key / value copies a GPU step holds."""
+    from ..models import eagle3
+
+    saved = eagle3.sdpa_supports_gqa_with_mask
+    eagle3.sdpa_supports_gqa_with_mask = lambda device: False
+    try:
+        yield
+    finally:
+        eagle3.sdpa_supports_gqa_with_mask = saved
+
+
 # ---------------------------------------------------------------------------------------------
 # the method without a prepared run directory
 
@@ -568,6 +584,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         ctx.enter_context(tracker)
         if fake and precision.autocast:
             ctx.enter_context(cuda_autocast_policy())
+        if dev.type != "cuda":  # the GPU's attention path: grouped key/value heads expanded (models/eagle3.py)
+            ctx.enter_context(cuda_attention_policy())
         head_dtype = getattr(torch, recipe.target.dtype)
         factory = torch.empty if fake else random_weights
         with offline_method(recipe, config_json, head_dtype, factory) as method:

@@ -429,7 +429,10 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
         layers = K * EAGLE3_STEP[s.precision](s, s.E)
     flex = getattr(recipe.train, "attention_backend", "sdpa") == "flex"
     masks = 0 if flex else K * (K + 1) // 2 * s.T * s.T * s.act_bytes * (s.B if s.packing else 1)
-    return {"layers": layers, "attention_masks": masks, "teacher": s.E * s.Vd * 4,
+    # SDPA keeps step k's concatenated keys / values, (k + 1) T rows, expanded to nh heads on a GPU
+    steps_kept = 1 if s.checkpointing else K
+    expanded = 0 if flex else _gqa_expanded_kv(s, s.E * sum(k + 1 for k in range(K - steps_kept, K)))
+    return {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * 4,
             "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": _input_cast(s, s.n_aux),
             "weight_copies": _weight_copies(s, trainable)}
 
@@ -458,7 +461,9 @@ def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     layer = DFLASH_LAYER[s.precision](s, Eb)
     kept_bytes = s.act_bytes if s.precision == "bf16" else 4
     copies = _weight_copies(s, trainable)
+    kv_rows = s.B * (s.T + A * Bk)  # [context | blocks] keys of one layer
     saved = {"attention_masks": 3 * s.B * A * Bk * (s.T + A * Bk),
+             "gqa_expanded_kv": (1 if s.checkpointing else L) * _gqa_expanded_kv(s, kv_rows),
              "context": DFLASH_CONTEXT[s.precision] * s.E * s.H,
              "input_cast": _input_cast(s, s.n_aux)}
     if s.checkpointing:
@@ -498,9 +503,19 @@ def peagle_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     layers = L * PEAGLE_LAYER[s.precision](s, Es) + PEAGLE_LAYER0_INPUT[s.precision] * Es * s.H
     if s.checkpointing:  # each layer keeps its input; one layer recomputed in backward
         layers = L * Es * s.H * (4 if s.precision != "bf16" else 2) + PEAGLE_LAYER[s.precision](s, Es)
-    return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "teacher": s.E * s.Vd * 4,
+    kept = 1 if s.checkpointing else L
+    expanded = 0 if getattr(recipe.train, "attention_backend", "sdpa") == "flex" else kept * _gqa_expanded_kv(s, Es)
+    return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "gqa_expanded_kv": expanded,
+            "teacher": s.E * s.Vd * 4,
             "loss_chunk": 7 * _chunk(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
             "input_cast": _input_cast(s, s.n_aux), "weight_copies": _weight_copies(s, trainable - embed)}
+
+
+def _gqa_expanded_kv(s: Shapes, key_rows: int) -> int:
+    """Bytes of the key / value head copies for ``key_rows`` keys (batch included) that a GPU's SDPA
+    keeps: with a mask, CUDA's fused kernels take no grouped heads, so the ``nkv`` heads are
+    expanded to ``nh`` (``models/eagle3.py`` ``sdpa_with_mask``); the extra ``nh - nkv`` heads."""
+    return 2 * key_rows * (s.nh - s.nkv) * s.hd * s.act_bytes
 
 
 def _chunk(recipe: Recipe, rows_total: int, vocab: int) -> int:
