@@ -26,7 +26,7 @@ Attention (:func:`block_attention`): the A*Bk block queries of a row attend in O
 with a head-free bool mask built once per forward (:func:`block_attention_mask`), so no
 ``(nh, A*Bk, T)`` scores exist (fused kernels); ``attention_backend="flex"`` uses
 ``flex_attention`` with a block mask instead (compiled on CUDA). With ``targets``
-(:class:`DFlashTargets`) the forward returns the distillation loss, computed in chunks of rows.
+(:class:`~draftsmith.models.eagle3.DistillTargets`) the forward returns the distillation loss, computed in chunks of rows.
 
 Shapes: B batch, T sequence length (tokens), A anchors per row, Bk block size, H hidden size,
 Ht target hidden size, n number of aux layers, Vd draft vocab size, nh / nkv query / key-value
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .eagle3 import Eagle3Config, TargetSharedDraft, flex_attention, rope_theta_and_scaling, sdpa_with_mask
+from .eagle3 import DistillTargets, Eagle3Config, TargetSharedDraft, flex_attention, rope_theta_and_scaling, sdpa_with_mask
 
 
 @dataclass
@@ -467,33 +467,6 @@ class DFlashKVCache:
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
 
 
-@dataclass
-class DFlashTargets:
-    """What :meth:`DFlashDraftModel.forward` distils towards when the loss is computed inside the
-    forward (``draftsmith.train.losses.chunked_distill``: chunks of rows, each recomputed in
-    backward, so no ``(M, Vd)`` float32 tensor lives until backward).
-
-    Every block slot k = 1..Bk-1 of every anchor is a row (M = B*A*(Bk-1), row-major over
-    ``(B, A, Bk-1)``); slot 0 (the anchor, whose output vLLM discards) is never a row.
-
-    Attributes:
-        teacher: ``(N, Vd)`` target logits over the draft vocab (no grad).
-        teacher_index: ``(B, A, Bk)`` long: the ``teacher`` row of each slot (slot 0 ignored).
-        weight: ``(B, A, Bk)`` float loss weight per slot, 0 where not trained (slot 0 ignored).
-        distill: ``chunked_distill`` itself (models import nothing from ``train/``):
-            ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
-        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
-        chunk_size: rows per chunk (None: ``chunk_rows`` of Vd, ``train.loss_chunk_rows``).
-    """
-
-    teacher: torch.Tensor
-    teacher_index: torch.Tensor
-    weight: torch.Tensor
-    distill: Callable[..., Any]
-    loss: Any = None
-    chunk_size: int | None = None
-
-
 class DFlashDraftModel(TargetSharedDraft):
     """DFlash draft: ``fc`` + ``hidden_norm`` over the aux states, L Qwen3-style layers, ``norm``,
     ``lm_head [Vd, H]``.
@@ -545,7 +518,7 @@ class DFlashDraftModel(TargetSharedDraft):
     def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
                 anchor_valid: torch.Tensor, label_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                targets: DFlashTargets | None = None) -> Any:
+                targets: DistillTargets | None = None) -> Any:
         """Training forward over A anchor blocks per row (SPEC_DFLASH_PEAGLE.md 2.3).
 
         Args:
@@ -559,8 +532,9 @@ class DFlashDraftModel(TargetSharedDraft):
                 default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.
             document_ids: optional ``(B, T)`` document per position (packed rows): blocks see
                 only their anchor's document.
-            targets: optional :class:`DFlashTargets`: compute the distillation loss here
-                instead of returning logits.
+            targets: optional :class:`~draftsmith.models.eagle3.DistillTargets` over block slots
+                1..Bk-1 (``teacher_index`` / ``weight`` shaped ``(B, A, Bk - 1)``): compute the
+                distillation loss here instead of returning logits.
 
         Returns:
             Without ``targets``: ``(B, A, Bk, Vd)`` logits (slot k predicts x_{a+k}; slot 0 is
@@ -591,9 +565,7 @@ class DFlashDraftModel(TargetSharedDraft):
             else:
                 h = layer(*args)
         if targets is not None:
-            return targets.distill(h[:, :, 1:].reshape(-1, h.shape[-1]), self.compute_logits, targets.teacher,
-                                   targets.teacher_index[:, :, 1:].reshape(-1), targets.weight[:, :, 1:].reshape(-1),
-                                   targets.loss, targets.chunk_size)
+            return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
         if label_mask is not None:
             h = h[label_mask]  # (M, H)
         return self.compute_logits(h)

@@ -690,6 +690,45 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass
+class DistillTargets:
+    """What a draft's ``forward`` distils its rows towards when the training loss is computed inside
+    the forward (DFlash block slots, P-EAGLE COD elements): calling it on the forward's pre-norm
+    hidden rows runs ``distill`` (``draftsmith.train.losses.chunked_distill``: chunks of rows, each
+    recomputed in backward, so no ``(M, Vd)`` float32 tensor lives until backward). Reads nothing on
+    the host.
+
+    Attributes:
+        teacher: ``(N, Vd)`` target logits over the draft vocab (no grad), computed once per batch.
+        teacher_index: int64, the ``teacher`` row of each hidden row, shaped like the rows without H.
+        weight: float, the loss weight of each hidden row (0: not trained), same shape.
+        distill: ``chunked_distill`` itself (models import nothing from ``train/``):
+            ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
+        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
+        chunk_size: rows per loss chunk (None: ``chunk_rows`` of Vd, ``train.loss_chunk_rows``).
+        rows: optional ``(M,)`` int64 indices of the flattened hidden rows to train: then
+            ``teacher_index`` and ``weight`` are ``(M,)``, aligned with ``rows`` (the other rows are
+            never projected by the ``lm_head``).
+    """
+
+    teacher: torch.Tensor
+    teacher_index: torch.Tensor
+    weight: torch.Tensor
+    distill: Callable[..., Any]
+    loss: Any = None
+    chunk_size: int | None = None
+    rows: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``hidden (..., H)`` rows (aligned with ``teacher_index`` / ``weight``, or indexed by
+        ``rows``) -> what ``distill`` returns (``DistillOut``)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.rows is not None:
+            flat = flat.index_select(0, self.rows)
+        return self.distill(flat, logits_fn, self.teacher, self.teacher_index.reshape(-1), self.weight.reshape(-1),
+                            self.loss, self.chunk_size)
+
+
 class TargetSharedDraft(nn.Module):
     """Base of the drafts that embed with the target's (frozen) embedding and predict over a
     draft vocab (EAGLE-3, DFlash, P-EAGLE). Subclasses define ``config`` (``vocab_size``,

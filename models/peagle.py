@@ -20,7 +20,7 @@ number of slots per depth), one forward over all elements under the COD mask
 (:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
 interval keys, as an additive SDPA mask or a flex-attention block mask), the divergence to the
 target at position ``anchor + depth`` computed in chunks of rows inside the forward
-(:class:`CODTargets`). Depth 0 is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never
+(:class:`~draftsmith.models.eagle3.DistillTargets`). Depth 0 is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never
 feeds draft states back).
 
 The pieces shared with EAGLE-3 (config, RoPE, first-layer ``cat(embed, hidden)`` attention,
@@ -33,7 +33,7 @@ Vd draft vocab size, nh / nkv heads, hd head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .eagle3 import (Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft,
+from .eagle3 import (DistillTargets, Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft,
                      flex_attention, sdpa_with_mask, shift_left, ttt_prediction_mask)
 
 
@@ -443,32 +443,6 @@ class CODMask:
         return sdpa_with_mask(q, k, v, self.bias(q.dtype))
 
 
-@dataclass
-class CODTargets:
-    """What :meth:`PEagleDraftModel.forward` trains the elements on (no tensor read on the host).
-
-    Attributes:
-        teacher: ``(N, Vd)`` target logits over the draft vocab (no grad), computed once per batch.
-        teacher_index: ``(B, S)`` int64, the ``teacher`` row of each element (its position + 1).
-        weight: ``(B, S)`` float, the loss weight of each element (0: not trained).
-        distill: ``chunked_distill`` itself (models import nothing from ``train/``):
-            ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
-        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
-        chunk_size: rows per loss chunk (None: :func:`~draftsmith.train.losses.chunk_rows`).
-        rows: optional ``(M,)`` int64 row-major element indices (``b * S + s``) to train: then
-            ``teacher_index`` and ``weight`` are ``(M,)``, aligned with ``rows`` (elements
-            outside ``rows`` are not projected by the ``lm_head``).
-    """
-
-    teacher: torch.Tensor
-    teacher_index: torch.Tensor
-    weight: torch.Tensor
-    distill: Callable[..., Any]
-    loss: Any = None
-    chunk_size: int | None = None
-    rows: torch.Tensor | None = None
-
-
 # --------------------------------------------------------------------------------------
 # Model
 
@@ -569,7 +543,7 @@ class PEagleDraftModel(TargetSharedDraft):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
-        targets: CODTargets | None = None,
+        targets: DistillTargets | None = None,
     ) -> Any:
         """COD training forward over the sampled elements (SPEC section 3.3).
 
@@ -583,7 +557,7 @@ class PEagleDraftModel(TargetSharedDraft):
             select: optional ``(B, S)`` bool (e.g. :func:`cod_targets`): return the logits of
                 these elements only (boolean indexing: reads the mask on the host; tests and
                 tools, the training step uses ``targets``).
-            targets: the training step's :class:`CODTargets`: the divergence of every element
+            targets: the training step's :class:`~draftsmith.models.eagle3.DistillTargets`: the divergence of every element
                 against its teacher row, in chunks of rows recomputed in backward
                 (:func:`~draftsmith.train.losses.chunked_distill`), so no ``(B*S, Vd)`` logits
                 outlive a chunk.
@@ -611,11 +585,7 @@ class PEagleDraftModel(TargetSharedDraft):
         mask = CODMask(elements, document_ids, self.attention_backend)
         hidden = self._run_layers(ids, hidden, torch.where(v, rope_pos, torch.zeros_like(rope_pos)), mask)
         if targets is not None:
-            flat = hidden.reshape(-1, hidden.shape[-1])  # (B*S, H)
-            if targets.rows is not None:
-                flat = flat.index_select(0, targets.rows)
-            return targets.distill(flat, self.compute_logits, targets.teacher, targets.teacher_index.reshape(-1),
-                                   targets.weight.reshape(-1), targets.loss, targets.chunk_size)
+            return targets(hidden, self.compute_logits)  # the B*S elements (or targets.rows of them)
         return hidden if select is None else self.compute_logits(hidden[select])
 
     def forward_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,

@@ -6,7 +6,7 @@
   several depths);
 - the vectorised COD sampler against the per-row Python sampler it replaced (same sizes at
   depth 1, the same mean retention at every depth);
-- the loss computed inside the model's forward in chunks (``CODTargets``) against the old
+- the loss computed inside the model's forward in chunks (``DistillTargets``) against the old
   ``cod_loss`` on boolean-selected logits, values, gradients and metrics, for every ``train.loss``;
 - one full training step under a dispatch mode: no tensor of ``B * nh * T^2`` elements, no
   host read (``.item()`` / ``nonzero``) in forward or backward.
@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from draftsmith.models.eagle3 import shift_left
+from draftsmith.models.eagle3 import DistillTargets, shift_left
 from draftsmith.models.peagle import (
     CODElements,
-    CODTargets,
     PEagleConfig,
     PEagleDraftModel,
     cod_attention_bias,
@@ -377,7 +376,7 @@ def test_loss_chunks_equal_one_chunk():
     for chunk in (None, 7):
         model.zero_grad()
         out = model(batch["input_ids"], batch["aux_hidden_states"], el, batch["position_ids"], batch["document_ids"],
-                    targets=CODTargets(teacher, index, sel.float() / sel.sum(), chunked_distill, None, chunk))
+                    targets=DistillTargets(teacher, index, sel.float() / sel.sum(), chunked_distill, None, chunk))
         out.loss_sum.backward()
         outs.append((out.loss_sum.detach(), out.row_loss, model.fc.weight.grad.clone()))
     for a, b in zip(*outs):

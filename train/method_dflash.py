@@ -10,7 +10,7 @@ draft vocab (``train.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma
 
 The step reads nothing from the device: anchors come from ``topk`` over random keys, every
 slot of every block is a loss row weighted 0 where it is not trained, the divergence is
-computed in chunks inside the draft's forward (:class:`~draftsmith.models.dflash.DFlashTargets`,
+computed in chunks inside the draft's forward (:class:`~draftsmith.models.eagle3.DistillTargets`,
 :func:`~draftsmith.train.losses.chunked_distill`) and the metrics are detached device scalars.
 """
 
@@ -26,12 +26,12 @@ import torch
 from ..models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
-    DFlashTargets,
     anchor_count,
     block_labels,
     sample_anchors,
     slot_weights,
 )
+from ..models.eagle3 import DistillTargets
 from ..recipe import Recipe
 from .losses import chunked_distill
 from .method_base import DraftVocabMethod
@@ -133,7 +133,8 @@ def dflash_step(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
     weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
     out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
-                targets=DFlashTargets(teacher, teacher_index, weight, chunked_distill, loss, chunk_size))
+                targets=DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
+                                       distill=chunked_distill, loss=loss, chunk_size=chunk_size))
     local = weight.sum()
     denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
     total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.eagle3 import Eagle3Config
-from ..models.peagle import (CODElements, CODTargets, PEagleConfig, PEagleDraftModel, cod_sample, cod_targets,
+from ..models.eagle3 import DistillTargets, Eagle3Config
+from ..models.peagle import (CODElements, PEagleConfig, PEagleDraftModel, cod_sample, cod_targets,
                              step0_prediction_mask)
 from ..recipe import Recipe
 from .losses import DistillOut, chunked_distill
@@ -32,7 +32,7 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
              num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss and per-depth metrics from the model's divergence over the elements.
 
-    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`CODTargets` whose weight is
+    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.eagle3.DistillTargets` whose weight is
     ``trained / N`` (N the trained count, or the data-parallel denominator), so
     ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
     divergence ``train.loss``. Nothing is read on the host: the metrics are masked sums
@@ -40,7 +40,7 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
 
     Args:
         out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
-            rows (``CODTargets.rows``).
+            rows (``DistillTargets.rows``).
         depth: ``(M,)`` depth of each row.
         trained: ``(M,)`` bool, the rows trained on.
         num_depths: D, the number of per-depth metric slots.
@@ -178,5 +178,5 @@ class PEagleMethod(DraftVocabMethod):
             train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
             index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
         out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
-                    targets=CODTargets(teacher, index, weight, chunked_distill, self.loss, rows=train_rows))
+                    targets=DistillTargets(teacher, index, weight, chunked_distill, self.loss, rows=train_rows))
         return cod_loss(out, depth, sel, self.recipe.draft.num_depths)
