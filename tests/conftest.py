@@ -141,3 +141,33 @@ def write_draft_checkpoint(model: torch.nn.Module, directory: Path, method: str,
     save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
     DraftCheckpointConfig(method=method, config=model.config.to_dict(), target=target, **fields).write(directory)
     return state
+
+
+def dflash_tiny_config(**kw):
+    """A tiny DFlash draft geometry (GQA, 2 layers, blocks of 4), overridden by ``kw``."""
+    from draftsmith.models.dflash import DFlashConfig
+
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
+                mask_token_id=7, target_hidden_size=24, num_target_layers=6, rope_theta=500.0)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def random_dflash_model(cfg, seed: int = 0, **model_kw):
+    """A DFlash draft with random weights everywhere, norms included (ones would hide a norm applied
+    in the wrong place), a random target embedding and an identity-prefix vocab map; in eval mode."""
+    from draftsmith.models.dflash import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg, **model_kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        model.set_vocab_mapping(d2t, t2d)
+    return model.eval()

@@ -25,6 +25,8 @@ from draftsmith.models.dflash import (
 from draftsmith.train.losses import LossSpec, TargetDraftHead
 from draftsmith.train.method_dflash import dflash_step
 
+from conftest import dflash_tiny_config, random_dflash_model
+
 # ------------------------------------------------------------------------------------------
 # The dense reference: the previous implementation, every anchor block against every context
 # row, scores (B, nh, A, Bk, T + Bk) in fp32.
@@ -124,23 +126,11 @@ def test_a_block_sees_its_own_block_bidirectionally_and_no_other_block():
 # The whole model: the SDPA path against the model with the reference swapped in
 
 
-def tiny_config(**kw) -> DFlashConfig:
-    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
-                mask_token_id=7, target_hidden_size=24, num_target_layers=6, rope_theta=500.0)
-    base.update(kw)
-    return DFlashConfig(**base)
+tiny_config = dflash_tiny_config
 
 
-def random_model(cfg: DFlashConfig, seed: int = 0, **kw) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(cfg, **kw)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.5 * torch.randn_like(p))
-        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
-    return model.train()
+def random_model(cfg, seed: int = 0, **model_kw):
+    return random_dflash_model(cfg, seed, **model_kw).train()
 
 
 def model_inputs(cfg, B, T, packed, seed=0):

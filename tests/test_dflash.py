@@ -41,33 +41,12 @@ from draftsmith.models.dflash import (
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
 from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
 
-from conftest import write_draft_checkpoint
+from conftest import dflash_tiny_config, random_dflash_model, write_draft_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def tiny_config(**kw) -> DFlashConfig:
-    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
-                mask_token_id=7, target_hidden_size=24, num_target_layers=6, rope_theta=500.0)
-    base.update(kw)
-    return DFlashConfig(**base)
-
-
-def random_model(cfg: DFlashConfig, seed: int = 0) -> DFlashDraftModel:
-    """Random weights everywhere, norms included (ones would hide a norm applied in the wrong place)."""
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.5 * torch.randn_like(p))
-        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
-        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        model.set_vocab_mapping(d2t, t2d)
-    return model.eval()
+tiny_config, random_model = dflash_tiny_config, random_dflash_model
 
 
 # ------------------------------------------------------------------------------------------
