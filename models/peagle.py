@@ -210,7 +210,7 @@ def cod_sample(
     document_ids: torch.Tensor | None = None,
     seed_bound: int | None = None,
 ) -> CODElements:
-    """Conditional-drop sampling (speculators ``peagle/data.py``; SPEC section 3.3), vectorised on
+    """Conditional-drop sampling (speculators ``peagle/data.py``; docs/parallel_drafts.md), vectorised on
     ``prediction_mask``'s device: no tensor is read on the host.
 
     Per row: depth 0 at every position; depth d (1 <= d < D) keeps

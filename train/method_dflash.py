@@ -6,7 +6,7 @@ Each step samples up to ``draft.num_anchors`` anchors per sequence (fresh every 
 generator on the batch's device seeded by ``seed``, the step, the micro-batch and the rank);
 block slot k of anchor a is trained towards the target's distribution ``p_{a+k-1}`` over the
 draft vocab (``train.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma)``
-(SPEC_DFLASH_PEAGLE.md 2.3).
+(docs/parallel_drafts.md, "DFlash: anchor blocks").
 
 The step reads nothing from the device: anchors come from ``topk`` over random keys, every
 slot of every block is a loss row weighted 0 where it is not trained, the divergence is
