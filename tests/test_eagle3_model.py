@@ -15,7 +15,9 @@ from draftsmith.models.eagle3 import (
     ttt_attention_mask,
     ttt_prediction_mask,
 )
-from draftsmith.train.losses import TargetDraftHead, ttt_loss
+from draftsmith.train.losses import TargetDraftHead
+
+from reference_losses import ttt_loss
 
 
 def tiny_config(**kw) -> Eagle3Config:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.models.eagle3 import Eagle3DraftModel
-from draftsmith.train.losses import ttt_loss
+from reference_losses import ttt_loss
 
 from test_eagle3_model import tiny_config
 

@@ -13,7 +13,7 @@ from draftsmith.train.data import collate
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.models.eagle3 import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
 from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.losses import ttt_loss
+from reference_losses import ttt_loss
 from draftsmith.train.packing import PackedDataset, collate_packed, first_fit_packs
 from draftsmith.train.trainer import LengthGroupedBatches, fit
 

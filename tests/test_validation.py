@@ -19,11 +19,11 @@ from draftsmith.train.validation import (
     ValidationSpec,
     ValidationSplitError,
     conversation_key,
-    simulated_chain,
     split_by_conversation,
     summarise_validation,
 )
 
+from reference_losses import simulated_chain
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 
 

@@ -13,7 +13,8 @@ the ``t2d`` rows of the target ``lm_head``: the ``[tokens, V]`` logits are never
 
 Medusa heads and MLP-speculator stages: per-head cross-entropy against the sequence's
 next tokens (the target's own regenerated replies), head k weighted ``decay**k``, on
-assistant tokens only (:func:`head_targets`, :func:`head_loss`).
+assistant tokens only (:func:`head_targets`; the loss itself is :func:`chunked_distill` with
+``labels=True`` inside the heads' forward).
 """
 
 from __future__ import annotations
@@ -239,61 +240,6 @@ class StepMetrics:
     tokens: list[int]
 
 
-def ttt_loss(
-    step_logits: list[torch.Tensor],
-    target_logits: torch.Tensor,
-    loss_mask: torch.Tensor,
-    gamma: float = 0.8,
-    denominators: list[float] | None = None,
-    document_ids: torch.Tensor | None = None,
-    loss: LossSpec | None = None,
-) -> tuple[torch.Tensor, StepMetrics]:
-    """Weighted TTT loss ``sum_k gamma**k * D_k``, D the divergence ``loss`` (default: forward
-    KL target || draft; :func:`divergence`), from every step's whole logits: the unchunked reference.
-    Training computes the same value and gradients without holding any ``(M_k, Vd)`` tensor
-    (``Eagle3Method.compute_loss``: :func:`chunked_distill` inside the draft's forward, no host read);
-    this form reads its metrics back per step and keeps all K logits, for tests and small checks.
-
-    Args:
-        step_logits: K tensors ``(M_k, Vd)``: the draft's logits at the positions
-            :func:`~draftsmith.models.eagle3.ttt_prediction_mask` selects for step k (what
-            ``Eagle3DraftModel.forward(..., loss_mask=loss_mask)`` returns).
-        target_logits: ``(B, T, Vd)`` target logits over the draft vocab; position t gives
-            the target's distribution of x_{t+1}.
-        loss_mask: ``(B, T)`` 1 on assistant tokens (the tokens to be predicted).
-        gamma: step weight base.
-        denominators: per-step normalisers replacing M_k; data-parallel training passes the
-            global count / world size, so the averaged gradient equals the global token mean.
-        document_ids: ``(B, T)`` document per position of packed rows (as given to the model):
-            no prediction crosses a document boundary.
-        loss: the divergence (``train.loss``); None: forward KL.
-
-    Returns:
-        ``(loss scalar, StepMetrics)``. D_k averages over the M_k trained positions of step
-        k (those predicting an assistant token x_{t+k+2}); a step with none contributes 0.
-    """
-    total = target_logits.new_zeros(())
-    losses, accs, counts = [], [], []
-    for k, draft in enumerate(step_logits):
-        sel = ttt_prediction_mask(loss_mask, k, document_ids)  # (B, T)
-        target = shift_left(target_logits, k + 1)[sel]  # (M_k, Vd): distribution of x_{t+k+2}
-        if draft.shape[0] != target.shape[0]:
-            raise ValueError(f"step {k}: {draft.shape[0]} draft positions but {target.shape[0]} selected targets")
-        m = draft.shape[0]
-        counts.append(m)
-        if m == 0:
-            losses.append(0.0), accs.append(0.0)
-            continue
-        draft = draft.float()
-        kl = (loss or LossSpec())(target, draft).sum()
-        kl = kl / (denominators[k] if denominators is not None else m)
-        total = total + (gamma**k) * kl
-        losses.append(kl.item())
-        with torch.no_grad():
-            accs.append((draft.argmax(-1) == target.argmax(-1)).float().mean().item())
-    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)
-
-
 @dataclass
 class HeadTargets:
     """What K multi-token heads train on, gathered at the positions that have a label.
@@ -325,48 +271,3 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
     positions = masks.any(0)  # (B, T)
     tokens = window[positions]  # (M, K+2)
     return HeadTargets(positions, tokens, tokens[:, 2:].T.contiguous(), masks[:, positions])
-
-
-def head_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    label_mask: torch.Tensor,
-    decay: float = 0.8,
-    denominators: list[float] | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, StepMetrics]:
-    """Per-head cross-entropy ``sum_k decay**k * CE_k`` against hard labels (Medusa-1 /
-    IBM MLP speculator; SPEC.md section 4).
-
-    The unchunked reference: it takes the ``(K, M, V)`` logits and reads counts and metrics back
-    to the host. Training computes the same loss without either (``HeadMethod.compute_loss``:
-    :func:`chunked_distill` per head inside the model's forward).
-
-    Args:
-        logits: ``(K, M, V)`` every head's logits at the M gathered positions (full target vocab).
-        labels: ``(K, M)`` the token each head should predict (x_{t+k+2}).
-        label_mask: ``(K, M)`` bool, positions that count for head k.
-        decay: head weight base (Medusa: 0.8).
-        denominators: per-head normalisers replacing the local count M_k (data parallel: the
-            global count / world size, as in :func:`ttt_loss`); a list or a ``(K,)`` tensor.
-
-    Returns:
-        ``(loss scalar, StepMetrics)``: ``loss[k]`` mean CE in nats/token, ``acc[k]`` top-1
-        accuracy (argmax == label), ``tokens[k]`` positions counted; a head with none gives 0.
-    """
-    total = logits.sum() * 0.0  # keeps the graph: a micro-batch without labels still backpropagates
-    losses, accs, counts = [], [], []
-    for k in range(logits.shape[0]):
-        sel = label_mask[k]
-        m = int(sel.sum())
-        counts.append(m)
-        if m == 0:
-            losses.append(0.0), accs.append(0.0)
-            continue
-        head = logits[k][sel].float()  # (M_k, V), one head at a time: fp32 copies stay small
-        target = labels[k][sel]
-        ce = F.cross_entropy(head, target, reduction="sum") / (denominators[k] if denominators is not None else m)
-        total = total + (decay**k) * ce
-        losses.append(ce.item())
-        with torch.no_grad():
-            accs.append((head.argmax(-1) == target).float().mean().item())
-    return total, StepMetrics(loss=losses, acc=accs, tokens=counts)

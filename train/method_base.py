@@ -261,8 +261,8 @@ class HeadMethod(TargetDataMethod):
 
     def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """``sum_k decay**k * CE_k``, ``CE_k`` head k's summed cross-entropy over its labelled
-        positions divided by the (global, data parallel) count; equals
-        :func:`~draftsmith.train.losses.head_loss` on the ``(K, M, V)`` logits without building them.
+        positions divided by the (global, data parallel) count; the value and gradients of the
+        per-head cross-entropy over ``(K, M, V)`` logits, without building them (tests compare the two).
         Every head runs on the union of positions, weight 0 where it has no label. Metrics
         ``loss``, ``loss_{k}``, ``acc_{k}`` are detached 0-dim device tensors. No host read when
         the batch carries its plan (:meth:`batch_plan`); otherwise (validation, tests) the plan is

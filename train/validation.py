@@ -150,37 +150,6 @@ def accepted_sums(step_alphas: list[dict[float, torch.Tensor]], step_masks: list
     return out
 
 
-def simulated_chain(step_logits: list[torch.Tensor], step_masks: list[torch.Tensor],
-                    target_full_logits: Callable[[int], torch.Tensor], d2t: torch.Tensor,
-                    temperatures: list[float], draft_sampling: str = "greedy") -> dict[str, torch.Tensor]:
-    """Accepted-token sums of the simulated K-token chains of one batch (:func:`chain_alphas`
-    per step, :func:`accepted_sums`); training's validation evaluates the same in chunks of rows
-    inside the draft's forward instead (``Eagle3Method.validation_sums``).
-
-    Args:
-        step_logits: K tensors ``(M_k, Vd)``: draft logits of step k at the positions
-            ``step_masks[k]`` selects (row-major), as the TTT forward returns them.
-        step_masks: K ``(B, T)`` bool masks (:func:`~draftsmith.models.eagle3.ttt_prediction_mask`).
-        target_full_logits: ``k -> (M_k, V)`` the target's full-vocab logits of the token step k
-            drafts, at the same positions.
-        d2t: ``(Vd,)`` offsets, target id = draft id + ``d2t[draft id]``.
-        temperatures: sampling temperatures simulated (0: greedy verification).
-        draft_sampling: ``"greedy"`` (vLLM's EAGLE proposer: q one-hot at the argmax) or ``"sample"``.
-
-    Returns:
-        ``{"chains": ()`` number of chains, ``"accepted_T": (K,)`` summed ``prod_{j<=k} alpha_j``
-        over the chains, per temperature T}. Chains are the positions every step selects.
-
-    Raises:
-        ValueError: unknown ``draft_sampling``.
-    """
-    if draft_sampling not in ("greedy", "sample"):
-        raise ValueError(f"draft_sampling={draft_sampling!r}: 'greedy' or 'sample'")
-    alphas = [chain_alphas(step_logits[k], target_full_logits(k), d2t, temperatures, draft_sampling)
-              if bool(step_masks[k].any()) else None for k in range(len(step_logits))]
-    return accepted_sums(alphas, step_masks, temperatures)
-
-
 def full_vocab_logits(final_hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """``(M, V)`` float32 target logits of ``final_hidden (M, H)`` (the target's normed final
     states) through the full ``lm_head [V, H]`` (kept in its own dtype: a bf16 head is not copied
@@ -203,7 +172,7 @@ class ValidationSpec:
 
 def summarise_validation(sums: dict[str, float], spec: ValidationSpec) -> dict[str, float]:
     """Metrics from the summed validation counters (``name`` / ``name_count`` pairs, and the
-    chain sums of :func:`simulated_chain`): ``val_loss_k`` / ``val_acc_k`` token means,
+    chain sums of :func:`accepted_sums`): ``val_loss_k`` / ``val_acc_k`` token means,
     ``val_loss`` (their ``step_weights`` sum, or the ``loss`` mean), ``val_sim_al`` (T=0) /
     ``val_sim_al_t{T}`` and ``val_sim_rate_k`` (T=0 per-position acceptance), ``val_chains``."""
     K, temperatures = spec.num_draft_tokens, spec.temperatures
