@@ -64,6 +64,10 @@ class RegenerateConfig(_Strict):
                              "spread round-robin over the servers.")
     max_retries: int = Field(5, ge=0, description="vllm-server: retries per request on transient errors "
                              "(connection errors, 408/409/429/5xx), with exponential backoff.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="GPUs one regeneration engine shards the target over; null: the data plan's "
+        "smallest that leaves room for the KV cache (draftsmith prepare --dry-run prints it). With vllm-server, "
+        "data_parallel_size = the node's GPUs / this, so every GPU of the node regenerates.")
     server_urls: list[str] = Field(
         default_factory=list, description="vllm-server: OpenAI base URLs of servers you run yourself "
         "(e.g. http://host:8000/v1), queried round-robin; empty: one server is started from the recipe's vllm "
@@ -125,7 +129,17 @@ class DataConfig(_Strict):
     expected_tokens: int | None = Field(
         None, ge=1, description="Approximate training tokens, for the dry run's disk estimate (offline shards)."
     )
-    sequences_per_shard: int = Field(128, ge=1, description="Sequences per hidden-state shard file (the unit of resume and of rank sharding).")
+    sequences_per_shard: int = Field(128, ge=1, description="Sequences per hidden-state shard file (the unit of resume and of rank sharding); "
+                                     "with shard_bytes set, the most a shard holds.")
+    shard_bytes: int | None = Field(
+        None, ge=1, description="Bytes per hidden-state shard (a few GB on GPU nodes): records are cut into shards "
+        "of at most this many bytes at the storage dtype, so a capturing process holds about one shard in host "
+        "memory; null: sequences_per_shard alone. Must hold one sequence of data.max_length tokens.")
+    capture_placement: Literal["auto", "node", "rank"] = Field(
+        "auto", description="Where the data stage runs under a multi-process launcher: 'node': one child process "
+        "per node (local rank 0) regenerates and captures with tensor parallelism over the node's GPUs; 'rank': "
+        "regeneration in one child per node, then each rank captures its own shards with an engine bound to its "
+        "own device; 'auto': 'rank' when the target fits one device, else 'node' (the plan prints which).")
     capture_batch_tokens: int = Field(4096, ge=16, description="Padded tokens per target forward when capturing with transformers.")
     num_proc: int = Field(1, ge=1, description="Processes for the tokenize stage (datasets map num_proc).")
     max_samples: int | None = Field(

@@ -116,20 +116,24 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
 
     Yields ``{"base_url", "port", "pgid", "command"}``. The server runs in its own process
     group (a new session), so a Ctrl-C at the terminal reaches only this process, whose
-    ``finally`` then stops the group.
+    ``finally`` then stops the group; if this process is killed outright, the server and its
+    engine processes die with it (:func:`draftsmith.data_prep.procs.bound_command`).
 
     Raises:
         ServerStartError: the server exited, or ``/health`` did not answer 200 within
             ``opts.startup_timeout_s``; the message holds the log tail.
     """
+    from .data_prep.procs import bound_command
     from .runtime import configure_vllm_env
 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
     cmd = server_command(target, port, spec, opts)
     with command_log(log_path, cmd) as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        # bound to this process: a SIGKILL of it (which runs no finally) still stops the server
+        # and its engine processes (parent-death signals, data_prep/procs.py)
+        proc = subprocess.Popen(bound_command(cmd), stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + opts.startup_timeout_s

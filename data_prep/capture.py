@@ -1,6 +1,6 @@
 """Target hidden-state capture: forward pre-hooks on the aux layers, and the capture engines.
 
-Capture follows vLLM's EAGLE-3 convention (SPEC.md section 1): aux id ``L`` is the
+Capture follows vLLM's EAGLE-3 convention: aux id ``L`` is the
 residual stream *after L decoder layers*, i.e. the input of decoder layer ``L`` (``L=0``
 is the embedding output); it is taken with a forward pre-hook on ``layers[L]``, which works
 for any decoder stack (Llama, Qwen, gpt-oss). The final state is the base model's
@@ -72,10 +72,13 @@ def capture_batch(
 
 
 class CaptureEngine(Protocol):
-    """What ``generate_hidden_states`` runs: yields ``(j, aux (T_j, 3H), final (T_j, H))`` on
-    CPU once for every record ``j`` of ``records`` (any order), for the layer ids the engine
-    was built with. Yielding per sequence lets the writer encode each one at once, so only
-    one batch is ever held at compute precision."""
+    """What ``generate_hidden_states`` runs: yields ``(j, aux (T_j, 3H), final (T_j, H))`` once
+    for every record ``j`` of ``records`` (any order; the shard stores them in that order), for
+    the layer ids the engine was built with, in any float dtype and on any device: the shard
+    writer encodes them on that device and copies them to the host on its own thread, while the
+    engine computes the next batch. Yielding per sequence lets the writer stream each one to
+    disk at once, so no shard is ever assembled in memory. An engine may have ``close()``
+    (release GPUs, stop workers); ``generate_hidden_states`` calls it when it is done."""
 
     name: str
 
@@ -84,7 +87,8 @@ class CaptureEngine(Protocol):
 
 class TransformersCapture:
     """The transformers engine: ``capture_batch`` over length-sorted batches of at most
-    ``batch_tokens`` padded tokens."""
+    ``batch_tokens`` padded tokens; yields each record's rows of the batch, on the model's
+    device (views: the batch stays alive until the writer has copied its rows)."""
 
     name = "transformers"
 
@@ -104,7 +108,7 @@ class TransformersCapture:
             aux, fin = capture_batch(self.model, ids.to(device), att.to(device), self.layer_ids)
             for b, j in enumerate(batch):
                 n = len(records[j]["input_ids"])
-                yield j, aux[b, :n].cpu(), fin[b, :n].cpu()
+                yield j, aux[b, :n], fin[b, :n]
 
 
 class LazyCapture:
@@ -119,6 +123,12 @@ class LazyCapture:
             self._engine = self._factory()
         yield from self._engine.capture(records)
 
+    def close(self) -> None:
+        """Close the built engine, if any and if it has ``close()``; idempotent."""
+        engine, self._engine = self._engine, None
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
 
 
 def _length_batches(chunk: list[dict], batch_tokens: int) -> Iterator[list[int]]:

@@ -92,9 +92,11 @@ class VllmChatEngine:
 
     def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
         from ..runtime import configure_vllm_env
+        from .procs import install_child_reaper
 
         engine = engine or VllmConfig()
         kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)
+        install_child_reaper()  # the EngineCore dies with this process, SIGKILL included
         configure_vllm_env(engine)
         from vllm import LLM
 
@@ -522,6 +524,7 @@ def iter_regenerated(
     seed: int = 0,
     fingerprint_base: dict | None = None,
     window: int = REGEN_WINDOW,
+    share: tuple[int, int] | None = None,
 ) -> Iterator[dict]:
     """Regenerate the assistant turns of ``records`` (``{"id", "messages"}``), streaming: the
     records are taken ``window`` at a time, that window's missing or stale replies generated and
@@ -547,6 +550,10 @@ def iter_regenerated(
         fingerprint_base: ``{"target", "chat_template_sha256", "engine"}`` of this run (see
             :func:`target_id`, :func:`chat_template_sha256`, :data:`ENGINE_FAMILY`).
         window: conversations per window (:data:`REGEN_WINDOW`).
+        share: ``(node, nodes)``: only the records ``i % nodes == node`` (``i``: the position in
+            ``records``, which also picks the temperature, so every node samples each record as
+            one process would) are regenerated and yielded; the others are skipped. Each node
+            writes its own ``cache_path``; merged, the caches equal one process's.
 
     Yields:
         Records in input order with the target's replies (``"temperature"``, ``"fingerprint"``,
@@ -571,6 +578,10 @@ def iter_regenerated(
     index = _CacheIndex(cache_path)
     numbered = enumerate(records)
     total = len(records) if hasattr(records, "__len__") else None
+    if share is not None:
+        node, nodes = share
+        numbered = ((i, r) for i, r in numbered if i % nodes == node)
+        total = None if total is None else len(range(node, total, nodes))
     engine = None
     stale, n_generated = collections.Counter(), 0
     bar = tqdm(total=total, desc="regenerate", unit="conv", disable=not progress)

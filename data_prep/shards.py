@@ -2,17 +2,25 @@
 
 Shard layout (``<dir>/shard-00000.safetensors``), one row per token, sequences concatenated:
 ``aux_hidden_states [N, 3H]``, ``final_hidden_states [N, H]`` (storage dtype),
-``input_ids [N]`` int32, ``loss_mask [N]`` uint8, ``offsets [S+1]`` int64.
+``input_ids [N]`` int32, ``loss_mask [N]`` uint8, ``offsets [S+1]`` int64. Shards written by
+:class:`ShardWriter` store the sequences in the order the capture engine produced them (the
+manifest's ``ids`` follow that order) and put ``aux_hidden_states`` first in the data section;
+readers go by the safetensors header, so any order of the tensors in the file reads the same.
 With ``dtype: float8_e4m3fn`` the states are stored row-scaled (see ``encode_fp8``) and two
 more tensors hold the scales: ``aux_hidden_states_scale [N, 3]`` and
 ``final_hidden_states_scale [N, 1]`` (float32); the manifest's ``encoding`` names the scheme
 (absent in shards written before it existed = plain). Readers decode fp8 to float32 on the
 CPU by default, or hand out the fp8 payload and scales for :func:`decode_states` to decode
 on the device after the host-to-device copy (``ShardReader(decode_dtype=None)``).
-``manifest.json`` lists every finished shard with its sequence/token counts, ``sha256`` and
-``bytes`` (file size), both computed from the bytes in memory as the shard is written (no
-re-read). Shards and the manifest are written atomically (temp file, fsync, rename), so a
-killed run resumes at the first missing shard.
+Which records go into which shard is fixed by the record lengths alone
+(:func:`shard_bounds`): at most ``sequences_per_shard`` records and, with ``shard_bytes``, at
+most that many bytes (:func:`bytes_per_token` per token), so every rank and node derives the
+same shards. ``manifest.json`` lists every finished shard with its sequence/token counts,
+``sha256`` and ``bytes`` (file size), both computed from the bytes as they are written (no
+re-read); its header records ``shard_bytes`` and ``num_shards`` (older manifests without them
+have ``ceil(num_records / sequences_per_shard)`` shards). Shards and the manifest are written
+atomically (temp file, fsync, rename), so a killed run resumes at the first missing shard, and
+a full disk raises :class:`DiskFullError` with the temp file removed and earlier shards intact.
 
 Opening a shard directory (:class:`ShardReader`) checks every shard cheaply by default
 (``verify="header"``: the file exists, its size is the manifest's ``bytes``, and its safetensors
@@ -30,16 +38,20 @@ a killed rank resumes like a single process does.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as save_bytes
 
 from ..recipe import safe_path
 
@@ -60,6 +72,43 @@ FP8_ENCODING = {
 
 class ShardError(RuntimeError):
     """A shard disagrees with its manifest (shape, dtype, checksum) or is unreadable."""
+
+
+class DiskFullError(ShardError):
+    """A shard or manifest did not fit on the disk; the message (one line) names the file and
+    the bytes it needs. The partial file is removed; finished shards and the manifest are
+    intact, so a rerun after freeing space resumes."""
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` or an exception in its cause / context chain is a full disk or quota:
+    an ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or a library error that wraps one in its
+    message (safetensors reports ``No space left on device`` in a ``SafetensorError``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(os.strerror(e) in str(exc) for e in _DISK_FULL_ERRNOS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def check_free_space(directory: Path | str, need_bytes: int, what: str) -> None:
+    """Refuse to start writing ``what`` (``need_bytes`` bytes) into ``directory`` when its
+    file system has less free space (``shutil.disk_usage``).
+
+    Raises:
+        DiskFullError: one line naming ``directory``, ``what`` and both byte counts.
+    """
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes:
+        raise DiskFullError(f"{directory}: {what} needs {need_bytes} bytes but the disk has {free} free; "
+                            "free space and rerun (finished files are kept)")
 
 
 @dataclass
@@ -146,36 +195,225 @@ def encode_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[st
     return {"aux_hidden_states": aux.to(t), "final_hidden_states": final.to(t)}
 
 
+def _temp_path(path: Path) -> Path:
+    """Where ``path`` is written before its atomic rename (one per process)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def _removed_on_error(tmp: Path, path: Path, need_bytes: int) -> Iterator[None]:
+    """Remove ``tmp`` when the body raises; a full disk becomes :class:`DiskFullError`."""
+    try:
+        yield
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(f"{path}: disk full: the file needs {need_bytes} bytes, {free} free after removing "
+                                "its partial write; free space and rerun (finished shards are kept)") from exc
+        raise
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` through a fsynced temp file and an atomic rename.
+
+    Raises:
+        DiskFullError: the disk filled up (``path`` is left as it was, the temp file removed).
+    """
+    tmp = _temp_path(path)
+    with _removed_on_error(tmp, path, len(data)):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
 
-def save_file(tensors: dict[str, torch.Tensor], path: Path | str, data: bytes | None = None) -> None:
-    """Write the safetensors file of ``tensors`` to ``path`` and fsync it; ``data``: its
-    serialised bytes when the caller already has them (see :func:`write_shard`)."""
-    if data is None:
-        data = save_bytes({k: v.contiguous() for k, v in tensors.items()})
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Bytes one token takes in a shard of storage ``dtype``: aux ``3H`` and final ``H`` states,
+    fp8's four float32 row scales, the int32 token id and the uint8 loss mask (the header and
+    the 8 bytes per sequence of ``offsets`` come on top)."""
+    states = 4 * hidden_size * getattr(torch, dtype).itemsize
+    scales = 4 * 4 if dtype == "float8_e4m3fn" else 0
+    return states + scales + 4 + 1
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """Write a safetensors shard atomically; returns ``(sha256, bytes)`` of the file, hashed in
-    memory from the serialised bytes (the file is never re-read)."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    data = save_bytes(tensors)
-    sha = hashlib.sha256(data).hexdigest()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, tmp, data=data)
-    os.replace(tmp, path)
-    return sha, len(data)
+def shard_bounds(lengths: Sequence[int] | np.ndarray, sequences_per_shard: int, shard_bytes: int | None = None,
+                 token_bytes: int = 1) -> list[int]:
+    """Cut records into shards, in record order: each shard takes records until the next one
+    would make it exceed ``sequences_per_shard`` records or (``shard_bytes`` set)
+    ``shard_bytes`` bytes at ``token_bytes`` per token (:func:`bytes_per_token`). Depends on
+    the lengths alone, so every rank and node computes the same shards.
+
+    Args:
+        lengths: tokens per record, ``(R,)``.
+
+    Returns:
+        ``num_shards + 1`` record indices: shard i holds records ``[b[i], b[i + 1])``.
+
+    Raises:
+        ValueError: ``shard_bytes`` cannot hold the longest record, naming ``data.shard_bytes``
+            and the bytes that record needs.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if shard_bytes is None:
+        return list(range(0, len(lengths), sequences_per_shard)) + [len(lengths)]
+    longest = int(lengths.max(initial=0))
+    if longest * token_bytes > shard_bytes:
+        raise ValueError(f"data.shard_bytes={shard_bytes} cannot hold one sequence of the longest record "
+                         f"({longest} tokens x {token_bytes} bytes = {longest * token_bytes} bytes); "
+                         f"raise it to at least {longest * token_bytes}")
+    bounds, count, size = [0], 0, 0
+    for i, n in enumerate((lengths * token_bytes).tolist()):
+        if count and (count == sequences_per_shard or size + n > shard_bytes):
+            bounds.append(i)
+            count, size = 0, 0
+        count, size = count + 1, size + n
+    if count:
+        bounds.append(len(lengths))
+    return bounds
+
+
+def num_shards(manifest: dict) -> int:
+    """Shards a finished directory holds: the manifest's ``num_shards``, else (manifests written
+    before it was recorded) ``ceil(num_records / sequences_per_shard)``."""
+    if manifest.get("num_shards") is not None:
+        return int(manifest["num_shards"])
+    return -(-manifest["num_records"] // manifest["sequences_per_shard"])
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+
+
+class ShardWriter:
+    """One shard streamed to disk as its sequences arrive, without assembling it in memory.
+
+    The sizes are known up front (``lengths``), so the safetensors header is written first;
+    then each :meth:`add` encodes that sequence's states (:func:`encode_states`, on the device
+    they are on), copies them to the host and appends the ``aux_hidden_states`` rows to the file
+    at once, hashing every byte as it goes out. The rest (final states, fp8 scales, ids, mask,
+    offsets; ``N * (bytes_per_token - 3H * itemsize)`` bytes) waits in preallocated host
+    buffers until :meth:`finish` appends it, fsyncs and renames the temp file into place.
+    Sequences are stored in the order they are added.
+
+    Data section order: ``aux_hidden_states``, then the others by descending element size
+    (``offsets``, the scales, ``input_ids``, ``final_hidden_states``, ``loss_mask``), so each
+    starts aligned to its element size when ``3H`` is a multiple of 8.
+
+    Not thread-safe: one thread calls :meth:`add` / :meth:`finish` / :meth:`abort`.
+
+    Raises (any method):
+        DiskFullError: the disk filled up; the temp file is removed.
+        ShardError: more sequences or tokens than announced, or :meth:`finish` before all.
+    """
+
+    def __init__(self, path: Path, spec: ShardSpec, lengths: Sequence[int]):
+        self.path, self.spec = Path(path), spec
+        self.num_sequences, self.num_tokens = len(lengths), int(sum(lengths))
+        N, H = self.num_tokens, spec.hidden_size
+        state = getattr(torch, spec.dtype)
+        self._tail: dict[str, torch.Tensor] = {  # host buffers, filled in the order sequences arrive
+            "final_hidden_states": torch.empty(N, H, dtype=state),
+            "input_ids": torch.empty(N, dtype=torch.int32),
+            "loss_mask": torch.empty(N, dtype=torch.uint8),
+            "offsets": torch.zeros(self.num_sequences + 1, dtype=torch.int64),
+        }
+        if spec.encoding is not None:
+            self._tail["aux_hidden_states_scale"] = torch.empty(N, 3, dtype=torch.float32)
+            self._tail["final_hidden_states_scale"] = torch.empty(N, 1, dtype=torch.float32)
+        order = sorted(self._tail, key=lambda k: (-self._tail[k].element_size(), k))
+        layout = [("aux_hidden_states", state, [N, 3 * H])] + [(k, self._tail[k].dtype, list(self._tail[k].shape))
+                                                              for k in order]
+        header, start = {}, 0
+        for name, dtype, shape in layout:
+            end = start + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [start, end]}
+            start = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)  # the data section starts 8-byte aligned
+        self.size = 8 + len(raw) + start  # the file's bytes
+        self._order = order
+        self._tokens = self._sequences = 0
+        self._sha = hashlib.sha256()
+        self._tmp = _temp_path(self.path)
+        self._fd: int | None = None
+        with self._guard():
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._write(memoryview(len(raw).to_bytes(8, "little") + raw))
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """On error: close the file, then remove it (a full disk frees its space only then)."""
+        with _removed_on_error(self._tmp, self.path, self.size):
+            try:
+                yield
+            except BaseException:
+                self._close()
+                raise
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._tail = {}
+
+    def _write(self, data: memoryview) -> None:
+        self._sha.update(data)
+        _write_all(self._fd, data)
+
+    def _write_tensor(self, t: torch.Tensor) -> None:
+        host = t.detach().to("cpu").contiguous().reshape(-1)
+        self._write(memoryview(host.view(torch.uint8).numpy()))
+
+    def add(self, input_ids: Sequence[int] | torch.Tensor, loss_mask: Sequence[int] | torch.Tensor,
+            aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Append one sequence: ``input_ids`` / ``loss_mask`` ``(T,)``, ``aux (T, 3H)`` and
+        ``final (T, H)`` in any float dtype, on any device (encoded there, then copied)."""
+        n = len(input_ids)
+        a, b = self._tokens, self._tokens + n
+        with self._guard():
+            if self._sequences == self.num_sequences or b > self.num_tokens:
+                raise ShardError(f"{self.path}: sequence {self._sequences + 1} of {n} tokens does not fit the "
+                                 f"{self.num_sequences} sequences / {self.num_tokens} tokens announced")
+            states = encode_states(aux, final, self.spec.dtype)
+            self._write_tensor(states.pop("aux_hidden_states"))
+            for key, t in states.items():
+                self._tail[key][a:b].copy_(t)
+            self._tail["input_ids"][a:b] = torch.as_tensor(input_ids, dtype=torch.int32)
+            self._tail["loss_mask"][a:b] = torch.as_tensor(loss_mask, dtype=torch.uint8)
+            self._sequences += 1
+            self._tokens = b
+            self._tail["offsets"][self._sequences] = b
+
+    def finish(self) -> tuple[str, int]:
+        """Write the buffered tensors, fsync, and rename the temp file to ``path``.
+
+        Returns:
+            ``(sha256 hex, bytes)`` of the file.
+        """
+        with self._guard():
+            if self._sequences != self.num_sequences:
+                raise ShardError(f"{self.path}: finished after {self._sequences} of {self.num_sequences} sequences")
+            for key in self._order:
+                self._write_tensor(self._tail[key])
+            os.fsync(self._fd)
+            self._close()
+            os.replace(self._tmp, self.path)
+        return self._sha.hexdigest(), self.size
+
+    def abort(self) -> None:
+        """Drop an unfinished shard: close and remove the temp file (no-op once finished)."""
+        if self._fd is not None:
+            self._close()
+            self._tmp.unlink(missing_ok=True)
 
 
 def _read_json(f: Path) -> dict:
@@ -185,7 +423,7 @@ def _read_json(f: Path) -> dict:
         raise ShardError(f"{f}: corrupt manifest ({exc})") from exc
 
 
-HEADER_KEYS = ("hidden_size", "aux_layer_ids", "dtype", "num_records", "sequences_per_shard")
+HEADER_KEYS = ("hidden_size", "aux_layer_ids", "dtype", "num_records", "sequences_per_shard", "shard_bytes")
 
 
 def load_manifest(directory: Path) -> dict | None:
@@ -384,7 +622,7 @@ class ShardReader:
         if manifest is None:
             raise ShardError(f"{self.dir}: no {MANIFEST}; run the hidden-states stage first")
         self.manifest = manifest
-        expected = (manifest["num_records"] + manifest["sequences_per_shard"] - 1) // manifest["sequences_per_shard"]
+        expected = num_shards(manifest)
         if len(manifest["shards"]) != expected:
             raise ShardError(
                 f"{self.dir}: manifest lists {len(manifest['shards'])} of {expected} shards; "
@@ -442,19 +680,21 @@ class ShardReader:
 
 
 def _st_dtype(name: str) -> str:
-    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}[name]
+    return _ST_DTYPES[getattr(torch, name)]
 
 
 def convert_shards(src: Path, dst: Path, dtype: str, progress: bool = True) -> dict:
-    """Re-encode a finished shard directory into storage ``dtype`` (e.g. bf16 -> fp8), shard by
-    shard, with the same token ids, masks, offsets and shard boundaries; resumable like
-    ``generate_hidden_states`` (a shard already in ``dst``'s manifest is kept).
+    """Re-encode a finished shard directory into storage ``dtype`` (e.g. bf16 -> fp8), sequence
+    by sequence through a :class:`ShardWriter`, with the same token ids, masks, offsets, order
+    and shard boundaries; resumable like ``generate_hidden_states`` (a shard already in
+    ``dst``'s manifest is kept).
 
     Returns:
         The new manifest (also ``dst/manifest.json``) with ``bytes_per_token`` of both sides.
 
     Raises:
         ShardError: ``src`` is incomplete or corrupt, or ``dst`` holds shards of another spec.
+        DiskFullError: ``dst``'s disk filled up (finished shards are kept; rerun to resume).
     """
     from tqdm.auto import tqdm
 
@@ -475,12 +715,15 @@ def convert_shards(src: Path, dst: Path, dtype: str, progress: bool = True) -> d
         if s["index"] in done and (dst / s["file"]).is_file():
             continue
         fh = source._fh(s["file"])
-        n = s["num_tokens"]
-        tensors = encode_states(source._states(fh, "aux_hidden_states", 0, n),
-                                source._states(fh, "final_hidden_states", 0, n), dtype)
-        for key in ("input_ids", "loss_mask", "offsets"):
-            tensors[key] = fh.get_tensor(key)
-        sha, size = write_shard(dst / s["file"], tensors)
+        offsets = fh.get_tensor("offsets").tolist()
+        writer = ShardWriter(dst / s["file"], spec, [b - a for a, b in zip(offsets, offsets[1:])])
+        try:
+            for a, b in zip(offsets, offsets[1:]):
+                writer.add(fh.get_slice("input_ids")[a:b], fh.get_slice("loss_mask")[a:b],
+                           source._states(fh, "aux_hidden_states", a, b), source._states(fh, "final_hidden_states", a, b))
+            sha, size = writer.finish()
+        finally:
+            writer.abort()
         done[s["index"]] = dict(s, sha256=sha, bytes=size)
         atomic_write_bytes(dst / MANIFEST, json.dumps(dict(header, shards=[done[i] for i in sorted(done)]),
                                                       indent=1).encode())
@@ -514,7 +757,7 @@ def verify_shards(directory: Path | str, progress: bool = True) -> dict:
         if not out["problems"]:
             out["problems"].append(f"{directory}: no {MANIFEST}; run the hidden-states stage first")
         return out
-    expected = (manifest["num_records"] + manifest["sequences_per_shard"] - 1) // manifest["sequences_per_shard"]
+    expected = num_shards(manifest)
     if len(manifest["shards"]) != expected:
         out["problems"].append(f"{directory}: manifest lists {len(manifest['shards'])} of {expected} shards "
                                "(the hidden-states stage did not finish)")

@@ -15,9 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +276,66 @@ def load_target_head_tensors(path: Path) -> dict[str, torch.Tensor]:
             "final_norm": FINAL_NORM_NAMES,
         },
     )
+
+
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "targets"  # shipped config.json of GPU targets
+
+
+def bundled_target_config(name_or_path: str) -> Path | None:
+    """The ``config.json`` shipped for a hub target: ``recipes/targets/<org>/<name>/config.json``
+    (the hub id as a path; e.g. ``recipes/targets/openai/gpt-oss-120b/config.json``), or None."""
+    if not name_or_path or name_or_path.startswith((EMBEDDED_PREFIX, "/", ".", "~")):
+        return None
+    path = TARGETS_DIR / name_or_path / "config.json"
+    return path if path.is_file() else None
+
+
+def load_config_json(recipe: "Recipe", target_config: Path | None) -> tuple[dict[str, Any], str]:
+    """The target's ``config.json`` contents and where they came from: ``target_config`` (a file,
+    or a directory holding ``config.json``); else the target directory (local or embedded); else
+    :func:`bundled_target_config`; else the hub (the config only).
+
+    Raises:
+        FileNotFoundError: ``target_config`` does not exist; the hub cannot be reached and no
+            copy is shipped (the message names ``--target-config``).
+        ValueError: the file is not a JSON object.
+    """
+    if target_config is not None:
+        path = Path(target_config).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"--target-config {target_config} does not exist")
+        return _read_config(path), str(path)
+    name = recipe.target.name_or_path
+    if name.startswith(EMBEDDED_PREFIX) or Path(name).expanduser().is_dir():
+        path = Path(resolve_target(name)) / "config.json"
+        return _read_config(path), str(path)
+    bundled = bundled_target_config(name)
+    if bundled is not None:
+        return _read_config(bundled), str(bundled)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"cannot fetch the config of '{name}' ({type(exc).__name__}); pass --target-config path/to/config.json"
+        ) from exc
+    return config.to_dict(), f"hub:{name}"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable config.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a config.json (a JSON object)")
+    return data
+
+
+def _text_json(config_json: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a (possibly multimodal) config.json."""
+    text = config_json.get("text_config")
+    return {**config_json, **text} if isinstance(text, dict) else config_json

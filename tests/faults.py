@@ -45,11 +45,12 @@ def hit():
         os.kill(os.getpid(), signal.SIGKILL)
 
 if where == "shard":
-    save = hs.save_file
-    def save_then_maybe_die(tensors, path, *a, **k):
-        save(tensors, path, *a, **k)
-        hit()
-    hs.save_file = save_then_maybe_die
+    rename = os.replace
+    def maybe_die_then_rename(src, dst, *a, **k):
+        if os.path.basename(dst).startswith("shard-"):  # the shard is written and fsynced, not yet published
+            hit()
+        rename(src, dst, *a, **k)
+    hs.os.replace = maybe_die_then_rename
 else:
     gen = rg.TransformersChatEngine.generate
     def maybe_die_then_generate(self, *a, **k):

@@ -86,7 +86,9 @@ def test_gptoss120b_dry_run_figures(tmp_path):
     cfg.save_pretrained(tmp_path)
     r = dry_run(load_recipe(RECIPES / "gptoss120b.yaml"), tmp_path / "config.json")
     assert r["target_layers"] == 36 and r["aux_layer_ids"] == [2, 18, 33]
-    assert r["hidden_state_bytes_per_token"] == 4 * 2880 * 2  # ~23 KB per token in bf16
+    # row-scaled fp8: 1 byte per state value, a float32 scale per aux layer and the final state,
+    # an int32 token id and a uint8 loss mask
+    assert r["hidden_state_bytes_per_token"] == 4 * 2880 * 1 + 4 * 4 + 4 + 1
     assert r["offline_disk_bytes"] == r["hidden_state_bytes_per_token"] * r["expected_tokens"]
     assert r["draft_parameters"]["lm_head"] == 32000 * 2880
     assert r["rope"]["rope_scaling"]["rope_type"] == "yarn"  # the draft copies the target's YaRN
@@ -149,7 +151,7 @@ def test_dry_run_memory_terms_follow_their_dtypes(tmp_path):
     """The frozen embedding and teacher head in the target's dtype, the teacher distribution in
     fp32, the hidden states in data.hidden_states_dtype."""
     cfg = llama_config_file(tmp_path)
-    bf16 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml"), cfg)["estimate"]
+    bf16 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.hidden_states_dtype=bfloat16"]), cfg)["estimate"]
     fp32 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["target.dtype=float32",
                                                               "data.hidden_states_dtype=float32"]), cfg)["estimate"]
     assert bf16["frozen"]["frozen_embedding"] == 128256 * 4096 * 2 and fp32["frozen"]["frozen_embedding"] == 128256 * 4096 * 4

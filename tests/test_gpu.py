@@ -516,7 +516,7 @@ def test_capture_on_cuda_equals_capture_on_cpu(dtype, tiny_target):
 
     def capture(device: str, dt: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         engine = TransformersCapture(model.to(device, dt), TINY_AUX, batch_tokens=128)
-        return {j: (aux, final) for j, aux, final in engine.capture(records)}
+        return {j: (aux.cpu(), final.cpu()) for j, aux, final in engine.capture(records)}  # yielded on the device
 
     want = capture("cpu", torch.float32)
     got = capture(DEVICE, dtype)
@@ -600,3 +600,51 @@ def test_launcher_configs_written_for_the_gpu_tests_pass_draftsmiths_launcher_ch
         if name.startswith("single_gpu"):  # (DeepSpeed's precision is in its JSON, not the YAML)
             assert report.mixed_precision == ("no" if name == "single_gpu_fp32" else "bf16")
 
+
+
+GPTOSS20B = os.environ.get("DRAFTSMITH_GPTOSS20B", "openai/gpt-oss-20b")
+
+
+def _local_checkpoint(name: str) -> Path | None:
+    """A local directory of ``name`` (a path, or a snapshot already in the Hugging Face cache):
+    the GPU machines here have no network, so the test never downloads 13 GB."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not cached
+        return None
+
+
+@gpu_test
+def test_gptoss20b_capture_through_vllm_returns_all_four_states(tmp_path):
+    """Two prompts through vLLM's extract_hidden_states on gpt-oss-20b (MXFP4): the three aux
+    states and the state after the last layer (id N = 24) come back for every token, the final
+    norm applied; vLLM's gpt-oss model emitting id N was never checked on a GPU before."""
+    from draftsmith.data_prep import vllm_hidden_states as vhs
+    from draftsmith.recipe import VllmConfig
+
+    path = _local_checkpoint(GPTOSS20B)
+    if path is None:
+        pytest.skip(f"{GPTOSS20B} is not on this machine (set DRAFTSMITH_GPTOSS20B to a local copy)")
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    ids = [2, n // 2, n - 3]
+    engine = vhs.VllmHiddenStateCapture(path, ids, VllmConfig(dtype="bfloat16", max_model_len=1024,
+                                                              gpu_memory_utilization=0.6),
+                                        work_dir=tmp_path / "work", batch_tokens=4096)
+    try:
+        records = [{"id": f"r{i}", "input_ids": list(range(1000 + 50 * i, 1000 + 50 * i + 40 + i))} for i in range(2)]
+        got = {j: (aux, fin) for j, aux, fin in engine.capture(records)}
+    finally:
+        engine.close()
+    H = cfg["hidden_size"]
+    assert sorted(got) == [0, 1]
+    for j, (aux, fin) in got.items():
+        T = len(records[j]["input_ids"])
+        assert aux.shape == (T, 3 * H) and fin.shape == (T, H)
+        assert torch.isfinite(aux).all() and torch.isfinite(fin).all()
+        # the final norm was applied: each token's state has RMS ~ the norm weight's scale, not the residual's
+        assert not torch.equal(aux[:, 2 * H:], fin)

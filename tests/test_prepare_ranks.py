@@ -74,6 +74,7 @@ def test_two_ranks_prepare_the_same_data_as_one_and_run_early_stages_once(tiny_t
     counter = tmp_path / "calls.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STAGE_COUNTER": str(counter),
            "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29611",
            str(script), str(recipe_path), "--run-dir", str(tmp_path / "two")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -101,3 +102,12 @@ def test_two_ranks_prepare_the_same_data_as_one_and_run_early_stages_once(tiny_t
         for k in t1:
             torch.testing.assert_close(t1[k], t2[k], rtol=1e-5, atol=1e-5)
     assert json.loads((two / "summary.json").read_text())["hidden_states"]["tokens"] == m1["num_tokens"]
+
+    # each rank's engine was built bound to its own device: torchrun sets no CUDA_VISIBLE_DEVICES,
+    # prepare sets it per local rank before any engine (or vLLM) exists, and the engine's processes
+    # inherit it
+    records = [json.loads(f.read_text()) for f in sorted((two / "procs").glob("rank-*.json"))]
+    assert sorted((r["rank"], r["CUDA_VISIBLE_DEVICES"]) for r in records) == [(0, "0"), (1, "1")]
+    capture = sorted((r["rank"], e["CUDA_VISIBLE_DEVICES"]) for r in records for e in r["engines"]
+                     if e["stage"] == "capture")
+    assert capture == [(0, "0"), (1, "1")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,11 @@ def test_vllm_engine_states_match_the_transformers_engine(vllm_run, tiny_target)
     model, _ = load_target(tiny_target)
     ref = {j: (aux, final) for j, aux, final in TransformersCapture(model, TINY_AUX).capture(records)}
     H = model.config.hidden_size
+    from draftsmith.train.validation import dataset_ids
+
+    position = {rid: k for k, rid in enumerate(dataset_ids(ds))}  # shards store records in arrival order
     for i, (aux, final) in sorted(ref.items()):
-        item = ds[i]
+        item = ds[position[records[i]["id"]]]
         assert item["input_ids"].tolist() == records[i]["input_ids"]
         for got, want in ((item["aux_hidden_states"], aux), (item["final_hidden_states"], final)):
             # fp32 on CPU, different kernels: max |diff| per token relative to that token's state norm
@@ -114,3 +118,109 @@ def test_a_training_step_runs_on_vllm_captured_shards(vllm_run):
     result = fit(recipe, Eagle3Method(recipe, run), run, progress=False)
     assert result.steps == 2
     assert math.isfinite(result.last_metrics["loss"]) and result.last_metrics["loss"] > 0
+
+
+# --- the engine itself: work dir, bounded sub-batches, errors, shutdown ---------------------------
+
+def engine_processes() -> list[str]:
+    """Command lines of this process's descendants that are vLLM engine processes (spawned
+    children run ``spawn_main``; vLLM retitles them ``VLLM::EngineCore`` when it can)."""
+    psutil = pytest.importorskip("psutil")
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if ("EngineCore" in cmd or "spawn_main" in cmd) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(cmd)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_sub_batches_hold_at_most_batch_tokens_and_every_record_once():
+    cap = vhs.VllmHiddenStateCapture.__new__(vhs.VllmHiddenStateCapture)
+    cap.batch_tokens = 10
+    records = [{"input_ids": [0] * n} for n in (3, 4, 3, 12, 1, 9, 10)]
+    subs = list(cap.sub_batches(records))
+    assert [list(s) for s in subs] == [[0, 1, 2], [3], [4, 5], [6]]  # a record longer than the budget is alone
+    assert list(cap.sub_batches([])) == []
+
+
+@needs_vllm
+def test_fewer_states_than_asked_is_an_error_naming_the_model_class(tmp_path):
+    from safetensors.torch import save_file
+
+    cap = vhs.VllmHiddenStateCapture.__new__(vhs.VllmHiddenStateCapture)
+    cap.architecture, cap.layer_ids, cap.num_layers, cap.device = "GptOssForCausalLM", [1, 3, 4], 6, torch.device("cpu")
+    path = tmp_path / "req.safetensors"
+    save_file({"hidden_states": torch.zeros(5, 3, 8), "token_ids": torch.arange(5)}, str(path))
+    (tmp_path / "req.safetensors.lock").touch()
+    with pytest.raises(RuntimeError, match=r"returned 3 hidden states .*GptOssForCausalLM, asked for 4 "
+                                           r"\(layer ids \[1, 3, 4, 6\]\)"):
+        cap._read({"id": "r0", "input_ids": list(range(5))}, str(path))
+
+
+@pytest.fixture(scope="module")
+def capture_engine(tiny_target, tmp_path_factory):
+    from draftsmith.recipe import VllmConfig
+
+    from conftest import CPU_VLLM
+
+    work = tmp_path_factory.mktemp("vllm_capture") / "hidden_states" / ".vllm-work"
+    work.mkdir(parents=True)
+    for stale in ("killed-req.safetensors", "killed-req.safetensors.lock"):  # a killed run's leftovers
+        (work / stale).write_bytes(b"x")
+    engine = vhs.VllmHiddenStateCapture(tiny_target, TINY_AUX, VllmConfig(**dict(CPU_VLLM, max_model_len=256)),
+                                        work_dir=work, batch_tokens=64)
+    yield engine, work
+    engine.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_capture_engine_reads_bounded_sub_batches_from_its_work_dir_and_closes(capture_engine, tiny_target,
+                                                                               monkeypatch):
+    import tempfile
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
+
+    engine, work = capture_engine
+    assert list(work.iterdir()) == []  # leftovers removed at start
+    temp_before = set(Path(tempfile.gettempdir()).glob("draftsmith-vllm-hs-*"))
+    g = torch.Generator().manual_seed(0)
+    records = [{"id": f"r{i}", "input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}
+               for i, n in enumerate([20, 30, 10, 40, 25, 5, 33, 18])]
+    subs = [len(s) for s in engine.sub_batches(records)]
+    assert len(subs) > 2
+    held = []
+    load = conn.load_hidden_states
+
+    def counting_load(path):
+        held.append(len(list(work.glob("*.safetensors"))))
+        return load(path)
+
+    monkeypatch.setattr(conn, "load_hidden_states", counting_load)
+    got = {}
+    for j, aux, final in engine.capture(records):
+        assert aux.device == final.device == engine.device
+        got[j] = (aux.float().cpu(), final.float().cpu())
+    assert sorted(got) == list(range(len(records)))
+    assert 0 < max(held) <= max(subs) < len(records)  # never more than one sub-batch of files at once
+    assert list(work.iterdir()) == []
+    assert set(Path(tempfile.gettempdir()).glob("draftsmith-vllm-hs-*")) == temp_before
+
+    model, _ = load_target(tiny_target)
+    H = model.config.hidden_size
+    for j, aux, final in TransformersCapture(model, TINY_AUX).capture(records):
+        for a, b in ((got[j][0], aux), (got[j][1], final)):  # fp32 on CPU, different kernels (as above)
+            scale = b.reshape(len(b), -1, H).norm(dim=-1).repeat_interleave(H, dim=-1)
+            assert ((a - b).abs() / scale).max() < 1e-3, j
+
+    assert engine_processes()
+    engine.close()
+    engine.close()  # idempotent
+    deadline = time.monotonic() + 30
+    while engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert engine_processes() == []
+    assert not work.exists()  # the given work dir, empty, is removed with the engine

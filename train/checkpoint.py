@@ -17,10 +17,13 @@ A checkpoint is the directory ``RUN_DIR/checkpoints/step-N``:
 
 Saves are atomic: everything goes to ``.tmp-step-N`` and is renamed once complete, so a crash
 mid-save leaves the previous checkpoint whole and the partial one is removed at the next start.
+A save that fills the disk removes its partial directory at once (freeing the space) and
+raises :class:`CheckpointError` naming the checkpoint and the bytes it needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,10 +32,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from ..data_prep.shards import is_disk_full
 from ..layout import RunLayout
 
 log = logging.getLogger("draftsmith.train")
@@ -277,34 +281,58 @@ class CheckpointManager:
         acc.wait_for_everyone()
         return tmp
 
+    @contextlib.contextmanager
+    def _disk_full_is_an_error(self, tmp: Path, final: Path) -> Iterator[None]:
+        """A full disk inside the body: remove ``tmp`` (main process) and raise one line."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            written = _tree_bytes(tmp)
+            if self.accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = find_checkpoints(self.ckpt_dir)
+            need = (f"about {_tree_bytes(previous[-1])} bytes (the size of {previous[-1].name})" if previous
+                    else f"more than the {written} bytes written before the disk filled up")
+            raise CheckpointError(
+                f"{final}: disk full while saving: the checkpoint needs {need}, "
+                f"{shutil.disk_usage(self.ckpt_dir).free} bytes are free; the partial save was removed and earlier "
+                "checkpoints are intact: free space and rerun with --resume") from exc
+
     def save(self, model: torch.nn.Module, state: TrainState) -> Path:
         """Write ``step-{state.step}`` atomically; collective (every process must call it).
 
         Returns:
             The checkpoint directory.
+
+        Raises:
+            CheckpointError: the disk filled up (the partial save is removed, earlier
+                checkpoints are untouched); the message names the checkpoint and the bytes needed.
         """
         acc = self.accelerator
         final = self.ckpt_dir / f"{CHECKPOINT_PREFIX}{state.step}"
         tmp = self._fresh_tmp(f".tmp-{CHECKPOINT_PREFIX}{state.step}")
-        acc.save_state(str(tmp))
-        dtype = acc.distributed_type.value
-        if not consolidated_state_is_saved_by_accelerate(dtype):
-            # gathers the full draft on the main process (FSDP: full_state_dict; ZeRO-2: module state)
-            acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
-        # accelerate's save_state ends without a barrier and every rank writes its own RNG state
-        # into tmp last: a slower rank would find tmp already renamed (seen under CPU load with
-        # DeepSpeed ZeRO-2), or its state would be missing from the checkpoint
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            if not (tmp / WEIGHTS_NAME).is_file():
-                raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written under distributed_type={dtype}")
-            state.distributed_type, state.num_processes = dtype, acc.num_processes
-            (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
-            self.extras(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
-            self.apply_retention(final)
+        with self._disk_full_is_an_error(tmp, final):
+            acc.save_state(str(tmp))
+            dtype = acc.distributed_type.value
+            if not consolidated_state_is_saved_by_accelerate(dtype):
+                # gathers the full draft on the main process (FSDP: full_state_dict; ZeRO-2: module state)
+                acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
+            # accelerate's save_state ends without a barrier and every rank writes its own RNG state
+            # into tmp last: a slower rank would find tmp already renamed (seen under CPU load with
+            # DeepSpeed ZeRO-2), or its state would be missing from the checkpoint
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                if not (tmp / WEIGHTS_NAME).is_file():
+                    raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written under distributed_type={dtype}")
+                state.distributed_type, state.num_processes = dtype, acc.num_processes
+                (tmp / "train_state.json").write_text(json.dumps(state.state_dict()))
+                self.extras(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)  # atomic: a crash before this leaves the previous checkpoint whole
+                self.apply_retention(final)
         acc.wait_for_everyone()
         return final
 
@@ -316,21 +344,25 @@ class CheckpointManager:
 
         Returns:
             The directory.
+
+        Raises:
+            CheckpointError: the disk filled up (as :meth:`save`).
         """
         acc = self.accelerator
         final, tmp = self.ckpt_dir / BEST_NAME, self._fresh_tmp(f".tmp-{BEST_NAME}")
-        # gathers the full draft on the main process under FSDP / DeepSpeed; plain state dict otherwise
-        acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            if not (tmp / WEIGHTS_NAME).is_file():
-                raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written")
-            self.extras(tmp)
-            (tmp / "best.json").write_text(json.dumps({"step": state.step, "best_value": state.best_value,
-                                                       "metrics": metrics}, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+        with self._disk_full_is_an_error(tmp, final):
+            # gathers the full draft on the main process under FSDP / DeepSpeed; plain state dict otherwise
+            acc.save_model(model, str(tmp), max_shard_size="1000GB", safe_serialization=True)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                if not (tmp / WEIGHTS_NAME).is_file():
+                    raise CheckpointError(f"{tmp}: {WEIGHTS_NAME} was not written")
+                self.extras(tmp)
+                (tmp / "best.json").write_text(json.dumps({"step": state.step, "best_value": state.best_value,
+                                                           "metrics": metrics}, indent=1))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
         acc.wait_for_everyone()
         return final
 
@@ -342,3 +374,8 @@ class CheckpointManager:
         for old in drop:
             shutil.rmtree(old, ignore_errors=True)
         return drop
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0

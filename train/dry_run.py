@@ -34,14 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data_prep.target import (
-    EMBEDDED_PREFIX,
+from ..data_prep.target import (  # the config loaders live with the target; imported from here too
+    TARGETS_DIR,
+    _text_json,
+    bundled_target_config,
     default_aux_layer_ids,
+    load_config_json,
     num_decoder_layers,
-    resolve_target,
     text_config,
     validate_aux_layer_ids,
 )
+from ..data_prep.plan import Cluster, build_plan, target_weight_bytes
+from ..data_prep.plan import human_bytes as _human
+from ..data_prep.shards import bytes_per_token
 from ..methods import get_method
 from ..models.eagle3 import Eagle3Config
 from ..recipe import Recipe
@@ -50,71 +55,9 @@ from .launchers import LauncherReport, draft_model_class, validate_launcher
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8 scales: +16 B/token
 
 
-TARGETS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "targets"
-
 # keys of the target's (text) config the estimates read; a config without one is refused
 GEOMETRY_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                  "max_position_embeddings")
-
-
-def bundled_target_config(name_or_path: str) -> Path | None:
-    """The ``config.json`` shipped for a hub target: ``recipes/targets/<org>/<name>/config.json``
-    (the hub id as a path; e.g. ``recipes/targets/openai/gpt-oss-120b/config.json``), or None."""
-    if not name_or_path or name_or_path.startswith((EMBEDDED_PREFIX, "/", ".", "~")):
-        return None
-    path = TARGETS_DIR / name_or_path / "config.json"
-    return path if path.is_file() else None
-
-
-def load_config_json(recipe: Recipe, target_config: Path | None) -> tuple[dict[str, Any], str]:
-    """The target's ``config.json`` contents and where they came from: ``target_config`` (a file,
-    or a directory holding ``config.json``); else the target directory (local or embedded); else
-    :func:`bundled_target_config`; else the hub (the config only).
-
-    Raises:
-        FileNotFoundError: ``target_config`` does not exist; the hub cannot be reached and no
-            copy is shipped (the message names ``--target-config``).
-        ValueError: the file is not a JSON object.
-    """
-    if target_config is not None:
-        path = Path(target_config).expanduser()
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"--target-config {target_config} does not exist")
-        return _read_config(path), str(path)
-    name = recipe.target.name_or_path
-    if name.startswith(EMBEDDED_PREFIX) or Path(name).expanduser().is_dir():
-        path = Path(resolve_target(name)) / "config.json"
-        return _read_config(path), str(path)
-    bundled = bundled_target_config(name)
-    if bundled is not None:
-        return _read_config(bundled), str(bundled)
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
-    except Exception as exc:
-        raise FileNotFoundError(
-            f"cannot fetch the config of '{name}' ({type(exc).__name__}); pass --target-config path/to/config.json"
-        ) from exc
-    return config.to_dict(), f"hub:{name}"
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable config.json ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a config.json (a JSON object)")
-    return data
-
-
-def _text_json(config_json: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a (possibly multimodal) config.json."""
-    text = config_json.get("text_config")
-    return {**config_json, **text} if isinstance(text, dict) else config_json
 
 
 def validate_geometry(config_json: dict[str, Any], source: str) -> None:
@@ -633,6 +576,15 @@ def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
     """
     est = report["estimate"]
     budget = device_memory_gib * 1024**3
+    if report.get("hidden_states_mode") == "online":
+        target = report["target_weights"]["online_bytes"]
+        if target + est["per_gpu_bytes"] > budget:
+            raise MemoryBudgetError(
+                f"data.hidden_states_mode: online needs the target beside the draft on every GPU: "
+                f"{target / 1024**3:.1f} GiB of target weights (as transformers loads them) + "
+                f"{est['per_gpu_bytes'] / 1024**3:.1f} GiB of training exceed the device's {device_memory_gib:g} GiB "
+                f"(--device-memory-gib): use data.hidden_states_mode: offline (the data stage captures with vLLM "
+                f"at tensor parallel)")
     if est["per_gpu_bytes"] <= budget:
         return
     ckpt = "on" if report.get("gradient_checkpointing") else "off"
@@ -642,13 +594,18 @@ def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
         f"lower train.batch_size or data.max_length, or set train.gradient_checkpointing: true (now {ckpt})")
 
 
-def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | Path | None = None) -> dict[str, Any]:
+def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | Path | None = None,
+            device_memory_gib: float = 80.0) -> dict[str, Any]:
     """Everything the dry run reports, as a dict (see module docstring).
 
     ``launcher`` (an accelerate launcher YAML) overrides the recipe's ``launcher``; with neither,
     ``launcher`` is None and the estimate is for one process in fp32. Relative paths: see
     :func:`~draftsmith.train.launchers.resolve_launcher_path`. ``estimate`` /
-    ``memory_bytes_per_gpu``: :func:`memory_estimate`.
+    ``memory_bytes_per_gpu``: :func:`memory_estimate`. ``target_weights``: the target's weight
+    bytes as vLLM holds them and, for online mode, as transformers loads them (MXFP4 experts
+    dequantised to ``target.dtype``). ``data_plan``: the data stage's plan
+    (:func:`draftsmith.data_prep.plan.build_plan`) on the launcher's nodes x GPUs of
+    ``device_memory_gib`` each (one GPU without a launcher).
 
     Raises:
         LauncherError (a ValueError): the launcher file is missing or does not fit the recipe
@@ -675,15 +632,27 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     T = recipe.data.max_length
     counts = parameter_counts(recipe, cfg, V)
     trainable = trainable_parameters(counts)
-    hs_bytes = 4 * cfg.hidden_size * DTYPE_BYTES[recipe.data.hidden_states_dtype]  # 3 aux + 1 final
+    hs_bytes = bytes_per_token(cfg.hidden_size, recipe.data.hidden_states_dtype)  # a shard's bytes per token
     tokens = recipe.data.expected_tokens
     estimate = memory_estimate(recipe, cfg, counts, V, launch)
     gpu = {**{k: v for k, v in estimate["state"].items() if k not in ("total", "optimizer_shards")},
            **estimate["frozen"], "batch": estimate["batch"],
            "activations": sum(estimate["activations"].values()), "total": estimate["per_gpu_bytes"]}
+    weights = target_weight_bytes(config_json, recipe.target.dtype)
+    dense = dict(config_json, quantization_config=None)  # transformers without MXFP4 kernels dequantises
+    online_bytes = target_weight_bytes(dense, recipe.target.dtype)["bytes"]
+    nodes = launch.num_machines if launch is not None else 1
+    gpus = max(1, (launch.num_processes or 8 * nodes) // nodes) if launch is not None else 1
+    plan = build_plan(recipe, config_json, Cluster(nodes, gpus, device_memory_gib),
+                      regenerate_engine=_gpu_engine(recipe.data.regenerate.engine),
+                      capture_engine="vllm" if recipe.data.hidden_states_engine == "auto"
+                      else recipe.data.hidden_states_engine)
     return {
         "target": recipe.target.name_or_path,
         "target_config": source,
+        "target_weights": {**weights, "online_bytes": online_bytes},
+        "hidden_states_mode": recipe.data.hidden_states_mode,
+        "data_plan": plan,
         "method": recipe.draft.method,
         "architectures": list(getattr(config, "architectures", None) or []),
         "target_layers": n,
@@ -707,14 +676,9 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     }
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
+def _gpu_engine(engine: str) -> str:
+    """``data.regenerate.engine`` as it resolves on a GPU node with vLLM installed."""
+    return "vllm-server" if engine == "auto" else engine
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -727,12 +691,16 @@ def format_report(r: dict[str, Any]) -> str:
         f"aux layer ids    {r['aux_layer_ids']}" + (" (vLLM default)" if r["aux_layer_ids_are_vllm_default"] else " (differs from vLLM default: written into the export)"),
         f"draft            {r['method']}: {r['draft_trainable_parameters'] / 1e6:.1f}M trainable params "
         f"({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in r['draft_parameters'].items())}); draft vocab {r['draft_vocab_size']}",
-        f"hidden states    {_human(r['hidden_state_bytes_per_token'])} per token (3 aux + 1 final); "
+        f"hidden states    {_human(r['hidden_state_bytes_per_token'])} per token (3 aux + 1 final states, fp8 scales, id, mask); "
         f"{_human(r['hidden_state_bytes_per_token'] * 1e9)} per billion tokens",
         f"offline disk     {_human(r['offline_disk_bytes'])} for {r['expected_tokens'] or 'unknown'} expected tokens"
         + ("" if r["expected_tokens"] else " (set data.expected_tokens)"),
         f"rope             {json.dumps(r['rope'])}",
     ]
+    w = r["target_weights"]
+    lines.append(f"target weights   {_gib(w['bytes'])} as vLLM holds them"
+                 + (f" ({w['quantization']} experts); {_gib(w['online_bytes'])} dequantised (online mode)"
+                    if w["quantization"] else ""))
     lines += _launcher_lines(r)
     lines.append(
         f"per-GPU memory   {_gib(est['per_gpu_bytes'])} at train.batch_size={est['batch_size']} x "
@@ -741,6 +709,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"weights {_human(state['weights'])} + grads {_human(state['gradients'])} + AdamW "
         f"{_human(state['optimizer_state'])} + frozen {_human(sum(frozen.values()))} + batch {_human(est['batch'])} + "
         f"activations {_human(sum(est['activations'].values()))} ({acts})")
+    lines.append(r["data_plan"].format())
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ the heads' forward (:func:`~draftsmith.train.losses.chunked_distill`).
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import json
 from pathlib import Path
@@ -313,17 +314,18 @@ class DataNotPreparedError(RuntimeError):
     """``--no-prepare`` and the run's data stages have not all run."""
 
 
-def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg: str, allow: bool = True,
-                    poll_s: float = 5.0) -> list[str]:
-    """Run the data stages whose outputs are missing from ``RUN_DIR/data``, rank-safe.
+def ensure_prepared(recipe: Recipe, run_dir: Path, recipe_arg: str, allow: bool = True, poll_s: float = 5.0,
+                    device: str | None = None) -> list[str]:
+    """Run the data stages whose outputs are missing from ``RUN_DIR/data``, rank-safe, before
+    the accelerator exists (no training rank has touched a GPU yet).
 
-    The missing stages run through :func:`draftsmith.data_prep.prepare.prepare_distributed`: the
-    main process runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` while the other ranks
-    poll for its outputs (not a collective: regeneration can outlast any process-group timeout;
-    if the main process fails, the launcher stops the others); then every rank captures its share
-    of the hidden-state shards on its own device (with transformers when the job has several
-    processes: one vLLM engine per rank would contend for the same GPUs), and all wait until the
-    shard manifest is complete. The run directory must be on a file system every node sees.
+    One process: :func:`draftsmith.data_prep.prepare.prepare` in this process (its engines are
+    closed before it returns). Several processes (``accelerate launch`` / torchrun): the stages
+    run in child processes, one per node (regeneration; capture of a target larger than one
+    GPU, with vLLM at tensor parallel over the node's GPUs) or one per rank bound to its own GPU
+    (capture of a target that fits one), and every rank returns once all of them have exited
+    (:func:`draftsmith.data_prep.launch.prepare_in_children`). The plan is printed first. The
+    run directory must be on a file system every node sees.
 
     Returns:
         The stages that were missing (``[]`` when the data was ready).
@@ -334,7 +336,8 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
     """
     import logging
 
-    from ..data_prep.prepare import missing_stages, prepare_distributed
+    from ..data_prep.launch import launch_layout, prepare_in_children
+    from ..data_prep.prepare import data_plan, missing_stages, prepare
 
     todo = missing_stages(recipe, run_dir)
     if not todo:
@@ -343,19 +346,14 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, accelerator: Any, recipe_arg:
         raise DataNotPreparedError(
             f"{run_dir / 'data'} is not prepared (stages missing: {', '.join(todo)}); run: python -m "
             f"draftsmith.data_prep.prepare {recipe_arg} --run-dir {run_dir}   (or drop --no-prepare)")
-    log = logging.getLogger("draftsmith.train")
-    if accelerator.is_main_process:
-        log.info("data stages missing in %s: %s; preparing them now", run_dir / "data", ", ".join(todo))
-    capture = recipe
-    if ("hidden-states" in todo and accelerator.num_processes > 1
-            and recipe.data.hidden_states_engine != "transformers"):
-        # one vLLM engine per training rank would contend for the same GPUs; inside the job each
-        # rank captures with transformers on its own device (run prepare alone for vLLM capture)
-        log.info("hidden states inside a %d-process job: transformers capture on each rank's device",
-                 accelerator.num_processes)
-        capture = recipe.model_copy(deep=True)
-        capture.data.hidden_states_engine = "transformers"
-    prepare_distributed(capture, run_dir, todo, device=str(accelerator.device), poll_s=poll_s)
+    lay = launch_layout()
+    if lay["rank"] == 0:
+        logging.getLogger("draftsmith.train").info("data stages missing in %s: %s; preparing them now",
+                                                   run_dir / "data", ", ".join(todo))
+    if lay["world"] == 1:
+        prepare(recipe, run_dir, todo, device)
+    else:
+        prepare_in_children(recipe, run_dir, todo, lambda: data_plan(recipe, run_dir, None, todo), poll_s=poll_s)
     return todo
 
 
@@ -400,6 +398,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     import sys
 
     from ..data_prep.conversations import DataError
+    from ..data_prep.launch import DataStageError
+    from ..data_prep.plan import PlanError
     from ..data_prep.shards import ShardError
     from ..recipe import RecipeError, recipe_from_args, require_method
     from .checkpoint import CheckpointError, claim_run_dir
@@ -421,7 +421,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         from .dry_run import MemoryBudgetError, check_fits, dry_run, format_report
 
         try:
-            report = dry_run(recipe, args.target_config, args.launcher)
+            report = dry_run(recipe, args.target_config, args.launcher, args.device_memory_gib)
             check_fits(report, args.device_memory_gib)
         except MemoryBudgetError as exc:
             print(f"{args.recipe}: {exc}", file=sys.stderr)
@@ -433,11 +433,12 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         return 0
     run_dir = args.run_dir or Path("runs") / recipe.name
     try:
-        accelerator = build_accelerator(recipe, run_dir)
-        if accelerator.is_main_process:
+        if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             claim_run_dir(run_dir, args.resume, args.overwrite)
-        ensure_prepared(recipe, run_dir, accelerator, args.recipe, allow=not args.no_prepare)
+        # before the accelerator: the data stage's children get the GPUs while no rank holds memory
+        ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare)
+        accelerator = build_accelerator(recipe, run_dir)
         method = method_cls(recipe, run_dir)
         method.verify_shards = "full" if args.verify_shards else "header"
         result = fit(recipe, method, run_dir, resume=args.resume,
@@ -446,7 +447,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
     except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
-            WarmStartError) as exc:
+            WarmStartError, PlanError, DataStageError, TimeoutError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 1
     if accelerator.is_main_process:
