@@ -5,9 +5,10 @@ missing stages here, before any training rank touches a GPU, in child processes
 (``python -m draftsmith.data_prep.prepare``) that exit, and so free every byte of device
 memory they held, before training starts:
 
-1. Global rank 0 writes ``data/.prepare-session`` (a fresh id) and the resolved recipe; after
-   one barrier every node's local rank 0 reads the id back. A node that cannot see it is not
-   on the run directory's file system: a clear error, at once.
+1. Global rank 0 writes ``data/.prepare-session`` (a fresh id) and the resolved recipe, and
+   hands the id to every rank over the launcher's store (no process group: the accelerator
+   makes the job's one later); each rank reads the file back and finds that id. A node that
+   cannot is not on the run directory's file system: a clear error, within a minute.
 2. **Node child** (local rank 0 of each node; it sees all of the node's GPUs): the node's share
    of regeneration (vLLM's server with data parallel x tensor parallel over the node's GPUs),
    node 0's tokenize / vocab, and, with ``node`` placement (a target larger than one GPU),
@@ -31,6 +32,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -117,7 +119,7 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
         DataStageError: a child this rank started failed.
         TimeoutError: waited ``timeout_s`` for another node.
     """
-    from .prepare import EARLY_DONE, STAGES, _barrier, log_plan, process_record, wait_for_markers, write_marker
+    from .prepare import EARLY_DONE, STAGES, log_plan, process_record, wait_for_markers, write_marker
 
     lay = launch_layout()
     paths = RunLayout(run_dir).data
@@ -128,16 +130,12 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
         log_plan(plan, paths)
         paths.root.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, recipe_file)
+        session = uuid.uuid4().hex
         atomic_write_bytes(paths.root / SESSION, json.dumps({
-            "session": uuid.uuid4().hex, "stages": stages,
+            "session": session, "stages": stages,
             "placement": plan.capture["placement"] if plan.capture else None}).encode())
-    _barrier()
-    try:
-        shared = json.loads((paths.root / SESSION).read_text())
-        session, placement = shared["session"], shared["placement"]
-    except (OSError, ValueError, KeyError):
-        raise PlanError(f"{paths.root / SESSION}, written by rank 0, is not readable on node {lay['node']} (rank "
-                        f"{lay['rank']}): the run directory must be on a file system every node sees") from None
+    shared = read_session(paths.root / SESSION, lay, session if lay["rank"] == 0 else None)
+    session, placement = shared["session"], shared["placement"]
     capture = "hidden-states" in stages and recipe.data.hidden_states_mode == "offline"
     early = [s for s in stages if s != "hidden-states"]
     node_stages = early + (["hidden-states"] if placement == "node" else [])
@@ -159,6 +157,60 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
     if capture:
         _wait_for_manifest(paths.hidden_states, poll_s, timeout_s)
     log.info("rank %d: data ready in %s", lay["rank"], paths.root)
+
+
+def _agent_store(timeout_s: float):
+    """A client of the launcher's key-value store (torchrun's agent store, which ``accelerate
+    launch`` uses too), under a prefix of this launch; None when the launcher has none. No
+    process group is made: one made and destroyed before the accelerator's own would leave its
+    peers' addresses in the store, and a rank reaching ``init_process_group`` late would dial
+    them (gloo: "connection refused")."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" or not dist.is_available():
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    prefix = (f"draftsmith/prepare/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    return dist.PrefixStore(prefix, store)
+
+
+_STARTED = time.time()  # a session file older than this process (less clock slack) is an earlier launch's
+CLOCK_SLACK_S = 120.0
+
+
+def read_session(path: Path, lay: dict[str, int], session: str | None, timeout_s: float = 600.0,
+                 grace_s: float = 60.0) -> dict:
+    """The session file rank 0 wrote, as this rank reads it from the run directory. Rank 0 passes
+    its ``session`` id and also hands it over the launcher's store (:func:`_agent_store`); the
+    other ranks then expect exactly that id in the file (retrying briefly: a network file
+    system may show a new file late: up to ``grace_s``). Without a store, a file written since this process
+    started (less :data:`CLOCK_SLACK_S`) is taken.
+
+    Raises:
+        PlanError: the file with rank 0's id is not readable here within ``timeout_s``: the run
+            directory is not on a file system this node shares with rank 0.
+    """
+    store = _agent_store(timeout_s)
+    if store is not None:
+        if lay["rank"] == 0:
+            store.set("session", session)
+        session = store.get("session").decode()
+    deadline = time.monotonic() + (grace_s if session is not None else timeout_s)
+    while True:
+        try:
+            shared = json.loads(path.read_text())
+            if shared["session"] == session or (session is None and path.stat().st_mtime >= _STARTED - CLOCK_SLACK_S):
+                return shared
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() > deadline:
+            raise PlanError(f"{path}, written by rank 0, is not readable on node {lay['node']} (rank {lay['rank']}): "
+                            "the run directory must be on a file system every node sees")
+        time.sleep(1.0)
 
 
 def _wait_for_manifest(directory: Path, poll_s: float, timeout_s: float) -> None:

@@ -170,6 +170,6 @@ if __name__ == "__main__":
     # through the module's own name: the spawn hook's target must pickle as
     # draftsmith.data_prep.procs._run_bound, not as a function of __main__ (which the command
     # run in this process replaces)
-    from draftsmith.data_prep.procs import main as _main
+    import importlib
 
-    _main()
+    importlib.import_module(__spec__.name).main()

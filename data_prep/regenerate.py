@@ -431,11 +431,24 @@ def _drop_torn_tail(path: Path) -> None:
     a line of their own instead of fusing with the torn one."""
     if not path.is_file():
         return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
-        log.warning("%s: dropped a torn last line left by a killed run", path)
+    with path.open("r+b") as fh:  # reads back from the end only as far as the last newline
+        end = fh.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        pos = end
+        while pos > 0:
+            step = min(1 << 16, pos)
+            fh.seek(pos - step)
+            chunk = fh.read(step)
+            cut = chunk.rfind(b"\n")
+            if pos == end and chunk.endswith(b"\n"):
+                return
+            if cut >= 0:
+                pos = pos - step + cut + 1
+                break
+            pos -= step
+        fh.truncate(pos)
+    log.warning("%s: dropped a torn last line left by a killed run", path)
 
 
 class _CacheIndex:

@@ -6,12 +6,13 @@ and disk, and the bad inputs it refuses; plus the launch helpers the orchestrati
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
 from draftsmith.data_prep import regenerate as regen
-from draftsmith.data_prep.launch import child_env, launch_layout, prepare_in_children
+from draftsmith.data_prep.launch import child_env, launch_layout
 from draftsmith.data_prep.plan import (
     Cluster,
     PlanError,
@@ -149,14 +150,34 @@ def test_launch_layout_and_child_env(monkeypatch):
 
 
 def test_a_node_that_cannot_see_the_run_directory_is_refused(monkeypatch, tmp_path):
-    # rank 1 on node 1: rank 0's session file is not there (another file system)
-    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1"}.items():
+    """Rank 0 hands its session id over the launcher's store (a real TCPStore here, as torchrun's
+    agent hosts one); a rank whose run directory shows another launch's file, or none, stops."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from draftsmith.data_prep.launch import SESSION, read_session
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "TORCHELASTIC_RUN_ID": "t"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr("draftsmith.data_prep.prepare._barrier", lambda: None)
-    recipe = load_recipe(RECIPES / "smollm2_135m.yaml")
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"  # two file systems that do not share the run dir
+    for d, sid in ((node0, "new"), (node1, "stale")):
+        d.mkdir()
+        (d / SESSION).write_text(json.dumps({"session": sid, "placement": "node"}))
+    rank0 = {"rank": 0, "node": 0}
+    assert read_session(node0 / SESSION, rank0, "new")["session"] == "new"
+    assert read_session(node0 / SESSION, {"rank": 1, "node": 1}, None, grace_s=1)["session"] == "new"
     with pytest.raises(PlanError, match="file system every node sees") as exc:
-        prepare_in_children(recipe, tmp_path / "run", ["hidden-states"], make_plan=None)
-    assert ".prepare-session" in str(exc.value) and "node 1" in str(exc.value)
+        read_session(node1 / SESSION, {"rank": 1, "node": 1}, None, grace_s=1)
+    assert str(node1 / SESSION) in str(exc.value) and "node 1" in str(exc.value)
+    with pytest.raises(PlanError, match="file system every node sees"):  # no file at all
+        read_session(tmp_path / "elsewhere" / SESSION, {"rank": 1, "node": 1}, None, grace_s=1)
+    del server
 
 
 class EchoEngine:
