@@ -78,7 +78,7 @@ class Cluster:
             visible = _visible_gpus()
             gpus_per_node = min(visible, local_world) if world > 1 and visible else visible
         if device_memory_gib is None and gpus_per_node:
-            device_memory_gib = _gpu_memory_gib() or DEFAULT_DEVICE_MEMORY_GIB
+            device_memory_gib = gpu_memory_gib() or DEFAULT_DEVICE_MEMORY_GIB
         return cls(nodes, gpus_per_node, device_memory_gib if gpus_per_node else None)
 
 
@@ -91,7 +91,7 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def _gpu_memory_gib() -> float | None:
+def gpu_memory_gib() -> float | None:
     """Total memory of GPU 0 in GiB from ``nvidia-smi`` (None when it is not there)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:

@@ -8,9 +8,14 @@ mask), ``vocab`` (draft vocab d2t/t2d), ``hidden-states`` (aux + final states, s
 Everything lands under ``RUN_DIR/data``. The hidden-states stage captures with
 ``data.hidden_states_engine`` (transformers hooks or vLLM's ``extract_hidden_states``) and
 splits its shards across processes launched with ``RANK``/``WORLD_SIZE`` (torchrun,
-``accelerate launch``; one GPU per process via ``CUDA_VISIBLE_DEVICES``):
+``accelerate launch``; each process binds its local rank's GPU through ``CUDA_VISIBLE_DEVICES``
+before CUDA or vLLM starts, :func:`bind_local_device`):
 
     torchrun --nproc-per-node 8 -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x --stage hidden-states
+
+The plan (engines, devices, shards, disk) is printed first; ``--dry-run`` prints it alone.
+Inside a training launch the stages run in child processes (``--node`` / ``--capture-share``,
+:mod:`draftsmith.data_prep.launch`); docs/data_stage.md describes both.
 """
 
 from __future__ import annotations

@@ -228,3 +228,22 @@ def test_prepare_checks_free_space_before_capture_and_keeps_the_earlier_stages(t
     assert not list(paths.hidden_states.glob("shard-*"))  # nothing was captured
     monkeypatch.setattr(shards.shutil, "disk_usage", real)
     assert prepare(recipe, run, ["hidden-states"])["hidden_states"]["tokens"] > 0  # the rerun resumes there
+
+
+def test_an_online_run_on_a_gpu_is_refused_before_any_rank_loads_the_target(monkeypatch, tmp_path):
+    from draftsmith.data_prep import plan as plan_mod
+    from draftsmith.train.dry_run import MemoryBudgetError
+    from draftsmith.train.method_base import check_online_target_fits
+
+    target = tmp_path / "gpt-oss-120b"
+    target.mkdir()
+    (target / "config.json").write_text(bundled_target_config("openai/gpt-oss-120b").read_text())
+    paths = RunLayout(tmp_path / "run").data
+    paths.root.mkdir(parents=True)
+    paths.target_info.write_text(json.dumps({"path": str(target)}))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(plan_mod, "gpu_memory_gib", lambda: 80.0)
+    online = load_recipe(RECIPES / "gptoss120b.yaml", ["data.hidden_states_mode=online"])
+    with pytest.raises(MemoryBudgetError, match=r"217\.5 GiB of target weights"):
+        check_online_target_fits(online, tmp_path / "run")
+    check_online_target_fits(load_recipe(RECIPES / "gptoss120b.yaml"), tmp_path / "run")  # offline: no check

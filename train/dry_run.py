@@ -567,6 +567,26 @@ class MemoryBudgetError(ValueError):
     that reduce it."""
 
 
+def check_online_fits(report: dict[str, Any], device_memory_gib: float) -> None:
+    """Refuse ``data.hidden_states_mode: online`` when the target (as transformers loads it:
+    MXFP4 experts dequantised) and the draft's training do not fit one GPU together.
+
+    Raises:
+        MemoryBudgetError: one line with both figures and the device memory.
+    """
+    if report.get("hidden_states_mode") != "online":
+        return
+    est = report["estimate"]
+    target = report["target_weights"]["online_bytes"]
+    if target + est["per_gpu_bytes"] > device_memory_gib * 1024**3:
+        raise MemoryBudgetError(
+            f"data.hidden_states_mode: online needs the target beside the draft on every GPU: "
+            f"{target / 1024**3:.1f} GiB of target weights (as transformers loads them) + "
+            f"{est['per_gpu_bytes'] / 1024**3:.1f} GiB of training exceed the device's {device_memory_gib:g} GiB "
+            f"(--device-memory-gib): use data.hidden_states_mode: offline (the data stage captures with vLLM "
+            f"at tensor parallel)")
+
+
 def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
     """Refuse a recipe whose per-GPU estimate (``report["estimate"]``) exceeds ``device_memory_gib``.
 
@@ -574,17 +594,9 @@ def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
         MemoryBudgetError: one line with the estimate, the budget and the keys to change
             (``train.batch_size``, ``data.max_length``, ``train.gradient_checkpointing``).
     """
+    check_online_fits(report, device_memory_gib)
     est = report["estimate"]
     budget = device_memory_gib * 1024**3
-    if report.get("hidden_states_mode") == "online":
-        target = report["target_weights"]["online_bytes"]
-        if target + est["per_gpu_bytes"] > budget:
-            raise MemoryBudgetError(
-                f"data.hidden_states_mode: online needs the target beside the draft on every GPU: "
-                f"{target / 1024**3:.1f} GiB of target weights (as transformers loads them) + "
-                f"{est['per_gpu_bytes'] / 1024**3:.1f} GiB of training exceed the device's {device_memory_gib:g} GiB "
-                f"(--device-memory-gib): use data.hidden_states_mode: offline (the data stage captures with vLLM "
-                f"at tensor parallel)")
     if est["per_gpu_bytes"] <= budget:
         return
     ckpt = "on" if report.get("gradient_checkpointing") else "off"

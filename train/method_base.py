@@ -357,6 +357,27 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, recipe_arg: str, allow: bool 
     return todo
 
 
+def check_online_target_fits(recipe: Recipe, run_dir: Path) -> None:
+    """On a CUDA machine, refuse ``data.hidden_states_mode: online`` before any rank loads the
+    target when the target (as transformers loads it) and the draft's training estimate do not
+    fit one GPU (:func:`~draftsmith.train.dry_run.check_online_fits`). The GPU's memory comes
+    from ``nvidia-smi``, so no rank creates a CUDA context for it.
+
+    Raises:
+        MemoryBudgetError: naming both figures.
+    """
+    if recipe.data.hidden_states_mode != "online" or not torch.cuda.is_available():
+        return
+    from ..data_prep.plan import gpu_memory_gib
+    from .dry_run import check_online_fits, dry_run
+
+    memory = gpu_memory_gib()
+    if memory is None:
+        return
+    target_dir = Path(json.loads(RunLayout(run_dir).data.target_info.read_text())["path"])
+    check_online_fits(dry_run(recipe, target_dir / "config.json", device_memory_gib=memory), memory)
+
+
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
     from ..cli import HelpFormatter
@@ -403,6 +424,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from ..data_prep.shards import ShardError
     from ..recipe import RecipeError, recipe_from_args, require_method
     from .checkpoint import CheckpointError, claim_run_dir
+    from .dry_run import MemoryBudgetError
     from .distributed import build_accelerator
     from .launchers import LauncherError
     from .mask_token import MaskTokenError
@@ -438,12 +460,13 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
             claim_run_dir(run_dir, args.resume, args.overwrite)
         # before the accelerator: the data stage's children get the GPUs while no rank holds memory
         ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare)
+        check_online_target_fits(recipe, run_dir)
         accelerator = build_accelerator(recipe, run_dir)
         method = method_cls(recipe, run_dir)
         method.verify_shards = "full" if args.verify_shards else "header"
         result = fit(recipe, method, run_dir, resume=args.resume,
                      argv=sys.argv if argv is None else argv, accelerator=accelerator)
-    except (CheckpointError, LauncherError) as exc:
+    except (CheckpointError, LauncherError, MemoryBudgetError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
     except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
