@@ -493,17 +493,15 @@ class _CacheIndex:
 def _compact_cache(path: Path) -> None:
     """Rewrite the cache with only the last row of each id (superseded stale rows and torn
     lines dropped), atomically (temp file + rename). Streams: holds the offsets, not the rows."""
+    from .shards import atomic_file
+
     keep = {at for at, _ in _CacheIndex(path).rows.values()}
-    tmp = path.with_name(path.name + ".tmp")
     offset = 0
-    with path.open("rb") as src, tmp.open("wb") as dst:
+    with path.open("rb") as src, atomic_file(path) as dst:
         for line in src:
             if offset in keep:
                 dst.write(line)
             offset += len(line)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
 
 
 def _close(engine: Any) -> None:

@@ -201,16 +201,19 @@ def _temp_path(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _removed_on_error(tmp: Path, path: Path, need_bytes: int) -> Iterator[None]:
-    """Remove ``tmp`` when the body raises; a full disk becomes :class:`DiskFullError`."""
+def _removed_on_error(tmp: Path, path: Path, need_bytes: int | None) -> Iterator[None]:
+    """Remove ``tmp`` when the body raises; a full disk becomes :class:`DiskFullError`
+    (``need_bytes`` None: the bytes written before the disk filled are named)."""
     try:
         yield
     except BaseException as exc:
+        written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
         if is_disk_full(exc):
             free = shutil.disk_usage(path.parent).free
-            raise DiskFullError(f"{path}: disk full: the file needs {need_bytes} bytes, {free} free after removing "
-                                "its partial write; free space and rerun (finished shards are kept)") from exc
+            need = f"needs {need_bytes} bytes" if need_bytes is not None else f"needs more than the {written} bytes written"
+            raise DiskFullError(f"{path}: disk full: the file {need}, {free} free after removing "
+                                "its partial write; free space and rerun (finished files are kept)") from exc
         raise
 
 
@@ -219,21 +222,59 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a fsynced temp file and an atomic rename.
+@contextlib.contextmanager
+def atomic_file(path: Path, need_bytes: int | None = None) -> Iterator["_FdWriter"]:
+    """Write ``path`` atomically: the body writes to the yielded binary file (a temp file beside
+    ``path``), which is then fsynced and renamed over ``path``; if the body raises, ``path`` is
+    left as it was and the temp file removed. Every file draftsmith rewrites in place goes
+    through here (manifests, markers, the regeneration cache, ``metrics.jsonl``); shards stream
+    through :class:`ShardWriter`.
 
     Raises:
-        DiskFullError: the disk filled up (``path`` is left as it was, the temp file removed).
+        DiskFullError: the disk filled up (one line naming ``path`` and ``need_bytes``, or the
+            bytes written so far when not given).
     """
     tmp = _temp_path(path)
-    with _removed_on_error(tmp, path, len(data)):
+    with _removed_on_error(tmp, path, need_bytes):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, memoryview(data))
+            fh = _FdWriter(fd)
+            yield fh
+            fh.flush()
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
+
+
+class _FdWriter:
+    """Binary writes to a descriptor through ``os.write``, buffered in 1 MiB pieces; nothing is
+    written after :func:`atomic_file` closes the descriptor (no flush at garbage collection)."""
+
+    BUFFER = 1 << 20
+
+    def __init__(self, fd: int):
+        self._fd, self._buf = fd, bytearray()
+
+    def write(self, data: bytes) -> int:
+        self._buf += data
+        if len(self._buf) >= self.BUFFER:
+            self.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        _write_all(self._fd, memoryview(self._buf))
+        self._buf.clear()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_file`.
+
+    Raises:
+        DiskFullError: the disk filled up (``path`` is left as it was, the temp file removed).
+    """
+    with atomic_file(path, len(data)) as fh:
+        fh.write(data)
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..data_prep.shards import is_disk_full
+from ..data_prep.shards import atomic_file, is_disk_full
 from ..layout import RunLayout
 
 log = logging.getLogger("draftsmith.train")
@@ -244,9 +244,8 @@ def truncate_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        with atomic_file(path) as fh:
+            fh.write("".join(line + "\n" for line in kept).encode())
     return dropped
 
 
