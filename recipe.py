@@ -466,7 +466,7 @@ class VllmConfig(_Strict):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/activations dtype; 'auto' = the checkpoint's own (bf16 for modern targets). "
-        "On CPU prefer float32 (fp32 prefill is ~2.7x faster than bf16 there, SPEC.md section 7).",
+        "On CPU prefer float32 (fp32 prefill is ~2.7x faster than bf16 there, docs/cpu_lab.md).",
     )
     enforce_eager: bool = Field(
         False, description="true: eager PyTorch, no torch.compile / CUDA graphs (starts in about a minute on CPU); "

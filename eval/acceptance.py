@@ -18,7 +18,7 @@ processes and memory until its process exits), generates on the prompts, and rea
 (``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``, ... see ``--help``) over
 ``--recipe``'s ``vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
 values: on CPU pass e.g. ``--dtype float32 --enforce-eager --gpu-memory-utilization 0.2
---max-model-len 2048 --max-num-seqs 32``, or a CPU recipe). Metrics follow SPEC.md section 5:
+--max-model-len 2048 --max-num-seqs 32``, or a CPU recipe). Metrics follow docs/conventions.md, "Acceptance metrics":
 
 - acceptance rate = accepted draft tokens / proposed draft tokens
 - mean acceptance length (AL, tau) = 1 + accepted / drafts (counts the bonus token; max K+1)

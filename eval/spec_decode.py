@@ -1,5 +1,5 @@
 """Reference speculative decoder: acceptance of EAGLE-3, Medusa, MLP-speculator, DFlash and
-P-EAGLE drafts without vLLM (SPEC.md sections 4-5).
+P-EAGLE drafts without vLLM (docs/conventions.md, "Acceptance metrics").
 
     python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
@@ -35,7 +35,7 @@ target's samples at T>0, whatever the draft. Counters follow vLLM's spec-decode 
 Draft proposers (one per draft type, all behind :class:`Proposer`):
 
 - EAGLE-3 (:class:`Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
-  SPEC.md section 1, captured with the same pre-hooks as training,
+  docs/conventions.md, "Aux layer ids"; captured with the same pre-hooks as training,
   :class:`draftsmith.data_prep.capture.AuxHiddenStateCapture`) and keeps its own KV
   cache: step-0 keys of committed positions persist, the keys of the chained steps are
   dropped after each proposal (vLLM overwrites those slots the same way).

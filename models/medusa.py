@@ -7,7 +7,7 @@ Each of K heads reads the target's final *normed* hidden state ``h_t`` (the targ
     logits_k    = Linear(H, V, bias=False)(ResBlock^n(h_t))   # head k predicts x_{t+k+2}
 
 (x_{t+1} comes from the target's ``lm_head``.) Submodule names give vLLM's weight names
-``blocks.{k}.layers.{l}.weight|bias`` and ``lm_heads.{k}.weight`` (SPEC.md section 4).
+``blocks.{k}.layers.{l}.weight|bias`` and ``lm_heads.{k}.weight`` (docs/formats.md, "Medusa and MLP speculator").
 
 Shapes: B batch, T sequence length (tokens), H target hidden size, V target vocab size,
 K number of heads.

@@ -17,7 +17,7 @@ projection reads the target width), as fms-extras does.
 
 Submodule names ``emb.{i}``, ``proj.{i}``, ``head.{i}``, ``ln.{i}`` give the checkpoint names
 ``speculator.{emb,proj,head,ln}.{i}.weight`` / ``speculator.ln.{i}.bias`` once prefixed with
-``speculator.`` (done at export, SPEC.md section 4).
+``speculator.`` (done at export, docs/formats.md, "Medusa and MLP speculator").
 
 Shapes: B batch, T positions, H target hidden size (= emb_dim), D inner_dim, V vocab size,
 P n_predict.

@@ -2,7 +2,7 @@
 
 Follows P-EAGLE (arXiv:2602.01469) and the layout vLLM 0.32 serves as
 ``{"method": "eagle3", "parallel_drafting": true}`` (``llama_eagle3.py``, multi-layer;
-SPEC_DFLASH_PEAGLE.md section 3):
+docs/parallel_drafts.md and docs/formats.md, "P-EAGLE"):
 
     layer 0   : cat(input_layernorm(embed(x_{t+1})), hidden_norm(fc(g_t)))  -> attention (2H in) -> MLP
     layers >= 1: plain Llama pre-norm blocks on the hidden state only (no embedding, no hidden_norm)
@@ -14,7 +14,8 @@ positions p+1..p+K-1) and reads K draft logits from ONE causal forward. ``mask_h
 learnable vector in the *raw* aux space ``[3 * Ht]`` that goes through the same ``fc`` as real
 aux states (vLLM's ``combine_hidden_states``).
 
-Training (SPEC section 3.3): conditional-drop (COD) sampling of (anchor, depth) elements on
+Training (docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
+conditional-drop (COD) sampling of (anchor, depth) elements on
 the EAGLE-shifted sequence (:func:`cod_sample`, vectorised on the batch's device with a fixed
 number of slots per depth), one forward over all elements under the COD mask
 (:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
@@ -545,7 +546,8 @@ class PEagleDraftModel(TargetSharedDraft):
         select: torch.Tensor | None = None,
         targets: DistillTargets | None = None,
     ) -> Any:
-        """COD training forward over the sampled elements (SPEC section 3.3).
+        """COD training forward over the sampled elements (docs/parallel_drafts.md, "P-EAGLE:
+        conditional-drop (COD) elements").
 
         Args:
             input_ids: ``(B, T)`` target tokens x_0..x_{T-1}.
@@ -590,7 +592,8 @@ class PEagleDraftModel(TargetSharedDraft):
 
     def forward_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                        caches: list[Eagle3KVCache]) -> torch.Tensor:
-        """Inference as vLLM runs it (SPEC section 3.2): new slots appended to the per-layer
+        """Inference as vLLM runs it (docs/parallel_drafts.md, "P-EAGLE at inference"): new slots
+        appended to the per-layer
         KV ``caches``, ordinary causal attention over everything cached.
 
         Args:

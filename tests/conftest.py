@@ -72,7 +72,7 @@ def build_tokenizer(template: str = CHATML, vocab_size: int = 384):
 
 
 # vLLM engine settings for this CPU machine (VllmConfig's defaults are GPU values): fp32, eager
-# (a compiled start takes minutes), 0.2 of the RAM for the KV cache (SPEC.md section 7)
+# (a compiled start takes minutes), 0.2 of the RAM for the KV cache (docs/cpu_lab.md, "Engine settings on a CPU")
 CPU_VLLM = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 2048,
             "max_num_seqs": 32}
 CPU_VLLM_FLAGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",

@@ -78,7 +78,7 @@ def head_loss(
     denominators: list[float] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, StepMetrics]:
     """Per-head cross-entropy ``sum_k decay**k * CE_k`` against hard labels (Medusa-1 /
-    IBM MLP speculator; SPEC.md section 4).
+    IBM MLP speculator; docs/conventions.md, "Loss and step weights").
 
     The unchunked reference: it takes the ``(K, M, V)`` logits and reads counts and metrics back
     to the host. Training computes the same loss without either (``HeadMethod.compute_loss``:

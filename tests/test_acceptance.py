@@ -20,7 +20,7 @@ LAYER = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hi
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
          "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 10000.0}
 
-# config.json of each export format, as SPEC_DFLASH_PEAGLE.md and SPEC.md give them (tiny sizes)
+# config.json of each export format, as docs/formats.md gives them (tiny sizes)
 CONFIGS = {
     "peagle": {
         "architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",

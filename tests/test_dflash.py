@@ -50,7 +50,7 @@ tiny_config, random_model = dflash_tiny_config, random_dflash_model
 
 
 # ------------------------------------------------------------------------------------------
-# A vLLM-style reference written from SPEC_DFLASH_PEAGLE.md 2.2, independent of the model code
+# A vLLM-style reference written from docs/parallel_drafts.md ("DFlash at inference"), independent of the model code
 
 
 def rms(x, w, eps):

@@ -1,4 +1,4 @@
-"""Proof on a GPU (GPU.md): the draft methods, hidden-state capture and the accelerate launchers on
+"""Proof on a GPU (docs/gpu_checks.md): the draft methods, hidden-state capture and the accelerate launchers on
 CUDA, each checked against a CPU run, an fp32 run or an uninterrupted run of its own; the
 flex-attention backend against SDPA for the three attention-heavy drafts; and the training memory
 of each GPU recipe's real step against ``draftsmith bench memory``'s fake-tensor measurement.

@@ -70,7 +70,8 @@ def chain_elements(T: int, anchor: int, depth: int) -> CODElements:
 
 def vllm_style(model: PEagleDraftModel, ids: torch.Tensor, aux: torch.Tensor, anchor: int, depth: int) -> torch.Tensor:
     """What vLLM runs: one causal forward over [depth-0 slots 0..a, masks at a+1..a+depth]
-    (SPEC 3.2) -> pre-norm hidden of the depth + 1 sampled slots (bonus + masks)."""
+    (docs/parallel_drafts.md, "P-EAGLE at inference") -> pre-norm hidden of the depth + 1 sampled
+    slots (bonus + masks)."""
     a = anchor
     tok = ids[0, 1 : a + 2]  # x_{t+1} for t = 0..a
     hid = model.fc(aux[0, : a + 1])
@@ -89,7 +90,7 @@ def random_inputs(T: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_cod_chain_equals_one_causal_forward_as_vllm_runs_it(num_layers):
-    """SPEC 5 (ii): the training forward's logits for a COD chain equal one causal forward over
+    """The training forward's logits for a COD chain equal one causal forward over
     [depth-0 prefix <= a, masks a+1..a+d]."""
     model = tiny_model(num_layers=num_layers)
     T, a, d = 12, 5, 3

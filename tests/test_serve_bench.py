@@ -80,7 +80,8 @@ def test_geomean_and_cost_per_million_tokens():
         metrics.geomean([3.0, 0.0])
     # 1000 tok/s on a $36/h machine: 1000 s per 1M tokens = $10
     assert metrics.cost_per_million_tokens(1000.0, 36.0) == pytest.approx(10.0)
-    # SPEC anchor: $41.62/h and $4.41 per 1M tokens <=> ~2621.5 output tok/s
+    # published anchor (docs/conventions.md, "Published recipe values"): $41.62/h and $4.41 per
+    # 1M tokens <=> ~2621.5 output tok/s
     assert metrics.cost_per_million_tokens(1e6 * 41.62 / 3600 / 4.41, 41.62) == pytest.approx(4.41)
     assert metrics.cost_per_million_tokens(1000.0, None) is None
 

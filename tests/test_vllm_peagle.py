@@ -3,7 +3,8 @@
 1. Layer parity without an engine (as tests/test_vllm_eagle3_parity.py does for EAGLE-3): vLLM's
    ``Eagle3LlamaForCausalLM`` built from a random multi-layer P-EAGLE export through vLLM's own
    config reader (speculators ``peagle`` hook) and ``load_weights``, its attention kernel
-   replaced by causal SDPA, runs the parallel-drafting layout of SPEC 3.2 ([depth-0 slots <= a,
+   replaced by causal SDPA, runs the parallel-drafting layout of docs/parallel_drafts.md, "P-EAGLE
+   at inference" ([depth-0 slots <= a,
    mask slots a+1..a+d] with ``combine_hidden_states(mask_hidden)``); its pre-norm hidden
    states and draft logits must equal our COD training forward's for that chain.
 2. The engine: a P-EAGLE draft trained on the tiny target, served by ``vllm.LLM``; vLLM must

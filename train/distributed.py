@@ -66,7 +66,7 @@ def cpu_mixed_precision() -> str | None:
 
     Mixed precision comes from the accelerate launcher config (``mixed_precision: bf16`` ->
     ``ACCELERATE_MIXED_PRECISION``): bf16 autocast on GPU. On CPU bf16 autocast is slower
-    than fp32 (SPEC.md section 7), so a CPU run stays fp32 whatever the config says.
+    than fp32 (docs/cpu_lab.md), so a CPU run stays fp32 whatever the config says.
     """
     if not runs_on_cpu():
         return None

@@ -357,7 +357,7 @@ def check_runtime(accelerator: Any, recipe: Recipe) -> None:
     1. ``accelerate launch`` exports ``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED``
        from the launcher's ``distributed_type``; if accelerate nonetheless chose another
        ``accelerator.distributed_type`` (accelerate 1.15 on CPU turns FSDP into DDP or into
-       independent single-process runs, SPEC.md section 7), the run is refused; so is FSDP1.
+       independent single-process runs, docs/cpu_lab.md, "accelerate on a CPU"), the run is refused; so is FSDP1.
     2. ``WORLD_SIZE`` (set by every launcher) above ``accelerator.num_processes`` means the
        ranks do not see each other as one job (they would train on the same data and write
        the same checkpoint folder): refused.

@@ -2,7 +2,7 @@
 
 EAGLE-3 (TTT): a divergence between the target distribution restricted to the draft vocab
 and the draft's at each TTT step, on assistant tokens only, weighted ``gamma**k`` (EAGLE-3,
-arXiv:2503.01840; SPEC.md section 2). The divergence is ``train.loss`` (:data:`LOSSES`,
+arXiv:2503.01840; docs/conventions.md, "Loss and step weights"). The divergence is ``train.loss`` (:data:`LOSSES`,
 :func:`divergence`): forward KL (the anchors' default), reverse KL, Jensen-Shannon, total
 variation, or the LK acceptance losses (Samarin et al., "LK Losses: Direct Acceptance Rate
 Optimization for Speculative Decoding", arXiv:2602.23881). P-EAGLE and DFlash use the same

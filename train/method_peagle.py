@@ -1,6 +1,7 @@
 """The :class:`PEagleMethod` that ``train/peagle.py`` runs (``draftsmith.methods`` names it).
 
-P-EAGLE (arXiv:2602.01469; SPEC_DFLASH_PEAGLE.md section 3.3): the EAGLE-3 data (aux states,
+P-EAGLE (arXiv:2602.01469; docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
+the EAGLE-3 data (aux states,
 draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
 chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.cod_sample`,
 a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled

@@ -8,7 +8,7 @@ same side. Which conversations are held out depends only on their ids and ``seed
 order of the data, so adding data does not reshuffle the validation set.
 
 The simulated acceptance length follows the chain rule of vLLM's rejection sampler for a
-chain of K drafted tokens (SPEC.md section 6: AL = 1 + accepted / drafts):
+chain of K drafted tokens (docs/conventions.md, "Acceptance metrics": AL = 1 + accepted / drafts):
 
 - T = 0: draft token k is accepted when every earlier one was and the draft's argmax (mapped to
   a target id through ``d2t``) is the target's argmax over the *full* target vocab (a target

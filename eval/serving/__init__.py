@@ -1,7 +1,7 @@
 """The serving benchmark behind ``python -m draftsmith.eval.serve_bench`` (the command line):
 
 - :mod:`.metrics`: figures from vLLM's benchmark JSON and the server's spec-decode counters
-  (SPEC.md section 5), summaries over concurrency levels, the K recommendation;
+  (docs/conventions.md, "Acceptance metrics"), summaries over concurrency levels, the K recommendation;
 - :mod:`.server`: one vLLM OpenAI server's lifecycle (start, health, stop its process group);
 - :mod:`.client`: prompt sets per level and vLLM's ``bench serve`` run in a subprocess;
 - :mod:`.run`: the configurations compared and the study over them, written as

@@ -1,4 +1,4 @@
-"""Serving metrics (SPEC.md section 5): per-level figures from vLLM's ``bench serve`` result and
+"""Serving metrics (docs/conventions.md, "Acceptance metrics"): per-level figures from vLLM's ``bench serve`` result and
 the server's Prometheus spec-decode counters, summaries over levels, and the K recommendation.
 
 Output and total tok/s, TTFT / TPOT / ITL / request latency percentiles (ms), acceptance rate =
@@ -17,7 +17,7 @@ from ..acceptance import summarise
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-# Prometheus counter families (SPEC.md section 5); exposition adds a ``_total`` suffix.
+# Prometheus counter families (docs/conventions.md, "Acceptance metrics"); exposition adds a ``_total`` suffix.
 SPEC_COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
