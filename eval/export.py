@@ -262,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", type=Path, nargs="?", help="output directory (or --out)")
     p.add_argument("--out", type=Path, help="output directory (or OUT_DIR)")
     p.add_argument("--legacy", action="store_true", help="EAGLE-3: legacy LlamaForCausalLMEagle3 layout")
-    p.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="EAGLE-3: K written as the default proposal length")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="EAGLE-3: K written as the default proposal length (default: eval.num_speculative_tokens "
+                        "of the recipe saved with the checkpoint, else 3)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
                    "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
@@ -275,14 +276,33 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.out_dir is None) == (args.out is None):
         p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
-    ckpt = resolve_checkpoint(args.checkpoint)
     try:
-        out = export(ckpt, args.out or args.out_dir, args.legacy, args.num_speculative_tokens, args.dtype)
+        ckpt = resolve_checkpoint(args.checkpoint)
+        k = args.num_speculative_tokens or saved_num_speculative_tokens(ckpt)
+        out = export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"exported {ckpt} -> {out}")
     return 0
+
+
+def saved_num_speculative_tokens(ckpt: Path, default: int = 3) -> int:
+    """``eval.num_speculative_tokens`` of the recipe saved in checkpoint ``ckpt``
+    (``recipe.yaml``), the K the draft was trained and measured for; ``default`` without one.
+
+    Raises:
+        ExportError: the saved recipe does not load (names the file).
+    """
+    from ..recipe import RecipeError, load_recipe
+
+    path = ckpt / "recipe.yaml"
+    if not path.is_file():
+        return default
+    try:
+        return load_recipe(path).eval.num_speculative_tokens
+    except (RecipeError, ValueError, OSError) as exc:
+        raise ExportError(f"{path}: the checkpoint's recipe does not load ({exc}); pass --num-speculative-tokens")
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -1,0 +1,25 @@
+"""``draftsmith export``'s command line: K from the checkpoint's saved recipe, and a mistyped run
+directory as one line (exit 1), not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.eval import export as ex
+from draftsmith.recipe import dump_recipe, load_recipe
+
+
+def test_k_comes_from_the_recipe_saved_with_the_checkpoint(tmp_path):
+    assert ex.saved_num_speculative_tokens(tmp_path) == 3  # no recipe saved: the default
+    dump_recipe(load_recipe(None, ["eval.num_speculative_tokens=5"]), tmp_path / "recipe.yaml")
+    assert ex.saved_num_speculative_tokens(tmp_path) == 5
+    (tmp_path / "recipe.yaml").write_text("draft: {method: nonsense}\n")
+    with pytest.raises(ex.ExportError, match="recipe.yaml: the checkpoint's recipe does not load"):
+        ex.saved_num_speculative_tokens(tmp_path)
+
+
+def test_a_mistyped_run_directory_is_one_line(tmp_path, capsys):
+    assert ex.main([str(tmp_path / "runs" / "typo"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a checkpoint nor a run directory with checkpoints" in err
+    assert not (tmp_path / "out").exists()
