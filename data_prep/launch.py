@@ -101,11 +101,6 @@ def run_child(args: list[str], env: dict[str, str], log_path: Path) -> None:
         raise DataStageError(f"data-stage child exited with {rc} (log {log_path}):\n{tail}")
 
 
-def _device_of(local_rank: int) -> str:
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return visible[local_rank % len(visible)] if visible else str(local_rank)
-
-
 def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_plan,
                         poll_s: float = 5.0, timeout_s: float = 48 * 3600.0) -> None:
     """Run the missing data ``stages`` of ``run_dir`` in child processes, rank-safe (module
@@ -119,7 +114,7 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
         DataStageError: a child this rank started failed.
         TimeoutError: waited ``timeout_s`` for another node.
     """
-    from .prepare import EARLY_DONE, STAGES, log_plan, process_record, wait_for_markers, write_marker
+    from .prepare import EARLY_DONE, STAGES, local_device, log_plan, process_record, wait_for_markers, write_marker
 
     lay = launch_layout()
     paths = RunLayout(run_dir).data
@@ -153,7 +148,7 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
         wait_for_markers([paths.root / EARLY_DONE], session if early else None, "node 0's tokenize / vocab",
                          poll_s, timeout_s)
         run_child([*common, "--capture-share", f"{lay['rank']}/{lay['world']}", "--stage", "hidden-states"],
-                  child_env(_device_of(lay["local_rank"])), paths.root / "logs" / f"capture-{lay['rank']}.log")
+                  child_env(local_device(lay["local_rank"])), paths.root / "logs" / f"capture-{lay['rank']}.log")
     if capture:
         _wait_for_manifest(paths.hidden_states, poll_s, timeout_s)
     log.info("rank %d: data ready in %s", lay["rank"], paths.root)

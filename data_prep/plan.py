@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import Recipe
+from .target import text_json
 
 WEIGHT_SHARE = 0.7  # most of vLLM's share of a GPU the weights may take; the rest is KV cache / activations
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
@@ -104,11 +105,6 @@ def gpu_memory_gib() -> float | None:
         return None
 
 
-def _text(config_json: dict[str, Any]) -> dict[str, Any]:
-    text = config_json.get("text_config")
-    return {**config_json, **text} if isinstance(text, dict) else config_json
-
-
 def target_parameter_counts(config_json: dict[str, Any]) -> dict[str, int]:
     """Parameters of a decoder-only target by part, from its ``config.json``: ``embedding``,
     ``lm_head`` (0 when tied), ``attention`` (q/k/v/o projections of every layer), ``mlp``
@@ -120,7 +116,7 @@ def target_parameter_counts(config_json: dict[str, Any]) -> dict[str, int]:
         KeyError: a geometry key (``hidden_size``, ``num_hidden_layers``, ``vocab_size``,
             ``num_attention_heads``, ``intermediate_size``) is missing.
     """
-    t = _text(config_json)
+    t = text_json(config_json)
     H, L, V, heads = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"], t["num_attention_heads"]
     kv = t.get("num_key_value_heads") or heads
     hd = t.get("head_dim") or H // heads
@@ -294,7 +290,7 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
     from .shards import bytes_per_token
 
     d = recipe.data
-    t = _text(config_json)
+    t = text_json(config_json)
     heads = int(t["num_attention_heads"])
     weights = target_weight_bytes(config_json, recipe.target.dtype)
     gpus = cluster.gpus_per_node

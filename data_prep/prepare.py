@@ -683,22 +683,6 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
     early = [s for s in stages if s != "hidden-states"]
     summary: dict = {}
 
-    def wait_for(files: list[Path], what: str) -> None:
-        t0 = time.monotonic()
-        last = -60.0
-        while True:
-            missing = [f for f in files if not f.exists()]
-            if not missing:
-                return
-            waited = time.monotonic() - t0
-            if waited > timeout_s:
-                raise TimeoutError(f"rank {rank}: waited {waited:.0f} s for {what}; still missing: "
-                                   + ", ".join(str(f) for f in missing))
-            if waited - last >= 60:
-                log.info("rank %d: waiting for %s (%.0f s)", rank, what, waited)
-                last = waited
-            time.sleep(poll_s)
-
     if early:
         if rank == 0:
             paths.root.mkdir(parents=True, exist_ok=True)
@@ -708,11 +692,12 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
             summary = prepare(recipe, run_dir, early, device, record=record)
             atomic_write_bytes(marker, json.dumps({"stages": early}).encode())
         else:
-            wait_for([marker], "rank 0 to run " + ", ".join(early))
+            wait_for_markers([marker], None, f"rank 0 to run {', '.join(early)} (rank {rank})", poll_s, timeout_s)
     if "hidden-states" in stages:
         t = time.perf_counter()
         summary.update(prepare(recipe, run_dir, ["hidden-states"], device, record=record))  # this rank's shards
-        wait_for(outputs["hidden-states"], "the other ranks' hidden-state shards")
+        wait_for_markers(outputs["hidden-states"], None, f"the other ranks' hidden-state shards (rank {rank})",
+                         poll_s, timeout_s)
         if "hidden_states" in summary:  # this rank's throughput; the tokens of every rank's shards
             from .shards import load_manifest
 
@@ -752,10 +737,17 @@ def bind_local_device(env: dict | None = None) -> str | None:
     local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     if local_world <= 1 or "LOCAL_RANK" not in env:
         return None
-    local = int(env["LOCAL_RANK"])
-    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    env["CUDA_VISIBLE_DEVICES"] = visible[local % len(visible)] if visible else str(local)
+    env["CUDA_VISIBLE_DEVICES"] = local_device(int(env["LOCAL_RANK"]), env)
     return env["CUDA_VISIBLE_DEVICES"]
+
+
+def local_device(local_rank: int, env: dict | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of local rank ``local_rank``: the ``local_rank``-th of the
+    devices visible in ``env`` (this process's environment by default), or ``local_rank`` when
+    none are listed."""
+    env = os.environ if env is None else env
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[local_rank % len(visible)] if visible else str(local_rank)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -335,7 +335,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def _text_json(config_json: dict[str, Any]) -> dict[str, Any]:
+def text_json(config_json: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a (possibly multimodal) config.json."""
     text = config_json.get("text_config")
     return {**config_json, **text} if isinstance(text, dict) else config_json

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..data_prep.target import (  # the config loaders live with the target; imported from here too
     TARGETS_DIR,
-    _text_json,
+    text_json,
     bundled_target_config,
     default_aux_layer_ids,
     load_config_json,
@@ -66,7 +66,7 @@ def validate_geometry(config_json: dict[str, Any], source: str) -> None:
     Raises:
         ValueError: one line naming the first missing / non-positive key and the file.
     """
-    text = _text_json(config_json)
+    text = text_json(config_json)
     for key in GEOMETRY_KEYS:
         value = text.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -80,7 +80,7 @@ def check_lengths(config_json: dict[str, Any], lengths: list[int], source: str, 
     Raises:
         ValueError: one line naming ``key``, the length and the target's limit.
     """
-    limit = _text_json(config_json).get("max_position_embeddings")
+    limit = text_json(config_json).get("max_position_embeddings")
     for T in lengths:
         if T < 2:
             raise ValueError(f"{key}={T}: must be >= 2")
