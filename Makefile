@@ -38,26 +38,26 @@ test-fast: install
 	$(BIN)/python -m pytest -q tests -m "not vllm and not integration"
 
 bench: install
-	$(BIN)/python -m draftsmith.eval.bench_hidden_states
+	$(BIN)/python -m benchmarks.hidden_states
 
 # regeneration tok/s (in-process vLLM, the vLLM server, vLLM's own offline throughput), then the
 # demo's prepare stage timed with the code before issue 15 and with this checkout
 BEFORE_REF ?= 16c8679
 bench-regenerate: install
-	$(BIN)/python -m draftsmith.eval.bench_regenerate
-	$(BIN)/python -m draftsmith.eval.bench_regenerate --demo-prepare --before-ref $(BEFORE_REF)
+	$(BIN)/python -m benchmarks.regenerate
+	$(BIN)/python -m benchmarks.regenerate --demo-prepare --before-ref $(BEFORE_REF)
 
 # On a GPU machine, with the Python whose torch has CUDA (not the CPU .venv above), after
 # `pip install -e ".[gpu]"`: the real training step of EAGLE-3, DFlash and P-EAGLE at each
 # recipe's B x T (Llama-3.1-8B 4 x 2048, gpt-oss-120b 2 x 4096; one process, the gpt-oss state also
 # per GPU of its 8-GPU ZeRO-2 launcher), SDPA and flex attention: tok/s, MFU, CUDA peak memory
 # beside bench memory's fake-tensor figure; and the Llama target's capture. Fits one 80 GB GPU.
-# CPU check of the same path: python -m draftsmith.eval.bench_gpu --tiny --device cpu --steps 1 --warmup 0
+# CPU check of the same path: python -m benchmarks.gpu --tiny --device cpu --steps 1 --warmup 0
 GPU_PY ?= python
 BENCH_GPU_ARGS ?= --recipes llama3_1_8b llama3_1_8b_dflash llama3_1_8b_peagle \
 	gptoss120b gptoss120b_dflash gptoss120b_peagle --out runs/bench_gpu.json
 bench-gpu:
-	$(GPU_PY) -m draftsmith.eval.bench_gpu $(BENCH_GPU_ARGS)
+	$(GPU_PY) -m benchmarks.gpu $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

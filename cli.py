@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import Callable
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -42,10 +43,10 @@ STAGES: dict[str, tuple[str, str]] = {
     "compare": ("draftsmith.eval.compare_drafts", "several trained drafts, one table"),
     "serve-bench": ("draftsmith.eval.serve_bench", "serving throughput / latency / cost with vllm bench serve"),
     "report": ("draftsmith.eval.report", "report.md and plots from a serving benchmark"),
-    "adapt": ("draftsmith.eval.adapt", "continue a deployed draft on the traffic it served (draftsmith proxy's log)"),
+    "adapt": ("draftsmith.serve.adapt", "continue a deployed draft on the traffic it served (draftsmith proxy's log)"),
     "hub": ("draftsmith.eval.hub", "Hugging Face Hub folder, model card and push"),
-    "proxy": ("draftsmith.eval.serving.proxy", "OpenAI-compatible proxy in front of vllm serve: logs served completions "
-                                               "(draftsmith adapt reads them), swaps drafts with no failed request"),
+    "proxy": ("draftsmith.serve.proxy", "OpenAI-compatible proxy in front of vllm serve: logs served completions "
+                                        "(draftsmith adapt reads them), swaps drafts with no failed request"),
 }
 
 
@@ -151,22 +152,33 @@ def recipe_command(argv: list[str]) -> int:
     return 0
 
 
-# ``draftsmith bench <what>``: benchmarks of the training step (modules imported on use only)
-BENCHES: dict[str, tuple[str, str]] = {
-    "memory": ("draftsmith.eval.bench_memory", "peak training memory of the recipe's step, measured beside the dry "
-                                               "run's estimate (fake tensors: any machine, no download)"),
+# ``draftsmith bench <what>``: the benchmarks of draftsmith itself, in the checkout's top-level
+# benchmarks/ folder (outside the installed package; modules imported on use only)
+BENCHES: dict[str, str] = {
+    "memory": "peak training memory of the recipe's step beside the dry run's estimate (fake tensors: any machine)",
+    "gpu": "the real training step on a GPU: tok/s, MFU, CUDA peak memory; the target's capture",
+    "hidden-states": "hidden-state capture throughput and the capture's host memory",
+    "regenerate": "regeneration tok/s per engine (in-process, vLLM offline, vLLM server)",
+    "data-memory": "host memory of the training data loader per rank",
 }
 
 
 def bench(argv: list[str]) -> int:
-    """``draftsmith bench memory ...``."""
+    """``draftsmith bench NAME ...``: ``python -m benchmarks.<name>`` of the checkout this package runs from."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
-        lines = [f"  {k:8s} {v[1]}" for k, v in BENCHES.items()]
-        print("usage: draftsmith bench {" + ",".join(BENCHES) + "} RECIPE [...]\n\nbenchmarks:\n" + "\n".join(lines),
+        lines = [f"  {k:14s} {v}" for k, v in BENCHES.items()]
+        print("usage: draftsmith bench {" + ",".join(BENCHES) + "} [...]\n\nbenchmarks:\n" + "\n".join(lines),
               file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    checkout = Path(__file__).resolve().parent
+    if not (checkout / "benchmarks" / "__init__.py").is_file():
+        print(f"draftsmith bench: no benchmarks/ folder beside {checkout}; the benchmarks ship with the "
+              "repository, not the wheel: run them from a checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     sys.argv = [f"draftsmith bench {argv[0]}", *argv[1:]]
-    return _stage_main(BENCHES[argv[0]][0])(argv[1:])
+    return _stage_main("benchmarks." + argv[0].replace("-", "_"))(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {**{k: v[1] for k, v in STAGES.items()}, "train": "train the recipe's draft method",
                 "recipe": "show / validate a recipe, or print the schema of every key",
                 "verify": "hash every hidden-state shard of a run against its manifest",
-                "bench": "benchmarks of the training step: bench memory RECIPE"}
+                "bench": "benchmarks of draftsmith itself (checkout only): bench {" + ",".join(BENCHES) + "} ..."}
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
         return 0 if argv else 2

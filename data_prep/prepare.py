@@ -777,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     bind_local_device()  # before anything can initialise CUDA or import vLLM
     args = build_parser().parse_args(argv)
     recipe = recipe_from_args(args)
-    from .procs import install_child_reaper
+    from ..procs import install_child_reaper
     from .shards import DiskFullError
 
     try:

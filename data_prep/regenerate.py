@@ -7,7 +7,7 @@ earlier replies. Generation runs on vLLM (offline ``LLM.chat``) when it is impor
 otherwise on transformers ``generate``.
 
 Engines: ``vllm`` (in-process ``vllm.LLM``, batched rounds; the faster one on a small CPU
-machine by default; compare with ``eval/bench_regenerate.py``), ``vllm-server`` (:class:`ServerChatEngine`:
+machine by default; compare with ``benchmarks/regenerate.py``), ``vllm-server`` (:class:`ServerChatEngine`:
 vLLM's OpenAI server, started from the recipe's ``vllm`` section or given as URLs, queried by an
 async client with ``concurrency`` conversations in flight; the scalable one on GPUs) and
 ``transformers`` (``generate``). :func:`resolve_engine` picks one for ``auto``.
@@ -91,11 +91,11 @@ class VllmChatEngine:
     """
 
     def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
-        from ..runtime import configure_vllm_env
-        from .procs import install_child_reaper
+        from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
+        from ..procs import install_child_reaper
 
         engine = engine or VllmConfig()
-        kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)
+        kwargs = llm_kwargs(engine, model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)
         install_child_reaper()  # the EngineCore dies with this process, SIGKILL included
         configure_vllm_env(engine)
         from vllm import LLM
@@ -192,7 +192,7 @@ class ServerChatEngine:
 
     With ``server_urls`` empty, one server is started from ``engine`` (the recipe's ``vllm``:
     ``tensor_parallel_size``, and ``data_parallel_size`` as vLLM's own ``--data-parallel-size``)
-    by :func:`draftsmith.vllm_server.vllm_server` and stopped by :meth:`close`; otherwise the
+    by :func:`draftsmith.vllm_bridge.server.vllm_server` and stopped by :meth:`close`; otherwise the
     given servers (OpenAI base URLs, ``/v1`` added when missing) are used round-robin.
 
     :meth:`run_conversations` keeps ``concurrency`` conversations in flight; each walks its user
@@ -214,7 +214,7 @@ class ServerChatEngine:
         if server_urls:
             self.urls = [_v1_url(u) for u in server_urls]
         else:
-            from ..vllm_server import ServerOptions, vllm_server
+            from ..vllm_bridge.server import ServerOptions, vllm_server
 
             opts = ServerOptions(engine=engine or VllmConfig(), seed=seed, startup_timeout_s=startup_timeout_s,
                                  trust_remote_code=trust_remote_code)
@@ -338,7 +338,7 @@ def resolve_engine(engine: str, vllm_config: VllmConfig | None = None) -> str:
     requests keep the engine's batch full; tensor/data parallel come with the server) and
     whenever ``vllm_config.data_parallel_size > 1`` (the offline LLM refuses it), the in-process
     ``vllm`` on CPU (no extra API-server process on the few cores; on the 2-core machine
-    ``python -m draftsmith.eval.bench_regenerate`` (48 prompts, 256 new tokens) measured
+    ``python -m benchmarks.regenerate`` (48 prompts, 256 new tokens) measured
     in-process 134.7 output tok/s after a 28.9 s engine start, the server 126.1 / 148.6 tok/s at
     concurrency 16 / 48 after a 41-42 s start, vLLM's own offline throughput 140.5 tok/s: the
     same wall time within 2 %), and

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
+from ..recipe import RecipeError, VllmConfig, load_recipe
+from ..vllm_bridge.engine import add_vllm_arguments, configure_vllm_env, llm_kwargs, vllm_config_from_args
 
 log = logging.getLogger("draftsmith.synthesize")
 _SENTINEL = "\x00DRAFTSMITH_USER_MESSAGE\x00"
@@ -128,10 +129,9 @@ def vllm_sampler(target_dir: Path, prefix: str, end: str, temperature: float, ma
     Raises:
         ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
     """
-    from ..runtime import configure_vllm_env
 
     engine = engine or VllmConfig()
-    kwargs = engine.llm_kwargs(model=str(target_dir), seed=seed)
+    kwargs = llm_kwargs(engine, model=str(target_dir), seed=seed)
     configure_vllm_env(engine)
     from vllm import LLM, SamplingParams
 

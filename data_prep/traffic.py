@@ -1,13 +1,8 @@
 """Served traffic as training data: read the proxy's log of served completions.
 
-A vLLM deployment behind ``draftsmith proxy`` (:mod:`draftsmith.eval.serving.proxy`) appends
-one JSON line per finished ``/v1/chat/completions`` or ``/v1/completions`` request to
-``traffic.jsonl`` (rotated to ``traffic.jsonl.1``, ``.2``, ...)::
-
-    {"version": 1, "id": str, "time": float, "endpoint": "chat" | "completions", "model": str,
-     "upstream": str, "status": int, "request": {...the client's JSON body...},
-     "choices": [{"index": int, "text": str, "finish_reason": str | null}],
-     "usage": {...} | null, "latency_s": float}
+A vLLM deployment behind ``draftsmith proxy`` (:mod:`draftsmith.serve.proxy`) appends one JSON
+line per finished ``/v1/chat/completions`` or ``/v1/completions`` request to ``traffic.jsonl``
+(rotated to ``traffic.jsonl.1``, ``.2``, ...), in the schema of :mod:`draftsmith.traffic_log`.
 
 Every served completion is the target's own output on the real prompt distribution: data for
 self-distillation that needs no regeneration. :func:`read_traffic` turns the log into
@@ -42,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRAFFIC_LOG_VERSION = 1
+from ..traffic_log import LOG_VERSION
 
 
 class TrafficError(ValueError):
@@ -146,7 +141,7 @@ def _served_lines(files: list[Path], report: TrafficReport):
                 if not isinstance(rec, dict):
                     report.skip("unparseable line", where)
                     continue
-                if rec.get("version") != TRAFFIC_LOG_VERSION:
+                if rec.get("version") != LOG_VERSION:
                     report.skip("schema version", where)
                     continue
                 yield where, rec

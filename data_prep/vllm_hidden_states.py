@@ -121,13 +121,13 @@ class VllmHiddenStateCapture:
 
     def __init__(self, target_dir: Path, layer_ids: list[int], engine: VllmConfig | None = None, seed: int = 0,
                  work_dir: Path | None = None, trust_remote_code: bool = False, batch_tokens: int = 65536):
-        from ..runtime import configure_vllm_env
-        from .procs import install_child_reaper
+        from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
+        from ..procs import install_child_reaper
 
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
         engine = engine or VllmConfig()
-        engine.llm_kwargs()  # refuse what the offline engine cannot run before any work
+        llm_kwargs(engine)  # refuse what the offline engine cannot run before any work
         install_child_reaper()  # the EngineCore dies with this process, SIGKILL included
         configure_vllm_env(engine)
         from vllm import LLM
@@ -156,7 +156,7 @@ class VllmHiddenStateCapture:
                      "kv_connector_extra_config": {"shared_storage_path": str(self.work_dir)}}
         if not on_gpu:
             connector["kv_connector_module_path"] = __name__
-        self.llm = LLM(**engine.llm_kwargs(
+        self.llm = LLM(**llm_kwargs(engine,
             on_gpu, model=str(target_dir), seed=seed, enable_prefix_caching=False, trust_remote_code=trust_remote_code,
             speculative_config={
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,

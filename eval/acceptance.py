@@ -43,7 +43,11 @@ from typing import Any
 
 from .results import AcceptanceResult, write_acceptance
 from ..methods import DraftMethodSpec, get_method, registered_methods
-from ..recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
+from ..recipe import RecipeError, VllmConfig, load_recipe
+from ..vllm_bridge import spec_config
+from ..vllm_bridge.engine import (add_vllm_arguments, configure_vllm_env, engine_env, llm_kwargs,
+                                 vllm_config_from_args)
+from ..vllm_bridge.spec_config import served_method
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -169,8 +173,6 @@ def draft_method(method: str, draft: Path | None) -> DraftMethodSpec:
     """
     if draft is None:
         raise ValueError(f"method {method} needs a draft directory (--draft)")
-    from .serving.run import served_method  # the same lookup `serve_bench` makes; imported late (it imports us)
-
     spec = served_method(Path(draft))
     if method not in (EXPORT_METHOD, spec.name):
         raise DraftMismatchError(f"{Path(draft) / 'config.json'}: an export of method {spec.name!r}, not {method!r}")
@@ -192,15 +194,13 @@ def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: 
     if method == "none":
         return method, None
     if method == "ngram":
-        return method, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ngram_max,
-                        "prompt_lookup_min": ngram_min}
+        return method, spec_config.ngram(k, ngram_min, ngram_max)
     spec = draft_method(method, draft)
-    return spec.name, spec.speculative_config(str(draft), k)
+    return spec.name, spec_config.for_export(spec, str(draft), k)
 
 
 def _worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one vLLM engine, one configuration."""
-    from ..runtime import configure_vllm_env
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
@@ -214,7 +214,7 @@ def _worker(args: argparse.Namespace) -> None:
     else:
         records, _ = load_records(args.prompts, max_rows=args.max_prompts)
         groups = {"all": [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]}
-    llm = LLM(**engine.llm_kwargs(model=str(args.target), speculative_config=spec, disable_log_stats=False,
+    llm = LLM(**llm_kwargs(engine, model=str(args.target), speculative_config=spec, disable_log_stats=False,
                                   seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     outs, per_group, elapsed, before = [], {}, 0.0, _spec_counters(llm)
@@ -287,7 +287,7 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
         subprocess.TimeoutExpired: it ran past ``timeout_s``.
     """
     engine = engine or VllmConfig()
-    engine.llm_kwargs()  # refuse settings the offline engine cannot run before starting it
+    llm_kwargs(engine)  # refuse settings the offline engine cannot run before starting it
     if method not in NO_DRAFT_METHODS:
         spec = draft_method(method, draft)
         if spec.target_check is not None:
@@ -310,7 +310,7 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **engine.engine_env()))
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
             _follow(proc, log_path, timeout_s, f"acceptance ({method})")
         if proc.returncode != 0 or not result_path.is_file():
             tail = log_path.read_text()[-4000:]

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..recipe import RecipeError, add_vllm_arguments, load_recipe, vllm_config_from_args
+from ..recipe import RecipeError, load_recipe
+from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 
 DEFAULT_BUCKETS = (512, 1024, 2048, 4096, 7936)
 

@@ -54,9 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from .serving.client import bench_worker, load_prompt_texts, split_prompts
-from .serving.run import Study, configurations, run_study, served_method
-from .serving.server import ServerOptions
-from ..recipe import add_vllm_arguments
+from .serving.run import Study, configurations, run_study
+from ..vllm_bridge.spec_config import served_method
+from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
+from ..vllm_bridge.server import ServerOptions
 
 
 def _ints(s: str) -> list[int]:
@@ -97,7 +98,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
             an unknown target or a draft vLLM cannot serve.
     """
     from ..data_prep.target import resolve_target
-    from ..recipe import EvalConfig, load_recipe, vllm_config_from_args
+    from ..recipe import EvalConfig, load_recipe
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     ev = recipe.eval if recipe else EvalConfig()

@@ -75,7 +75,7 @@ from ..layout import DraftLoadError, read_export
 from ..layout import read_export_config as _read_config  # also eval/dflash.py's
 from ..methods import UnknownMethodError, method_of_export
 from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
-from ..recipe import add_vllm_arguments
+from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
 # --------------------------------------------------------------------------------------
@@ -697,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..data_prep.target import default_device, load_target, resolve_target
-    from ..recipe import RecipeError, VllmConfig, vllm_config_from_args
+    from ..recipe import RecipeError, VllmConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

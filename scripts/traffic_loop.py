@@ -125,7 +125,7 @@ def main() -> int:
                    help="recipe override passed to draftsmith adapt (repeatable)")
     p.add_argument("--stop-after", choices=["traffic"], help="stop after this phase (run the rest later)")
     args = p.parse_args()
-    from draftsmith.eval.adapt import swap
+    from draftsmith.serve.adapt import swap
     from draftsmith.eval.serving.client import load_prompt_texts
 
     out = args.out

@@ -144,7 +144,7 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeLLM, lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setattr("draftsmith.runtime.configure_vllm_env", lambda engine=None: None)
+    monkeypatch.setattr("draftsmith.eval.acceptance.configure_vllm_env", lambda engine=None: None)
     return FakeLLM
 
 

@@ -1,4 +1,4 @@
-"""Served traffic as training data (data_prep/traffic.py) and ``draftsmith adapt`` (eval/adapt.py):
+"""Served traffic as training data (data_prep/traffic.py) and ``draftsmith adapt`` (serve/adapt.py):
 what a log keeps and skips, the stable hold-out, refusals that leave everything untouched, and an
 adaptation of a tiny deployed draft end to end."""
 
@@ -17,7 +17,7 @@ from draftsmith.data_prep.traffic import (
     read_traffic,
     traffic_log_files,
 )
-from draftsmith.eval import adapt as adapt_mod
+from draftsmith.serve import adapt as adapt_mod
 from safetensors.torch import load_file
 
 MODEL = "tiny-target"

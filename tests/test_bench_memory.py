@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.eval.bench_memory import MemoryTracker, Precision, bench_recipe, main, measure_step
+from benchmarks.memory import MemoryTracker, Precision, bench_recipe, main, measure_step
 from draftsmith.recipe import load_recipe
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -201,7 +201,7 @@ def test_cli_routes_bench_memory(tmp_path, capsys):
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_dry_run_estimate_within_20_percent_of_the_measured_step(name):
     """The recipe's full B x T on its launcher's precision path (fake tensors: seconds, any machine)."""
-    from draftsmith.eval.bench_memory import build_parser, run
+    from benchmarks.memory import build_parser, run
 
     recipe = load_recipe(RECIPES / f"{name}.yaml")
     args = build_parser().parse_args([str(RECIPES / f"{name}.yaml")])

@@ -9,7 +9,8 @@ import pytest
 
 from draftsmith.cli import HelpFormatter, build_recipe_parser
 from draftsmith.data_prep import prepare, synthesize
-from draftsmith.eval import bench_gpu, bench_hidden_states, compare_drafts, export, spec_decode
+from benchmarks import gpu as bench_gpu, hidden_states as bench_hidden_states
+from draftsmith.eval import compare_drafts, export, spec_decode
 from draftsmith.train import method_base
 
 PARSERS = {

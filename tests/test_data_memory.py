@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftsmith.eval.bench_data_memory import build_corpus, measure
+from benchmarks.data_memory import build_corpus, measure
 
 pytestmark = pytest.mark.integration  # torchrun launches of two processes
 

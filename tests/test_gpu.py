@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
-from draftsmith.eval import bench_gpu
+from benchmarks import gpu as bench_gpu
 from draftsmith.eval.export import expected_weight_shapes, read_checkpoint
 from draftsmith.models.dflash import block_attention, block_attention_mask, sample_anchors
 from draftsmith.models.eagle3 import Eagle3DraftModel, TTTMask, ttt_attention
@@ -479,7 +479,7 @@ def test_recipe_step_fits_the_gpu_and_matches_bench_memory(name, backend):
     fake-tensor measurement of the same step in one process (its SDPA step: flex is only held
     to the upper bound). The fake step runs the CPU's SDPA path, which takes grouped key/value
     heads without expanding them; CUDA expands them (``repeat_kv``), a few GiB at most here."""
-    from draftsmith.eval.bench_memory import Precision, measure_step
+    from benchmarks.memory import Precision, measure_step
 
     args = argparse.Namespace(target_config=None, batch_size=None, max_length=None)
     recipe, config_json, _, launch = bench_gpu.load_bench_recipe(name, [], args)

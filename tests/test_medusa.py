@@ -169,7 +169,7 @@ def test_medusa_script_refuses_an_eagle3_recipe(tmp_path, capsys):
 
 VLLM_CHECK = r'''
 import json, sys
-from draftsmith.runtime import configure_vllm_env
+from draftsmith.vllm_bridge.engine import configure_vllm_env
 configure_vllm_env()
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams

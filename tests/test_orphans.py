@@ -1,4 +1,4 @@
-"""Children of a SIGKILLed process die with it (``data_prep/procs.py``): plain multiprocessing
+"""Children of a SIGKILLed process die with it (``procs.py``): plain multiprocessing
 children (fork and spawn), vLLM's EngineCore under ``draftsmith prepare``, and the vLLM server."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.data_prep import procs
+from draftsmith import procs
 
 from conftest import CPU_VLLM, write_jsonl
 from test_pipeline import tiny_recipe
@@ -80,7 +80,7 @@ def wait_for(pred, timeout_s: float, proc: subprocess.Popen, log: Path, what: st
 
 PARENT = textwrap.dedent("""
     import multiprocessing as mp, sys, time
-    from draftsmith.data_prep.procs import install_child_reaper
+    from draftsmith.procs import install_child_reaper
 
     def sleep():
         time.sleep(600)
@@ -178,7 +178,7 @@ OWNER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from draftsmith.recipe import VllmConfig
-    from draftsmith.vllm_server import ServerOptions, vllm_server
+    from draftsmith.vllm_bridge.server import ServerOptions, vllm_server
 
     opts = ServerOptions(engine=VllmConfig(**json.loads(sys.argv[3])))
     with vllm_server(Path(sys.argv[1]), None, opts, Path(sys.argv[2])) as server:

@@ -1,5 +1,5 @@
 """The package's import structure: relative imports inside it, thin training entry scripts,
-and data flowing one way (models <- data_prep <- train <- eval)."""
+and data flowing one way (models <- data_prep <- train <- eval <- serve; vllm_bridge beside them)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ import pytest
 from draftsmith.methods import get_method, registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTSIDE = {"tests", "scripts", "runs", "docs", "recipes", ".venv", "build"}
+OUTSIDE = {"tests", "scripts", "benchmarks", "runs", "docs", "recipes", ".venv", "build"}
 ENTRY_SCRIPTS = {get_method(m).train_script for m in registered_methods()}  # run as files
-# what each top-level folder may import from the others (the flow of the pipeline)
+# what each top-level folder may import from the others: the pipeline flows data_prep -> train ->
+# eval -> serve with models below all of them and vllm_bridge beside them (it imports no stage)
 MAY_IMPORT = {
     "models": set(),
-    "data_prep": {"models"},
-    "train": {"models", "data_prep"},
-    "eval": {"models", "data_prep", "train"},
+    "vllm_bridge": set(),
+    "data_prep": {"models", "vllm_bridge"},
+    "train": {"models", "data_prep", "vllm_bridge"},
+    "eval": {"models", "data_prep", "train", "vllm_bridge"},
+    "serve": {"models", "data_prep", "train", "eval", "vllm_bridge"},
 }
 
 

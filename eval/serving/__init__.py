@@ -2,7 +2,6 @@
 
 - :mod:`.metrics`: figures from vLLM's benchmark JSON and the server's spec-decode counters
   (docs/conventions.md, "Acceptance metrics"), summaries over concurrency levels, the K recommendation;
-- :mod:`.server`: one vLLM OpenAI server's lifecycle (start, health, stop its process group);
 - :mod:`.client`: prompt sets per level and vLLM's ``bench serve`` run in a subprocess;
 - :mod:`.run`: the configurations compared and the study over them, written as
   :class:`draftsmith.eval.results.ServeResults`.

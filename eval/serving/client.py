@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import BENCH_PERCENTILES, LATENCY_METRICS
-from .server import command_log, log_tail
+from ...vllm_bridge.server import command_log, log_tail
 
 def load_prompt_texts(path: str) -> list[str]:
     """First user turn of every usable record of ``path`` (any format

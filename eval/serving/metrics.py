@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from ..acceptance import summarise
+from ...vllm_bridge.server import LOOPBACK
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -200,3 +201,9 @@ def recommend_k(throughput: dict[int, dict[int, float]], your_concurrency: int,
         out["speedup_vs_baseline"] = scores[k] / base
         out["speculation_pays_off"] = scores[k] > base
     return out
+
+
+def fetch_spec_counters(base_url: str) -> dict[str, Any]:
+    """The spec-decode counters of the vLLM server at ``base_url`` (its ``/metrics``)."""
+    with LOOPBACK.open(f"{base_url}/metrics", timeout=30) as r:
+        return parse_spec_counters(r.read().decode())

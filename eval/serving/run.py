@@ -5,7 +5,6 @@ written to ``results.json`` (:class:`draftsmith.eval.results.ServeResults`)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import shlex
 import subprocess
 import time
@@ -16,12 +15,10 @@ from typing import Any
 from ..results import ServeResults
 from .client import bench_args, run_bench, write_custom_dataset
 from .metrics import diff_counters, level_metrics, recommend_k, summarise_config
-from .server import ServerOptions, ServerStartError, fetch_spec_counters, log_tail, vllm_server, warm_up
-from ...methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
-
-# the registered draft methods vllm serve runs here (their configurations are named after them)
-SERVED_METHODS = tuple(m for m in registered_methods() if get_method(m).servable)
-
+from .metrics import fetch_spec_counters
+from ...vllm_bridge import spec_config
+from ...vllm_bridge.server import ServerOptions, ServerStartError, log_tail, vllm_server, warm_up
+from ...vllm_bridge.spec_config import served_method, served_methods
 
 @dataclass
 class ServeConfiguration:
@@ -32,49 +29,6 @@ class ServeConfiguration:
     k: int = 0
 
 
-def served_method(draft: Path) -> DraftMethodSpec:
-    """The registered method (:mod:`draftsmith.methods`) of an exported draft, if
-    ``vllm serve`` serves it here.
-
-    Raises:
-        ValueError: no config, or a format the installed vLLM does not serve.
-    """
-    cfg_path = draft / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{cfg_path} missing: not an exported draft (eval/export.py)")
-    cfg = json.loads(cfg_path.read_text())
-    try:
-        spec = method_of_export(cfg)
-    except UnknownMethodError:
-        spec = None
-    if spec is None or not spec.servable:
-        archs = set(cfg.get("architectures") or [])
-        raise ValueError(f"{cfg_path}: architectures {sorted(archs)} is not a draft vLLM serves here "
-                         f"({', '.join(SERVED_METHODS)})")
-    if spec.vllm_serve_check is not None:
-        spec.vllm_serve_check(draft)
-    return spec
-
-
-def draft_method(draft: Path) -> str:
-    """The ``speculative_config`` method (``eagle3``, ``medusa``) of an exported draft.
-
-    Raises:
-        ValueError: see :func:`served_method`.
-    """
-    return served_method(draft).vllm_method
-
-
-def check_vllm_serves_medusa(draft: Path) -> None:
-    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
-    from typing import get_args
-
-    from vllm.config.speculative import SpeculativeMethod
-
-    if "medusa" not in get_args(SpeculativeMethod):
-        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
-
-
 def configurations(draft: Path | None, k: int, draft_model: Path | None = None, ngram: bool = True,
                    ngram_min: int = 2, ngram_max: int = 4) -> list[ServeConfiguration]:
     """Baseline first, then the trained draft, ngram, suffix (when ``arctic_inference`` is
@@ -82,15 +36,13 @@ def configurations(draft: Path | None, k: int, draft_model: Path | None = None, 
     out = [ServeConfiguration("baseline", None)]
     if draft is not None:
         spec = served_method(draft)
-        out.append(ServeConfiguration(spec.name, spec.speculative_config(str(draft), k), k))
+        out.append(ServeConfiguration(spec.name, spec_config.for_export(spec, str(draft), k), k))
     if ngram:
-        out.append(ServeConfiguration("ngram", {"method": "ngram", "num_speculative_tokens": k,
-                                                "prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}, k))
+        out.append(ServeConfiguration("ngram", spec_config.ngram(k, ngram_min, ngram_max), k))
     if importlib.util.find_spec("arctic_inference") is not None:
-        out.append(ServeConfiguration("suffix", {"method": "suffix", "num_speculative_tokens": k}, k))
+        out.append(ServeConfiguration("suffix", spec_config.suffix(k), k))
     if draft_model is not None:
-        out.append(ServeConfiguration("draft_model", {"method": "draft_model", "model": str(draft_model),
-                                                      "num_speculative_tokens": k}, k))
+        out.append(ServeConfiguration("draft_model", spec_config.draft_model(str(draft_model), k), k))
     return out
 
 
@@ -208,7 +160,7 @@ def run_study(study: Study) -> ServeResults:
                  "target": str(study.target)},
         "configs": {}, "k_sweep": None, "temperature_sweep": None,
     }
-    draft_cfg = next((c for c in study.configs if c.name in SERVED_METHODS), None)
+    draft_cfg = next((c for c in study.configs if c.name in served_methods()), None)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cfg in study.configs:

@@ -176,15 +176,15 @@ def swap(proxy_url: str, draft: Path, admin_token: str | None, timeout_s: float 
     import urllib.error
     import urllib.request
 
-    from ..vllm_server import _LOOPBACK
-    from .serving.proxy import ADMIN_HEADER
+    from ..vllm_bridge.server import LOOPBACK
+    from .proxy import ADMIN_HEADER
 
     req = urllib.request.Request(f"{proxy_url.rstrip('/')}/draftsmith/swap", method="POST",
                                  data=json.dumps({"draft": str(draft.resolve())}).encode(),
                                  headers={"Content-Type": "application/json",
                                           **({ADMIN_HEADER: admin_token} if admin_token else {})})
     try:
-        with _LOOPBACK.open(req, timeout=timeout_s) as r:
+        with LOOPBACK.open(req, timeout=timeout_s) as r:
             return json.loads(r.read().decode())
     except urllib.error.HTTPError as exc:
         raise AdaptError(f"proxy {proxy_url} refused the swap ({exc.code}): {exc.read().decode()[-2000:]}") from None
@@ -201,7 +201,7 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
     """
     from ..cli import train as train_main
     from ..data_prep.prepare import main as prepare_main
-    from .export import export, resolve_checkpoint
+    from ..eval.export import export, resolve_checkpoint
 
     wall0, cpu0 = time.monotonic(), cpu_seconds()
     run = Path(args.run_dir)

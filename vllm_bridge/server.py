@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .recipe import VllmConfig
+from ..recipe import VllmConfig
+from .engine import configure_vllm_env, server_args
 
 # The server is on loopback: never route its requests through an http_proxy from the environment.
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerStartError(RuntimeError):
@@ -64,14 +65,14 @@ class ServerOptions:
 
 def server_command(target: Path, port: int, spec: dict[str, Any] | None, opts: ServerOptions) -> list[str]:
     """The command line of one OpenAI server on 127.0.0.1:``port`` (engine flags from
-    :meth:`draftsmith.recipe.VllmConfig.server_args`).
+    :func:`draftsmith.vllm_bridge.engine.server_args`).
 
     Raises:
         ValueError: a key of ``vllm.extra_engine_args`` that the server command sets itself.
     """
     head = (["vllm", "serve", str(target)] if vllm_cli_works()
             else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)])
-    return head + opts.engine.server_args(host="127.0.0.1", port=port, seed=opts.seed,
+    return head + server_args(opts.engine, host="127.0.0.1", port=port, seed=opts.seed,
                                           disable_uvicorn_access_log=True, speculative_config=spec,
                                           trust_remote_code=True if opts.trust_remote_code else None)
 
@@ -117,21 +118,20 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
     Yields ``{"base_url", "port", "pgid", "command"}``. The server runs in its own process
     group (a new session), so a Ctrl-C at the terminal reaches only this process, whose
     ``finally`` then stops the group; if this process is killed outright, the server and its
-    engine processes die with it (:func:`draftsmith.data_prep.procs.bound_command`).
+    engine processes die with it (:func:`draftsmith.procs.bound_command`).
 
     Raises:
         ServerStartError: the server exited, or ``/health`` did not answer 200 within
             ``opts.startup_timeout_s``; the message holds the log tail.
     """
-    from .data_prep.procs import bound_command
-    from .runtime import configure_vllm_env
+    from ..procs import bound_command
 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
     cmd = server_command(target, port, spec, opts)
     with command_log(log_path, cmd) as log_file:
         # bound to this process: a SIGKILL of it (which runs no finally) still stops the server
-        # and its engine processes (parent-death signals, data_prep/procs.py)
+        # and its engine processes (parent-death signals, procs.py)
         proc = subprocess.Popen(bound_command(cmd), stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base_url = f"http://127.0.0.1:{port}"
@@ -142,7 +142,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
                 raise ServerStartError(f"vLLM server exited with code {proc.returncode} before becoming healthy "
                                        f"(log {log_path}):\n{log_tail(log_path)}")
             with contextlib.suppress(OSError):
-                with _LOOPBACK.open(f"{base_url}/health", timeout=5) as r:
+                with LOOPBACK.open(f"{base_url}/health", timeout=5) as r:
                     if r.status == 200:
                         break
             if time.monotonic() > deadline:
@@ -160,5 +160,5 @@ def warm_up(base_url: str, model: str) -> None:
                        "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    with _LOOPBACK.open(req, timeout=600) as r:
+    with LOOPBACK.open(req, timeout=600) as r:
         r.read()

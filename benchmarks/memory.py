@@ -374,7 +374,7 @@ def cuda_attention_policy() -> Iterator[None]:
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
     (:func:`~draftsmith.models.eagle3.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
     A fake step then holds the key / value copies a GPU step holds."""
-    from ..models import eagle3
+    from draftsmith.models import eagle3
 
     saved = eagle3.sdpa_supports_gqa_with_mask
     eagle3.sdpa_supports_gqa_with_mask = lambda device: False
@@ -413,7 +413,7 @@ class OneProcess:
 
 def target_geometry(config: Any) -> dict[str, int]:
     """``hidden_size``, ``vocab_size``, ``num_hidden_layers`` of the target's text config."""
-    from ..data_prep.target import text_config
+    from draftsmith.data_prep.target import text_config
 
     text = text_config(config)
     return {"hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
@@ -431,10 +431,10 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
     on exit."""
     from unittest import mock
 
-    from ..data_prep.target import default_aux_layer_ids
-    from ..layout import RunLayout
-    from ..methods import get_method
-    from ..train import method_base
+    from draftsmith.data_prep.target import default_aux_layer_ids
+    from draftsmith.layout import RunLayout
+    from draftsmith.methods import get_method
+    from draftsmith.train import method_base
     from transformers import AutoConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="draftsmith-bench-"))
@@ -569,7 +569,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..train.dry_run import state_bytes_per_gpu
+    from draftsmith.train.dry_run import state_bytes_per_gpu
 
     precision = precision or Precision.of(launch)
     fake = device == "fake"
@@ -692,7 +692,7 @@ def _optimizer(params: list[torch.nn.Parameter], recipe: Any, dev: torch.device,
     the kernel) as it is built on the GPU the step stands for (a fake step: CUDA); the
     multi-tensor AdamW, CUDA's default, where the trainer has no builder."""
     try:
-        from ..train.trainer import build_optimizer
+        from draftsmith.train.trainer import build_optimizer
     except ImportError:
         return torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
                                  weight_decay=recipe.train.weight_decay, foreach=True)
@@ -755,8 +755,8 @@ def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ..recipe import add_recipe_arguments
+    from draftsmith.cli import HelpFormatter
+    from draftsmith.recipe import add_recipe_arguments
 
     p = argparse.ArgumentParser(prog="draftsmith bench memory", description=__doc__, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -784,9 +784,9 @@ def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
         ValueError / FileNotFoundError: bad target config, length, batch size or launcher
             (one line naming the key).
     """
-    from ..train.dry_run import (check_lengths, load_config_json, memory_estimate, estimate_inputs,
+    from draftsmith.train.dry_run import (check_lengths, load_config_json, memory_estimate, estimate_inputs,
                                  validate_geometry)
-    from ..train.launchers import draft_model_class, validate_launcher
+    from draftsmith.train.launchers import draft_model_class, validate_launcher
 
     config_json, source = load_config_json(recipe, args.target_config)
     validate_geometry(config_json, source)
@@ -847,8 +847,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith bench memory``; exit 0, 1 on a bad target config / length / launcher, 2 on a bad recipe."""
-    from ..recipe import recipe_from_args
-    from ..train.launchers import LauncherError
+    from draftsmith.recipe import recipe_from_args
+    from draftsmith.train.launchers import LauncherError
 
     args = build_parser().parse_args(argv)
     recipe = recipe_from_args(args)

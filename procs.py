@@ -124,7 +124,7 @@ def install_child_reaper() -> None:
 
 def bound_command(cmd: list[str]) -> list[str]:
     """``cmd`` run so that it dies with this process (on Linux): through ``python -m
-    draftsmith.data_prep.procs``, which arms the parent-death signal, installs the reaper and
+    draftsmith.procs``, which arms the parent-death signal, installs the reaper and
     then runs ``cmd`` in the same process (so a SIGKILL of this process reaches its
     multiprocessing children too). Outside Linux, or called from another thread than the main
     one (the signal fires when the thread that started the child exits), ``cmd`` unchanged."""
@@ -151,7 +151,7 @@ def _run_command(cmd: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m draftsmith.data_prep.procs --parent PID -- CMD...`` (see :func:`bound_command`)."""
+    """``python -m draftsmith.procs --parent PID -- CMD...`` (see :func:`bound_command`)."""
     import argparse
 
     p = argparse.ArgumentParser(description="run CMD so that it dies with process PID (its parent)")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     # through the module's own name: the spawn hook's target must pickle as
-    # draftsmith.data_prep.procs._run_bound, not as a function of __main__ (which the command
+    # draftsmith.procs._run_bound, not as a function of __main__ (which the command
     # run in this process replaces)
     import importlib
 

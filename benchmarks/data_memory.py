@@ -2,7 +2,7 @@
 2 CPU ranks (torchrun), each iterating its share of the rows through
 :class:`~draftsmith.train.data.TokenizedDataset` and a ``DistributedSampler`` DataLoader.
 
-    python -m draftsmith.eval.bench_data_memory [--tokens 100000 1000000] [--ranks 2] [--lists]
+    python -m benchmarks.data_memory [--tokens 100000 1000000] [--ranks 2] [--lists]
 
 Prints one row per (corpus, rank): tokens, rank, rows read, peak RSS (``ru_maxrss``) and its
 growth over the start (libraries imported), split into opening the dataset and iterating, in MB. The Arrow dataset is memory-mapped, so the growth stays flat
@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from benchmarks import subprocess_env
 
 
 def rss_mb() -> float:
@@ -49,7 +50,7 @@ def synthetic_rows(tokens: int, vocab_size: int, seed: int = 0, min_len: int = 2
 def build_corpus(data_dir: Path, tokens: int, vocab_size: int = 512, seed: int = 0, jsonl: bool = False) -> None:
     """Write the tokenised Arrow dataset of ``tokens`` synthetic tokens under ``data_dir``
     (:attr:`~draftsmith.layout.DataPaths.tokenized`); ``jsonl``: also the legacy JSONL."""
-    from ..layout import DataPaths, write_tokenized_rows
+    from draftsmith.layout import DataPaths, write_tokenized_rows
 
     paths = DataPaths(Path(data_dir))
     write_tokenized_rows(paths, synthetic_rows(tokens, vocab_size, seed))
@@ -63,8 +64,8 @@ def worker(data_dir: Path, out: Path, mode: str, batch_size: int) -> None:
     """One rank (``RANK`` / ``WORLD_SIZE`` from torchrun): read every row of its share."""
     import torch
 
-    from ..layout import DataPaths
-    from ..train.data import TokenizedDataset, collate
+    from draftsmith.layout import DataPaths
+    from draftsmith.train.data import TokenizedDataset, collate
 
     import datasets  # noqa: F401  (libraries in the baseline: the growth is the data's)
 
@@ -106,9 +107,9 @@ def measure(data_dir: Path, ranks: int = 2, mode: str = "arrow", port: int = 297
     """Launch ``ranks`` torchrun CPU processes reading ``data_dir``; returns their results."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(port), "-m", "draftsmith.eval.bench_data_memory", "--worker", str(data_dir), "--out", tmp,
+               str(port), "-m", "benchmarks.data_memory", "--worker", str(data_dir), "--out", tmp,
                "--mode", mode, "--batch-size", str(batch_size)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = subprocess_env(OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

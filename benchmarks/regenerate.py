@@ -1,8 +1,8 @@
 """Regeneration throughput against vLLM's own offline throughput, and the demo's prepare time.
 
-    python -m draftsmith.eval.bench_regenerate                       # every engine, one process each
-    python -m draftsmith.eval.bench_regenerate --one server --concurrency 16
-    python -m draftsmith.eval.bench_regenerate --demo-prepare --before-ref 16c8679
+    python -m benchmarks.regenerate                       # every engine, one process each
+    python -m benchmarks.regenerate --one server --concurrency 16
+    python -m benchmarks.regenerate --demo-prepare --before-ref 16c8679
 
 Engines (each in a fresh process, on the same prompts and settings):
 
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from benchmarks import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = "recipes/smollm2_135m.yaml"
@@ -48,8 +49,8 @@ DEMO_RECIPE = "recipes/smollm2_135m.yaml"
 def _load(args):
     from transformers import AutoTokenizer
 
-    from ..data_prep import conversations as conv, target as tgt
-    from ..recipe import load_recipe
+    from draftsmith.data_prep import conversations as conv, target as tgt
+    from draftsmith.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     target = tgt.resolve_target(args.target)
@@ -66,7 +67,7 @@ def reply_tokens(tok, rows: list[dict]) -> list[int]:
 def run_engine(args) -> dict:
     """One of our engines through :func:`~draftsmith.data_prep.regenerate.regenerate`, timed
     around the engine's start and close; writes the replies to ``--replies`` when given."""
-    from ..data_prep import regenerate as regen
+    from draftsmith.data_prep import regenerate as regen
 
     recipe, target, records, tok = _load(args)
     marks: dict[str, float] = {}
@@ -108,8 +109,8 @@ def run_vllm_offline(args) -> dict:
     output length its reply had (ShareGPT layout: prompt = the chat-templated turn); vLLM's
     dataset loader drops rows with fewer than 4 prompt or output tokens (``prompts`` says how
     many ran)."""
-    from ..data_prep.regenerate import prompt_turns
-    from ..runtime import configure_vllm_env
+    from draftsmith.data_prep.regenerate import prompt_turns
+    from draftsmith.vllm_bridge.engine import configure_vllm_env, server_args
 
     recipe, target, _, tok = _load(args)
     rows = [json.loads(line) for line in args.replies.read_text().splitlines()]
@@ -130,7 +131,7 @@ def run_vllm_offline(args) -> dict:
         data.write_text(json.dumps(sharegpt))
         argv = ["--backend", "vllm", "--model", str(target), "--dataset-name", "sharegpt", "--dataset-path", str(data),
                 "--num-prompts", str(len(sharegpt)), "--output-json", str(Path(tmp) / "r.json"),
-                *recipe.vllm.server_args(seed=recipe.seed)]
+                *server_args(recipe.vllm, seed=recipe.seed)]
         parser = FlexibleArgumentParser(description="vllm bench throughput")
         add_cli_args(parser)
         import contextlib
@@ -224,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = ([["--one", "inprocess", "--replies", replies], ["--one", "vllm-offline", "--replies", replies]]
                 + [["--one", "server", "--concurrency", c] for c in args.concurrencies.split(",")])
         for extra in runs:
-            proc = subprocess.run([sys.executable, "-m", "draftsmith.eval.bench_regenerate", *extra, *common],
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.regenerate", *extra, *common],
+                                  capture_output=True, text=True, env=subprocess_env())
             if proc.returncode == 0 and proc.stdout.strip():
                 results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 emit(json.dumps(results[-1]))

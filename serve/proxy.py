@@ -16,25 +16,11 @@ never retries a request, so no request is answered twice. An upstream that canno
 gets an OpenAI-style error with status 502.
 
 Traffic log: one JSON line is appended per ``POST /v1/chat/completions`` or ``/v1/completions``,
-written once the response has finished. Lines go through a ``RotatingFileHandler``, so disk use
-is bounded (``traffic.jsonl``, ``.1``, ... ``.N``; about ``(N + 1) * --max-bytes`` bytes)::
-
-    {"version": 1, "id": uuid4 hex, "time": unix seconds when the response finished,
-     "endpoint": "chat" | "completions", "model": the request's "model" | null,
-     "upstream": label of the upstream that answered ("upstream-0", ...),
-     "status": upstream HTTP status | 502 (upstream not reached) | 499 (client left before the answer),
-     "request": the client's JSON body without a top-level "api_key" | null (not JSON),
-     "choices": [{"index": i, "text": full completion text, "finish_reason": str | null}],
-     "usage": the upstream's usage object | null, "latency_s": seconds from receipt to finish}
-
-Streamed replies are logged as the concatenation of their deltas. ``choices`` is ``[]`` for a
-status other than 200 and for a body that cannot be parsed. A stream cut short, by the client
-leaving or by the upstream failing, is logged with what arrived and ``"finish_reason": null``.
-A client that leaves also closes the proxy's upstream connection, so vLLM aborts the generation.
-JSON encoding and file writes run on a writer thread. A failed or dropped write is counted
-(``/draftsmith/status``) and never fails a request. The log never holds a header
-(``Authorization`` included), the request body's ``api_key``, or the admin token. Access logging
-is off for the same reason: aiohttp's access log holds ``User-Agent`` and ``Referer``.
+written once the response has finished, through :class:`draftsmith.serve.traffic_writer.TrafficLog`
+(rotated, written on its own thread; a failed write is counted and never fails a request). The
+line's schema is :mod:`draftsmith.traffic_log`, which ``draftsmith adapt`` reads back. The log never
+holds a header (``Authorization`` included), the request body's ``api_key``, or the admin token.
+Access logging is off for the same reason: aiohttp's access log holds ``User-Agent`` and ``Referer``.
 
 Swap guarantee (:meth:`TrafficProxy.swap`): from the instant of the swap every new request goes to
 the new upstream. Requests already running on the old one finish there, streaming ones
@@ -49,7 +35,7 @@ current upstream, the in-flight count per upstream and the counters. With ``--ad
 403 without it. Without a token, anyone who reaches the port can swap, so keep the default
 ``--host 127.0.0.1`` or set a token.
 
-Managed mode (``--draft``): the proxy owns its ``vllm serve`` processes (:mod:`draftsmith.vllm_server`).
+Managed mode (``--draft``): the proxy owns its ``vllm serve`` processes (:mod:`draftsmith.vllm_bridge.server`).
 A draft swap starts a second server with the new draft, using the same target, engine flags and
 served model name, so clients' ``"model"`` still matches. The proxy waits for its ``/health``,
 swaps, drains the old server and then stops it. For a while both servers run, so on a GPU the
@@ -62,22 +48,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import hmac
 import inspect
 import itertools
-import json
-import logging
-import logging.handlers
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,15 +67,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from ...vllm_server import ServerOptions, ServerStartError, vllm_server
 
-LOG_VERSION = 1  # the "version" of every traffic log line (data_prep/traffic.py reads it)
-LOGGED_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+from ..traffic_log import LOGGED_ENDPOINTS, exchange_record, json_or_none
+from ..vllm_bridge.server import ServerOptions, ServerStartError
+from .managed import ManagedServers
+from .traffic_writer import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, TrafficLog
+
 ADMIN_PREFIX = "/draftsmith/"
 ADMIN_HEADER = "X-Draftsmith-Admin"
 ADMIN_TOKEN_ENV = "DRAFTSMITH_PROXY_ADMIN_TOKEN"
-DEFAULT_MAX_BYTES = 100 * 2**20
-DEFAULT_BACKUPS = 5
 MAX_REQUEST_BYTES = 256 * 2**20  # aiohttp's default (1 MiB) is below a long-context request
 CLIENT_CLOSED_REQUEST = 499  # logged status of a request its client left before the upstream answered (nginx's code)
 # hop-by-hop headers (RFC 9110 section 7.6.1) and the framing the proxy recomputes itself
@@ -109,306 +88,6 @@ def end_to_end_headers(headers: Any) -> CIMultiDict:
     repeated headers kept."""
     drop = HOP_BY_HOP | {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
-
-
-# --------------------------------------------------------------------------- the log record
-
-
-def _json_or_none(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        return None
-
-
-def _decoded(body: bytes, content_encoding: str) -> bytes:
-    """The body as the upstream meant it (gzip / deflate undone), for the log only."""
-    if content_encoding.lower() in ("gzip", "deflate"):
-        with contextlib.suppress(zlib.error):
-            return zlib.decompress(body, 32 + zlib.MAX_WBITS)  # 32: zlib or gzip header, detected
-    return body
-
-
-def _sse_events(body: bytes) -> list[str]:
-    """The ``data`` of each server-sent event in ``body`` (multi-line data joined by newlines)."""
-    events, data = [], []
-    for line in body.decode("utf-8", errors="replace").splitlines():
-        if not line:
-            if data:
-                events.append("\n".join(data))
-            data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        events.append("\n".join(data))
-    return events
-
-
-def response_choices(endpoint: str, body: bytes, streamed: bool) -> tuple[list[dict[str, Any]], Any]:
-    """``(choices, usage)`` of an OpenAI response ``body`` for the log.
-
-    ``endpoint`` is ``"chat"`` (text from ``message.content``, or the concatenated
-    ``delta.content`` of a stream) or ``"completions"`` (``text``). ``streamed``: ``body`` is a
-    stream of server-sent events. ``choices`` is ``[{"index", "text", "finish_reason"}]`` sorted
-    by index, or ``[]`` when ``body`` cannot be parsed. ``usage`` is the last usage object sent,
-    or None.
-    """
-    if not streamed:
-        payload = _json_or_none(body)
-        if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
-            return [], None
-        out = []
-        for i, c in enumerate(payload["choices"]):
-            if not isinstance(c, dict):
-                continue
-            text = (c.get("message") or {}).get("content") if endpoint == "chat" else c.get("text")
-            out.append({"index": c.get("index", i), "text": text if isinstance(text, str) else "",
-                        "finish_reason": c.get("finish_reason")})
-        return sorted(out, key=lambda c: c["index"]), payload.get("usage")
-    texts: dict[int, list[str]] = {}
-    finish: dict[int, Any] = {}
-    usage = None
-    for data in _sse_events(body):
-        chunk = _json_or_none(data.encode()) if data != "[DONE]" else None
-        if not isinstance(chunk, dict):
-            continue
-        if chunk.get("usage") is not None:
-            usage = chunk["usage"]
-        for c in chunk.get("choices") or []:
-            if not isinstance(c, dict):
-                continue
-            i = c.get("index", 0)
-            piece = (c.get("delta") or {}).get("content") if endpoint == "chat" else c.get("text")
-            texts.setdefault(i, []).append(piece if isinstance(piece, str) else "")
-            if c.get("finish_reason") is not None:
-                finish[i] = c["finish_reason"]
-    return [{"index": i, "text": "".join(texts[i]), "finish_reason": finish.get(i)} for i in sorted(texts)], usage
-
-
-def exchange_record(*, record_id: str, endpoint: str, request_body: bytes, upstream: str, status: int,
-                    response_body: bytes, content_encoding: str, streamed: bool, complete: bool,
-                    finished: float, latency_s: float) -> dict[str, Any]:
-    """One traffic log line (the schema in the module docstring) for a finished exchange.
-
-    ``finished`` is unix seconds and ``latency_s`` is seconds. ``complete`` is False for a stream
-    cut short (every ``finish_reason`` is then null). The request body loses its top-level
-    ``api_key``, and headers are never part of the record.
-    """
-    request = _json_or_none(request_body)
-    if isinstance(request, dict):
-        request = {k: v for k, v in request.items() if k != "api_key"}
-    choices, usage = [], None
-    if status == 200:
-        choices, usage = response_choices(endpoint, _decoded(response_body, content_encoding), streamed)
-        if not complete:
-            choices = [{**c, "finish_reason": None} for c in choices]
-    model = request.get("model") if isinstance(request, dict) else None
-    return {"version": LOG_VERSION, "id": record_id, "time": finished, "endpoint": endpoint,
-            "model": model if isinstance(model, str) else None, "upstream": upstream, "status": status,
-            "request": request, "choices": choices, "usage": usage, "latency_s": latency_s}
-
-
-# --------------------------------------------------------------------------- the log file
-
-
-class _CountingRotatingFileHandler(logging.handlers.RotatingFileHandler):
-    """A ``RotatingFileHandler`` that counts failed writes (a full disk, a removed directory)
-    instead of printing a traceback per line. Only the first failure is reported on stderr."""
-
-    failed_writes = 0
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        self.failed_writes += 1
-        if self.failed_writes == 1:
-            print(f"draftsmith proxy: traffic log write failed ({sys.exc_info()[1]!r}); "
-                  "further failures are only counted (/draftsmith/status)", file=sys.stderr, flush=True)
-
-
-class TrafficLog:
-    """The traffic log: JSON lines appended by a dedicated, non-propagating logger through a
-    ``RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)``.
-
-    :meth:`submit` only queues a function that builds the record. The writer thread calls it,
-    encodes the line and writes it, so the event loop never waits on JSON or the disk. Lines
-    are ASCII JSON, so the handler's size check (in characters) is exact in bytes. A queue
-    holds at most ``queue_size`` records; past that, records are dropped and counted.
-
-    Raises:
-        ValueError: ``max_bytes`` < 1 or ``backups`` < 1 (either would switch rotation off and
-            leave the log unbounded), or another open :class:`TrafficLog` on the same ``path``.
-    """
-
-    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS,
-                 queue_size: int = 10_000):
-        if max_bytes < 1 or backups < 1:
-            raise ValueError(f"traffic log rotation needs max_bytes >= 1 and backups >= 1 "
-                             f"(got {max_bytes}, {backups}): the log would grow without bound")
-        self.path = Path(path).expanduser().resolve()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._logger = logging.getLogger(f"draftsmith.proxy.traffic:{self.path}")
-        if self._logger.handlers:
-            raise ValueError(f"{self.path}: already open as a traffic log in this process")
-        self._logger.propagate = False
-        self._logger.setLevel(logging.INFO)
-        self._handler = _CountingRotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
-                                                     encoding="utf-8", delay=True)
-        self._handler.setFormatter(logging.Formatter("%(message)s"))
-        self._logger.addHandler(self._handler)
-        self.logged = 0
-        self.dropped = 0  # queue full or log closed (counted on the event loop's thread)
-        self.build_errors = 0  # a record that could not be built or encoded (writer thread)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._closed = False
-        self._thread = threading.Thread(target=self._write_loop, name="draftsmith-traffic-log", daemon=True)
-        self._thread.start()
-
-    @property
-    def write_errors(self) -> int:
-        """Lines not written: failed writes, records that could not be built, drops."""
-        return self._handler.failed_writes + self.build_errors + self.dropped
-
-    def submit(self, make_record: Callable[[], dict[str, Any]]) -> None:
-        """Queue ``make_record`` (called on the writer thread). Never blocks and never raises."""
-        if self._closed:
-            self.dropped += 1
-            return
-        try:
-            self._queue.put_nowait(make_record)
-        except queue.Full:
-            self.dropped += 1
-
-    def _write_loop(self) -> None:
-        while True:
-            make_record = self._queue.get()
-            try:
-                if make_record is None:
-                    return
-                line = json.dumps(make_record(), separators=(",", ":"))
-                failed_before = self._handler.failed_writes
-                self._logger.info(line)  # the handler catches its own write errors (handleError)
-                if self._handler.failed_writes == failed_before:
-                    self.logged += 1
-            except Exception:  # noqa: BLE001  (a bad record must not stop the writer thread)
-                self.build_errors += 1
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        """Block until every record submitted so far is written (or counted as failed)."""
-        self._queue.join()
-
-    def close(self) -> None:
-        """Write what is queued, stop the writer thread and close the file. Later submissions are dropped."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-        self._logger.removeHandler(self._handler)
-        self._handler.close()
-
-
-# --------------------------------------------------------------------------- managed vLLM servers
-
-
-def draft_speculative_config(draft: Path, target: Path, k: int) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` serving the exported ``draft`` with ``k`` draft tokens
-    (:func:`draftsmith.eval.acceptance.vllm_speculative_config` with method ``draft``, the lookup
-    ``draftsmith acceptance`` and ``serve-bench`` make), once the method's check has confirmed
-    that the export fits ``target``.
-
-    Raises:
-        ValueError: not an export vLLM serves here (:func:`draftsmith.eval.serving.run.served_method`).
-        DraftMismatchError (a ValueError): the draft was not trained for ``target``.
-    """
-    from ..acceptance import EXPORT_METHOD, draft_method, vllm_speculative_config
-
-    check = draft_method(EXPORT_METHOD, draft).target_check
-    if check is not None:
-        check(draft, target)
-    return vllm_speculative_config(EXPORT_METHOD, draft, k)[1]
-
-
-@dataclass
-class _Server:
-    stack: contextlib.ExitStack
-    info: dict[str, Any]
-
-
-class ManagedServers:
-    """The ``vllm serve`` processes that a managed proxy owns. All of them serve one target, with
-    the same engine options (so the same served model name), and each has its own draft.
-
-    The blocking methods run on a worker thread (:func:`asyncio.to_thread`) or before the event
-    loop starts. Each server has its own ``ExitStack``, which holds
-    :func:`draftsmith.vllm_server.vllm_server` open until :meth:`stop_blocking`.
-    """
-
-    def __init__(self, target: Path, options: ServerOptions, k: int, log_dir: Path):
-        self.target, self.options, self.k, self.log_dir = Path(target), options, k, Path(log_dir)
-        self._servers: dict[str, _Server] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._numbers = itertools.count()
-
-    def start_blocking(self, draft: Path, k: int | None = None) -> dict[str, Any]:
-        """Start a server for ``draft`` (``k`` draft tokens, default :attr:`k`) and wait for ``/health``.
-
-        Returns ``{"base_url", "port", "pgid", "command", "draft", "k", "log", "speculative_config"}``.
-
-        Raises:
-            ValueError: see :func:`draft_speculative_config`.
-            ServerStartError: the server exited or was not healthy in time (the message has its
-                log tail), or the proxy closed while the server was starting.
-        """
-        k = self.k if k is None else k
-        spec = draft_speculative_config(Path(draft), self.target, k)
-        log_path = self.log_dir / f"server-{next(self._numbers)}.log"
-        stack = contextlib.ExitStack()
-        server = stack.enter_context(vllm_server(self.target, spec, self.options, log_path))
-        info = {**server, "draft": str(draft), "k": k, "log": str(log_path), "speculative_config": spec}
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._servers[server["base_url"]] = _Server(stack, info)
-        if closed:  # close_blocking ran while this server was starting: nobody would stop it
-            stack.close()
-            raise ServerStartError("the proxy closed while the server was starting")
-        return info
-
-    async def start(self, draft: Path, k: int | None = None) -> dict[str, Any]:
-        """:meth:`start_blocking` on a worker thread."""
-        return await asyncio.to_thread(self.start_blocking, draft, k)
-
-    def stop_blocking(self, base_url: str) -> bool:
-        """Stop the server at ``base_url`` (SIGTERM to its process group, then SIGKILL). Returns
-        False when no managed server is at that URL."""
-        with self._lock:
-            server = self._servers.pop(base_url, None)
-        if server is None:
-            return False
-        server.stack.close()
-        return True
-
-    async def stop(self, base_url: str) -> bool:
-        """:meth:`stop_blocking` on a worker thread."""
-        return await asyncio.to_thread(self.stop_blocking, base_url)
-
-    def describe(self) -> dict[str, dict[str, Any]]:
-        """The running servers by base URL: draft, k, log, process group."""
-        with self._lock:
-            return {url: {key: s.info[key] for key in ("draft", "k", "log", "pgid")} for url, s in self._servers.items()}
-
-    def close_blocking(self) -> None:
-        """Stop every server. A server that is still starting is stopped when its start returns."""
-        with self._lock:
-            self._closed = True
-            servers, self._servers = list(self._servers.values()), {}
-        for server in servers:
-            server.stack.close()
-
-
-# --------------------------------------------------------------------------- the proxy
 
 
 def checked_base_url(base_url: str) -> str:
@@ -642,7 +321,7 @@ class TrafficProxy:
                                f"(POST {ADMIN_PREFIX}swap, GET {ADMIN_PREFIX}status)")
 
     async def _admin_swap(self, request: web.Request) -> web.Response:
-        body = _json_or_none(await request.read())
+        body = json_or_none(await request.read())
         if not isinstance(body, dict) or ("draft" in body) == ("upstream" in body):
             raise _AdminError(400, 'the body names one of {"upstream": URL} or {"draft": EXPORT_DIR}')
         # the swap runs to its end even if the admin client leaves (aiohttp then cancels this handler):
@@ -686,8 +365,8 @@ class TrafficProxy:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``draftsmith proxy``."""
-    from ...cli import HelpFormatter
-    from ...recipe import add_vllm_arguments
+    from ..cli import HelpFormatter
+    from ..vllm_bridge.engine import add_vllm_arguments
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--upstream", help="unmanaged mode: the base URL of a running OpenAI server, e.g. http://127.0.0.1:8001")
@@ -714,8 +393,9 @@ def managed_servers_from_args(args: argparse.Namespace) -> ManagedServers:
     Raises:
         ValueError / RecipeError / FileNotFoundError: no target, a bad recipe or engine flag, an unknown target.
     """
-    from ...data_prep.target import resolve_target
-    from ...recipe import load_recipe, vllm_config_from_args
+    from ..data_prep.target import resolve_target
+    from ..recipe import load_recipe
+    from ..vllm_bridge.engine import vllm_config_from_args
 
     recipe = load_recipe(args.recipe) if args.recipe else None
     target_name = args.target or (recipe.target.name_or_path if recipe else None)

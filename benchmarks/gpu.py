@@ -1,15 +1,15 @@
 """GPU benchmark of the real training step of EAGLE-3, DFlash and P-EAGLE at each recipe's geometry.
 
-    python -m draftsmith.eval.bench_gpu [--recipes R [R ...]] [--backends sdpa flex] [--steps 10]
+    python -m benchmarks.gpu [--recipes R [R ...]] [--backends sdpa flex] [--steps 10]
         [--warmup 3] [--batch-size B] [--max-length T] [--set KEY=VALUE ...] [--out bench_gpu.json]
-    python -m draftsmith.eval.bench_gpu --tiny --device cpu --steps 1 --warmup 0   # the same code on a CPU
+    python -m benchmarks.gpu --tiny --device cpu --steps 1 --warmup 0   # the same code on a CPU
 
 For every recipe (a name under ``recipes/`` or a YAML path; default: the Llama-3.1-8B and
 gpt-oss-120b recipes of the three methods) and every ``train.attention_backend`` (``--backends``),
 one row: the recipe's method object is built at the target's true geometry with random weights by
-the builders of ``draftsmith bench memory`` (:mod:`draftsmith.eval.bench_memory`:
-:func:`~draftsmith.eval.bench_memory.offline_method`, :func:`~draftsmith.eval.bench_memory.prepare_model`,
-:func:`~draftsmith.eval.bench_memory.random_batch`; the target's ``config.json`` from
+the builders of ``draftsmith bench memory`` (:mod:`benchmarks.memory`:
+:func:`~benchmarks.memory.offline_method`, :func:`~benchmarks.memory.prepare_model`,
+:func:`~benchmarks.memory.random_batch`; the target's ``config.json`` from
 ``recipes/targets/``, nothing downloaded), at the recipe's micro-batch ``B x T`` (Llama-3.1-8B /
 Qwen3-8B recipes 4 x 2048, gpt-oss-120b 2 x 4096; ``--batch-size`` / ``--max-length`` override)
 and on the launcher's precision path (bf16 autocast with fp32 weights; bf16 weights under
@@ -167,7 +167,7 @@ def cod_allowed_pairs(elements: Any, document_ids: torch.Tensor | None) -> int:
     """The (query, key) pairs between valid COD elements that P-EAGLE's mask allows
     (``lo[k] <= x[q] <= hi[k]``, :func:`~draftsmith.models.peagle.cod_attention_keys`), counted
     with sorted interval bounds (no ``S x S`` tensor)."""
-    from ..models.peagle import cod_attention_keys
+    from draftsmith.models.peagle import cod_attention_keys
 
     x, lo, hi = cod_attention_keys(elements, document_ids)
     total = 0
@@ -204,8 +204,8 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
     elif method.name == "dflash":
-        from ..models.dflash import sample_anchors
-        from ..train.method_dflash import NUM_ANCHORS_KEY
+        from draftsmith.models.dflash import sample_anchors
+        from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
 
         Bk = cfg.block_size
         A = batch.get(NUM_ANCHORS_KEY) or min(recipe.draft.num_anchors, max(T - 1, 1))
@@ -224,7 +224,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(anchors=A, valid_anchors=int(valid.sum()), block_size=Bk)
     elif method.name == "peagle":
-        from ..models.peagle import cod_sample, step0_prediction_mask
+        from draftsmith.models.peagle import cod_sample, step0_prediction_mask
 
         d = recipe.draft
         pred = step0_prediction_mask(loss_mask, docs_cpu)
@@ -334,10 +334,10 @@ def load_bench_recipe(name: str, sets: list[str], args: argparse.Namespace) -> t
     Raises:
         ValueError / FileNotFoundError / RecipeError / LauncherError: one line naming the problem.
     """
-    from ..recipe import load_recipe
-    from ..train.dry_run import check_lengths, load_config_json, validate_geometry
-    from ..train.launchers import draft_model_class, validate_launcher
-    from .bench_memory import bench_recipe
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.dry_run import check_lengths, load_config_json, validate_geometry
+    from draftsmith.train.launchers import draft_model_class, validate_launcher
+    from benchmarks.memory import bench_recipe
 
     recipe = load_recipe(recipe_path(name), sets)
     if recipe.draft.method not in METHODS:
@@ -361,8 +361,8 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
                    warmup: int, count_executed: bool = True, seed: int = 0) -> dict[str, Any]:
     """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
     ``steps`` training steps after ``warmup`` (module docstring). Returns the row's measurements."""
-    from ..train.trainer import MetricWindow, NonFiniteGuard
-    from .bench_memory import OneProcess, _device_batch, offline_method, prepare_model, random_batch, random_weights
+    from draftsmith.train.trainer import MetricWindow, NonFiniteGuard
+    from benchmarks.memory import OneProcess, _device_batch, offline_method, prepare_model, random_batch, random_weights
 
     torch.manual_seed(seed)
     cfg = recipe.train
@@ -408,7 +408,7 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
 
 def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precision: Any) -> dict[str, Any]:
     """``draftsmith bench memory``'s FakeTensorMode measurement of the same step (SDPA)."""
-    from .bench_memory import measure_step
+    from benchmarks.memory import measure_step
 
     r = recipe.model_copy(deep=True)
     r.train.attention_backend = "sdpa"
@@ -498,8 +498,8 @@ def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namesp
                  peak: float | None) -> dict[str, Any]:
     """The target's plain forward, decoder-only forward and hidden-state capture at the recipe's
     ``B x T`` (module docstring), or why they were skipped."""
-    from ..data_prep.capture import capture_batch
-    from ..data_prep.target import default_aux_layer_ids, text_config
+    from draftsmith.data_prep.capture import capture_batch
+    from draftsmith.data_prep.target import default_aux_layer_ids, text_config
 
     B, T = recipe.train.batch_size, recipe.data.max_length
     dtype = getattr(torch, recipe.target.dtype)
@@ -575,11 +575,11 @@ def _host_memory() -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure every requested recipe and backend; returns what ``--out`` stores."""
-    from .bench_memory import Precision
+    from benchmarks.memory import Precision
 
     dev = torch.device(args.device)
     if dev.type == "cuda":
-        from ..train.distributed import gpu_defaults
+        from draftsmith.train.distributed import gpu_defaults
 
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -666,10 +666,10 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``eval/bench_gpu.py``."""
-    from ..cli import HelpFormatter
+    """The command line of ``benchmarks/gpu.py``."""
+    from draftsmith.cli import HelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m draftsmith.eval.bench_gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--recipes", nargs="+", metavar="RECIPE",
                    help=f"recipe names under recipes/ or YAML paths (default: {' '.join(DEFAULT_RECIPES)}; "

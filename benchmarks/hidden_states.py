@@ -1,6 +1,6 @@
 """Benchmark: hidden-state capture vs a plain target forward on the same batch (tokens/s).
 
-    python -m draftsmith.eval.bench_hidden_states [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
+    python -m benchmarks.hidden_states [--target embedded:SmolLM2-135M-Instruct] [--batch 4] [--seq 512]
         [--device cuda:0]
 
 Prints tokens/s for (a) the plain causal-LM forward (``model(input_ids)``, logits included),
@@ -10,7 +10,7 @@ and to (b); (b) isolates what the hooks and the copies of the aux states cost. M
 The model runs on ``--device`` (default: this process's accelerator); on a GPU each timed call
 ends with a synchronisation, so the times cover the kernels, not just their launch.
 
-    python -m draftsmith.eval.bench_hidden_states --capture-rss [--rss-tokens 32768 131072]
+    python -m benchmarks.hidden_states --capture-rss [--rss-tokens 32768 131072]
         [--rss-hidden 1024] [--shard-bytes 33554432] [--rss-dtype bfloat16]
 
 measures the shard writer instead: ``generate_hidden_states`` with an engine that yields random
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,10 +34,11 @@ from typing import Iterator
 
 import torch
 
-from ..data_prep.capture import capture_batch
-from ..data_prep.hidden_states import generate_hidden_states
-from ..data_prep.shards import ShardSpec, bytes_per_token
-from ..data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
+from draftsmith.data_prep.capture import capture_batch
+from draftsmith.data_prep.hidden_states import generate_hidden_states
+from draftsmith.data_prep.shards import ShardSpec, bytes_per_token
+from draftsmith.data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
+from benchmarks import subprocess_env
 
 
 def _time_interleaved(fns: list, repeats: int, device: torch.device = torch.device("cpu")) -> list[float]:
@@ -122,17 +122,17 @@ PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 def measure_capture_rss(tokens: int, pin_malloc: bool = True, **kwargs) -> dict:
     """:func:`capture_rss` in a fresh Python process (nothing allocated before it skews the peak);
     ``pin_malloc``: with glibc's mmap threshold fixed at 1 MiB (:data:`PINNED_MALLOC`)."""
-    code = ("import json, sys; from draftsmith.eval.bench_hidden_states import capture_rss; "
+    code = ("import json, sys; from benchmarks.hidden_states import capture_rss; "
             "print(json.dumps(capture_rss(**json.loads(sys.argv[1]))))")
-    env = {**os.environ, **(PINNED_MALLOC if pin_malloc else {})}
+    env = subprocess_env(**(PINNED_MALLOC if pin_malloc else {}))
     out = subprocess.run([sys.executable, "-c", code, json.dumps(dict(tokens=tokens, **kwargs))],
                          capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.splitlines()[-1])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``eval/bench_hidden_states.py``."""
-    from ..cli import HelpFormatter
+    """The command line of ``benchmarks/hidden_states.py``."""
+    from draftsmith.cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",

@@ -1,0 +1,111 @@
+"""The ``vllm serve`` processes a managed ``draftsmith proxy`` (``--draft``) owns: one per draft, all
+serving one target with the same engine options; a swap starts the next one beside the current."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+
+from ..vllm_bridge import spec_config
+from ..vllm_bridge.server import ServerOptions, ServerStartError, vllm_server
+from ..vllm_bridge.spec_config import served_method
+
+
+def draft_speculative_config(draft: Path, target: Path, k: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` serving the exported ``draft`` with ``k`` draft tokens, once
+    the method's check has confirmed that the export fits ``target``.
+
+    Raises:
+        ValueError: not an export vLLM serves here (:func:`draftsmith.vllm_bridge.spec_config.served_method`).
+        DraftMismatchError (a ValueError): the draft was not trained for ``target``.
+    """
+    spec = served_method(Path(draft))
+    if spec.target_check is not None:
+        spec.target_check(Path(draft), Path(target))
+    return spec_config.for_export(spec, str(draft), k)
+
+
+@dataclass
+class _Server:
+    stack: contextlib.ExitStack
+    info: dict[str, Any]
+
+
+class ManagedServers:
+    """The ``vllm serve`` processes that a managed proxy owns. All of them serve one target, with
+    the same engine options (so the same served model name), and each has its own draft.
+
+    The blocking methods run on a worker thread (:func:`asyncio.to_thread`) or before the event
+    loop starts. Each server has its own ``ExitStack``, which holds
+    :func:`draftsmith.vllm_bridge.server.vllm_server` open until :meth:`stop_blocking`.
+    """
+
+    def __init__(self, target: Path, options: ServerOptions, k: int, log_dir: Path):
+        self.target, self.options, self.k, self.log_dir = Path(target), options, k, Path(log_dir)
+        self._servers: dict[str, _Server] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._numbers = itertools.count()
+
+    def start_blocking(self, draft: Path, k: int | None = None) -> dict[str, Any]:
+        """Start a server for ``draft`` (``k`` draft tokens, default :attr:`k`) and wait for ``/health``.
+
+        Returns ``{"base_url", "port", "pgid", "command", "draft", "k", "log", "speculative_config"}``.
+
+        Raises:
+            ValueError: see :func:`draft_speculative_config`.
+            ServerStartError: the server exited or was not healthy in time (the message has its
+                log tail), or the proxy closed while the server was starting.
+        """
+        k = self.k if k is None else k
+        spec = draft_speculative_config(Path(draft), self.target, k)
+        log_path = self.log_dir / f"server-{next(self._numbers)}.log"
+        stack = contextlib.ExitStack()
+        server = stack.enter_context(vllm_server(self.target, spec, self.options, log_path))
+        info = {**server, "draft": str(draft), "k": k, "log": str(log_path), "speculative_config": spec}
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._servers[server["base_url"]] = _Server(stack, info)
+        if closed:  # close_blocking ran while this server was starting: nobody would stop it
+            stack.close()
+            raise ServerStartError("the proxy closed while the server was starting")
+        return info
+
+    async def start(self, draft: Path, k: int | None = None) -> dict[str, Any]:
+        """:meth:`start_blocking` on a worker thread."""
+        return await asyncio.to_thread(self.start_blocking, draft, k)
+
+    def stop_blocking(self, base_url: str) -> bool:
+        """Stop the server at ``base_url`` (SIGTERM to its process group, then SIGKILL). Returns
+        False when no managed server is at that URL."""
+        with self._lock:
+            server = self._servers.pop(base_url, None)
+        if server is None:
+            return False
+        server.stack.close()
+        return True
+
+    async def stop(self, base_url: str) -> bool:
+        """:meth:`stop_blocking` on a worker thread."""
+        return await asyncio.to_thread(self.stop_blocking, base_url)
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """The running servers by base URL: draft, k, log, process group."""
+        with self._lock:
+            return {url: {key: s.info[key] for key in ("draft", "k", "log", "pgid")} for url, s in self._servers.items()}
+
+    def close_blocking(self) -> None:
+        """Stop every server. A server that is still starting is stopped when its start returns."""
+        with self._lock:
+            self._closed = True
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.stack.close()

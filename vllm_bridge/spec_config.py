@@ -1,0 +1,83 @@
+"""Every ``speculative_config`` draftsmith hands vLLM (``vllm.LLM(speculative_config=...)``,
+``vllm serve --speculative-config JSON``), built in one place:
+
+- :func:`for_export`: a draft draftsmith exported, served as its registered method
+  (:mod:`draftsmith.methods`; P-EAGLE is ``eagle3`` with ``parallel_drafting``);
+- :func:`ngram`: vLLM's prompt lookup; :func:`suffix`: Arctic Inference's suffix decoding;
+  :func:`draft_model`: a smaller model of the target's family as the draft.
+
+:func:`served_method` reads an export's ``config.json`` and names the method, refusing what the
+installed vLLM does not serve.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
+
+
+def served_methods() -> tuple[str, ...]:
+    """The registered draft methods ``vllm serve`` runs here."""
+    return tuple(m for m in registered_methods() if get_method(m).servable)
+
+
+def for_export(spec: DraftMethodSpec, model: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` serving the export at ``model`` (a directory or Hub id) of
+    method ``spec`` with ``num_speculative_tokens`` draft tokens per step: ``method``, ``model``,
+    ``num_speculative_tokens`` and the method's ``vllm_extra`` keys (P-EAGLE: ``parallel_drafting``)."""
+    return {"method": spec.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
+            **dict(spec.vllm_extra)}
+
+
+def ngram(num_speculative_tokens: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4) -> dict[str, Any]:
+    """vLLM's prompt lookup: drafts copied from the prompt after a matching n-gram of
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens."""
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+
+
+def suffix(num_speculative_tokens: int) -> dict[str, Any]:
+    """Suffix decoding (needs the ``arctic_inference`` package)."""
+    return {"method": "suffix", "num_speculative_tokens": num_speculative_tokens}
+
+
+def draft_model(model: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """A separate, smaller language model of the target's family (same tokenizer) as the draft."""
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": num_speculative_tokens}
+
+
+def served_method(draft: Path) -> DraftMethodSpec:
+    """The registered method of the export in ``draft``, if ``vllm serve`` serves it here.
+
+    Raises:
+        ValueError: no ``config.json``, a format no servable method recognises, or one the
+            installed vLLM no longer serves (the method's serve check).
+    """
+    cfg_path = Path(draft) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path} missing: not an exported draft (draftsmith export)")
+    cfg = json.loads(cfg_path.read_text())
+    try:
+        spec = method_of_export(cfg)
+    except UnknownMethodError:
+        spec = None
+    if spec is None or not spec.servable:
+        archs = set(cfg.get("architectures") or [])
+        raise ValueError(f"{cfg_path}: architectures {sorted(archs)} is not a draft vLLM serves here "
+                         f"({', '.join(served_methods())})")
+    if spec.vllm_serve_check is not None:
+        spec.vllm_serve_check(Path(draft))
+    return spec
+
+
+def check_vllm_serves_medusa(draft: Path) -> None:
+    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    if "medusa" not in get_args(SpeculativeMethod):
+        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
