@@ -9,15 +9,18 @@ is bounded (``traffic.jsonl``, ``.1``, ... ``.N``; about ``(N + 1) * --max-bytes
     {"version": 1, "id": uuid4 hex, "time": unix seconds when the response finished,
      "endpoint": "chat" | "completions", "model": the request's "model" | null,
      "upstream": label of the upstream that answered ("upstream-0", ...),
-     "status": upstream HTTP status | 502 (upstream not reached) | 499 (client left before the answer),
+     "status": upstream HTTP status | 502 (upstream not reached) | 503 (managed upstream restarting)
+               | 504 (upstream silent past --upstream-timeout) | 499 (client left before the answer),
      "request": the client's JSON body without a top-level "api_key" | null (not JSON),
      "choices": [{"index": i, "text": full completion text, "finish_reason": str | null}],
-     "usage": the upstream's usage object | null, "latency_s": seconds from receipt to finish}
+     "usage": the upstream's usage object | null, "latency_s": seconds from receipt to finish,
+     "error": null | one of ERRORS: why the exchange did not finish normally}
 
 Streamed replies are logged as the concatenation of their deltas. ``choices`` is ``[]`` for a
 status other than 200 and for a body that cannot be parsed. A stream cut short, by the client
 leaving or by the upstream failing, is logged with what arrived and ``"finish_reason": null``.
 A client that leaves also closes the proxy's upstream connection, so vLLM aborts the generation.
+``error`` says which failure cut an exchange (:data:`ERRORS`); readers that predate it ignore it.
 JSON encoding and file writes run on a writer thread. A failed or dropped write is counted
 (``/draftsmith/status``) and never fails a request. The log never holds a header
 (``Authorization`` included), the request body's ``api_key``, or the admin token. Access logging
@@ -33,6 +36,10 @@ from typing import Any
 
 LOG_VERSION = 1  # the "version" of every traffic log line; a reader skips lines of another version
 LOGGED_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # path -> "endpoint"
+# "error" of a record: the upstream could not be reached / closed the connection mid-answer / sent
+# nothing for --upstream-timeout seconds / was being restarted (managed mode); the client left
+ERRORS = ("upstream_unreachable", "upstream_disconnected", "upstream_timeout", "upstream_restarting",
+          "client_disconnected")
 
 
 def json_or_none(body: bytes) -> Any:
@@ -108,12 +115,12 @@ def response_choices(endpoint: str, body: bytes, streamed: bool) -> tuple[list[d
 
 def exchange_record(*, record_id: str, endpoint: str, request_body: bytes, upstream: str, status: int,
                     response_body: bytes, content_encoding: str, streamed: bool, complete: bool,
-                    finished: float, latency_s: float) -> dict[str, Any]:
+                    finished: float, latency_s: float, error: str | None = None) -> dict[str, Any]:
     """One traffic log line (the schema in this module's docstring) for a finished exchange.
 
     ``finished`` is unix seconds and ``latency_s`` is seconds. ``complete`` is False for a stream
     cut short (every ``finish_reason`` is then null). The request body loses its top-level
-    ``api_key``, and headers are never part of the record.
+    ``api_key``, and headers are never part of the record. ``error``: None or one of :data:`ERRORS`.
     """
     request = json_or_none(request_body)
     if isinstance(request, dict):
@@ -126,4 +133,4 @@ def exchange_record(*, record_id: str, endpoint: str, request_body: bytes, upstr
     model = request.get("model") if isinstance(request, dict) else None
     return {"version": LOG_VERSION, "id": record_id, "time": finished, "endpoint": endpoint,
             "model": model if isinstance(model, str) else None, "upstream": upstream, "status": status,
-            "request": request, "choices": choices, "usage": usage, "latency_s": latency_s}
+            "request": request, "choices": choices, "usage": usage, "latency_s": latency_s, "error": error}

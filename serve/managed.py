@@ -57,7 +57,8 @@ class ManagedServers:
     def start_blocking(self, draft: Path, k: int | None = None) -> dict[str, Any]:
         """Start a server for ``draft`` (``k`` draft tokens, default :attr:`k`) and wait for ``/health``.
 
-        Returns ``{"base_url", "port", "pgid", "command", "draft", "k", "log", "speculative_config"}``.
+        Returns ``{"base_url", "port", "pgid", "command", "alive", "draft", "k", "log", "speculative_config"}``
+        (``alive()``: whether the server process is still running).
 
         Raises:
             ValueError: see :func:`draft_speculative_config`.
@@ -96,6 +97,20 @@ class ManagedServers:
     async def stop(self, base_url: str) -> bool:
         """:meth:`stop_blocking` on a worker thread."""
         return await asyncio.to_thread(self.stop_blocking, base_url)
+
+    def alive(self, base_url: str) -> bool:
+        """False when the managed server at ``base_url`` has a process and it has exited (True for
+        a URL this object does not manage, or a server that cannot tell)."""
+        with self._lock:
+            server = self._servers.get(base_url)
+        check = server.info.get("alive") if server is not None else None
+        return True if check is None else bool(check())
+
+    def info(self, base_url: str) -> dict[str, Any] | None:
+        """What :meth:`start_blocking` returned for the server at ``base_url`` (None: not managed here)."""
+        with self._lock:
+            server = self._servers.get(base_url)
+        return dict(server.info) if server is not None else None
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """The running servers by base URL: draft, k, log, process group."""

@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hmac
 import inspect
 import itertools
+import json
 import os
 import signal
 import sys
@@ -76,7 +78,10 @@ from .traffic_writer import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, TrafficLog
 ADMIN_PREFIX = "/draftsmith/"
 ADMIN_HEADER = "X-Draftsmith-Admin"
 ADMIN_TOKEN_ENV = "DRAFTSMITH_PROXY_ADMIN_TOKEN"
-MAX_REQUEST_BYTES = 256 * 2**20  # aiohttp's default (1 MiB) is below a long-context request
+DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20  # 413 beyond it; aiohttp's default (1 MiB) is below a long-context request
+DEFAULT_UPSTREAM_TIMEOUT_S = 600.0  # 504 (or an error event mid-stream) when the upstream sends nothing for this long
+RESTART_BACKOFF_S = 30.0  # managed mode: seconds between attempts to restart a dead server
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 CLIENT_CLOSED_REQUEST = 499  # logged status of a request its client left before the upstream answered (nginx's code)
 # hop-by-hop headers (RFC 9110 section 7.6.1) and the framing the proxy recomputes itself
 HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
@@ -88,6 +93,22 @@ def end_to_end_headers(headers: Any) -> CIMultiDict:
     repeated headers kept."""
     drop = HOP_BY_HOP | {h.strip().lower() for h in headers.get("Connection", "").split(",") if h.strip()}
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+
+
+def error_response(status: int, message: str, kind: str, **headers: str) -> web.Response:
+    """An OpenAI-style error: ``{"error": {"message", "type", "code"}}`` with HTTP ``status``."""
+    return web.json_response({"error": {"message": f"draftsmith proxy: {message}", "type": kind, "code": status}},
+                             status=status, headers=headers or None)
+
+
+def upstream_error(exc: BaseException) -> str:
+    """The ``error`` of a traffic log record (:data:`draftsmith.traffic_log.ERRORS`) for an
+    exception raised while talking to the upstream."""
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp.ServerTimeoutError is one too
+        return "upstream_timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "upstream_unreachable"
+    return "upstream_disconnected"
 
 
 def checked_base_url(base_url: str) -> str:
@@ -136,22 +157,36 @@ class _AdminError(Exception):
 class TrafficProxy:
     """The proxy (see the module docstring). ``upstream`` is the first upstream's base URL, and
     ``log`` is where served completions are logged (None: no log). If ``admin_token`` is set,
-    the admin endpoints require it. If ``servers`` is set, the proxy is in managed mode and
-    accepts draft swaps; a retired upstream's managed server is stopped.
+    the admin endpoints require it. ``allowed_upstreams``: the base URLs ``POST /draftsmith/swap``
+    may name besides ``upstream`` (the command line's ``--upstream`` flags; a URL from the network
+    is never dialled otherwise). If ``servers`` is set, the proxy is in managed mode: it accepts
+    draft swaps, stops a retired upstream's server and restarts a server that died.
+    ``max_request_bytes``: larger bodies get 413. ``upstream_timeout_s``: seconds the upstream may
+    stay silent (before its headers or between two chunks) before the request gets 504, or a
+    stream an error event.
 
     Raises:
-        ValueError: ``upstream`` is not an http(s) URL.
+        ValueError: ``upstream`` (or an allowed one) is not an http(s) URL.
     """
 
     def __init__(self, upstream: str, log: TrafficLog | None = None, *, label: str | None = None,
-                 admin_token: str | None = None, servers: ManagedServers | None = None):
+                 admin_token: str | None = None, servers: ManagedServers | None = None,
+                 allowed_upstreams: list[str] | tuple[str, ...] = (),
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S):
         self.log, self.admin_token, self.servers = log, admin_token, servers
+        self.max_request_bytes, self.upstream_timeout_s = max_request_bytes, upstream_timeout_s
         self._labels = itertools.count()
         self._current = self._upstream(upstream, label)
+        self.allowed_upstreams = {self._current.base_url, *(checked_base_url(u) for u in allowed_upstreams)}
         self._draining: list[Upstream] = []
         self._swap_lock = asyncio.Lock()  # one swap at a time
-        self._admin_lock = asyncio.Lock()  # one admin swap at a time: at most two managed servers
-        self.counters = {"requests": 0, "upstream_errors": 0, "swaps": 0}
+        self._admin_lock = asyncio.Lock()  # one admin swap (or restart) at a time: at most two managed servers
+        self._restart: asyncio.Task | None = None  # managed mode: the restart of a dead server under way
+        self._restart_not_before = 0.0  # monotonic seconds: no new restart attempt before (after a failed one)
+        self._restart_error: str | None = None
+        self.counters = {"requests": 0, "upstream_errors": 0, "swaps": 0, "rejected": 0, "restarts": 0,
+                         "restart_failures": 0}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._admin_tasks: set[asyncio.Task] = set()
@@ -167,7 +202,7 @@ class TrafficProxy:
     def app(self) -> web.Application:
         """The aiohttp application: the admin routes under :data:`ADMIN_PREFIX`, then everything
         else forwarded; it opens the upstream session on start-up and closes it on clean-up."""
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._admin_guard])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._admin_guard])
         app.router.add_post(ADMIN_PREFIX + "swap", self._admin_swap)
         app.router.add_get(ADMIN_PREFIX + "status", self._admin_status)
         app.router.add_route("*", ADMIN_PREFIX + "{tail:.*}", self._admin_unknown)
@@ -178,7 +213,8 @@ class TrafficProxy:
 
     async def _open_session(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),  # generations may run for minutes
+            # generations may run for minutes (no total); silence past upstream_timeout_s is a hung upstream
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.upstream_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),  # vLLM queues requests itself
             auto_decompress=False,  # bodies pass through as the upstream encoded them
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),  # only the client's
@@ -245,20 +281,36 @@ class TrafficProxy:
         return {"upstream": self._current.describe(),
                 "in_flight": {u.label: u.in_flight for u in [self._current, *self._draining]},
                 "counters": {**self.counters, "logged": log.logged if log else 0,
-                             "log_write_errors": log.write_errors if log else 0},
+                             "log_write_errors": log.write_errors if log else 0,
+                             **({f"log_{k}": v for k, v in log.error_counts().items()} if log else {})},
                 "log": str(log.path) if log else None,
-                "servers": self.servers.describe() if self.servers else None}
+                "servers": self.servers.describe() if self.servers else None,
+                "restarting": self._restart is not None and not self._restart.done(),
+                "restart_error": self._restart_error}
 
     # ------------------------------------------------------------------ forwarding
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
-        body = await request.read()
         endpoint = LOGGED_ENDPOINTS.get(request.path) if request.method == "POST" else None
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters["rejected"] += 1
+            return error_response(413, f"request body over {self.max_request_bytes} bytes (--max-request-bytes)",
+                                  "RequestTooLarge")
+        if endpoint is not None and not isinstance(json_or_none(body), dict):  # never a completion: not forwarded
+            self.counters["rejected"] += 1
+            return error_response(400, f"the body of POST {request.path} must be a JSON object", "BadRequest")
         upstream = self._current  # chosen and entered with no await between: a swap cannot slip in
+        if self._upstream_is_down(upstream):  # managed mode, its server died: a restart is under way
+            self.counters["rejected"] += 1
+            self._log(endpoint, body, upstream, 503, [], "", False, False, received, "upstream_restarting")
+            return error_response(503, f"upstream {upstream.label} died and is being restarted", "ServiceUnavailable",
+                                  **{"Retry-After": "10"})
         upstream.enter()
         self.counters["requests"] += 1
-        status, parts, encoding, streamed, complete = CLIENT_CLOSED_REQUEST, [], "", False, False
+        status, parts, encoding, streamed, complete, error = CLIENT_CLOSED_REQUEST, [], "", False, False, None
         response: web.StreamResponse | None = None
         try:
             async with self._session.request(request.method, URL(upstream.base_url + request.raw_path, encoded=True),
@@ -275,28 +327,91 @@ class TrafficProxy:
                 response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
                 await response.prepare(request)
                 async for chunk in up.content.iter_any():
-                    parts.append(chunk)
+                    if endpoint is not None:  # only a logged reply is kept (for its log line)
+                        parts.append(chunk)
                     try:
-                        await response.write(chunk)
+                        await response.write(chunk)  # waits while the client's socket is full: memory stays bounded
                     except ConnectionResetError:  # the client left: stop reading, so the upstream aborts
+                        error = "client_disconnected"
                         return response
                 complete = True
                 return response
+        except asyncio.CancelledError:  # the client left (aiohttp cancels the handler): the upstream request goes too
+            error = "client_disconnected"
+            raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.counters["upstream_errors"] += 1
-            if response is not None:  # the stream had begun: it ends where the upstream stopped
+            error = upstream_error(exc)
+            if response is not None:  # the stream had begun: it ends with an error event where the upstream stopped
+                await self._end_stream_with_error(response, upstream, error)
                 return response
-            status = 502
-            return web.json_response({"error": {"message": f"draftsmith proxy: upstream {upstream.label} could "
-                                                           f"not be reached ({type(exc).__name__})",
-                                                "type": "BadGateway", "code": 502}}, status=502)
+            if error == "upstream_unreachable" and self._upstream_is_down(upstream):
+                status = 503
+                return error_response(503, f"upstream {upstream.label} died and is being restarted",
+                                      "ServiceUnavailable", **{"Retry-After": "10"})
+            status = 504 if error == "upstream_timeout" else 502
+            what = (f"sent nothing for {self.upstream_timeout_s:g} s" if status == 504 else
+                    f"could not be reached ({type(exc).__name__})" if error == "upstream_unreachable" else
+                    f"closed the connection ({type(exc).__name__})")
+            return error_response(status, f"upstream {upstream.label} {what}",
+                                  "GatewayTimeout" if status == 504 else "BadGateway")
         finally:
             upstream.leave()
-            if endpoint is not None and self.log is not None:
-                self.log.submit(functools.partial(
-                    exchange_record, record_id=uuid.uuid4().hex, endpoint=endpoint, request_body=body,
-                    upstream=upstream.label, status=status, response_body=b"".join(parts), content_encoding=encoding,
-                    streamed=streamed, complete=complete, finished=time.time(), latency_s=time.monotonic() - received))
+            self._log(endpoint, body, upstream, status, parts, encoding, streamed, complete, received, error)
+
+    def _log(self, endpoint: str | None, body: bytes, upstream: Upstream, status: int, parts: list[bytes],
+             encoding: str, streamed: bool, complete: bool, received: float, error: str | None) -> None:
+        """Queue the traffic log line of a finished exchange on a logged endpoint (built on the writer thread)."""
+        if endpoint is None or self.log is None:
+            return
+        self.log.submit(functools.partial(
+            exchange_record, record_id=uuid.uuid4().hex, endpoint=endpoint, request_body=body,
+            upstream=upstream.label, status=status, response_body=b"".join(parts), content_encoding=encoding,
+            streamed=streamed, complete=complete, finished=time.time(), latency_s=time.monotonic() - received,
+            error=error))
+
+    async def _end_stream_with_error(self, response: web.StreamResponse, upstream: Upstream, error: str) -> None:
+        """End a stream the upstream broke off with an OpenAI-style error event (clients' SDKs raise on
+        it) instead of a silent end that reads like a finished reply; no ``[DONE]`` follows."""
+        code = 504 if error == "upstream_timeout" else 502
+        what = (f"sent nothing for {self.upstream_timeout_s:g} s" if code == 504 else "closed the connection")
+        event = {"error": {"message": f"draftsmith proxy: upstream {upstream.label} {what} mid-stream",
+                           "type": "GatewayTimeout" if code == 504 else "BadGateway", "code": code}}
+        with contextlib.suppress(ConnectionResetError, RuntimeError):  # the client may be gone too
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+    # ------------------------------------------------------------------ managed servers that die
+
+    def _upstream_is_down(self, upstream: Upstream) -> bool:
+        """Managed mode: whether ``upstream`` (the current one) is a server whose process has died;
+        starts its restart when none is under way and the backoff after a failed one has passed."""
+        if self.servers is None or upstream is not self._current or self.servers.alive(upstream.base_url):
+            return False
+        restarting = self._restart is not None and not self._restart.done()
+        if not restarting and time.monotonic() >= self._restart_not_before:
+            self._restart = asyncio.ensure_future(self._restart_server(upstream))
+        return True
+
+    async def _restart_server(self, dead: Upstream) -> None:
+        """Start a server with the dead one's draft and k, then swap to it (the dead one is retired)."""
+        info = self.servers.info(dead.base_url)
+        async with self._admin_lock:  # no admin swap while restarting (it answers 409)
+            if info is None or dead is not self._current:
+                return
+            print(f"draftsmith proxy: the server of {dead.label} ({dead.base_url}) died; restarting it "
+                  f"with {info['draft']}", file=sys.stderr, flush=True)
+            try:
+                server = await self.servers.start(Path(info["draft"]), info["k"])
+            except (ServerStartError, ValueError) as exc:
+                self.counters["restart_failures"] += 1
+                self._restart_error = str(exc).splitlines()[0]
+                self._restart_not_before = time.monotonic() + RESTART_BACKOFF_S
+                print(f"draftsmith proxy: restart failed ({self._restart_error}); answering 503, next attempt "
+                      f"in {RESTART_BACKOFF_S:g} s", file=sys.stderr, flush=True)
+                return
+            self._restart_error = None
+            self.counters["restarts"] += 1
+            await self.swap(server["base_url"], on_retire=self._retire)
 
     # ------------------------------------------------------------------ admin
 
@@ -324,6 +439,8 @@ class TrafficProxy:
         body = json_or_none(await request.read())
         if not isinstance(body, dict) or ("draft" in body) == ("upstream" in body):
             raise _AdminError(400, 'the body names one of {"upstream": URL} or {"draft": EXPORT_DIR}')
+        if self._admin_tasks or self._admin_lock.locked():  # checked and claimed with no await between
+            raise _AdminError(409, "a swap (or a restart of a dead server) is running; retry once it has answered")
         # the swap runs to its end even if the admin client leaves (aiohttp then cancels this handler):
         # a swap cut between switch and retirement would leave the old server running
         task = asyncio.ensure_future(self._admin_swap_in_turn(body))
@@ -336,9 +453,13 @@ class TrafficProxy:
             if "draft" in body:
                 return await self._swap_draft(body)
             try:
-                return await self.swap(str(body["upstream"]), on_retire=self._retire)
+                url = checked_base_url(str(body["upstream"]))
             except ValueError as exc:
                 raise _AdminError(400, str(exc)) from None
+            if url not in self.allowed_upstreams:  # the proxy never dials a URL it was sent over the network
+                raise _AdminError(403, f"upstream {url} was not given on the command line (--upstream); "
+                                       f"allowed: {', '.join(sorted(self.allowed_upstreams))}")
+            return await self.swap(url, on_retire=self._retire)
 
     async def _swap_draft(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.servers is None:
@@ -369,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ..vllm_bridge.engine import add_vllm_arguments
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--upstream", help="unmanaged mode: the base URL of a running OpenAI server, e.g. http://127.0.0.1:8001")
+    p.add_argument("--upstream", action="append", metavar="URL",
+                   help="unmanaged mode: the base URL of a running OpenAI server, e.g. http://127.0.0.1:8001; "
+                        "repeat it to name the upstreams POST /draftsmith/swap may switch to (the first serves)")
     p.add_argument("--draft", type=Path, help="managed mode: the exported draft the first vllm serve serves")
     p.add_argument("--target", help="managed mode: target directory, hub id or embedded:NAME (default: the recipe's)")
     p.add_argument("--recipe", type=Path, help="managed mode: recipe YAML (target, vllm engine, eval.num_speculative_tokens)")
@@ -382,7 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="bytes per traffic log file before it rotates")
     p.add_argument("--backups", type=int, default=DEFAULT_BACKUPS, help="rotated traffic log files kept (.1 ... .N)")
     p.add_argument("--admin-token", help=f"token the admin endpoints require in {ADMIN_HEADER} "
-                                         f"(default: ${ADMIN_TOKEN_ENV}; none: no check)")
+                                         f"(default: ${ADMIN_TOKEN_ENV}; none: no check, allowed only on a loopback --host)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; larger ones get 413")
+    p.add_argument("--upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT_S,
+                   help="seconds the upstream may stay silent (before its answer or between two chunks): then 504, "
+                        "or an error event ends the stream")
     add_vllm_arguments(p)
     return p
 
@@ -431,12 +559,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: name one of --upstream URL (unmanaged) or --draft EXPORT_DIR (managed)", file=sys.stderr)
         return 2
     admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    if admin_token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: listening on {args.host} without --admin-token: anyone who reaches the port can swap "
-              "the upstream", file=sys.stderr)
+    if admin_token is None and args.host not in LOOPBACK_HOSTS:
+        print(f"error: --host {args.host} is reachable from other machines: set --admin-token (or "
+              f"${ADMIN_TOKEN_ENV}), or anyone who reaches the port could swap the upstream", file=sys.stderr)
+        return 2
+    if args.max_request_bytes < 1 or args.upstream_timeout <= 0:
+        print("error: --max-request-bytes and --upstream-timeout must be positive", file=sys.stderr)
+        return 2
     try:
         servers = managed_servers_from_args(args) if args.draft is not None else None
-        upstream = checked_base_url(args.upstream) if servers is None else None
+        allowed = [checked_base_url(u) for u in args.upstream] if servers is None else []
+        upstream = allowed[0] if allowed else None
         log = TrafficLog(args.log, args.max_bytes, args.backups)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -445,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         if servers is not None:
             # started before the event loop: a Ctrl-C during the start stops the server (vllm_server's finally)
             upstream = servers.start_blocking(args.draft)["base_url"]
-        asyncio.run(serve(TrafficProxy(upstream, log, admin_token=admin_token, servers=servers), args.host, args.port))
+        proxy = TrafficProxy(upstream, log, admin_token=admin_token, servers=servers, allowed_upstreams=allowed,
+                             max_request_bytes=args.max_request_bytes, upstream_timeout_s=args.upstream_timeout)
+        asyncio.run(serve(proxy, args.host, args.port))
     except ValueError as exc:  # a draft vLLM does not serve here, or one not trained for the target
         print(f"error: {exc}", file=sys.stderr)
         return 2

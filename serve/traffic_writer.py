@@ -7,30 +7,57 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-
 DEFAULT_MAX_BYTES = 100 * 2**20
 DEFAULT_BACKUPS = 5
+WARN_EVERY_S = 60.0  # at most one stderr warning per this many seconds about lines not written
+LOG_FILE_MODE = 0o600  # the log holds users' prompts and replies: readable by the proxy's user only
+
+
+class _Warner:
+    """Warnings on stderr at a bounded rate: the first at once, then at most one per
+    :data:`WARN_EVERY_S` seconds with the count of what happened since the last one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._unreported = 0
+
+    def __call__(self, what: str) -> None:
+        with self._lock:
+            self._unreported += 1
+            now = time.monotonic()
+            if now - self._last < WARN_EVERY_S:
+                return
+            count, self._unreported, self._last = self._unreported, 0, now
+        print(f"draftsmith proxy: traffic log: {what}" + (f" ({count} lines not written since the last warning)"
+              if count > 1 else "") + "; serving goes on, counts in GET /draftsmith/status", file=sys.stderr, flush=True)
 
 
 class _CountingRotatingFileHandler(logging.handlers.RotatingFileHandler):
-    """A ``RotatingFileHandler`` that counts failed writes (a full disk, a removed directory)
-    instead of printing a traceback per line. Only the first failure is reported on stderr."""
+    """A ``RotatingFileHandler`` that counts failed writes (a full disk, a removed directory, a
+    file it may not write) instead of printing a traceback per line, and creates its files with
+    mode :data:`LOG_FILE_MODE` (rotated files keep it: rotation renames)."""
 
     failed_writes = 0
+    warn: Callable[[str], None] = staticmethod(lambda what: None)
+
+    def _open(self):
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT, LOG_FILE_MODE)
+        os.fchmod(fd, LOG_FILE_MODE)  # an existing file too (umask never widens it, but an older file may be wider)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
     def handleError(self, record: logging.LogRecord) -> None:
         self.failed_writes += 1
-        if self.failed_writes == 1:
-            print(f"draftsmith proxy: traffic log write failed ({sys.exc_info()[1]!r}); "
-                  "further failures are only counted (/draftsmith/status)", file=sys.stderr, flush=True)
+        self.warn(f"write failed ({sys.exc_info()[1]!r})")
 
 
 class TrafficLog:
@@ -61,6 +88,7 @@ class TrafficLog:
         self._logger.setLevel(logging.INFO)
         self._handler = _CountingRotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
                                                      encoding="utf-8", delay=True)
+        self._warn = self._handler.warn = _Warner()
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
         self.logged = 0
@@ -76,6 +104,11 @@ class TrafficLog:
         """Lines not written: failed writes, records that could not be built, drops."""
         return self._handler.failed_writes + self.build_errors + self.dropped
 
+    def error_counts(self) -> dict[str, int]:
+        """Lines not written, by cause: ``failed_writes`` (the file: disk full, permissions),
+        ``dropped`` (the queue was full or the log closed), ``build_errors`` (a record that could not be encoded)."""
+        return {"failed_writes": self._handler.failed_writes, "dropped": self.dropped, "build_errors": self.build_errors}
+
     def submit(self, make_record: Callable[[], dict[str, Any]]) -> None:
         """Queue ``make_record`` (called on the writer thread). Never blocks and never raises."""
         if self._closed:
@@ -85,6 +118,7 @@ class TrafficLog:
             self._queue.put_nowait(make_record)
         except queue.Full:
             self.dropped += 1
+            self._warn("the writer is behind (queue full): line dropped")
 
     def _write_loop(self) -> None:
         while True:
@@ -97,8 +131,9 @@ class TrafficLog:
                 self._logger.info(line)  # the handler catches its own write errors (handleError)
                 if self._handler.failed_writes == failed_before:
                     self.logged += 1
-            except Exception:  # noqa: BLE001  (a bad record must not stop the writer thread)
+            except Exception as exc:  # noqa: BLE001  (a bad record must not stop the writer thread)
                 self.build_errors += 1
+                self._warn(f"a record could not be encoded ({exc!r})")
             finally:
                 self._queue.task_done()
 
@@ -114,4 +149,7 @@ class TrafficLog:
         self._queue.put(None)
         self._thread.join()
         self._logger.removeHandler(self._handler)
-        self._handler.close()
+        try:
+            self._handler.close()  # flushes: on a full disk that fails too, and is counted like any write
+        except OSError:
+            self._handler.failed_writes += 1

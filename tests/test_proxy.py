@@ -23,6 +23,7 @@ from draftsmith.vllm_bridge.server import ServerOptions, ServerStartError, free_
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 PIECES = 4  # content deltas per streamed reply
+FINISHED = web.RequestKey("finished", bool)  # FakeUpstream counted this answer as done
 
 
 def reply_text(upstream: str, rid: str) -> str:
@@ -91,6 +92,13 @@ class FakeUpstream:
             self.cancelled.append(rid)
             raise
         finally:
+            self._finish(request, rid)
+
+    def _finish(self, request: web.Request, rid: str) -> None:
+        """Count an answer as done: once, and for a stream before its last bytes go out (the proxy
+        cannot have read the whole answer before this runs, whatever the scheduling)."""
+        if not request.get(FINISHED):
+            request[FINISHED] = True
             self.active -= 1
             self.completed.append((rid, time.monotonic()))
 
@@ -119,6 +127,7 @@ class FakeUpstream:
             await event({"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "choices": [], "usage": USAGE})
         await event("[DONE]")
         self.sent[rid] = bytes(sent)
+        self._finish(request, rid)
         await resp.write_eof()
         return resp
 
@@ -212,7 +221,8 @@ def test_plain_chat_and_completions_pass_through_and_each_logs_one_line(tmp_path
     assert [r["endpoint"] for r in lines] == ["chat", "completions"]
     chat_line, completion_line = lines
     assert set(chat_line) == {"version", "id", "time", "endpoint", "model", "upstream", "status", "request",
-                              "choices", "usage", "latency_s"}
+                              "choices", "usage", "latency_s", "error"}
+    assert chat_line["error"] is None and completion_line["error"] is None
     assert chat_line["version"] == 1 and len(chat_line["id"]) == 32 and chat_line["id"] != completion_line["id"]
     assert before <= chat_line["time"] <= after and 0.05 <= chat_line["latency_s"] < 5
     assert chat_line["model"] == "m" and chat_line["upstream"] == "upstream-0" and chat_line["status"] == 200
@@ -247,7 +257,7 @@ def test_streamed_chat_reaches_the_client_byte_for_byte_and_logs_the_joined_text
     assert line["usage"] == USAGE and line["request"]["stream"] is True and line["status"] == 200
 
 
-def test_upstream_error_and_a_body_that_is_not_json_are_passed_through_and_logged_without_choices(tmp_path):
+def test_an_upstream_error_is_passed_through_and_a_body_that_is_not_json_is_refused_unforwarded_and_unlogged(tmp_path):
     log_path = tmp_path / "traffic.jsonl"
 
     async def scenario():
@@ -263,13 +273,13 @@ def test_upstream_error_and_a_body_that_is_not_json_are_passed_through_and_logge
 
     failed, not_json, after, counters = asyncio.run(scenario())
     assert failed == (500, {"error": {"message": "A failed e1"}})
-    assert not_json == (400, {"error": {"message": "body is not JSON"}})
+    assert not_json[0] == 400 and not_json[1]["error"]["type"] == "BadRequest"
+    assert "must be a JSON object" in not_json[1]["error"]["message"]
     assert after[0] == 200 and after[1]["choices"][0]["message"]["content"] == "A answers ok"
     lines = log_lines(log_path)
-    assert [(r["status"], r["choices"], r["usage"]) for r in lines[:2]] == [(500, [], None), (400, [], None)]
-    assert lines[0]["request"]["rid"] == "e1" and lines[1]["request"] is None and lines[1]["model"] is None
-    assert lines[2]["status"] == 200
-    assert counters["requests"] == 3 and counters["upstream_errors"] == 0
+    assert [(r["status"], r["choices"], r["usage"]) for r in lines] == [(500, [], None), (200, lines[1]["choices"], USAGE)]
+    assert lines[0]["request"]["rid"] == "e1" and lines[1]["request"]["rid"] == "ok"
+    assert counters["requests"] == 2 and counters["rejected"] == 1 and counters["upstream_errors"] == 0
 
 
 def test_unreachable_upstream_answers_502_is_logged_and_the_proxy_keeps_serving(tmp_path):
@@ -375,8 +385,8 @@ def test_a_failing_log_write_is_counted_and_never_fails_the_request(tmp_path, ca
             return proxy.status()["counters"]
 
     counters = asyncio.run(scenario())
-    assert counters["logged"] == 0 and counters["log_write_errors"] == 2
-    assert capsys.readouterr().err.count("traffic log write failed") == 1
+    assert counters["logged"] == 0 and counters["log_write_errors"] == 2 and counters["log_failed_writes"] == 2
+    assert capsys.readouterr().err.count("traffic log: write failed") == 1  # warnings at a bounded rate
 
 
 def test_a_client_leaving_mid_stream_logs_the_cut_reply_and_the_proxy_keeps_serving(tmp_path):
@@ -491,7 +501,9 @@ def test_admin_swap_endpoint_needs_the_token_and_answers_after_the_drain(tmp_pat
     log_path = tmp_path / "traffic.jsonl"
 
     async def scenario():
-        async with upstreams("A", "B") as (a, b), running_proxy(log_path, a.url, admin_token="tok") as (_, url), aiohttp.ClientSession() as client:
+        async with upstreams("A", "B") as (a, b), \
+                running_proxy(log_path, a.url, admin_token="tok", allowed_upstreams=[b.url]) as (_, url), \
+                aiohttp.ClientSession() as client:
             refused = []
             for headers in ({}, {"X-Draftsmith-Admin": "wrong"}):
                 async with client.post(url + "/draftsmith/swap", json={"upstream": b.url}, headers=headers) as r:

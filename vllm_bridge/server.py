@@ -115,7 +115,8 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
 def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, log_path: Path) -> Iterator[dict[str, Any]]:
     """Serve ``target`` (with ``spec`` as ``--speculative-config``) for the ``with`` block.
 
-    Yields ``{"base_url", "port", "pgid", "command"}``. The server runs in its own process
+    Yields ``{"base_url", "port", "pgid", "command", "alive"}`` (``alive()``: the server process has
+    not exited). The server runs in its own process
     group (a new session), so a Ctrl-C at the terminal reaches only this process, whose
     ``finally`` then stops the group; if this process is killed outright, the server and its
     engine processes die with it (:func:`draftsmith.procs.bound_command`).
@@ -149,7 +150,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
                 raise ServerStartError(f"vLLM server not healthy after {opts.startup_timeout_s:.0f} s "
                                        f"(log {log_path}):\n{log_tail(log_path)}")
             time.sleep(1.0)
-        yield {"base_url": base_url, "port": port, "pgid": proc.pid, "command": cmd}
+        yield {"base_url": base_url, "port": port, "pgid": proc.pid, "command": cmd, "alive": lambda: proc.poll() is None}
     finally:
         stop_process_group(proc, opts.stop_grace_s)
 

@@ -1,0 +1,367 @@
+"""``draftsmith proxy`` when things break: an upstream killed mid-stream or hanging, a managed server
+that dies, clients that leave or read slowly, a traffic log that cannot be written, oversized and
+malformed requests, unknown models, bad swaps. The upstream is the OpenAI stub of
+``benchmarks/stub_openai.py`` (in-process, or its own process where it must be SIGKILLed): no vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from benchmarks.proxy_load import start_stub
+from benchmarks.stub_openai import StubOpenAI
+from draftsmith.serve import managed as managed_module
+from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy, main
+from draftsmith.vllm_bridge.server import ServerOptions
+
+
+@contextlib.asynccontextmanager
+async def stub(**kwargs):
+    s = StubOpenAI(**kwargs)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy_on(upstream: str, log_path: Path | None, **kwargs):
+    """``(proxy, base URL)``; the log is closed (fully written) when the block exits."""
+    log = TrafficLog(log_path, max_bytes=2**20, backups=2) if log_path is not None else None
+    proxy = TrafficProxy(upstream, log, **kwargs)
+    try:
+        yield proxy, await proxy.start("127.0.0.1", 0)
+    finally:
+        await proxy.close()
+        if log is not None:
+            log.close()
+
+
+def records(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+
+
+def body(user: str, stream: bool = False, **extra) -> dict:
+    return {"model": "m", "user": user, "stream": stream, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+
+def test_an_upstream_killed_mid_stream_ends_the_stream_with_an_error_event_and_the_proxy_keeps_serving(tmp_path):
+    log_path = tmp_path / "traffic.jsonl"
+    proc, url = start_stub(tokens=200, token_rate=10)  # 20 s of stream: killed long before its end
+
+    async def scenario():
+        async with stub() as spare, proxy_on(url, log_path) as (proxy, purl), aiohttp.ClientSession() as client:
+            async with client.post(purl + "/v1/chat/completions", json=body("cut", stream=True)) as r:
+                first = await r.content.readany()
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                rest = await r.content.read()
+                ended_after = time.monotonic() - killed
+            async with client.post(purl + "/v1/chat/completions", json=body("dead")) as r:
+                dead = r.status, await r.json()
+            await proxy.swap(spare.url)
+            async with client.post(purl + "/v1/chat/completions", json=body("after")) as r:
+                after = r.status
+            proxy.log.flush()
+            return first + rest, ended_after, dead, after
+
+    try:
+        raw, ended_after, dead, after = asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
+    events = sse_events(raw)
+    assert ended_after < 5
+    assert json.loads(events[-1])["error"]["code"] == 502 and "[DONE]" not in events  # an error, not a clean end
+    assert dead[0] == 502 and dead[1]["error"]["type"] == "BadGateway"
+    assert after == 200
+    cut, unreachable, fine = records(log_path)
+    assert (cut["status"], cut["error"], cut["choices"][0]["finish_reason"]) == (200, "upstream_disconnected", None)
+    assert cut["choices"][0]["text"].startswith("tok0")
+    assert (unreachable["status"], unreachable["error"], unreachable["choices"]) == (502, "upstream_unreachable", [])
+    assert (fine["status"], fine["error"]) == (200, None)
+
+
+def test_a_managed_server_that_dies_is_restarted_and_the_proxy_answers_503_until_it_is_healthy(tmp_path, monkeypatch):
+    started: list = []
+
+    @contextlib.contextmanager
+    def stub_server(target, spec, opts, log_path):  # a vllm serve stand-in: the stub in its own process
+        proc, url = start_stub()
+        started.append(proc)
+        try:
+            yield {"base_url": url, "port": int(url.rsplit(":", 1)[1]), "pgid": proc.pid, "command": ["stub"],
+                   "alive": lambda: proc.poll() is None}
+        finally:
+            proc.kill()
+            proc.wait()
+
+    monkeypatch.setattr(managed_module, "vllm_server", stub_server)
+    monkeypatch.setattr(managed_module, "draft_speculative_config",
+                        lambda draft, target, k: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+    servers = ManagedServers(tmp_path / "target", ServerOptions(), 3, tmp_path / "servers")
+    first = servers.start_blocking(tmp_path / "draft")
+
+    async def scenario():
+        async with proxy_on(first["base_url"], tmp_path / "traffic.jsonl", servers=servers) as (proxy, purl), \
+                aiohttp.ClientSession() as client:
+            async with client.post(purl + "/v1/chat/completions", json=body("before")) as r:
+                before = r.status
+            started[0].kill()
+            started[0].wait()
+            statuses, deadline = [], time.monotonic() + 60
+            while time.monotonic() < deadline:
+                async with client.post(purl + "/v1/chat/completions", json=body("during")) as r:
+                    statuses.append((r.status, r.headers.get("Retry-After"), (await r.json()).get("error")))
+                if statuses[-1][0] == 200:
+                    break
+                await asyncio.sleep(0.2)
+            proxy.log.flush()
+            return before, statuses, proxy.status()
+
+    try:
+        before, statuses, status = asyncio.run(scenario())
+    finally:
+        servers.close_blocking()
+    assert before == 200 and statuses[-1][0] == 200 and len(started) == 2
+    assert {s for s, _, _ in statuses[:-1]} == {503}
+    assert all(retry == "10" and "being restarted" in err["message"] for _, retry, err in statuses[:-1])
+    assert status["counters"]["restarts"] == 1 and status["upstream"]["base_url"] != first["base_url"]
+    assert list(status["servers"]) == [status["upstream"]["base_url"]]  # the dead one is retired
+    logged = records(tmp_path / "traffic.jsonl")
+    assert [r["error"] for r in logged if r["status"] == 503] == ["upstream_restarting"] * (len(statuses) - 1)
+
+
+def test_an_upstream_that_hangs_gets_504_and_a_stream_that_hangs_ends_with_an_error_event(tmp_path):
+    log_path = tmp_path / "traffic.jsonl"
+
+    async def scenario():
+        async with stub() as s, proxy_on(s.url, log_path, upstream_timeout_s=0.5) as (proxy, purl), \
+                aiohttp.ClientSession() as client:
+            t0 = time.monotonic()
+            async with client.post(purl + "/v1/chat/completions", json=body("hang", stub_hang="before")) as r:
+                plain = r.status, await r.json(), time.monotonic() - t0
+            t0 = time.monotonic()
+            async with client.post(purl + "/v1/chat/completions",
+                                   json=body("hang2", stream=True, stub_hang="after_first")) as r:
+                streamed = r.status, await r.read(), time.monotonic() - t0
+            await asyncio.sleep(0.2)
+            proxy.log.flush()
+            return plain, streamed, s.active
+
+    plain, streamed, active = asyncio.run(scenario())
+    assert plain[0] == 504 and plain[1]["error"]["type"] == "GatewayTimeout" and plain[2] < 5
+    assert streamed[0] == 200 and streamed[2] < 5
+    events = sse_events(streamed[1])
+    assert json.loads(events[0])["choices"][0]["delta"]["content"] == "tok0"
+    assert json.loads(events[-1])["error"]["code"] == 504
+    assert active == 0  # the proxy hung up on both: nothing left running upstream
+    assert [(r["status"], r["error"]) for r in records(log_path)] == [(504, "upstream_timeout"), (200, "upstream_timeout")]
+
+
+def test_clients_leaving_mid_stream_cancel_their_upstream_requests(tmp_path):
+    log_path = tmp_path / "traffic.jsonl"
+
+    async def scenario():
+        async with stub(tokens=1000, token_rate=50) as s, proxy_on(s.url, log_path) as (proxy, purl):
+            async def leave(i: int) -> None:
+                async with aiohttp.ClientSession() as client:
+                    async with client.post(purl + "/v1/chat/completions", json=body(f"gone{i}", stream=True)) as r:
+                        await r.content.readany()
+                        r.close()  # the client hangs up after the first bytes
+
+            await asyncio.gather(*(leave(i) for i in range(20)))
+            deadline = time.monotonic() + 10
+            while s.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            proxy.log.flush()
+            return s.active, s.cancelled, proxy.status()["in_flight"]
+
+    active, cancelled, in_flight = asyncio.run(scenario())
+    assert (active, cancelled) == (0, 20)  # no upstream request outlives its client
+    assert set(in_flight.values()) == {0}
+    logged = records(log_path)
+    assert len(logged) == 20 and {r["error"] for r in logged} == {"client_disconnected"}
+
+
+def test_a_slow_reader_holds_the_upstream_back_instead_of_filling_the_proxys_memory(tmp_path):
+    async def scenario():
+        # ~150 MB of stream if nothing pushed back
+        async with stub(tokens=1_000_000) as s, proxy_on(s.url, None) as (proxy, purl), aiohttp.ClientSession() as client:
+            async with client.post(purl + "/v1/chat/completions", json=body("slow", stream=True)) as r:
+                await r.content.readany()
+                await asyncio.sleep(2.0)  # the client reads nothing: socket buffers fill, then writes wait
+                stalled = s.bytes_sent
+                await asyncio.sleep(1.0)
+                still = s.bytes_sent
+                read = len(await r.content.read(2**20))
+                r.close()
+            return stalled, still, read
+
+    stalled, still, read = asyncio.run(scenario())
+    assert stalled < 32 * 2**20  # kernel buffers of two loopback hops and aiohttp's, not the whole reply
+    assert still - stalled < 2**20  # and it stays there while the client does not read
+    assert read > 0
+
+
+def test_a_log_on_a_full_disk_never_fails_a_request_is_counted_and_warned_about_at_a_bounded_rate(tmp_path, capsys):
+    log_path = tmp_path / "traffic.jsonl"
+    log_path.symlink_to("/dev/full")  # every write: ENOSPC
+
+    async def scenario():
+        async with stub() as s, proxy_on(s.url, log_path) as (proxy, purl), aiohttp.ClientSession() as client:
+            statuses = []
+            for i in range(30):
+                async with client.post(purl + "/v1/chat/completions", json=body(f"f{i}")) as r:
+                    statuses.append(r.status)
+            proxy.log.flush()
+            async with client.get(purl + "/draftsmith/status") as r:
+                return statuses, await r.json()
+
+    statuses, status = asyncio.run(scenario())
+    assert statuses == [200] * 30
+    assert status["counters"]["logged"] == 0 and status["counters"]["log_failed_writes"] == 30
+    err = capsys.readouterr().err
+    assert err.count("traffic log: write failed") == 1 and "No space left on device" in err
+
+
+def test_traffic_log_files_are_readable_by_their_owner_only(tmp_path):
+    log_path = tmp_path / "traffic.jsonl"
+    old = os.umask(0o022)  # the usual umask: files would be world-readable without the proxy's mode
+    try:
+        async def scenario():
+            async with stub(tokens=50) as s:
+                log = TrafficLog(log_path, max_bytes=2000, backups=3)
+                proxy = TrafficProxy(s.url, log)
+                purl = await proxy.start("127.0.0.1", 0)
+                try:
+                    async with aiohttp.ClientSession() as client:
+                        for i in range(10):
+                            async with client.post(purl + "/v1/chat/completions", json=body(f"p{i}")) as r:
+                                assert r.status == 200
+                finally:
+                    await proxy.close()
+                    log.close()
+
+        asyncio.run(scenario())
+    finally:
+        os.umask(old)
+    files = sorted(tmp_path.glob("traffic.jsonl*"))
+    assert len(files) == 4  # rotated
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+
+
+def test_bad_requests_get_json_errors_and_are_never_logged_as_completions(tmp_path):
+    log_path = tmp_path / "traffic.jsonl"
+
+    async def scenario():
+        async with stub() as s, stub() as other, \
+                proxy_on(s.url, log_path, max_request_bytes=4096, admin_token="t") as (proxy, purl), \
+                aiohttp.ClientSession(headers={"X-Draftsmith-Admin": "t"}) as client:
+            out = {}
+            big = body("big")
+            big["messages"][0]["content"] = "x" * 8192
+            async with client.post(purl + "/v1/chat/completions", json=big) as r:
+                out["too_big"] = r.status, await r.json()
+            async with client.post(purl + "/v1/chat/completions", data=b'{"model": "m", "messages": [',
+                                   headers={"Content-Type": "application/json"}) as r:
+                out["malformed"] = r.status, await r.json()
+            async with client.post(purl + "/v1/chat/completions", json={**body("who"), "model": "nobody"}) as r:
+                out["unknown_model"] = r.status, await r.json()
+            async with client.post(purl + "/draftsmith/swap", json={"upstream": other.url}) as r:
+                out["not_allowed"] = r.status, await r.json()
+            async with client.post(purl + "/draftsmith/swap", json={"draft": str(tmp_path)}) as r:
+                out["unmanaged_draft"] = r.status, await r.json()
+            async with client.post(purl + "/draftsmith/swap", data=b"{oops") as r:
+                out["bad_swap_body"] = r.status, await r.json()
+            async with client.post(purl + "/v1/chat/completions", json=body("fine")) as r:
+                out["fine"] = r.status, (await r.json())["choices"][0]["message"]["content"]
+            proxy.log.flush()
+            return out, s.received, other.received, proxy.upstream["base_url"] == s.url
+
+    out, received, other_received, unchanged = asyncio.run(scenario())
+    assert out["too_big"][0] == 413 and "--max-request-bytes" in out["too_big"][1]["error"]["message"]
+    assert out["malformed"][0] == 400 and out["malformed"][1]["error"]["type"] == "BadRequest"
+    assert out["unknown_model"] == (404, {"error": {"message": "The model `nobody` does not exist.",
+                                                    "type": "NotFoundError", "param": "model", "code": 404}})
+    assert out["not_allowed"][0] == 403 and "not given on the command line" in out["not_allowed"][1]["error"]
+    assert out["unmanaged_draft"][0] == 400 and "managed mode" in out["unmanaged_draft"][1]["error"]
+    assert out["bad_swap_body"][0] == 400
+    assert out["fine"][0] == 200 and unchanged and other_received == 0
+    assert received == 2  # only the unknown model and the fine request were forwarded
+    logged = records(log_path)
+    assert [(r["status"], r["choices"]) for r in logged[:1]] == [(404, [])]
+    assert [r["status"] for r in logged] == [404, 200]
+
+
+def test_a_swap_to_a_folder_that_is_not_an_export_and_a_swap_during_a_swap_get_json_errors(tmp_path, monkeypatch):
+    release = asyncio.Event()
+    starts = []
+
+    @contextlib.contextmanager
+    def fake_server(target, spec, opts, log_path):
+        starts.append(spec["model"])
+        yield {"base_url": upstreams[len(starts) - 1], "port": 0, "pgid": 0, "command": ["stub"]}
+
+    upstreams: list[str] = []
+
+    async def slow_start(self, draft, k=None):  # the first swap's server takes until `release`
+        await release.wait()
+        return self.start_blocking(draft, k)
+
+    monkeypatch.setattr(managed_module, "vllm_server", fake_server)
+    (tmp_path / "not-an-export").mkdir()
+
+    async def scenario():
+        async with stub() as a, stub() as b:
+            upstreams.extend([a.url, b.url])
+            servers = ManagedServers(tmp_path / "target", ServerOptions(), 3, tmp_path / "servers")
+            monkeypatch.setattr(managed_module, "draft_speculative_config", managed_module.draft_speculative_config)
+            async with proxy_on(a.url, tmp_path / "traffic.jsonl", servers=servers) as (proxy, purl), \
+                    aiohttp.ClientSession() as client:
+                async with client.post(purl + "/draftsmith/swap", json={"draft": str(tmp_path / "not-an-export")}) as r:
+                    not_export = r.status, await r.json()
+                monkeypatch.setattr(managed_module, "draft_speculative_config",
+                                    lambda d, t, k: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+                monkeypatch.setattr(ManagedServers, "start", slow_start)
+                first = asyncio.ensure_future(client.post(purl + "/draftsmith/swap", json={"draft": "d1"}))
+                await asyncio.sleep(0.3)
+                async with client.post(purl + "/draftsmith/swap", json={"draft": "d2"}) as r:
+                    during = r.status, await r.json()
+                async with client.post(purl + "/v1/chat/completions", json=body("mid-swap")) as r:
+                    served_mid = r.status
+                release.set()
+                async with await first as r:
+                    done = r.status
+                servers.close_blocking()
+                return not_export, during, served_mid, done, a.received
+
+    not_export, during, served_mid, done, a_received = asyncio.run(scenario())
+    assert not_export[0] == 400 and "config.json" in not_export[1]["error"]
+    assert during[0] == 409 and "a swap" in during[1]["error"]
+    assert served_mid == 200 and a_received == 1  # served as before while the first swap ran
+    assert done == 200 and starts == ["d1"]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.1"])
+def test_a_proxy_reachable_from_other_machines_refuses_to_start_without_an_admin_token(host, tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_PROXY_ADMIN_TOKEN", raising=False)
+    code = main(["--upstream", "http://127.0.0.1:9", "--host", host, "--log", str(tmp_path / "t.jsonl")])
+    assert code == 2 and "--admin-token" in capsys.readouterr().err
+    assert not (tmp_path / "t.jsonl").exists()
