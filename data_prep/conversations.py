@@ -155,6 +155,9 @@ def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
             if m.get("thinking"):  # harmony (gpt-oss) reasoning, rendered on the analysis channel
                 msg["thinking"] = m["thinking"]
             messages.append(msg)
+        if row.get("cut"):  # the last reply was cut by max_tokens (served traffic): no end-of-turn label
+            validate_messages(messages, where)
+            return {"id": rid, "messages": messages, "cut": True}
     elif fmt == "sharegpt":
         conv = row.get("conversations")
         if not isinstance(conv, list):
@@ -292,12 +295,15 @@ def load_records(
     return records, report
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
+                         ) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` with the chat template and find each assistant reply's characters.
 
     For assistant turn i the span runs from the end of ``render(messages[:i],
     add_generation_prompt=True)`` to the end of ``render(messages[:i+1])`` less trailing
-    whitespace, so it covers the reply and the template's end-of-turn marker.
+    whitespace, so it covers the reply and the template's end-of-turn marker. ``cut``: the last
+    assistant reply was cut short (``max_tokens``): its span ends with its own text, so the
+    end-of-turn marker the template adds after it is not a label.
 
     Raises:
         DataError: the template renders a conversation prefix that is not a prefix of the
@@ -316,6 +322,13 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, lis
                 f"turn {i} is not a prefix of the full rendering (template rewrites earlier turns)"
             )
         end = len(through.rstrip())
+        if cut and i == max(j for j, x in enumerate(messages) if x["role"] == "assistant"):
+            reply = str(m["content"]).rstrip()
+            at = through.find(reply, len(before)) if reply else -1
+            if at < 0:
+                raise DataError(f"the chat template rewrites the cut reply of turn {i}: its end cannot be "
+                                "located, so its end-of-turn marker cannot be left unlabelled")
+            end = at + len(reply)
         if end > len(before):
             spans.append((len(before), end))
     return full, spans
@@ -333,29 +346,37 @@ def is_harmony_template(tokenizer: Any) -> bool:
     return "<|channel|>" in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def harmony_assistant_spans(text: str, channels: tuple[str, ...] = ("analysis", "final")) -> list[tuple[int, int]]:
+def harmony_assistant_spans(text: str, channels: tuple[str, ...] = ("analysis", "final"),
+                            cut: bool = False) -> list[tuple[int, int]]:
     """Character spans of assistant message bodies (plus their end marker) whose channel is in
     ``channels``. Harmony renders earlier turns differently from the last (the template drops
     past reasoning), so spans are read off the one full rendering rather than from prefixes.
     System, developer, user and tool messages are never selected; a message without a
-    channel counts as ``final``."""
-    spans = []
+    channel counts as ``final``. ``cut``: the last span stops before its end marker (a reply
+    cut by ``max_tokens``)."""
+    spans, last_marker = [], None
     for m in _HARMONY_MESSAGE.finditer(text):
         role = m.group("role").strip().split(" ")[0]
         channel = (m.group("channel") or "final").strip().split(" ")[0]
         if role == "assistant" and channel in channels:
             spans.append((m.start("body"), m.end("end")))
+            last_marker = m.start("end")
+    if cut and spans:
+        spans[-1] = (spans[-1][0], last_marker)
     return spans
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None,
                           harmony_channels: tuple[str, ...] | None = None,
-                          reasoning_effort: str | None = None) -> dict:
+                          reasoning_effort: str | None = None, cut: bool = False) -> dict:
     """Tokenise with the chat template; ``loss_mask[i] = 1`` iff token i overlaps an assistant span.
 
     ``harmony_channels`` (gpt-oss): select assistant messages by channel (``analysis``,
     ``final``) with :func:`harmony_assistant_spans` instead of the prefix method;
     ``reasoning_effort`` is passed to the template (the effort the reply was regenerated at).
+    ``cut``: the last assistant reply was cut by ``max_tokens``; the end-of-turn marker after it
+    gets no label (see :func:`assistant_char_spans`; with harmony, the marker is left out of the
+    last span).
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int], "truncated": bool}``.
@@ -367,9 +388,9 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
     if harmony_channels is not None:
         effort = {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
         text = tokenizer.apply_chat_template(messages, tokenize=False, **effort)
-        spans = harmony_assistant_spans(text, harmony_channels)
+        spans = harmony_assistant_spans(text, harmony_channels, cut=cut)
     else:
-        text, spans = assistant_char_spans(tokenizer, messages)
+        text, spans = assistant_char_spans(tokenizer, messages, cut)
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("assistant masks need a fast tokenizer (offset mapping); got a slow one")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

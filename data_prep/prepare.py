@@ -231,7 +231,7 @@ class _TokenizeRow:
                     return dict(out, status="no_assistant_turn")
                 # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
                 t = conv.tokenize_conversation(self.tok, r["messages"], self.max_len, self.channels,
-                                               r.get("reasoning_effort"))
+                                               r.get("reasoning_effort"), cut=bool(r.get("cut")))
         except conv.DataError as exc:
             return dict(out, status="invalid", error=str(exc))
         if t["truncated"]:

@@ -16,13 +16,18 @@ assistant turn) and skips, with a count per reason and the first offending ``fil
 - ``raw completions endpoint``: ``/v1/completions`` prompts are raw text, not chat turns the
   target's chat template renders, so they are not training conversations for a chat draft;
 - ``no user turn`` / ``non-text content``: messages that cannot be rendered as a text chat;
-- ``cut by max_tokens``: ``finish_reason == "length"``: the reply stops mid-thought where the
-  target would have gone on (training on it teaches the draft a premature end);
 - ``incomplete reply``: no ``finish_reason`` (the client left mid-stream or the stream broke:
   the text is a prefix of what the target would have written);
 - ``empty completion``;
 - ``duplicate``: the same prompt (the request's messages) served again; the first is kept,
   so a prompt is never both trained on and held out.
+
+A reply cut by ``max_tokens`` (``finish_reason == "length"``) is kept: every token of it is the
+target's own output. It is marked ``"cut": true`` and counted apart (``TrafficReport.cut``); the
+tokenizer then gives the template's end-of-turn marker after it no label
+(:func:`draftsmith.data_prep.conversations.tokenize_conversation`), so the draft is not taught to
+end a reply where the target would have gone on. ``keep_cut=False`` skips them instead
+(``cut by max_tokens``).
 
 :func:`holdout_split` then holds out a seeded, hash-chosen share of prompts for evaluation.
 """
@@ -66,11 +71,13 @@ def traffic_log_files(path: str | Path) -> list[Path]:
 class TrafficReport:
     """What :func:`read_traffic` kept and skipped: ``skipped`` maps a reason to its count,
     ``first_bad`` a reason to its first ``file:line``; ``models`` counts served requests per
-    model name; ``temperatures`` counts kept replies per sampling temperature."""
+    model name; ``temperatures`` counts kept replies per sampling temperature; ``cut`` counts the
+    kept replies that ``max_tokens`` cut (part of ``kept``)."""
 
     files: list[str] = field(default_factory=list)
     lines: int = 0
     kept: int = 0
+    cut: int = 0
     model: str | None = None
     skipped: dict[str, int] = field(default_factory=dict)
     first_bad: dict[str, str] = field(default_factory=dict)
@@ -85,6 +92,7 @@ class TrafficReport:
         """One line: lines read, kept, and each skip reason with its count and first place."""
         parts = [f"{n} {reason} (first at {self.first_bad[reason]})" for reason, n in sorted(self.skipped.items())]
         return (f"{self.lines} lines in {len(self.files)} file(s), {self.kept} conversations kept"
+                + (f" ({self.cut} cut by max_tokens, trained without an end-of-turn label)" if self.cut else "")
                 + (f"; skipped: {', '.join(parts)}" if parts else ""))
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,19 +163,21 @@ def _majority_model(files: list[Path]) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def read_traffic(path: str | Path, model: str | None = None) -> tuple[list[dict[str, Any]], TrafficReport]:
+def read_traffic(path: str | Path, model: str | None = None, keep_cut: bool = True
+                 ) -> tuple[list[dict[str, Any]], TrafficReport]:
     """Conversations of the served chat completions in the log at ``path`` (and its rotations).
 
     Args:
         path: ``traffic.jsonl`` as the proxy writes it.
         model: the deployment's model name (requests naming another are skipped); None: the
             model most served requests name.
+        keep_cut: keep replies cut by ``max_tokens`` (marked ``"cut": true``); False: skip them.
 
     Returns:
         ``(conversations, report)``: each conversation ``{"id": "traffic-<request id>[-<choice>]",
         "messages": [...prompt..., {"role": "assistant", "content": served reply}],
-        "prompt_key": sha256, "temperature": float | None}``, in log order; see the module
-        docstring for what is skipped.
+        "prompt_key": sha256, "temperature": float | None, "cut": bool}``, in log order; see
+        the module docstring for what is skipped.
 
     Raises:
         TrafficError: no log file at ``path``.
@@ -203,7 +213,7 @@ def read_traffic(path: str | Path, model: str | None = None) -> tuple[list[dict[
         for i, choice in enumerate(choices):
             text = choice.get("text") if isinstance(choice, dict) else None
             finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-            if finish == "length":
+            if finish == "length" and not keep_cut:
                 report.skip("cut by max_tokens", where)
                 continue
             if finish is None:  # the client left mid-stream, or the stream broke: a partial reply
@@ -216,7 +226,8 @@ def read_traffic(path: str | Path, model: str | None = None) -> tuple[list[dict[
             suffix = f"-{i}" if len(choices) > 1 else ""
             out.append({"id": f"traffic-{rec.get('id', report.lines)}{suffix}",
                         "messages": prompt + [{"role": "assistant", "content": text}],
-                        "prompt_key": key, "temperature": temperature})
+                        "prompt_key": key, "temperature": temperature, "cut": finish == "length"})
+            report.cut += finish == "length"
             t = "default" if temperature is None else f"{float(temperature):g}"
             report.temperatures[t] = report.temperatures.get(t, 0) + 1
             kept_one = True

@@ -11,7 +11,10 @@ regeneration. ``adapt`` turns that log into a new draft:
 
 1. **Read** the log and its rotations (:func:`draftsmith.data_prep.traffic.read_traffic`):
    unparseable / truncated lines, failed requests, other models, raw ``/v1/completions``,
-   replies cut by ``max_tokens``, empty replies and repeated prompts are skipped and counted.
+   replies the client or a broken stream cut, empty replies and repeated prompts are skipped and
+   counted. Replies cut by ``max_tokens`` are the target's own tokens: they are kept (counted
+   apart, ``traffic.cut`` in ``adapt.json``) and trained on without an end-of-turn label at the
+   cut; ``--drop-cut-replies`` skips them.
 2. **Hold out** ``--holdout`` of the prompts (seeded hash of the prompt, stable as the log grows)
    into ``RUN/traffic/heldout.jsonl``, for measuring the old and new drafts on unseen traffic
    (``draftsmith acceptance --prompts RUN/traffic/heldout.jsonl``).
@@ -83,8 +86,8 @@ def replay_sample(path: str, n: int, seed: int) -> list[dict[str, Any]]:
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"]}, ensure_ascii=False) + "\n"
-                            for r in rows))
+    path.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"], **({"cut": True} if r.get("cut") else {})},
+                                       ensure_ascii=False) + "\n" for r in rows))
     return path
 
 
@@ -123,7 +126,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                          "overwritten; choose another folder")
     config = deployed_config(deployed)
     try:
-        convs, report = read_traffic(args.log, args.model)
+        convs, report = read_traffic(args.log, args.model, keep_cut=not args.drop_cut_replies)
     except TrafficError as exc:
         raise AdaptError(str(exc)) from None
     train, held = holdout_split(convs, args.holdout, args.seed)
@@ -265,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="where the adapted draft is exported (default: RUN_DIR/export/adapted)")
     p.add_argument("--model", help="the deployment's served model name (default: the one most requests name)")
     p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
+    p.add_argument("--drop-cut-replies", action="store_true",
+                   help="skip replies cut by max_tokens (default: train on them, without an end-of-turn label at the cut)")
     p.add_argument("--min-conversations", type=int, default=64,
                    help="refuse a log with fewer usable training conversations")
     p.add_argument("--budget-minutes", type=float, default=30.0,

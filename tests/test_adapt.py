@@ -62,18 +62,23 @@ def test_the_log_keeps_served_chat_replies_and_counts_every_skip(tmp_path):
     assert report.model == MODEL  # the model most served requests name
     assert [c["messages"] for c in convs] == [
         [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}],
+        [{"role": "user", "content": "Sort a list"}, {"role": "assistant", "content": "Use sorted()"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Join me"},
          {"role": "assistant", "content": "Parts joined."}],
     ]
-    assert report.skipped == {"duplicate": 1, "cut by max_tokens": 1, "empty completion": 1, "other model": 1,
+    assert [c["cut"] for c in convs] == [False, True, False]  # the target's own tokens: kept, marked
+    assert report.skipped == {"duplicate": 1, "empty completion": 1, "other model": 1,
                               "failed request": 1, "raw completions endpoint": 1, "non-text content": 1,
                               "no user turn": 1, "schema version": 1, "unparseable line": 1,
                               "incomplete reply": 1}
     assert report.first_bad["unparseable line"] == f"{log}:{len(rows) + 1}"
     assert report.first_bad["duplicate"] == f"{log}:2"
-    assert report.lines == len(rows) + 1 and report.kept == 2
-    assert report.temperatures == {"0": 1, "0.7": 1}
-    assert "2 conversations kept" in report.summary() and "unparseable line" in report.summary()
+    assert report.lines == len(rows) + 1 and report.kept == 3 and report.cut == 1
+    assert report.temperatures == {"0": 2, "0.7": 1}
+    assert "3 conversations kept (1 cut by max_tokens" in report.summary() and "unparseable line" in report.summary()
+    dropped, dropped_report = read_traffic(log, keep_cut=False)
+    assert [c["messages"] for c in dropped] == [convs[0]["messages"], convs[2]["messages"]]
+    assert dropped_report.skipped["cut by max_tokens"] == 1 and dropped_report.cut == 0
 
 
 def test_rotated_files_are_read_oldest_first(tmp_path):
@@ -90,10 +95,13 @@ def test_rotated_files_are_read_oldest_first(tmp_path):
         traffic_log_files(tmp_path / "missing.jsonl")
 
 
-def test_a_prompt_cut_by_max_tokens_first_is_kept_when_served_whole_later(tmp_path):
+def test_a_prompt_served_cut_then_whole_is_one_example_either_way(tmp_path):
     log = write_log(tmp_path / "t.jsonl", [served(0, "p", "half", finish="length"), served(1, "p", "whole")])
     convs, report = read_traffic(log)
-    assert [c["messages"][-1]["content"] for c in convs] == ["whole"]
+    assert [(c["messages"][-1]["content"], c["cut"]) for c in convs] == [("half", True)]
+    assert report.skipped == {"duplicate": 1}
+    convs, report = read_traffic(log, keep_cut=False)
+    assert [(c["messages"][-1]["content"], c["cut"]) for c in convs] == [("whole", False)]
     assert report.skipped == {"cut by max_tokens": 1}
 
 
@@ -144,7 +152,7 @@ def test_too_little_traffic_is_refused_with_counts_and_nothing_is_touched(tmp_pa
                            "--run-dir", str(run), "--overwrite", "--min-conversations", "64", "--holdout", "0"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "too little traffic" in err and "5 usable training conversations" in err
+    assert "too little traffic" in err and "6 usable training conversations" in err
     assert "1 cut by max_tokens" in err and "1 unparseable line" in err and "untouched" in err
     assert _digest(deployed) == before
     assert sorted(p.name for p in run.iterdir()) == ["keep.txt"]  # --overwrite removed nothing
@@ -192,9 +200,9 @@ def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_targ
     assert code == 0
     result = json.loads((run / "adapt.json").read_text())
     n = result["conversations"]
-    assert n["traffic_train"] + n["heldout"] == len(regen)
+    assert n["traffic_train"] + n["heldout"] == len(regen) + 1  # the reply cut by max_tokens too
     assert n["replay"] == round(n["traffic_train"] * 0.25 / 0.75)
-    assert result["traffic"]["skipped"] == {"cut by max_tokens": 1, "unparseable line": 1}
+    assert result["traffic"]["skipped"] == {"unparseable line": 1} and result["traffic"]["cut"] == 1
     held = [json.loads(line)["messages"][0]["content"] for line in (run / "traffic" / "heldout.jsonl").open()]
     trained = [json.loads(line)["messages"][0]["content"] for line in (run / "traffic" / "train.jsonl").open()]
     assert len(held) == n["heldout"] and not set(held) & set(trained)

@@ -47,6 +47,16 @@ def test_second_template_mask(zephyr_tokenizer):
     assert masked_text(zephyr_tokenizer, enc) == ["The quick brown fox.</s>", "The lazy dog.</s>"]
 
 
+@pytest.mark.parametrize("template, end", [("chatml", "<|im_end|>"), ("zephyr", "</s>")])
+def test_a_reply_cut_by_max_tokens_keeps_its_tokens_and_loses_only_its_end_of_turn_label(template, end, request):
+    tok = request.getfixturevalue(f"{template}_tokenizer")
+    whole, cut = tokenize_conversation(tok, CONV), tokenize_conversation(tok, CONV, cut=True)
+    assert cut["input_ids"] == whole["input_ids"]  # the same text: only the labels differ
+    assert masked_text(tok, cut) == [f"The quick brown fox.{end}", "The lazy dog."]  # earlier turns keep theirs
+    dropped = [t for t, a, b in zip(whole["input_ids"], whole["loss_mask"], cut["loss_mask"]) if a and not b]
+    assert tok.decode(dropped) == end
+
+
 def test_template_that_rewrites_history_is_rejected(chatml_tokenizer):
     import copy
 
@@ -161,3 +171,11 @@ def test_harmony_masks_selected_assistant_channels_only():
     assert masked_text(tok, final) == ["The quick brown fox.<|end|>", "The lazy dog.<|return|>"]
     # system and user text never carry loss
     assert "ChatGPT" not in "".join(masked_text(tok, both)) and "Name a fox" not in "".join(masked_text(tok, both))
+
+
+def test_a_cut_mark_survives_normalisation_for_the_tokenizer():
+    from draftsmith.data_prep.conversations import normalise_row
+
+    row = {"id": "t", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "half"}]}
+    assert normalise_row({**row, "cut": True}, "messages", "f:1") == {**row, "cut": True}
+    assert "cut" not in normalise_row(row, "messages", "f:2")
