@@ -248,6 +248,26 @@ def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
     return t["d2t"], t["t2d"]
 
 
+def safe_path(root: str | Path, *parts: str | Path, key: str = "path") -> Path:
+    """``root / parts...`` for a name taken from a recipe, a command line or a manifest,
+    refusing any that would leave ``root`` (writes stay inside the run / output directory).
+
+    Symlinks already on disk are resolved before the check.
+
+    Raises:
+        ValueError: naming ``key``, for an absolute part or one whose ``..`` or symlink
+            escapes ``root``.
+    """
+    root = Path(root)
+    for part in parts:
+        if Path(part).is_absolute() or str(part).startswith("~"):
+            raise ValueError(f"{key}={str(part)!r}: absolute paths are not allowed here (must stay inside {root})")
+    path = root.joinpath(*parts)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{key}={'/'.join(map(str, parts))!r} escapes {root} ('..' or a symlink leaving it)")
+    return path
+
+
 class DraftConfigError(ValueError):
     """``draft_config.json`` is missing or invalid; the message names the file."""
 

@@ -760,26 +760,6 @@ class Recipe(_Strict):
         return self
 
 
-def safe_path(root: str | Path, *parts: str | Path, key: str = "path") -> Path:
-    """``root / parts...`` for a name taken from a recipe, a command line or a manifest,
-    refusing any that would leave ``root`` (writes stay inside the run / output directory).
-
-    Symlinks already on disk are resolved before the check.
-
-    Raises:
-        ValueError: naming ``key``, for an absolute part or one whose ``..`` or symlink
-            escapes ``root``.
-    """
-    root = Path(root)
-    for part in parts:
-        if Path(part).is_absolute() or str(part).startswith("~"):
-            raise ValueError(f"{key}={str(part)!r}: absolute paths are not allowed here (must stay inside {root})")
-    path = root.joinpath(*parts)
-    if not path.resolve().is_relative_to(root.resolve()):
-        raise ValueError(f"{key}={'/'.join(map(str, parts))!r} escapes {root} ('..' or a symlink leaving it)")
-    return path
-
-
 class RecipeError(ValueError):
     """A recipe file or override that does not validate; the message names file and key."""
 
@@ -823,30 +803,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             lines.append(f"  {loc}: {msg}")
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
-
-
-def add_recipe_arguments(parser) -> None:
-    """The arguments every entry script shares: the recipe file and ``--set`` overrides."""
-    parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. --set train.lr=3e-4 (repeatable)")
-
-
-def recipe_from_args(args) -> Recipe:
-    """Configure logging and load ``args.recipe`` with ``args.overrides``.
-
-    Raises:
-        SystemExit(2): the recipe does not validate (the message is printed to stderr).
-    """
-    import logging
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        return load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

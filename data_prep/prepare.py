@@ -41,8 +41,9 @@ from .shards import MANIFEST, ShardError, ShardSpec, atomic_write_bytes, distrib
 from . import regenerate as regen
 from . import target as tgt
 from . import vocab
+from ..cli import add_recipe_arguments, recipe_from_args, setup_logging
 from ..layout import DataPaths, RunLayout, read_tokenized
-from ..recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
+from ..recipe import Recipe, dump_recipe
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
@@ -776,6 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     bind_local_device()  # before anything can initialise CUDA or import vLLM
     args = build_parser().parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     from .procs import install_child_reaper
     from .shards import DiskFullError

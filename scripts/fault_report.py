@@ -104,7 +104,8 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     from draftsmith.eval.acceptance import check_draft_matches_target
     from draftsmith.eval.export import export
     from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-    from draftsmith.recipe import load_recipe, safe_path
+    from draftsmith.layout import safe_path
+    from draftsmith.recipe import load_recipe
     from draftsmith.train.checkpoint import check_checkpoint_shapes
 
     work = work / "bad"

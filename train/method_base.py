@@ -380,8 +380,7 @@ def check_online_target_fits(recipe: Recipe, run_dir: Path) -> None:
 
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
-    from ..cli import HelpFormatter
-    from ..recipe import add_recipe_arguments
+    from ..cli import HelpFormatter, add_recipe_arguments
 
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -422,7 +421,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from ..data_prep.launch import DataStageError
     from ..data_prep.plan import PlanError
     from ..data_prep.shards import ShardError
-    from ..recipe import RecipeError, recipe_from_args, require_method
+    from ..cli import recipe_from_args, setup_logging
+    from ..recipe import RecipeError, require_method
     from .checkpoint import CheckpointError, claim_run_dir
     from .dry_run import MemoryBudgetError
     from .distributed import build_accelerator
@@ -433,6 +433,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .warm_start import WarmStartError
 
     args = build_parser(doc).parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     try:
         require_method(recipe, method_cls.name, script)
