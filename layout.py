@@ -286,8 +286,8 @@ class DraftCheckpointConfig(BaseModel):
     config: dict[str, Any] = Field(description="the draft model config's fields (its to_dict())")
     target: dict[str, Any] = Field(description="RUN_DIR/data/target.json of the run (name_or_path, "
                                                "verifier, path, architectures, hidden_size, vocab_size ...)")
-    ttt_steps: int | None = Field(None, description="EAGLE-3: train.ttt_steps trained with")
-    head_decay: float | None = Field(None, description="Medusa / MLP speculator: train.head_decay trained with")
+    ttt_steps: int | None = Field(None, description="EAGLE-3: draft.ttt_steps trained with")
+    head_decay: float | None = Field(None, description="Medusa / MLP speculator: draft.head_decay trained with")
 
     @property
     def verifier(self) -> str | None:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .methods import get_method, registered_methods
+from .methods import registered_methods
 
 
 class _Strict(BaseModel):
@@ -149,13 +149,56 @@ class DataConfig(_Strict):
 
 class _DraftSection(_Strict):
     """Base of the per-method ``draft`` sections. ``draft`` is a discriminated union on
-    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``."""
+    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``, the keys
+    of its training too (``ttt_steps``, ``loss``, ``head_decay`` ...: only where they apply)."""
+
+    method: str = Field(description="Draft architecture (draftsmith.methods).")  # each section's Literal
 
     def check_recipe(self, recipe: "Recipe") -> None:
         """Cross-section checks of this method (raise ValueError); the default has none."""
 
 
-class Eagle3DraftConfig(_DraftSection):
+# the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
+
+
+class _DraftVocabSection(_DraftSection):
+    """The keys shared by the drafts that predict over the draft vocab with their own
+    ``lm_head`` and are distilled from the target's distribution (eagle3, dflash, peagle): how
+    that head starts, the divergence, and gradient checkpointing of the draft's layers."""
+
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
+    freeze_lm_head: bool = Field(
+        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
+                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data.")
+    loss: LossName = Field(
+        "forward_kl", description="Divergence between the target's distribution over the draft vocab and the "
+        "draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv (1 - acceptance rate), "
+        "lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), the LK losses of "
+        "arXiv:2602.23881.")
+    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
+    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
+        "more forward of the layers per step; eagle3: per TTT step).")
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "_DraftVocabSection":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
+class _HeadsSection(_DraftSection):
+    """The key shared by the drafts of several heads trained on hard labels (medusa,
+    mlp_speculator): the loss weight of later heads."""
+
+    head_decay: float = Field(
+        0.8, gt=0, le=1, description="Loss weight head_decay**k of head k (mlp_speculator: stage k; Medusa: 0.8).")
+
+
+class Eagle3DraftConfig(_DraftVocabSection):
     """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
     low/mid/high aux hidden states, trained with training-time test."""
 
@@ -163,26 +206,15 @@ class Eagle3DraftConfig(_DraftSection):
     norm_before_residual: bool = Field(
         True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
-    )
-    freeze_lm_head: bool = Field(
-        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
-                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
-    )
     init_from: str | None = Field(
         None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
         "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "
         "run's aux layer ids (checked before training). Its geometry is kept; lm_head rows move by token id.")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "Eagle3DraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
+    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
+    gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
 
 
-class MedusaDraftConfig(_DraftSection):
+class MedusaDraftConfig(_HeadsSection):
     """Medusa-1 heads (arXiv:2401.10774), ``draft.method: medusa``."""
 
     method: Literal["medusa"] = Field("medusa", description="Draft architecture (draftsmith.methods).")
@@ -191,7 +223,7 @@ class MedusaDraftConfig(_DraftSection):
     init_from_target: bool = Field(True, description="Start every head's lm_head from the target lm_head (Medusa's init).")
 
 
-class MLPSpeculatorDraftConfig(_DraftSection):
+class MLPSpeculatorDraftConfig(_HeadsSection):
     """IBM MLP speculator (arXiv:2404.19124), ``draft.method: mlp_speculator``."""
 
     method: Literal["mlp_speculator"] = Field("mlp_speculator", description="Draft architecture (draftsmith.methods).")
@@ -219,7 +251,7 @@ class MLPSpeculatorDraftConfig(_DraftSection):
                              "(stage 2 generates from one prompt per row); set one of them")
 
 
-class DFlashDraftConfig(_DraftSection):
+class DFlashDraftConfig(_DraftVocabSection):
     """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
     stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
     layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
@@ -240,18 +272,12 @@ class DFlashDraftConfig(_DraftSection):
     loss_decay_gamma: float | None = Field(
         None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
         "block_size >= 12, else 4 (the anchors' values).")
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
-    freeze_lm_head: bool = Field(True, description="Keep lm_head at the target's rows (the anchors share it frozen).")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "DFlashDraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
+    freeze_lm_head: bool = Field(
+        True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
+                          "anchors share it frozen).")
 
 
-class PEagleDraftConfig(_DraftSection):
+class PEagleDraftConfig(_DraftVocabSection):
     """P-EAGLE parallel drafting (arXiv:2602.01469), ``draft.method: peagle``: an EAGLE-3 head
     of ``num_layers`` layers that drafts ``num_depths`` tokens in one forward pass (mask
     tokens with a learned ``mask_hidden`` in the raw aux space), trained on conditional-drop
@@ -270,15 +296,6 @@ class PEagleDraftConfig(_DraftSection):
     train_embeddings: bool = Field(
         False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "
         "embedding, frozen, and only mask_hidden adapts the mask slots.")
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
-    freeze_lm_head: bool = Field(False, description="Keep lm_head at the target's draft-vocab rows.")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "PEagleDraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
 
 
 DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
@@ -354,23 +371,7 @@ def require_method(recipe: "Recipe", method: str, script: str) -> None:
                           f"use train/{recipe.draft.method}.py or set draft.method: {method}")
 
 
-# train.loss: the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
-
-
 class TrainConfig(_Strict):
-    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
-    gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
-    head_decay: float = Field(
-        0.8, gt=0, le=1, description="medusa / mlp_speculator: head k loss weight head_decay**k (Medusa: 0.8)."
-    )
-    loss: LossName = Field(
-        "forward_kl", description="eagle3 / peagle / dflash: divergence between the target's distribution over "
-        "the draft vocab and the draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv "
-        "(1 - acceptance rate), lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), "
-        "the LK losses of arXiv:2602.23881. medusa / mlp_speculator train on hard labels: forward_kl only.")
-    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
-    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
     loss_chunk_rows: int | None = Field(
         None, ge=1, description="Rows of logits per loss chunk (each chunk's (rows, vocab) fp32 tensors live only "
         "inside the chunk and are recomputed in backward). Default: as many as keep one fp32 (rows, vocab) "
@@ -424,10 +425,6 @@ class TrainConfig(_Strict):
     )
     pack_tokens: int | None = Field(
         None, ge=8, description="Tokens per packed row; default data.max_length (must be >= it)."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="eagle3: recompute the draft decoder layer in backward (less activation memory, "
-        "about one more layer forward per TTT step)."
     )
     report_to: list[Literal["wandb", "tensorboard"]] = Field(
         default_factory=list, description="Experiment trackers (accelerate's) fed the logged metrics; empty: "
@@ -750,12 +747,6 @@ class Recipe(_Strict):
         if (self.train.eval_every or self.train.early_stopping_patience) and not self.data.validation_fraction:
             raise ValueError("train.eval_every / train.early_stopping_patience need held-out conversations: set "
                              "data.validation_fraction > 0")
-        if self.train.loss != "forward_kl" and self.draft.method in ("medusa", "mlp_speculator"):
-            raise ValueError(f"train.loss={self.train.loss!r}: {self.draft.method} heads train on hard labels "
-                             "(cross-entropy = forward KL to a one-hot target); use forward_kl")
-        if self.train.gradient_checkpointing and not get_method(self.draft.method).supports_gradient_checkpointing:
-            raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
-                             "no per-step activations worth recomputing")
         self.draft.check_recipe(self)
         return self
 
@@ -797,12 +788,41 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"  {loc}: {msg}")
-        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+        problems = [_problem(err) for err in exc.errors()]
+        if len(problems) == 1:
+            raise RecipeError(f"{source}: invalid recipe: {problems[0]}") from None
+        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(f"  {p}" for p in problems)) from None
+
+
+# keys that left train: for a recipe that still sets them there (draftsmith 0.2.0)
+MOVED_TO_DRAFT = ("ttt_steps", "gamma", "head_decay", "loss", "lk_kl_scale", "lk_kl_decay", "gradient_checkpointing")
+
+
+def _draft_owners(key: str) -> list[str]:
+    """The ``draft.method`` values whose section has ``key``."""
+    import typing
+
+    sections = typing.get_args(typing.get_args(DraftConfig)[0])
+    return [cls.model_fields["method"].default for cls in sections if key in cls.model_fields]
+
+
+def _problem(err: dict[str, Any]) -> str:
+    """``key.path: message`` of one pydantic error; an unknown key that is one of another
+    place's (a moved key, another method's) says where it belongs."""
+    loc = [str(p) for p in err["loc"]]
+    method = None
+    if len(loc) > 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
+        method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
+    key = ".".join(loc)
+    if err["type"] != "extra_forbidden":
+        return f"{key}: {err['msg']}"
+    if len(loc) == 2 and loc[0] == "train" and loc[1] in MOVED_TO_DRAFT:
+        return (f"{key}: unknown key: it moved to draft.{loc[1]} (draft.method "
+                f"{' / '.join(_draft_owners(loc[1]))}) in draftsmith 0.2.0")
+    owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
+    if method is not None and owners:
+        return f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
+    return f"{key}: unknown key"
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

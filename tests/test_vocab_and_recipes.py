@@ -72,8 +72,8 @@ def test_unknown_key_is_rejected_naming_the_key(tmp_path):
 
 def test_bad_value_is_rejected_naming_the_key(tmp_path):
     f = tmp_path / "r.yaml"
-    f.write_text("train:\n  ttt_steps: 0\n")
-    with pytest.raises(RecipeError, match=r"train\.ttt_steps"):
+    f.write_text("draft:\n  ttt_steps: 0\n")
+    with pytest.raises(RecipeError, match=r"draft\.ttt_steps"):
         load_recipe(f)
     with pytest.raises(RecipeError, match=r"data\.overlong"):
         load_recipe(None, ["data.overlong=sometimes"])
@@ -83,11 +83,27 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("train:\n  lr: 0.001\n  batch_size: 3\n")
     r = load_recipe(f, ["train.lr=0.5"])
-    assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.train.gamma == 0.8
+    assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.draft.gamma == 0.8
+
+
+@pytest.mark.parametrize("key,value,methods", [
+    ("ttt_steps", 3, "eagle3"), ("gamma", 0.5, "eagle3"), ("head_decay", 0.5, "medusa / mlp_speculator"),
+    ("loss", "jsd", "eagle3 / dflash / peagle"), ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle"),
+    ("gradient_checkpointing", True, "eagle3 / dflash / peagle"),
+])
+def test_a_training_key_that_moved_to_the_draft_section_names_its_new_place(tmp_path, key, value, methods):
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"train": {key: value, "lr": 0.001}}))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(f)
+    assert str(err.value) == (f"{f}: invalid recipe: train.{key}: unknown key: it moved to draft.{key} "
+                              f"(draft.method {methods}) in draftsmith 0.2.0")
+    method = methods.split(" / ")[0]
+    assert getattr(load_recipe(None, [f"draft.method={method}", f"draft.{key}={value}"]).draft, key) == value
 
 
 @pytest.mark.parametrize("recipe_file,overrides,message", [
-    ("smollm2_135m_medusa.yaml", ["train.gradient_checkpointing=true"], "gradient_checkpointing applies to eagle3 only"),
+    ("smollm2_135m_medusa.yaml", ["draft.gradient_checkpointing=true"], "draft.gradient_checkpointing.*eagle3 / dflash / peagle"),
     ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.stage2_start_step"),
 ])
 def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrides, message):
