@@ -309,57 +309,6 @@ DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminat
 """The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
 
 
-# the methods whose keys resolved recipe dumps listed (all of them) before the draft union
-_DUMPED_BEFORE_UNION = ("eagle3", "medusa", "mlp_speculator")
-
-
-def upgrade_draft_section(draft: Any) -> Any:
-    """The ``draft`` mapping in the union's layout (the method's keys directly under ``draft``).
-
-    Accepts the layout recipes had before the union: a method's keys in a sub-section named
-    after it (``draft: {method: medusa, medusa: {num_heads: 3}}``) and, in resolved recipe dumps
-    (checkpoints' ``recipe.yaml``), every other method's keys at their defaults, which are
-    dropped. A missing ``method`` means ``eagle3``.
-
-    Raises:
-        ValueError: a key of another method set to a non-default value, naming it and the
-            method it belongs to.
-    """
-    if draft is None:
-        return {"method": "eagle3"}
-    if not isinstance(draft, dict):
-        return draft
-    method = draft.get("method", "eagle3")
-    if method not in DRAFT_SECTIONS:
-        return draft  # the union's own error lists the methods
-    own = DRAFT_SECTIONS[method].model_fields
-    out: dict[str, Any] = {"method": method}
-    for key, value in draft.items():
-        if key == "method":
-            continue
-        if key in DRAFT_SECTIONS and isinstance(value, dict):  # legacy draft.<method>: {...}
-            if key == method:
-                for k, v in value.items():
-                    if k in draft and k != "method":
-                        raise ValueError(f"draft.{k} is given twice (draft.{k} and draft.{key}.{k})")
-                    out[k] = v
-                continue
-            defaults = DRAFT_SECTIONS[key]().model_dump()
-            changed = sorted(k for k, v in value.items() if k != "method" and defaults.get(k, object()) != v)
-            if changed:
-                raise ValueError(f"draft.{key}.{changed[0]} is set for {key} but draft.method is {method!r}")
-            continue
-        if key not in own:
-            owners = [m for m, cls in DRAFT_SECTIONS.items() if key in cls.model_fields]
-            dumped = [m for m in owners if m in _DUMPED_BEFORE_UNION]
-            if dumped and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in dumped):
-                continue  # another method's key at its default (a resolved recipe dump)
-            if owners:
-                raise ValueError(f"draft.{key} is a key of {' / '.join(owners)} but draft.method is {method!r}")
-        out[key] = value  # unknown keys fall through to the section's own 'unknown key' error
-    return out
-
-
 def require_method(recipe: "Recipe", method: str, script: str) -> None:
     """Refuse to train ``recipe`` with the entry script of another method.
 
@@ -436,21 +385,6 @@ class TrainConfig(_Strict):
         "offline", description="wandb only: 'offline' writes the run under RUN_DIR/logs/wandb for `wandb sync`; "
         "an explicit WANDB_MODE in the environment wins."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_wandb_section(cls, data: Any) -> Any:
-        # recipes and checkpoint recipe.yaml dumps written before report_to: `wandb: {enabled, project, mode}`
-        if isinstance(data, dict) and isinstance(data.get("wandb"), dict):
-            data = dict(data)
-            old = data.pop("wandb")
-            if old.get("enabled") and "wandb" not in data.get("report_to", []):
-                data["report_to"] = [*data.get("report_to", []), "wandb"]
-            if "project" in old:
-                data.setdefault("tracker_project", old["project"])
-            if old.get("mode") in ("online", "offline"):
-                data.setdefault("wandb_mode", old["mode"])
-        return data
 
 
 class VllmConfig(_Strict):
@@ -710,22 +644,10 @@ class Recipe(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _upgrade_layout(cls, data: Any) -> Any:
-        # Recipes written before the draft union and the top-level vllm section (and checkpoints'
-        # recipe.yaml dumps of them) keep loading: see upgrade_draft_section; eval.vllm -> vllm.
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        if "draft" in data:
-            data["draft"] = upgrade_draft_section(data["draft"])
-        ev = data.get("eval")
-        if isinstance(ev, dict) and "vllm" in ev:
-            ev = dict(ev)
-            old = ev.pop("vllm")
-            data["eval"] = ev
-            if "vllm" in data and data["vllm"] != old:
-                raise ValueError("both vllm and eval.vllm are given; eval.vllm is the old place of vllm, keep one")
-            data["vllm"] = old
+    def _eagle3_by_default(cls, data: Any) -> Any:
+        # a draft section without a method is EAGLE-3's, as a recipe without one is
+        if isinstance(data, dict) and isinstance(data.get("draft"), dict) and "method" not in data["draft"]:
+            data = {**data, "draft": {"method": "eagle3", **data["draft"]}}
         return data
 
     @field_validator("name")
@@ -794,8 +716,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(f"  {p}" for p in problems)) from None
 
 
-# keys that left train: for a recipe that still sets them there (draftsmith 0.2.0)
-MOVED_TO_DRAFT = ("ttt_steps", "gamma", "head_decay", "loss", "lk_kl_scale", "lk_kl_decay", "gradient_checkpointing")
+# keys of earlier recipes -> where they are now; a recipe that still sets one is refused naming it
+MOVED_KEYS = {
+    **{f"train.{key}": f"draft.{key}" for key in ("ttt_steps", "gamma", "head_decay", "loss", "lk_kl_scale",
+                                                  "lk_kl_decay", "gradient_checkpointing")},
+    "eval.vllm": "vllm",
+    "train.wandb": "train.report_to: [wandb], train.tracker_project and train.wandb_mode",
+}
 
 
 def _draft_owners(key: str) -> list[str]:
@@ -811,14 +738,15 @@ def _problem(err: dict[str, Any]) -> str:
     place's (a moved key, another method's) says where it belongs."""
     loc = [str(p) for p in err["loc"]]
     method = None
-    if len(loc) > 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
+    if len(loc) >= 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
         method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
     key = ".".join(loc)
     if err["type"] != "extra_forbidden":
-        return f"{key}: {err['msg']}"
-    if len(loc) == 2 and loc[0] == "train" and loc[1] in MOVED_TO_DRAFT:
-        return (f"{key}: unknown key: it moved to draft.{loc[1]} (draft.method "
-                f"{' / '.join(_draft_owners(loc[1]))}) in draftsmith 0.2.0")
+        return f"{key}: {err['msg']}" if key else err["msg"]
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        owners = _draft_owners(new.removeprefix("draft.")) if new.startswith("draft.") else []
+        return f"{key}: unknown key: it moved to {new}" + (f" (draft.method {' / '.join(owners)})" if owners else "")
     owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
     if method is not None and owners:
         return f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"

@@ -466,11 +466,8 @@ def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
     paths = RunLayout(run_dir).data
     outputs = stage_outputs(recipe, paths)
 
-    def done(p: Path) -> bool:  # a legacy tokenized.jsonl counts: read_tokenized converts it
-        return p.is_file() or (p == paths.tokenized_done and paths.tokenized_jsonl.is_file())
-
     for i, stage in enumerate(STAGES):
-        if not all(done(p) for p in outputs[stage]):
+        if not all(p.is_file() for p in outputs[stage]):
             return STAGES[i:]
     return []
 

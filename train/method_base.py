@@ -66,7 +66,7 @@ class TargetDataMethod:
 
     def dataset(self) -> torch.utils.data.Dataset:
         if self.recipe.data.hidden_states_mode == "online":
-            # memory-mapped Arrow rows read by index (a legacy tokenized.jsonl is converted once)
+            # memory-mapped Arrow rows read by index
             return TokenizedDataset(self.paths, self.recipe.data.max_length)
         # fp8 shards stay fp8 until the device (decoded by train.data.to_device after the copy)
         return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length,
