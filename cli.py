@@ -17,7 +17,10 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The help layout of every draftsmith command line: the description as written (usage
@@ -29,6 +32,36 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default is None or action.default is False or action.default == [] or "(default" in text:
             return text
         return super()._get_help_string(action)
+
+
+def setup_logging() -> None:
+    """The log format of every draftsmith command line (INFO and up, to stderr); call it once,
+    first thing in a ``main``."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every entry script shares: the recipe file and ``--set`` overrides."""
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """Load ``args.recipe`` with ``args.overrides`` (:func:`add_recipe_arguments`).
+
+    Raises:
+        SystemExit(2): the recipe does not validate (the message is printed to stderr).
+    """
+    from .recipe import RecipeError, load_recipe
+
+    try:
+        return load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 # subcommand -> (module with main(argv), one-line help); the modules are imported on use only
@@ -110,8 +143,6 @@ def verify(argv: list[str]) -> int:
 
 def build_recipe_parser() -> argparse.ArgumentParser:
     """The parser of ``draftsmith recipe show|validate|schema``."""
-    from .recipe import add_recipe_arguments
-
     p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     for action, text in (("show", "print the resolved recipe (defaults filled in, --set applied)"),

@@ -22,7 +22,8 @@ from pathlib import Path
 from .data_prep.prepare import prepare
 from .eval.acceptance import format_row, measure
 from .eval.export import export
-from .recipe import add_recipe_arguments, dump_recipe, recipe_from_args
+from .cli import add_recipe_arguments, recipe_from_args, setup_logging
+from .recipe import dump_recipe
 from .train.method_eagle3 import Eagle3Method
 from .train.checkpoint import find_checkpoints
 from .train.trainer import fit
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--eval-prompts", action="append", default=[], help="extra prompt files to measure on")
     args = p.parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     run = args.run_dir
     run.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import __version__
+
 if TYPE_CHECKING:
     import torch
 
 DRAFT_CONFIG_FILE = "draft_config.json"
+OLDEST_READABLE = (0, 2, 0)
+"""Checkpoints of an earlier draftsmith are refused with one line, not read: 0.2.0 dropped the
+code that converted older layouts (recipe keys, checkpoint files, the tokenised data)."""
 C = TypeVar("C")  # a parsed export config (read_export)
 
 
@@ -60,12 +65,6 @@ class DataPaths:
         """``tokenized/state.json``: present once the dataset is complete (it is renamed into place
         as a whole, so a killed write leaves only a ``.tokenized.tmp-*`` directory)."""
         return self.tokenized / "state.json"
-
-    @property
-    def tokenized_jsonl(self) -> Path:
-        """``tokenized.jsonl``: the layout of runs prepared before the Arrow dataset (legacy;
-        :func:`read_tokenized` converts it once)."""
-        return self.root / "tokenized.jsonl"
 
     @property
     def vocab(self) -> Path:
@@ -155,11 +154,10 @@ def remove_stale_tokenized_temps(paths: DataPaths) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def save_tokenized(paths: DataPaths, dataset: Any, tmp: Path | None = None, replace: bool = True) -> None:
+def save_tokenized(paths: DataPaths, dataset: Any, tmp: Path | None = None) -> None:
     """Write ``dataset`` (columns of :func:`tokenized_features`) to :attr:`DataPaths.tokenized`
     atomically: ``save_to_disk`` into a temporary directory, then rename it into place (an
-    existing dataset is replaced, or with ``replace=False`` kept: several ranks converting the same
-    legacy file race harmlessly). ``tmp``: the temporary directory to use (removed after)."""
+    existing dataset is replaced). ``tmp``: the temporary directory to use (removed after)."""
     import shutil
 
     own_tmp = tmp is None
@@ -167,19 +165,15 @@ def save_tokenized(paths: DataPaths, dataset: Any, tmp: Path | None = None, repl
     try:
         staged = tmp / "dataset"
         dataset.save_to_disk(str(staged))
-        if paths.tokenized.exists() and (replace or not paths.tokenized_done.is_file()):
+        if paths.tokenized.exists():
             shutil.rmtree(paths.tokenized)
-        try:
-            staged.rename(paths.tokenized)
-        except OSError:
-            if not paths.tokenized_done.is_file():  # not another process's finished copy
-                raise
+        staged.rename(paths.tokenized)
     finally:
         if own_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_tokenized_rows(paths: DataPaths, rows: Any, replace: bool = True) -> None:
+def write_tokenized_rows(paths: DataPaths, rows: Any) -> None:
     """Write an iterable of ``{"id", "input_ids", "loss_mask"}`` rows as the tokenised dataset
     (streamed through ``Dataset.from_generator``: the rows are never all in memory)."""
     import shutil
@@ -196,7 +190,7 @@ def write_tokenized_rows(paths: DataPaths, rows: Any, replace: bool = True) -> N
 
         ds = datasets.Dataset.from_generator(gen, features=tokenized_features(), cache_dir=str(tmp / "cache"),
                                              fingerprint=uuid.uuid4().hex)
-        save_tokenized(paths, ds, tmp, replace)
+        save_tokenized(paths, ds, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -207,29 +201,19 @@ def read_tokenized(paths: DataPaths, format: str | None = "numpy") -> Any:
     ``torch``, ``arrow`` or None for Python objects). Rows are read from the Arrow files on
     access; nothing is loaded up front.
 
-    A run prepared before the Arrow layout (``tokenized.jsonl``, no ``tokenized/``) is converted
-    once, line by line, and then read like any other.
-
     Raises:
-        FileNotFoundError: the tokenize stage has not run.
+        FileNotFoundError: the tokenize stage has not run (one line; for a run prepared by
+            draftsmith < 0.2.0, whose ``tokenized.jsonl`` this version does not read, it says to
+            re-run prepare).
     """
     import datasets
 
     if not paths.tokenized_done.is_file():
-        if not paths.tokenized_jsonl.is_file():
-            raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
-        import logging
-
-        logging.getLogger("draftsmith.layout").info(
-            "converting the legacy %s to the Arrow dataset %s (once)", paths.tokenized_jsonl, paths.tokenized)
-
-        def legacy_rows():
-            with paths.tokenized_jsonl.open(encoding="utf-8") as fh:
-                for line in fh:
-                    if line.strip():
-                        yield json.loads(line)
-
-        write_tokenized_rows(paths, legacy_rows(), replace=False)
+        old = paths.root / "tokenized.jsonl"
+        if old.is_file():
+            raise FileNotFoundError(f"{old}: data prepared by draftsmith < 0.2.0, which this version does not read; "
+                                    f"re-run prepare into {paths.root.parent} (draftsmith prepare RECIPE --run-dir ...)")
+        raise FileNotFoundError(f"{paths.tokenized} missing: run the tokenize stage first")
     ds = datasets.load_from_disk(str(paths.tokenized))
     return ds.with_format(format) if format else ds
 
@@ -248,6 +232,42 @@ def read_vocab(paths: DataPaths) -> tuple[torch.Tensor, torch.Tensor]:
     return t["d2t"], t["t2d"]
 
 
+def safe_path(root: str | Path, *parts: str | Path, key: str = "path") -> Path:
+    """``root / parts...`` for a name taken from a recipe, a command line or a manifest,
+    refusing any that would leave ``root`` (writes stay inside the run / output directory).
+
+    Symlinks already on disk are resolved before the check.
+
+    Raises:
+        ValueError: naming ``key``, for an absolute part or one whose ``..`` or symlink
+            escapes ``root``.
+    """
+    root = Path(root)
+    for part in parts:
+        if Path(part).is_absolute() or str(part).startswith("~"):
+            raise ValueError(f"{key}={str(part)!r}: absolute paths are not allowed here (must stay inside {root})")
+    path = root.joinpath(*parts)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{key}={'/'.join(map(str, parts))!r} escapes {root} ('..' or a symlink leaving it)")
+    return path
+
+
+def written_before_oldest_readable(version: Any) -> bool:
+    """Whether ``version`` (the draftsmith version a file records; None or missing: one older
+    than the stamp) is below :data:`OLDEST_READABLE`."""
+    import re
+
+    numbers = tuple(int(n) for n in re.findall(r"\d+", str(version or ""))[:3])
+    return not numbers or numbers < OLDEST_READABLE
+
+
+def too_old_message(what: Path, version: Any, remedy: str) -> str:
+    """The one line that refuses ``what``, written by draftsmith ``version`` (None: before the
+    version was recorded), naming the ``remedy``."""
+    found = f"draftsmith {version}" if version else "a draftsmith before 0.2.0"
+    return (f"{what}: written by {found}, which this draftsmith ({__version__}) no longer reads: {remedy}")
+
+
 class DraftConfigError(ValueError):
     """``draft_config.json`` is missing or invalid; the message names the file."""
 
@@ -257,7 +277,8 @@ class DraftCheckpointConfig(BaseModel):
 
     Written by every training method's ``checkpoint_extras``, read by ``eval/export.py``,
     ``eval/export_heads.py`` and ``eval/compare_drafts.py``. Unset optional fields are not
-    written, so the file keeps the keys (and bytes) of checkpoints written before this class.
+    written. ``version`` is the draftsmith that wrote it; :meth:`read` refuses one older than
+    :data:`OLDEST_READABLE`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -266,8 +287,9 @@ class DraftCheckpointConfig(BaseModel):
     config: dict[str, Any] = Field(description="the draft model config's fields (its to_dict())")
     target: dict[str, Any] = Field(description="RUN_DIR/data/target.json of the run (name_or_path, "
                                                "verifier, path, architectures, hidden_size, vocab_size ...)")
-    ttt_steps: int | None = Field(None, description="EAGLE-3: train.ttt_steps trained with")
-    head_decay: float | None = Field(None, description="Medusa / MLP speculator: train.head_decay trained with")
+    ttt_steps: int | None = Field(None, description="EAGLE-3: draft.ttt_steps trained with")
+    head_decay: float | None = Field(None, description="Medusa / MLP speculator: draft.head_decay trained with")
+    version: str = Field(__version__, description="draftsmith version that wrote the checkpoint")
 
     @property
     def verifier(self) -> str | None:
@@ -290,13 +312,20 @@ class DraftCheckpointConfig(BaseModel):
         """Read ``directory/draft_config.json``.
 
         Raises:
-            DraftConfigError: the file is missing, not JSON, or has missing / unknown / mistyped keys.
+            DraftConfigError: the file is missing, not JSON, has missing / unknown / mistyped keys,
+                or was written by a draftsmith older than :data:`OLDEST_READABLE` (one line).
         """
         path = Path(directory) / DRAFT_CONFIG_FILE
         if not path.is_file():
             raise DraftConfigError(f"{path} missing: not a draftsmith training checkpoint")
         try:
-            return cls.model_validate_json(path.read_text())
+            raw = json.loads(path.read_text())
+            if isinstance(raw, dict) and written_before_oldest_readable(raw.get("version")):
+                raise DraftConfigError(too_old_message(Path(directory), raw.get("version"), "re-export it with the "
+                                                       "draftsmith that wrote it, or train again with this one"))
+            return cls.model_validate(raw)
+        except json.JSONDecodeError as exc:
+            raise DraftConfigError(f"{path}: invalid draft config (not JSON: {exc})") from None
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors())
             raise DraftConfigError(f"{path}: invalid draft config ({problems})") from None

@@ -44,7 +44,7 @@ class DraftMethodSpec:
         fsdp_block_classes: the model class's ``_no_split_modules`` (FSDP wrap units).
         fsdp_block_parts: keys of the dry-run parameter estimate inside those blocks.
         train_script: thin entry script, relative to the package root (``accelerate launch`` runs it).
-        supports_gradient_checkpointing: ``train.gradient_checkpointing`` applies to it.
+        supports_gradient_checkpointing: ``draft.gradient_checkpointing`` applies to it.
         export_options: keyword options of ``eval/export.py``'s ``export`` the exporter takes
             besides ``dtype`` (``legacy``, ``num_speculative_tokens``, ``embed_tokens``).
         servable: ``eval/serve_bench.py`` serves its exports with ``vllm serve``.

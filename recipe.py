@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .methods import get_method, registered_methods
+from .methods import registered_methods
 
 
 class _Strict(BaseModel):
@@ -148,13 +148,56 @@ class DataConfig(_Strict):
 
 class _DraftSection(_Strict):
     """Base of the per-method ``draft`` sections. ``draft`` is a discriminated union on
-    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``."""
+    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``, the keys
+    of its training too (``ttt_steps``, ``loss``, ``head_decay`` ...: only where they apply)."""
+
+    method: str = Field(description="Draft architecture (draftsmith.methods).")  # each section's Literal
 
     def check_recipe(self, recipe: "Recipe") -> None:
         """Cross-section checks of this method (raise ValueError); the default has none."""
 
 
-class Eagle3DraftConfig(_DraftSection):
+# the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
+
+
+class _DraftVocabSection(_DraftSection):
+    """The keys shared by the drafts that predict over the draft vocab with their own
+    ``lm_head`` and are distilled from the target's distribution (eagle3, dflash, peagle): how
+    that head starts, the divergence, and gradient checkpointing of the draft's layers."""
+
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
+    freeze_lm_head: bool = Field(
+        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
+                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data.")
+    loss: LossName = Field(
+        "forward_kl", description="Divergence between the target's distribution over the draft vocab and the "
+        "draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv (1 - acceptance rate), "
+        "lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), the LK losses of "
+        "arXiv:2602.23881.")
+    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
+    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
+        "more forward of the layers per step; eagle3: per TTT step).")
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "_DraftVocabSection":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
+class _HeadsSection(_DraftSection):
+    """The key shared by the drafts of several heads trained on hard labels (medusa,
+    mlp_speculator): the loss weight of later heads."""
+
+    head_decay: float = Field(
+        0.8, gt=0, le=1, description="Loss weight head_decay**k of head k (mlp_speculator: stage k; Medusa: 0.8).")
+
+
+class Eagle3DraftConfig(_DraftVocabSection):
     """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
     low/mid/high aux hidden states, trained with training-time test."""
 
@@ -162,26 +205,15 @@ class Eagle3DraftConfig(_DraftSection):
     norm_before_residual: bool = Field(
         True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm."
-    )
-    freeze_lm_head: bool = Field(
-        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
-                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data."
-    )
     init_from: str | None = Field(
         None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
         "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "
         "run's aux layer ids (checked before training). Its geometry is kept; lm_head rows move by token id.")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "Eagle3DraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
+    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
+    gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
 
 
-class MedusaDraftConfig(_DraftSection):
+class MedusaDraftConfig(_HeadsSection):
     """Medusa-1 heads (arXiv:2401.10774), ``draft.method: medusa``."""
 
     method: Literal["medusa"] = Field("medusa", description="Draft architecture (draftsmith.methods).")
@@ -190,7 +222,7 @@ class MedusaDraftConfig(_DraftSection):
     init_from_target: bool = Field(True, description="Start every head's lm_head from the target lm_head (Medusa's init).")
 
 
-class MLPSpeculatorDraftConfig(_DraftSection):
+class MLPSpeculatorDraftConfig(_HeadsSection):
     """IBM MLP speculator (arXiv:2404.19124), ``draft.method: mlp_speculator``."""
 
     method: Literal["mlp_speculator"] = Field("mlp_speculator", description="Draft architecture (draftsmith.methods).")
@@ -218,7 +250,7 @@ class MLPSpeculatorDraftConfig(_DraftSection):
                              "(stage 2 generates from one prompt per row); set one of them")
 
 
-class DFlashDraftConfig(_DraftSection):
+class DFlashDraftConfig(_DraftVocabSection):
     """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
     stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
     layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
@@ -239,18 +271,12 @@ class DFlashDraftConfig(_DraftSection):
     loss_decay_gamma: float | None = Field(
         None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
         "block_size >= 12, else 4 (the anchors' values).")
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
-    freeze_lm_head: bool = Field(True, description="Keep lm_head at the target's rows (the anchors share it frozen).")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "DFlashDraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
+    freeze_lm_head: bool = Field(
+        True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
+                          "anchors share it frozen).")
 
 
-class PEagleDraftConfig(_DraftSection):
+class PEagleDraftConfig(_DraftVocabSection):
     """P-EAGLE parallel drafting (arXiv:2602.01469), ``draft.method: peagle``: an EAGLE-3 head
     of ``num_layers`` layers that drafts ``num_depths`` tokens in one forward pass (mask
     tokens with a learned ``mask_hidden`` in the raw aux space), trained on conditional-drop
@@ -269,15 +295,6 @@ class PEagleDraftConfig(_DraftSection):
     train_embeddings: bool = Field(
         False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "
         "embedding, frozen, and only mask_hidden adapts the mask slots.")
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
-    freeze_lm_head: bool = Field(False, description="Keep lm_head at the target's draft-vocab rows.")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "PEagleDraftConfig":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
 
 
 DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
@@ -291,57 +308,6 @@ DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminat
 """The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
 
 
-# the methods whose keys resolved recipe dumps listed (all of them) before the draft union
-_DUMPED_BEFORE_UNION = ("eagle3", "medusa", "mlp_speculator")
-
-
-def upgrade_draft_section(draft: Any) -> Any:
-    """The ``draft`` mapping in the union's layout (the method's keys directly under ``draft``).
-
-    Accepts the layout recipes had before the union: a method's keys in a sub-section named
-    after it (``draft: {method: medusa, medusa: {num_heads: 3}}``) and, in resolved recipe dumps
-    (checkpoints' ``recipe.yaml``), every other method's keys at their defaults, which are
-    dropped. A missing ``method`` means ``eagle3``.
-
-    Raises:
-        ValueError: a key of another method set to a non-default value, naming it and the
-            method it belongs to.
-    """
-    if draft is None:
-        return {"method": "eagle3"}
-    if not isinstance(draft, dict):
-        return draft
-    method = draft.get("method", "eagle3")
-    if method not in DRAFT_SECTIONS:
-        return draft  # the union's own error lists the methods
-    own = DRAFT_SECTIONS[method].model_fields
-    out: dict[str, Any] = {"method": method}
-    for key, value in draft.items():
-        if key == "method":
-            continue
-        if key in DRAFT_SECTIONS and isinstance(value, dict):  # legacy draft.<method>: {...}
-            if key == method:
-                for k, v in value.items():
-                    if k in draft and k != "method":
-                        raise ValueError(f"draft.{k} is given twice (draft.{k} and draft.{key}.{k})")
-                    out[k] = v
-                continue
-            defaults = DRAFT_SECTIONS[key]().model_dump()
-            changed = sorted(k for k, v in value.items() if k != "method" and defaults.get(k, object()) != v)
-            if changed:
-                raise ValueError(f"draft.{key}.{changed[0]} is set for {key} but draft.method is {method!r}")
-            continue
-        if key not in own:
-            owners = [m for m, cls in DRAFT_SECTIONS.items() if key in cls.model_fields]
-            dumped = [m for m in owners if m in _DUMPED_BEFORE_UNION]
-            if dumped and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in dumped):
-                continue  # another method's key at its default (a resolved recipe dump)
-            if owners:
-                raise ValueError(f"draft.{key} is a key of {' / '.join(owners)} but draft.method is {method!r}")
-        out[key] = value  # unknown keys fall through to the section's own 'unknown key' error
-    return out
-
-
 def require_method(recipe: "Recipe", method: str, script: str) -> None:
     """Refuse to train ``recipe`` with the entry script of another method.
 
@@ -353,23 +319,7 @@ def require_method(recipe: "Recipe", method: str, script: str) -> None:
                           f"use train/{recipe.draft.method}.py or set draft.method: {method}")
 
 
-# train.loss: the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
-
-
 class TrainConfig(_Strict):
-    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
-    gamma: float = Field(0.8, gt=0, le=1, description="Step k loss weight gamma**k.")
-    head_decay: float = Field(
-        0.8, gt=0, le=1, description="medusa / mlp_speculator: head k loss weight head_decay**k (Medusa: 0.8)."
-    )
-    loss: LossName = Field(
-        "forward_kl", description="eagle3 / peagle / dflash: divergence between the target's distribution over "
-        "the draft vocab and the draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv "
-        "(1 - acceptance rate), lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), "
-        "the LK losses of arXiv:2602.23881. medusa / mlp_speculator train on hard labels: forward_kl only.")
-    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
-    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
     loss_chunk_rows: int | None = Field(
         None, ge=1, description="Rows of logits per loss chunk (each chunk's (rows, vocab) fp32 tensors live only "
         "inside the chunk and are recomputed in backward). Default: as many as keep one fp32 (rows, vocab) "
@@ -424,10 +374,6 @@ class TrainConfig(_Strict):
     pack_tokens: int | None = Field(
         None, ge=8, description="Tokens per packed row; default data.max_length (must be >= it)."
     )
-    gradient_checkpointing: bool = Field(
-        False, description="eagle3: recompute the draft decoder layer in backward (less activation memory, "
-        "about one more layer forward per TTT step)."
-    )
     report_to: list[Literal["wandb", "tensorboard"]] = Field(
         default_factory=list, description="Experiment trackers (accelerate's) fed the logged metrics; empty: "
         "metrics.jsonl only. A tracker that is not installed is an error. Logs go under RUN_DIR/logs."
@@ -438,21 +384,6 @@ class TrainConfig(_Strict):
         "offline", description="wandb only: 'offline' writes the run under RUN_DIR/logs/wandb for `wandb sync`; "
         "an explicit WANDB_MODE in the environment wins."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_wandb_section(cls, data: Any) -> Any:
-        # recipes and checkpoint recipe.yaml dumps written before report_to: `wandb: {enabled, project, mode}`
-        if isinstance(data, dict) and isinstance(data.get("wandb"), dict):
-            data = dict(data)
-            old = data.pop("wandb")
-            if old.get("enabled") and "wandb" not in data.get("report_to", []):
-                data["report_to"] = [*data.get("report_to", []), "wandb"]
-            if "project" in old:
-                data.setdefault("tracker_project", old["project"])
-            if old.get("mode") in ("online", "offline"):
-                data.setdefault("wandb_mode", old["mode"])
-        return data
 
 
 class VllmConfig(_Strict):
@@ -581,22 +512,10 @@ class Recipe(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _upgrade_layout(cls, data: Any) -> Any:
-        # Recipes written before the draft union and the top-level vllm section (and checkpoints'
-        # recipe.yaml dumps of them) keep loading: see upgrade_draft_section; eval.vllm -> vllm.
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        if "draft" in data:
-            data["draft"] = upgrade_draft_section(data["draft"])
-        ev = data.get("eval")
-        if isinstance(ev, dict) and "vllm" in ev:
-            ev = dict(ev)
-            old = ev.pop("vllm")
-            data["eval"] = ev
-            if "vllm" in data and data["vllm"] != old:
-                raise ValueError("both vllm and eval.vllm are given; eval.vllm is the old place of vllm, keep one")
-            data["vllm"] = old
+    def _eagle3_by_default(cls, data: Any) -> Any:
+        # a draft section without a method is EAGLE-3's, as a recipe without one is
+        if isinstance(data, dict) and isinstance(data.get("draft"), dict) and "method" not in data["draft"]:
+            data = {**data, "draft": {"method": "eagle3", **data["draft"]}}
         return data
 
     @field_validator("name")
@@ -618,34 +537,8 @@ class Recipe(_Strict):
         if (self.train.eval_every or self.train.early_stopping_patience) and not self.data.validation_fraction:
             raise ValueError("train.eval_every / train.early_stopping_patience need held-out conversations: set "
                              "data.validation_fraction > 0")
-        if self.train.loss != "forward_kl" and self.draft.method in ("medusa", "mlp_speculator"):
-            raise ValueError(f"train.loss={self.train.loss!r}: {self.draft.method} heads train on hard labels "
-                             "(cross-entropy = forward KL to a one-hot target); use forward_kl")
-        if self.train.gradient_checkpointing and not get_method(self.draft.method).supports_gradient_checkpointing:
-            raise ValueError(f"train.gradient_checkpointing applies to eagle3 only; {self.draft.method} heads keep "
-                             "no per-step activations worth recomputing")
         self.draft.check_recipe(self)
         return self
-
-
-def safe_path(root: str | Path, *parts: str | Path, key: str = "path") -> Path:
-    """``root / parts...`` for a name taken from a recipe, a command line or a manifest,
-    refusing any that would leave ``root`` (writes stay inside the run / output directory).
-
-    Symlinks already on disk are resolved before the check.
-
-    Raises:
-        ValueError: naming ``key``, for an absolute part or one whose ``..`` or symlink
-            escapes ``root``.
-    """
-    root = Path(root)
-    for part in parts:
-        if Path(part).is_absolute() or str(part).startswith("~"):
-            raise ValueError(f"{key}={str(part)!r}: absolute paths are not allowed here (must stay inside {root})")
-    path = root.joinpath(*parts)
-    if not path.resolve().is_relative_to(root.resolve()):
-        raise ValueError(f"{key}={'/'.join(map(str, parts))!r} escapes {root} ('..' or a symlink leaving it)")
-    return path
 
 
 class RecipeError(ValueError):
@@ -685,36 +578,47 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"  {loc}: {msg}")
-        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+        problems = [_problem(err) for err in exc.errors()]
+        if len(problems) == 1:
+            raise RecipeError(f"{source}: invalid recipe: {problems[0]}") from None
+        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(f"  {p}" for p in problems)) from None
 
 
-def add_recipe_arguments(parser) -> None:
-    """The arguments every entry script shares: the recipe file and ``--set`` overrides."""
-    parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. --set train.lr=3e-4 (repeatable)")
+# keys of earlier recipes -> where they are now; a recipe that still sets one is refused naming it
+MOVED_KEYS = {
+    **{f"train.{key}": f"draft.{key}" for key in ("ttt_steps", "gamma", "head_decay", "loss", "lk_kl_scale",
+                                                  "lk_kl_decay", "gradient_checkpointing")},
+    "eval.vllm": "vllm",
+    "train.wandb": "train.report_to: [wandb], train.tracker_project and train.wandb_mode",
+}
 
 
-def recipe_from_args(args) -> Recipe:
-    """Configure logging and load ``args.recipe`` with ``args.overrides``.
+def _draft_owners(key: str) -> list[str]:
+    """The ``draft.method`` values whose section has ``key``."""
+    import typing
 
-    Raises:
-        SystemExit(2): the recipe does not validate (the message is printed to stderr).
-    """
-    import logging
-    import sys
+    sections = typing.get_args(typing.get_args(DraftConfig)[0])
+    return [cls.model_fields["method"].default for cls in sections if key in cls.model_fields]
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        return load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        raise SystemExit(2) from None
+
+def _problem(err: dict[str, Any]) -> str:
+    """``key.path: message`` of one pydantic error; an unknown key that is one of another
+    place's (a moved key, another method's) says where it belongs."""
+    loc = [str(p) for p in err["loc"]]
+    method = None
+    if len(loc) >= 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
+        method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
+    key = ".".join(loc)
+    if err["type"] != "extra_forbidden":
+        return f"{key}: {err['msg']}" if key else err["msg"]
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        owners = _draft_owners(new.removeprefix("draft.")) if new.startswith("draft.") else []
+        return f"{key}: unknown key: it moved to {new}" + (f" (draft.method {' / '.join(owners)})" if owners else "")
+    owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
+    if method is not None and owners:
+        return f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
+    return f"{key}: unknown key"
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 from benchmarks import subprocess_env
 
+JSONL = "tokenized.jsonl"  # the pre-Arrow layout, written beside the Arrow dataset for --lists
+
 
 def rss_mb() -> float:
     """Peak resident set size of this process so far (``ru_maxrss``, KiB on Linux), in MB."""
@@ -55,7 +57,7 @@ def build_corpus(data_dir: Path, tokens: int, vocab_size: int = 512, seed: int =
     paths = DataPaths(Path(data_dir))
     write_tokenized_rows(paths, synthetic_rows(tokens, vocab_size, seed))
     if jsonl:
-        with paths.tokenized_jsonl.open("w") as fh:
+        with (paths.root / JSONL).open("w") as fh:
             for r in synthetic_rows(tokens, vocab_size, seed):
                 fh.write(json.dumps(r) + "\n")
 
@@ -77,7 +79,7 @@ def worker(data_dir: Path, out: Path, mode: str, batch_size: int) -> None:
     else:  # the pre-Arrow reader: every row as Python lists
         class Lists(torch.utils.data.Dataset):
             def __init__(self):
-                with paths.tokenized_jsonl.open() as fh:
+                with (paths.root / JSONL).open() as fh:
                     self.rows = [(r["input_ids"], r["loss_mask"]) for r in map(json.loads, fh)]
 
             def __len__(self):

@@ -195,7 +195,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
     Vd, Ht = method.target_head.weight.shape
     out: dict[str, Any] = {}
     if method.name == "eagle3":
-        K = recipe.train.ttt_steps
+        K = recipe.draft.ttt_steps
         pairs = ttt_pairs(docs_cpu, B, T, K)
         lm_rows = int(sum(batch["ttt_counts_host"]))
         teacher_rows = int(batch["ttt_teacher_rows"].numel())
@@ -678,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the SmolLM2-135M recipes at {TINY_BATCH} x {TINY_LENGTH} (a CPU check of the whole path; "
                         "--recipes / --batch-size / --max-length still win)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="recipe override applied to every recipe (repeatable), e.g. train.ttt_steps=3")
+                   help="recipe override applied to every recipe (repeatable), e.g. draft.ttt_steps=3")
     p.add_argument("--batch-size", type=int, help="micro-batch B (default: each recipe's train.batch_size)")
     p.add_argument("--max-length", type=int, help="sequence length T (default: each recipe's data.max_length)")
     p.add_argument("--target-config", type=Path,

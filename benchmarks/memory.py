@@ -755,8 +755,7 @@ def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith.cli import HelpFormatter
-    from draftsmith.recipe import add_recipe_arguments
+    from draftsmith.cli import HelpFormatter, add_recipe_arguments
 
     p = argparse.ArgumentParser(prog="draftsmith bench memory", description=__doc__, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -847,10 +846,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith bench memory``; exit 0, 1 on a bad target config / length / launcher, 2 on a bad recipe."""
-    from draftsmith.recipe import recipe_from_args
+    from draftsmith.cli import recipe_from_args, setup_logging
     from draftsmith.train.launchers import LauncherError
 
     args = build_parser().parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     try:
         rows = run(args, recipe)

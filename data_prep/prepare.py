@@ -41,8 +41,9 @@ from .shards import MANIFEST, ShardError, ShardSpec, atomic_write_bytes, distrib
 from . import regenerate as regen
 from . import target as tgt
 from . import vocab
+from ..cli import add_recipe_arguments, recipe_from_args, setup_logging
 from ..layout import DataPaths, RunLayout, read_tokenized
-from ..recipe import Recipe, add_recipe_arguments, dump_recipe, recipe_from_args
+from ..recipe import Recipe, dump_recipe
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
@@ -465,11 +466,8 @@ def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
     paths = RunLayout(run_dir).data
     outputs = stage_outputs(recipe, paths)
 
-    def done(p: Path) -> bool:  # a legacy tokenized.jsonl counts: read_tokenized converts it
-        return p.is_file() or (p == paths.tokenized_done and paths.tokenized_jsonl.is_file())
-
     for i, stage in enumerate(STAGES):
-        if not all(done(p) for p in outputs[stage]):
+        if not all(p.is_file() for p in outputs[stage]):
             return STAGES[i:]
     return []
 
@@ -776,6 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     bind_local_device()  # before anything can initialise CUDA or import vLLM
     args = build_parser().parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     from ..procs import install_child_reaper
     from .shards import DiskFullError

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..recipe import safe_path
+from ..layout import safe_path
 
 MANIFEST = "manifest.json"
 PART_MANIFEST_GLOB = "manifest.rank-*-of-*.json"

@@ -194,10 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import setup_logging
     from .target import load_target, resolve_target
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
     try:
         vllm_engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
     except RecipeError as exc:

@@ -299,6 +299,8 @@ def saved_num_speculative_tokens(ckpt: Path, default: int = 3) -> int:
     path = ckpt / "recipe.yaml"
     if not path.is_file():
         return default
+    if (ckpt / DRAFT_CONFIG_FILE).is_file():
+        read_draft_config(ckpt)  # a checkpoint of an older draftsmith: one line saying so, not its recipe's errors
     try:
         return load_recipe(path).eval.num_speculative_tokens
     except (RecipeError, ValueError, OSError) as exc:

@@ -47,7 +47,7 @@ def simulate(draft: Path, data_dir: Path, k: int = 3, temperatures: tuple[float,
     data_dir = Path(data_dir).resolve()
     overrides = [f"draft.init_from={draft}", f"eval.num_speculative_tokens={k}",
                  f"train.eval_temperatures={list(temperatures)}", f"train.eval_draft_sampling={draft_sampling}",
-                 f"train.ttt_steps={k}", "data.hidden_states_mode=offline"]
+                 f"draft.ttt_steps={k}", "data.hidden_states_mode=offline"]
     recipe = load_recipe(None, overrides)
     with tempfile.TemporaryDirectory(prefix="draftsmith-sim-") as tmp:
         (Path(tmp) / "data").symlink_to(data_dir)

@@ -704,7 +704,7 @@ class DistillTargets:
         weight: float, the loss weight of each hidden row (0: not trained), same shape.
         distill: ``chunked_distill`` itself (models import nothing from ``train/``):
             ``distill(rows (M, H), logits_fn, teacher, teacher_index (M,), weight (M,), loss, chunk_size)``.
-        loss: the divergence (``train.loss``, a ``LossSpec``); None: forward KL.
+        loss: the divergence (``draft.loss``, a ``LossSpec``); None: forward KL.
         chunk_size: rows per loss chunk (None: ``chunk_rows`` of Vd, ``train.loss_chunk_rows``).
         rows: optional ``(M,)`` int64 indices of the flattened hidden rows to train: then
             ``teacher_index`` and ``weight`` are ``(M,)``, aligned with ``rows`` (the other rows are
@@ -787,7 +787,7 @@ class Eagle3DraftModel(TargetSharedDraft):
     the target's embedding when the draft has none. ``d2t`` / ``t2d`` are persistent
     buffers (see :mod:`draftsmith.data_prep.vocab`).
 
-    ``gradient_checkpointing`` (set by the trainer from ``train.gradient_checkpointing``):
+    ``gradient_checkpointing`` (set by the trainer from ``draft.gradient_checkpointing``):
     when True, each TTT step's decoder layer keeps only its inputs and outputs and is
     recomputed in backward (``torch.utils.checkpoint``, non-reentrant); same loss and
     gradients, less activation memory (the attention and MLP intermediates of all K steps),

@@ -104,7 +104,8 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     from draftsmith.eval.acceptance import check_draft_matches_target
     from draftsmith.eval.export import export
     from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-    from draftsmith.recipe import load_recipe, safe_path
+    from draftsmith.layout import DraftCheckpointConfig, safe_path
+    from draftsmith.recipe import load_recipe
     from draftsmith.train.checkpoint import check_checkpoint_shapes
 
     work = work / "bad"
@@ -210,7 +211,7 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
         model.set_vocab_mapping(torch.zeros(20, dtype=torch.long), torch.ones(model.config.vocab_size, dtype=torch.bool))
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
         cfg = Eagle3Config(**{**tiny, "draft_vocab_size": 20, **declared})
-        (d / "draft_config.json").write_text(json.dumps({"method": "eagle3", "config": cfg.to_dict(), "target": {"name_or_path": "t"}}))
+        DraftCheckpointConfig(method="eagle3", config=cfg.to_dict(), target={"name_or_path": "t"}).write(d)
         return d
 
     rows.append(("resume from a checkpoint of another target (hidden size)", lambda: check_checkpoint_shapes(

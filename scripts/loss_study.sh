@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # EAGLE-3 losses at equal data and equal training tokens (issue 17's loss study), on the machine it
-# runs on: the same recipe, data, seed and step count for every train.loss, then vLLM MT-bench
+# runs on: the same recipe, data, seed and step count for every draft.loss, then vLLM MT-bench
 # acceptance of each export. Every stage is a draftsmith command; this script only chains them.
 #
 #   scripts/loss_study.sh DATA MT_BENCH OUT
@@ -26,7 +26,7 @@ for loss in "${LOSSES[@]}"; do
         mkdir -p "$run"; [ -e "$run/data" ] || ln -s "$DATA" "$run/data"
         log "train $loss: $EPOCHS epochs"
         # shellcheck disable=SC2086
-        $DS train "$RECIPE" --run-dir "$run" --overwrite --no-prepare --set train.loss="$loss" \
+        $DS train "$RECIPE" --run-dir "$run" --overwrite --no-prepare --set draft.loss="$loss" \
             --set train.epochs="$EPOCHS" --set train.checkpoint_every=100000 ${EXTRA_SETS:-} > "$run/train.log" 2>&1
         $DS export "$run" --out "$run/export" > "$run/export.log" 2>&1
         log "  trained: $(grep -o '"seconds": [0-9.]*' "$run/train.log" | tail -1)"

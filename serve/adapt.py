@@ -285,14 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
+    from ..cli import setup_logging
 
     args = build_parser().parse_args(argv)
     if not 0 <= args.replay_share < 1:
         print(f"error: --replay-share {args.replay_share} must be in [0, 1)", file=sys.stderr)
         return 2
     args.out = args.out or args.run_dir / "export" / "adapted"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
     try:
         result = adapt(args)
     except (AdaptError, RecipeError, ValueError) as exc:

@@ -42,7 +42,7 @@ def ttt_loss(
             global count / world size, so the averaged gradient equals the global token mean.
         document_ids: ``(B, T)`` document per position of packed rows (as given to the model):
             no prediction crosses a document boundary.
-        loss: the divergence (``train.loss``); None: forward KL.
+        loss: the divergence (``draft.loss``); None: forward KL.
 
     Returns:
         ``(loss scalar, StepMetrics)``. D_k averages over the M_k trained positions of step

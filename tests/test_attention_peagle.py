@@ -7,7 +7,7 @@
 - the vectorised COD sampler against the per-row Python sampler it replaced (same sizes at
   depth 1, the same mean retention at every depth);
 - the loss computed inside the model's forward in chunks (``DistillTargets``) against the old
-  ``cod_loss`` on boolean-selected logits, values, gradients and metrics, for every ``train.loss``;
+  ``cod_loss`` on boolean-selected logits, values, gradients and metrics, for every ``draft.loss``;
 - one full training step under a dispatch mode: no tensor of ``B * nh * T^2`` elements, no
   host read (``.item()`` / ``nonzero``) in forward or backward.
 """

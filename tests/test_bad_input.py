@@ -16,7 +16,7 @@ from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import ShardError, ShardSpec
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import stage_tokenize, stage_vocab
-from draftsmith.layout import DataPaths
+from draftsmith.layout import DataPaths, DraftCheckpointConfig
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import ExportError, export
@@ -128,8 +128,7 @@ def fake_checkpoint(directory: Path, weights_cfg: Eagle3Config, declared_cfg: Ea
     model.set_vocab_mapping(torch.zeros(weights_cfg.draft_vocab_size, dtype=torch.long),
                             torch.ones(weights_cfg.vocab_size, dtype=torch.bool))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
-    (directory / "draft_config.json").write_text(json.dumps(
-        {"method": "eagle3", "config": declared_cfg.to_dict(), "target": {"name_or_path": "t"}}))
+    DraftCheckpointConfig(method="eagle3", config=declared_cfg.to_dict(), target={"name_or_path": "t"}).write(directory)
     return directory
 
 

@@ -33,6 +33,11 @@ def test_schema_lists_every_key_with_a_description(capsys):
                 yield f"{prefix}{k}"
     assert set(leaves(Recipe().model_dump(mode="json"))) <= keys
     assert next(r for r in rows if r["key"] == "data.sources[].path")["default"] == "(required)"
+    # a method's training keys are listed under draft, for the methods they apply to
+    methods = {(r["key"], r["description"].split(")")[0].removeprefix("(method ")) for r in rows}
+    assert {("draft.ttt_steps", "eagle3"), ("draft.head_decay", "medusa"), ("draft.head_decay", "mlp_speculator"),
+            ("draft.gradient_checkpointing", "dflash"), ("draft.loss", "peagle")} <= methods
+    assert not keys & {"train.ttt_steps", "train.gamma", "train.head_decay", "train.loss", "train.gradient_checkpointing"}
     assert main(["recipe", "schema", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rows, default=str))
 

@@ -160,7 +160,7 @@ def test_dry_run_memory_terms_follow_their_dtypes(tmp_path):
     assert fp32["batch"] - bf16["batch"] == 4 * 2048 * 4 * 4096 * 2
     # longer sequences and gradient checkpointing move the estimate the way they move memory
     longer = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.max_length=4096"]), cfg)["estimate"]
-    ckpt = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["train.gradient_checkpointing=true"]), cfg)["estimate"]
+    ckpt = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["draft.gradient_checkpointing=true"]), cfg)["estimate"]
     assert longer["per_gpu_bytes"] > 1.8 * (bf16["per_gpu_bytes"] - sum(bf16["state"].values()) // 2)
     assert ckpt["activations"]["layers"] < bf16["activations"]["layers"] / 2
 
@@ -187,7 +187,7 @@ def test_train_dry_run_refuses_a_step_beyond_device_memory(tmp_path, capsys, mon
     rc = cli_main(["train", recipe, "--dry-run", "--set", "train.batch_size=64"])
     err = [line for line in capsys.readouterr().err.splitlines() if " INFO " not in line]
     assert rc == 2 and len(err) == 1
-    for key in ("train.batch_size=64", "data.max_length=2048", "train.gradient_checkpointing", "80 GiB"):
+    for key in ("train.batch_size=64", "data.max_length=2048", "draft.gradient_checkpointing", "80 GiB"):
         assert key in err[0]
     assert list(tmp_path.iterdir()) == []
     # a smaller device: the shipped recipe itself is refused; the default 80 GiB passes it

@@ -29,8 +29,8 @@ def make_method(kind: str, chunk: int | None = 5, **cfg):
     """A head method without a run directory: what compute_loss reads, set by hand."""
     cls = MedusaMethod if kind == "medusa" else MLPSpeculatorMethod
     method = object.__new__(cls)
-    method.recipe = SimpleNamespace(train=SimpleNamespace(head_decay=DECAY, loss_chunk_rows=chunk),
-                                    draft=SimpleNamespace(stage2_start_step=None))
+    method.recipe = SimpleNamespace(train=SimpleNamespace(loss_chunk_rows=chunk),
+                                    draft=SimpleNamespace(head_decay=DECAY, stage2_start_step=None))
     method.accelerator, method.num_heads, method.step = None, K, 0
     if kind == "medusa":
         method.config = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=K, num_layers=2)

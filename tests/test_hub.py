@@ -46,7 +46,8 @@ def attachments(tmp_path) -> dict[str, Path]:
     recipe.write_text(yaml.safe_dump({
         "data": {"sources": [{"path": "runs/selfdistill/regen.jsonl", "max_rows": 1058}], "max_length": 2048,
                  "regenerate": {"enabled": True, "temperatures": [0.0], "max_new_tokens": 256}},
-        "train": {"ttt_steps": 3, "gamma": 0.8, "lr": 0.001, "batch_size": 8, "grad_accum_steps": 1, "epochs": 6},
+        "draft": {"method": "eagle3", "ttt_steps": 3, "gamma": 0.8},
+        "train": {"lr": 0.001, "batch_size": 8, "grad_accum_steps": 1, "epochs": 6},
     }))
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "temperature": 0.0,

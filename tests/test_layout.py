@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith import __version__
 from draftsmith.layout import DataPaths, DraftCheckpointConfig, DraftConfigError, RunLayout
 
 TARGET = {"name_or_path": "tiny", "verifier": "org/tiny", "path": "/m/tiny", "architectures": ["LlamaForCausalLM"],
@@ -20,7 +21,6 @@ def test_run_layout_names_every_stage_path():
     assert run.data.target_info == Path("runs/x/data/target.json")
     assert run.data.regen == Path("runs/x/data/regen.jsonl")
     assert run.data.tokenized == Path("runs/x/data/tokenized")
-    assert run.data.tokenized_jsonl == Path("runs/x/data/tokenized.jsonl")  # legacy, converted on read
     assert run.data.vocab == Path("runs/x/data/vocab.safetensors")
     assert run.data.hidden_states == Path("runs/x/data/hidden_states")
     assert (run.checkpoints, run.export, run.eval, run.logs) == tuple(
@@ -28,18 +28,17 @@ def test_run_layout_names_every_stage_path():
     assert (run.metrics, run.recipe) == (Path("runs/x/metrics.jsonl"), Path("runs/x/recipe.yaml"))
 
 
-def test_eagle3_draft_config_writes_the_bytes_training_wrote_before(tmp_path):
+def test_eagle3_draft_config_writes_its_keys_and_the_version(tmp_path):
     config = {"hidden_size": 32, "rope_scaling": None}
-    legacy_bytes = json.dumps({"method": "eagle3", "config": config, "target": TARGET, "ttt_steps": 7}, indent=1)
     DraftCheckpointConfig(method="eagle3", config=config, target=TARGET, ttt_steps=7).write(tmp_path)
-    assert (tmp_path / "draft_config.json").read_text() == legacy_bytes
+    assert json.loads((tmp_path / "draft_config.json").read_text()) == {
+        "method": "eagle3", "config": config, "target": TARGET, "ttt_steps": 7, "version": __version__}
 
 
-def test_head_draft_config_writes_the_bytes_training_wrote_before(tmp_path):
-    legacy_bytes = json.dumps({"method": "medusa", "config": {"num_heads": 2}, "target": TARGET, "head_decay": 0.8},
-                              indent=1)
+def test_head_draft_config_writes_its_keys_and_the_version(tmp_path):
     DraftCheckpointConfig(method="medusa", config={"num_heads": 2}, target=TARGET, head_decay=0.8).write(tmp_path)
-    assert (tmp_path / "draft_config.json").read_text() == legacy_bytes
+    assert json.loads((tmp_path / "draft_config.json").read_text()) == {
+        "method": "medusa", "config": {"num_heads": 2}, "target": TARGET, "head_decay": 0.8, "version": __version__}
 
 
 def test_draft_config_reads_back_what_it_wrote(tmp_path):
@@ -50,7 +49,8 @@ def test_draft_config_reads_back_what_it_wrote(tmp_path):
 
 
 def test_draft_config_without_optional_keys_loads(tmp_path):
-    (tmp_path / "draft_config.json").write_text(json.dumps({"method": "medusa", "config": {}, "target": {"name_or_path": "t"}}))
+    (tmp_path / "draft_config.json").write_text(json.dumps({"method": "medusa", "config": {}, "target": {"name_or_path": "t"},
+                                                            "version": "0.2.0"}))
     meta = DraftCheckpointConfig.read(tmp_path)
     assert (meta.ttt_steps, meta.head_decay, meta.verifier) == (None, None, "t")
 
@@ -60,13 +60,24 @@ def test_missing_draft_config_is_an_error_naming_the_file(tmp_path):
         DraftCheckpointConfig.read(tmp_path)
 
 
+@pytest.mark.parametrize("version", [None, "0.1.0"])
+def test_a_checkpoint_of_draftsmith_before_0_2_0_is_refused_in_one_line(tmp_path, version):
+    old = {"method": "eagle3", "config": {}, "target": {}, **({"version": version} if version else {})}
+    (tmp_path / "draft_config.json").write_text(json.dumps(old))
+    with pytest.raises(DraftConfigError) as err:
+        DraftCheckpointConfig.read(tmp_path)
+    assert str(err.value) == (f"{tmp_path}: written by {f'draftsmith {version}' if version else 'a draftsmith before 0.2.0'}, "
+                              f"which this draftsmith ({__version__}) no longer reads: re-export it with the draftsmith "
+                              "that wrote it, or train again with this one")
+
+
 @pytest.mark.parametrize("content, key", [
     ({"config": {}, "target": {}}, "method"),
     ({"method": "eagle3", "config": {}, "target": {}, "ttt_step": 3}, "ttt_step"),
     ({"method": "eagle3", "config": [], "target": {}}, "config"),
 ])
 def test_invalid_draft_config_is_an_error_naming_the_file_and_key(tmp_path, content, key):
-    (tmp_path / "draft_config.json").write_text(json.dumps(content))
+    (tmp_path / "draft_config.json").write_text(json.dumps({**content, "version": __version__}))
     with pytest.raises(DraftConfigError, match=rf"draft_config\.json: invalid draft config \({key}"):
         DraftCheckpointConfig.read(tmp_path)
 

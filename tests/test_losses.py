@@ -1,4 +1,4 @@
-"""train.loss: every divergence's value and gradient on a hand-made case, worked out here in
+"""draft.loss: every divergence's value and gradient on a hand-made case, worked out here in
 plain Python (no torch), and the recipe / training wiring."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.recipe import Recipe
+from draftsmith.recipe import Recipe, RecipeError, load_recipe
 from draftsmith.train.losses import LOSSES, LossSpec, acceptance_probability, divergence
 
 from reference_losses import ttt_loss
@@ -105,12 +105,13 @@ def test_ttt_loss_uses_the_recipe_divergence():
 
 
 def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
-    r = Recipe.model_validate({"train": {"loss": "lk_lambda", "lk_kl_scale": 0.5}})
-    assert LossSpec.from_recipe(r.train) == LossSpec("lk_lambda", 0.5, 3.0)
-    with pytest.raises(ValueError, match="train.loss"):
-        Recipe.model_validate({"train": {"loss": "l2"}})
-    with pytest.raises(ValueError, match="hard labels"):
-        Recipe.model_validate({"draft": {"method": "medusa"}, "train": {"loss": "jsd"}})
+    r = Recipe.model_validate({"draft": {"loss": "lk_lambda", "lk_kl_scale": 0.5}})
+    assert LossSpec.from_recipe(r.draft) == LossSpec("lk_lambda", 0.5, 3.0)
+    with pytest.raises(RecipeError, match="draft.loss: Input should be 'forward_kl'"):
+        load_recipe(None, ["draft.loss=l2"])
+    # medusa / mlp_speculator heads train on hard labels: their sections have no loss key
+    with pytest.raises(RecipeError, match=r"draft.loss: unknown key for draft.method medusa \(a key of eagle3 / dflash / peagle\)"):
+        load_recipe(None, ["draft.method=medusa", "draft.loss=jsd"])
 
 
 def _tiny_eagle3(seed: int = 0):
@@ -132,7 +133,8 @@ def _method_stub(kind: str, gamma: float, chunk: int | None):
     from draftsmith.train.method_eagle3 import Eagle3Method
 
     method = Eagle3Method.__new__(Eagle3Method)
-    method.recipe = SimpleNamespace(train=SimpleNamespace(ttt_steps=3, gamma=gamma, loss_chunk_rows=chunk))
+    method.recipe = SimpleNamespace(train=SimpleNamespace(loss_chunk_rows=chunk),
+                                    draft=SimpleNamespace(ttt_steps=3, gamma=gamma))
     method.loss = LossSpec(kind)
     method.target_head = TargetDraftHead(torch.randn(40, 32))
     method.accelerator = SimpleNamespace(num_processes=1)

@@ -384,7 +384,7 @@ def test_entry_script_trains_with_gradient_checkpointing(peagle_run, tmp_path):
     dump_recipe(recipe, tmp_path / "peagle.yaml")
     script = Path(__file__).resolve().parent.parent / "train" / "peagle.py"
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "peagle.yaml"), "--run-dir", str(tmp_path / "run"),
-                           "--no-prepare", "--set", "train.max_steps=2", "--set", "train.gradient_checkpointing=true"],
+                           "--no-prepare", "--set", "train.max_steps=2", "--set", "draft.gradient_checkpointing=true"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [c.name for c in find_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-2"]

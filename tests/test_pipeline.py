@@ -41,7 +41,7 @@ def tiny_recipe(tiny_target: Path, prompts: Path, **train):
         "data.draft_vocab_size=128",
         "data.max_length=96",
         "data.sequences_per_shard=3",
-        "train.ttt_steps=3",
+        "draft.ttt_steps=3",
         "train.batch_size=8",
         "train.lr=0.003",
         "train.warmup_ratio=0.0",

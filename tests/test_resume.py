@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
+from draftsmith import __version__
+from draftsmith.train.checkpoint import CheckpointError, find_checkpoints, truncate_metrics
 from draftsmith.train.trainer import fit
 
 from faults import (
@@ -142,14 +143,20 @@ class OpensAFileWhenUnpickled:
         return (open, (str(self.path), "w"))
 
 
-def test_old_checkpoint_with_a_pickled_custom_object_resumes_without_unpickling_it(prepared, tmp_path):
-    """Checkpoints from before the run position moved to JSON hold ``custom_checkpoint_0.pkl``,
-    which accelerate would load with weights_only=False; resume must not unpickle it."""
+def test_a_checkpoint_of_draftsmith_before_0_2_0_is_refused_in_one_line_without_unpickling(prepared, tmp_path):
+    """Checkpoints of draftsmith < 0.2.0 record no version in ``train_state.json``, and the oldest
+    hold ``custom_checkpoint_0.pkl``, which accelerate would load with weights_only=False: resume
+    refuses them before loading anything."""
     recipe, run = new_run(prepared, tmp_path / "run", max_steps=3)
     fit(recipe, Eagle3Method(recipe, run), run, progress=False)
     ckpt = find_checkpoints(run / "checkpoints")[-1]
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state.pop("version") == __version__
+    (ckpt / "train_state.json").write_text(json.dumps(state))
     marker = tmp_path / "unpickled"
     torch.save({"step": OpensAFileWhenUnpickled(marker)}, ckpt / "custom_checkpoint_0.pkl")
     recipe.train.max_steps = 5
-    result = fit(recipe, Eagle3Method(recipe, run), run, resume=True, progress=False)
-    assert result.steps == 5 and not marker.exists()
+    with pytest.raises(CheckpointError) as err:
+        fit(recipe, Eagle3Method(recipe, run), run, resume=True, progress=False)
+    assert str(err.value).startswith(f"{ckpt}: written by a draftsmith before 0.2.0") and "\n" not in str(err.value)
+    assert not marker.exists()

@@ -14,7 +14,8 @@ import pytest
 
 from draftsmith.data_prep.shards import ShardError
 from draftsmith.train.data import HiddenStateDataset
-from draftsmith.recipe import RecipeError, load_recipe, safe_path
+from draftsmith.layout import safe_path
+from draftsmith.recipe import RecipeError, load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import REDACTED, fit, redact_argv
 

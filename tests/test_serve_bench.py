@@ -146,7 +146,7 @@ def test_server_command_falls_back_to_module_and_carries_speculative_config(tmp_
 
 def test_cli_engine_flags_override_the_recipe_and_max_num_seqs_covers_every_level(tmp_path, tiny_target):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"target: {{name_or_path: {tiny_target}}}\neval: {{vllm: {json.dumps(CPU_VLLM)}}}\n")
+    recipe.write_text(f"target: {{name_or_path: {tiny_target}}}\nvllm: {json.dumps(CPU_VLLM)}\n")
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
     args = sb._parser().parse_args(["--recipe", str(recipe), "--prompts", str(prompts), "--concurrency", "1,64",
                                     "--num-prompts-per-level", "2", "--no-enforce-eager", "--max-model-len", "512",

@@ -29,6 +29,7 @@ from draftsmith.eval.spec_decode import (
     stop_token_ids,
     verify,
 )
+from draftsmith.layout import DraftCheckpointConfig
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
@@ -406,7 +407,7 @@ def _checkpoint(tmp_path, method: str, config: dict, state: dict, target: dict):
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "draft_config.json").write_text(json.dumps({"method": method, "config": config, "target": target}))
+    DraftCheckpointConfig(method=method, config=config, target=target).write(ckpt)
     return ckpt
 
 

@@ -52,7 +52,7 @@ def as_lists(ds) -> list[dict]:
 
 def test_arrow_dataset_matches_direct_tokenisation(tiny_target, source, tmp_path):
     recipe, paths = tokenize_run(tiny_target, source, tmp_path / "run")
-    assert paths.tokenized_done.is_file() and not paths.tokenized_jsonl.exists()
+    assert paths.tokenized_done.is_file() and not (paths.root / "tokenized.jsonl").exists()
     ds = read_tokenized(paths)
     assert set(ds.column_names) == {"id", "input_ids", "loss_mask", "length"}
     assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "int8"
@@ -151,20 +151,17 @@ def test_a_bad_source_in_the_stream_raises_its_own_error(tiny_target, source, tm
     assert not RunLayout(tmp_path / "run").data.tokenized_done.exists()
 
 
-def test_legacy_jsonl_run_is_converted_and_read(tmp_path):
+def test_data_prepared_before_0_2_0_is_refused_naming_prepare(tmp_path):
+    # draftsmith < 0.2.0 tokenised into tokenized.jsonl; this version reads the Arrow dataset only
     paths = DataPaths(tmp_path / "data")
     paths.root.mkdir()
-    rows = [{"id": f"r{i}", "input_ids": list(range(i + 3)), "loss_mask": [0] + [1] * (i + 2)} for i in range(7)]
-    write_jsonl(paths.tokenized_jsonl, rows)
+    write_jsonl(paths.root / "tokenized.jsonl", [{"id": "r0", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
     recipe = load_recipe(None, ["data.hidden_states_mode=online"])
     (paths.root / "target.json").write_text("{}")
     (paths.vocab).write_bytes(b"")
-    assert missing_stages(recipe, tmp_path) == []  # a legacy run is ready as it is
-    ds = read_tokenized(paths)
-    assert paths.tokenized_done.is_file()
-    assert as_lists(ds) == [dict(r, length=len(r["input_ids"])) for r in rows]
-    td = TokenizedDataset(paths.tokenized_jsonl)  # the legacy path still opens (now the Arrow copy)
-    assert [td[i]["input_ids"].tolist() for i in range(len(td))] == [r["input_ids"] for r in rows]
+    assert missing_stages(recipe, tmp_path) == ["regenerate", "tokenize", "vocab", "hidden-states"]
+    with pytest.raises(FileNotFoundError, match=r"tokenized.jsonl: data prepared by draftsmith < 0.2.0.*re-run prepare"):
+        read_tokenized(paths)
 
 
 def test_killed_write_is_not_taken_as_done(tiny_target, source, tmp_path):

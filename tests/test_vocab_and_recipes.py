@@ -18,7 +18,6 @@ from draftsmith.data_prep.vocab import (
 from draftsmith.recipe import (
     Eagle3DraftConfig,
     MedusaDraftConfig,
-    MLPSpeculatorDraftConfig,
     RecipeError,
     dump_recipe,
     load_recipe,
@@ -72,8 +71,8 @@ def test_unknown_key_is_rejected_naming_the_key(tmp_path):
 
 def test_bad_value_is_rejected_naming_the_key(tmp_path):
     f = tmp_path / "r.yaml"
-    f.write_text("train:\n  ttt_steps: 0\n")
-    with pytest.raises(RecipeError, match=r"train\.ttt_steps"):
+    f.write_text("draft:\n  ttt_steps: 0\n")
+    with pytest.raises(RecipeError, match=r"draft\.ttt_steps"):
         load_recipe(f)
     with pytest.raises(RecipeError, match=r"data\.overlong"):
         load_recipe(None, ["data.overlong=sometimes"])
@@ -83,11 +82,27 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("train:\n  lr: 0.001\n  batch_size: 3\n")
     r = load_recipe(f, ["train.lr=0.5"])
-    assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.train.gamma == 0.8
+    assert r.train.lr == 0.5 and r.train.batch_size == 3 and r.draft.gamma == 0.8
+
+
+@pytest.mark.parametrize("key,value,methods", [
+    ("ttt_steps", 3, "eagle3"), ("gamma", 0.5, "eagle3"), ("head_decay", 0.5, "medusa / mlp_speculator"),
+    ("loss", "jsd", "eagle3 / dflash / peagle"), ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle"),
+    ("gradient_checkpointing", True, "eagle3 / dflash / peagle"),
+])
+def test_a_training_key_that_moved_to_the_draft_section_names_its_new_place(tmp_path, key, value, methods):
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"train": {key: value, "lr": 0.001}}))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(f)
+    assert str(err.value) == (f"{f}: invalid recipe: train.{key}: unknown key: it moved to draft.{key} "
+                              f"(draft.method {methods})")
+    method = methods.split(" / ")[0]
+    assert getattr(load_recipe(None, [f"draft.method={method}", f"draft.{key}={value}"]).draft, key) == value
 
 
 @pytest.mark.parametrize("recipe_file,overrides,message", [
-    ("smollm2_135m_medusa.yaml", ["train.gradient_checkpointing=true"], "gradient_checkpointing applies to eagle3 only"),
+    ("smollm2_135m_medusa.yaml", ["draft.gradient_checkpointing=true"], "draft.gradient_checkpointing.*eagle3 / dflash / peagle"),
     ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.stage2_start_step"),
 ])
 def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrides, message):
@@ -103,32 +118,24 @@ def test_draft_section_is_the_methods_own_keys():
     r = load_recipe(None, ["draft.method=medusa", "draft.num_heads=4"])
     assert isinstance(r.draft, MedusaDraftConfig) and r.draft.num_heads == 4
     assert load_recipe(None).draft == Eagle3DraftConfig()  # no draft section: EAGLE-3 defaults
-    with pytest.raises(RecipeError, match=r"draft.num_heads is a key of medusa but draft.method is 'eagle3'"):
+    with pytest.raises(RecipeError, match=r"draft.num_heads: unknown key for draft.method eagle3 \(a key of medusa\)"):
         load_recipe(None, ["draft.num_heads=4"])
     with pytest.raises(RecipeError, match="draft: Input tag 'dflash2' found using 'method' does not match"):
         load_recipe(None, ["draft.method=dflash2"])
 
 
-def test_recipes_in_the_layout_before_the_draft_union_still_load(tmp_path):
-    # checkpoints' recipe.yaml dumps list every method's keys; the old layout nested a method's
-    # keys under draft.<method> and the vLLM engine under eval.vllm
-    old = {"draft": {"method": "medusa", "norm_before_residual": True, "init_lm_head_from_target": True,
-                     "freeze_lm_head": False, "medusa": {"num_heads": 2, "num_layers": 1, "init_from_target": True},
-                     "mlp_speculator": MLPSpeculatorDraftConfig().model_dump(exclude={"method"})},
-           "eval": {"num_speculative_tokens": 2, "vllm": {"dtype": "float32", "max_num_seqs": 8}}}
+@pytest.mark.parametrize("tree,message", [
+    ({"draft": {"method": "medusa", "medusa": {"num_heads": 2}}}, "draft.medusa: unknown key"),
+    ({"eval": {"vllm": {"dtype": "float32"}}}, "eval.vllm: unknown key: it moved to vllm"),
+    ({"train": {"wandb": {"enabled": True}}}, "train.wandb: unknown key: it moved to train.report_to"),
+])
+def test_recipes_in_the_layouts_before_0_2_0_are_refused_naming_the_key(tmp_path, tree, message):
+    # draftsmith 0.2.0 dropped the conversions of older layouts: one line names what to change
     path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump(old))
-    r = load_recipe(path)
-    assert r.draft == MedusaDraftConfig(num_heads=2)
-    assert (r.vllm.dtype, r.vllm.max_num_seqs, r.eval.num_speculative_tokens) == ("float32", 8, 2)
-    # a setting of another method is still an error, not something to drop
-    with pytest.raises(RecipeError, match="draft.mlp_speculator.n_predict is set for mlp_speculator but "
-                                          "draft.method is 'medusa'"):
-        load_recipe(path, ["draft.mlp_speculator.n_predict=5"])
-    with pytest.raises(RecipeError, match="draft.norm_before_residual is a key of eagle3"):
-        load_recipe(path, ["draft.norm_before_residual=false"])
-    with pytest.raises(RecipeError, match="both vllm and eval.vllm are given"):
-        load_recipe(path, ["vllm.dtype=bfloat16"])
+    path.write_text(yaml.safe_dump(tree))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_resolved_recipe_dump_loads_back_equal(tmp_path):

@@ -29,15 +29,15 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import __version__
 from ..data_prep.shards import atomic_file, is_disk_full
-from ..layout import RunLayout
+from ..layout import RunLayout, too_old_message, written_before_oldest_readable
 
 log = logging.getLogger("draftsmith.train")
 
@@ -83,10 +83,11 @@ class TrainState:
     evals_since_best: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.__dict__))  # a deep copy, JSON-safe by construction
+        # a deep copy, JSON-safe by construction; ``version``: the draftsmith that wrote it
+        return {**json.loads(json.dumps(self.__dict__)), "version": __version__}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({k: v for k, v in state.items() if k != "version"})
 
 
 def find_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -205,27 +206,20 @@ def load_checkpoint(accelerator: Any, ckpt: Path, state: TrainState, model: torc
     checkpoint first (:func:`check_checkpoint_shapes`), and the launcher against the one that
     wrote it (:func:`check_launcher_layout`).
 
-    Checkpoints written before the position moved to JSON also hold ``custom_checkpoint_0.pkl``,
-    which accelerate would unpickle with ``weights_only=False``: those are loaded through a
-    directory of links that leaves the pickle out.
-
     Raises:
-        CheckpointError: shapes or launcher do not match.
+        CheckpointError: shapes or launcher do not match; a checkpoint of a draftsmith older than
+            :data:`~draftsmith.layout.OLDEST_READABLE` (one line; nothing of it is loaded, so
+            neither the ``custom_checkpoint_0.pkl`` pickle those held).
     """
     saved = json.loads((ckpt / "train_state.json").read_text())
+    if written_before_oldest_readable(saved.get("version")):
+        raise CheckpointError(too_old_message(ckpt, saved.get("version"), "resume it with the draftsmith that "
+                                              "wrote it, or start over with --overwrite"))
     check_launcher_layout(ckpt, saved, accelerator.distributed_type.value, accelerator.num_processes)
     if model is not None:
         check_checkpoint_shapes(ckpt, model)
     state.load_state_dict(saved)
-    legacy = [p for p in ckpt.iterdir() if re.fullmatch(r"custom_checkpoint_\d+\.pkl", p.name)]
-    if not legacy:
-        accelerator.load_state(str(ckpt))
-        return
-    with tempfile.TemporaryDirectory(prefix="draftsmith-ckpt-") as tmp:
-        for p in ckpt.iterdir():
-            if p not in legacy:
-                (Path(tmp) / p.name).symlink_to(p.resolve())
-        accelerator.load_state(tmp)
+    accelerator.load_state(str(ckpt))
 
 
 def truncate_metrics(path: Path, step: int) -> int:

@@ -41,8 +41,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
     corpus in memory.
 
     Args:
-        source: the ``tokenized/`` directory, a legacy ``tokenized.jsonl`` (converted once), a
-            :class:`~draftsmith.layout.DataPaths`, or an opened ``datasets.Dataset``.
+        source: the ``tokenized/`` directory, a :class:`~draftsmith.layout.DataPaths`, or an
+            opened ``datasets.Dataset``.
     """
 
     def __init__(self, source: Any, max_length: int | None = None):
@@ -51,8 +51,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
         elif isinstance(source, (str, Path)):
             path = Path(source)
             paths = DataPaths(path.parent)
-            if path.suffix == ".jsonl" or path == paths.tokenized:
-                ds = read_tokenized(paths)  # converts a legacy tokenized.jsonl once
+            if path == paths.tokenized:
+                ds = read_tokenized(paths)
             elif (path / "state.json").is_file():
                 import datasets
 

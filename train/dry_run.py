@@ -11,7 +11,7 @@ memory of one GPU (:func:`memory_estimate`): the trainable state as the launcher
 dtype, the batch, and the method's activations at ``train.batch_size x data.max_length`` (per
 method: EAGLE-3's K unrolled steps and their attention over the concatenated step keys,
 DFlash's anchor blocks, P-EAGLE's COD elements, the heads of Medusa / the MLP speculator; the
-teacher distribution; the chunked loss; with or without ``train.gradient_checkpointing``).
+teacher distribution; the chunked loss; with or without ``draft.gradient_checkpointing``).
 ``draftsmith bench memory RECIPE`` measures the same step (its real code under fake tensors)
 beside this estimate; the two agree within 20% for every shipped GPU recipe
 (``tests/test_bench_memory.py``).
@@ -139,7 +139,7 @@ def eagle3_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int
     """EAGLE-3 parameter counts by part, and (the registry's second value) an upper bound of
     unchunked TTT logits per micro-batch, K steps of (B*T, Vd) fp32 logits + their softmax grads;
     :func:`memory_estimate` uses the method's own terms (:func:`eagle3_activations`) instead."""
-    logits_bytes = recipe.train.ttt_steps * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3
+    logits_bytes = recipe.draft.ttt_steps * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3
     return draft_parameter_count(cfg), logits_bytes
 
 
@@ -322,7 +322,13 @@ def shapes_of(recipe: Recipe, cfg: Eagle3Config, vocab_size: int, precision: str
                   param_bytes=2 if precision == "bf16" else 4, act_bytes=2 if bf16 else 4,
                   hidden_state_bytes=4 if hs == "float8_e4m3fn" else DTYPE_BYTES[hs],  # fp8 shards decode to fp32
                   target_bytes=DTYPE_BYTES[recipe.target.dtype],
-                  checkpointing=bool(recipe.train.gradient_checkpointing), packing=bool(recipe.train.packing))
+                  checkpointing=_checkpointing(recipe), packing=bool(recipe.train.packing))
+
+
+
+def _checkpointing(recipe: Recipe) -> bool:
+    """``draft.gradient_checkpointing``; the methods without the key (medusa, mlp_speculator) have none."""
+    return bool(getattr(recipe.draft, "gradient_checkpointing", False))
 
 
 def loss_chunk_bytes(recipe: Recipe, rows_total: int, vocab: int) -> int:
@@ -352,7 +358,7 @@ def _weight_copies(s: Shapes, trainable: int) -> int:
 EAGLE3_STEP = {"amp-bf16": LayerBytes(H=45.2, I=8.4, Q=3.9, KV=14.9),
                "bf16": LayerBytes(H=24.6, I=8.7, Q=4.3, KV=11.2),
                "fp32": LayerBytes(H=49.2, I=16.3, Q=11.3, KV=16.3)}
-# ... with train.gradient_checkpointing: what each step keeps (its inputs and keys / values) and
+# ... with draft.gradient_checkpointing: what each step keeps (its inputs and keys / values) and
 # the one step recomputed in backward
 EAGLE3_CKPT_KEPT = {"amp-bf16": LayerBytes(H=9.2, KV=10.2), "bf16": LayerBytes(H=1.2, KV=10.4),
                     "fp32": LayerBytes(H=12.0, KV=16.0)}
@@ -365,7 +371,7 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     concatenated step keys (SDPA with a bool mask: memory linear in T; the mask's float bias,
     ``(k + 1) T^2`` elements at step k, is kept for backward), the teacher's distribution over
     the draft vocab once per batch (fp32 ``(B*T, Vd)``) and the chunked loss."""
-    K = recipe.train.ttt_steps
+    K = recipe.draft.ttt_steps
     if s.checkpointing:
         layers = K * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
     else:
@@ -381,7 +387,7 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
 
 
 # DFlash, per layer over the B*A*Bk block tokens (A anchors of Bk slots): the layer recomputed in
-# backward (train.gradient_checkpointing; without it every layer keeps these). Under bf16 autocast
+# backward (draft.gradient_checkpointing; without it every layer keeps these). Under bf16 autocast
 # the block's residual stream is fp32.
 DFLASH_LAYER = {"amp-bf16": LayerBytes(H=30, I=8, Q=8), "bf16": LayerBytes(H=27, I=10, Q=8),
                 "fp32": LayerBytes(H=40, I=16, Q=16)}
@@ -396,7 +402,7 @@ def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     are kept for backward). The peak is the larger of the loss at the end of forward (the
     teacher's fp32 distribution at the ``B x T`` positions, the chunked loss, and under bf16
     autocast every weight's bf16 copy) and a layer's backward (recomputed under
-    ``train.gradient_checkpointing``, with its weights' bf16 copies)."""
+    ``draft.gradient_checkpointing``, with its weights' bf16 copies)."""
     d = recipe.draft
     L, Bk = d.num_layers, d.block_size
     A = max(1, min(d.num_anchors, s.T - 1))
@@ -592,7 +598,7 @@ def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
 
     Raises:
         MemoryBudgetError: one line with the estimate, the budget and the keys to change
-            (``train.batch_size``, ``data.max_length``, ``train.gradient_checkpointing``).
+            (``train.batch_size``, ``data.max_length``, ``draft.gradient_checkpointing``).
     """
     check_online_fits(report, device_memory_gib)
     est = report["estimate"]
@@ -603,7 +609,7 @@ def check_fits(report: dict[str, Any], device_memory_gib: float) -> None:
     raise MemoryBudgetError(
         f"estimated {est['per_gpu_bytes'] / 1024**3:.1f} GiB per GPU exceeds the device's {device_memory_gib:g} GiB "
         f"(--device-memory-gib) at train.batch_size={est['batch_size']} x data.max_length={est['max_length']}: "
-        f"lower train.batch_size or data.max_length, or set train.gradient_checkpointing: true (now {ckpt})")
+        f"lower train.batch_size or data.max_length, or set draft.gradient_checkpointing: true (now {ckpt})")
 
 
 def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | Path | None = None,
@@ -679,11 +685,11 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
         "launcher": None if launch is None else dict(vars(launch), path=str(launch.path)),
         "estimate": estimate,
         "memory_bytes_per_gpu": gpu,
-        "gradient_checkpointing": bool(recipe.train.gradient_checkpointing),
+        "gradient_checkpointing": _checkpointing(recipe),
         "hidden_state_bytes_per_token": hs_bytes,
         "expected_tokens": tokens,
         "offline_disk_bytes": hs_bytes * tokens if tokens else None,
-        "ttt_steps": recipe.train.ttt_steps,
+        "ttt_steps": getattr(recipe.draft, "ttt_steps", None),  # eagle3 only
         "max_length": T,
     }
 

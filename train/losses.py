@@ -2,7 +2,7 @@
 
 EAGLE-3 (TTT): a divergence between the target distribution restricted to the draft vocab
 and the draft's at each TTT step, on assistant tokens only, weighted ``gamma**k`` (EAGLE-3,
-arXiv:2503.01840; docs/conventions.md, "Loss and step weights"). The divergence is ``train.loss`` (:data:`LOSSES`,
+arXiv:2503.01840; docs/conventions.md, "Loss and step weights"). The divergence is ``draft.loss`` (:data:`LOSSES`,
 :func:`divergence`): forward KL (the anchors' default), reverse KL, Jensen-Shannon, total
 variation, or the LK acceptance losses (Samarin et al., "LK Losses: Direct Acceptance Rate
 Optimization for Speculative Decoding", arXiv:2602.23881). P-EAGLE and DFlash use the same
@@ -93,15 +93,15 @@ def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tenso
 
 @dataclass(frozen=True)
 class LossSpec:
-    """``train.loss`` and its LK hyperparameters, passed to :func:`divergence`."""
+    """``draft.loss`` and its LK hyperparameters, passed to :func:`divergence`."""
 
     kind: str = "forward_kl"
     lk_kl_scale: float = 1.0
     lk_kl_decay: float = 3.0
 
     @classmethod
-    def from_recipe(cls, train_cfg) -> LossSpec:
-        return cls(train_cfg.loss, train_cfg.lk_kl_scale, train_cfg.lk_kl_decay)
+    def from_recipe(cls, draft_cfg) -> LossSpec:
+        return cls(draft_cfg.loss, draft_cfg.lk_kl_scale, draft_cfg.lk_kl_decay)
 
     def __call__(self, target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
         return divergence(self.kind, target_logits, draft_logits, lk_kl_scale=self.lk_kl_scale,
@@ -198,7 +198,7 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
             ``labels`` ``(N,)`` target token ids (cross-entropy against hard labels).
         teacher_index: ``(M,)`` int64, the ``teacher`` row of each hidden row.
         weight: ``(M,)`` float, the loss weight of each row (0: not trained).
-        loss: the divergence (``train.loss``, :class:`LossSpec`); None: forward KL. Ignored with ``labels``.
+        loss: the divergence (``draft.loss``, :class:`LossSpec`); None: forward KL. Ignored with ``labels``.
         chunk_size: rows per chunk; default :func:`chunk_rows` of V.
         labels: ``teacher`` holds token ids (Medusa heads / MLP-speculator stages).
         vocab_size: V of ``logits_fn`` (sizes the default chunk when ``labels``).

@@ -6,7 +6,7 @@
 Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``): target info and hidden-state
 shards (only ``final_hidden_states`` is used) or, with ``data.hidden_states_mode: online``,
 token ids with the target run in the job. Head k learns x_{t+k+2} with cross-entropy
-against the (regenerated) reply tokens, weighted ``train.head_decay**k`` (Medusa-1,
+against the (regenerated) reply tokens, weighted ``draft.head_decay**k`` (Medusa-1,
 arXiv:2401.10774). Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics
 (``loss_{k}``, ``acc_{k}`` per head) to ``RUN_DIR/metrics.jsonl``.
 """

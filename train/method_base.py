@@ -66,7 +66,7 @@ class TargetDataMethod:
 
     def dataset(self) -> torch.utils.data.Dataset:
         if self.recipe.data.hidden_states_mode == "online":
-            # memory-mapped Arrow rows read by index (a legacy tokenized.jsonl is converted once)
+            # memory-mapped Arrow rows read by index
             return TokenizedDataset(self.paths, self.recipe.data.max_length)
         # fp8 shards stay fp8 until the device (decoded by train.data.to_device after the copy)
         return HiddenStateDataset(self.paths.hidden_states, max_length=self.recipe.data.max_length,
@@ -151,7 +151,7 @@ class DraftVocabMethod(TargetDataMethod):
     def __init__(self, recipe: Recipe, run_dir: Path):
         super().__init__(recipe, run_dir)
         self.use_vocab(*read_vocab(self.paths), where=self.paths.vocab)
-        self.loss = LossSpec.from_recipe(recipe.train)  # the divergence against the target (train.loss)
+        self.loss = LossSpec.from_recipe(recipe.draft)  # the divergence against the target (draft.loss)
 
     def use_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, where: Any = "draft vocab") -> None:
         """Install the draft vocab ``d2t (Vd,)`` / ``t2d (V,)`` and the target head over it.
@@ -171,14 +171,14 @@ class DraftVocabMethod(TargetDataMethod):
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its
         ``lm_head`` rows and final norm, the vocab mapping, ``draft.freeze_lm_head`` and
-        ``train.gradient_checkpointing`` applied."""
+        ``draft.gradient_checkpointing`` applied."""
         init = self.recipe.draft.init_lm_head_from_target
         model.init_from_target(self.heads["embed_tokens"], self.target_head.weight if init else None,
                                self.heads["final_norm"].float() if init else None)
         model.set_vocab_mapping(self.d2t, self.t2d)
         if self.recipe.draft.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
-        model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
+        model.gradient_checkpointing = self.recipe.draft.gradient_checkpointing
         if hasattr(model, "attention_backend"):
             model.attention_backend = self.recipe.train.attention_backend
         return model
@@ -211,7 +211,7 @@ class DraftVocabMethod(TargetDataMethod):
 
 class HeadMethod(TargetDataMethod):
     """Medusa heads and MLP-speculator stages: K heads over the full target vocab, fed the
-    target's final normed hidden state; per-head cross-entropy weighted ``train.head_decay**k``.
+    target's final normed hidden state; per-head cross-entropy weighted ``draft.head_decay**k``.
 
     The loss is computed inside the model's forward (``head_fn``), per head in chunks of rows
     (:func:`~draftsmith.train.losses.chunked_distill`): no ``(K, M, V)`` logits, and no host
@@ -293,7 +293,7 @@ class HeadMethod(TargetDataMethod):
             return loss_sum, out.row_loss, out.row_hit
 
         outs = self.head_forward(model, final, tokens, head_fn)
-        decay = self.recipe.train.head_decay
+        decay = self.recipe.draft.head_decay
         head_losses = [loss_sum / denominators[k] for k, (loss_sum, _, _) in enumerate(outs)]
         loss = head_losses[0]
         for k in range(1, len(head_losses)):
@@ -307,7 +307,7 @@ class HeadMethod(TargetDataMethod):
 
     def checkpoint_extras(self, directory: Path) -> None:
         DraftCheckpointConfig(method=self.name, config=self.draft_config(), target=self.target_info,
-                              head_decay=self.recipe.train.head_decay).write(directory)
+                              head_decay=self.recipe.draft.head_decay).write(directory)
 
 
 class DataNotPreparedError(RuntimeError):
@@ -380,8 +380,7 @@ def check_online_target_fits(recipe: Recipe, run_dir: Path) -> None:
 
 def build_parser(doc: str) -> argparse.ArgumentParser:
     """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
-    from ..cli import HelpFormatter
-    from ..recipe import add_recipe_arguments
+    from ..cli import HelpFormatter, add_recipe_arguments
 
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -422,7 +421,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from ..data_prep.launch import DataStageError
     from ..data_prep.plan import PlanError
     from ..data_prep.shards import ShardError
-    from ..recipe import RecipeError, recipe_from_args, require_method
+    from ..cli import recipe_from_args, setup_logging
+    from ..recipe import RecipeError, require_method
     from .checkpoint import CheckpointError, claim_run_dir
     from .dry_run import MemoryBudgetError
     from .distributed import build_accelerator
@@ -433,6 +433,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .warm_start import WarmStartError
 
     args = build_parser(doc).parse_args(argv)
+    setup_logging()
     recipe = recipe_from_args(args)
     try:
         require_method(recipe, method_cls.name, script)

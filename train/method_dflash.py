@@ -5,7 +5,7 @@ hidden states at vLLM aux ids, draft vocab d2t/t2d, assistant loss masks), used 
 Each step samples up to ``draft.num_anchors`` anchors per sequence (fresh every step, from a
 generator on the batch's device seeded by ``seed``, the step, the micro-batch and the rank);
 block slot k of anchor a is trained towards the target's distribution ``p_{a+k-1}`` over the
-draft vocab (``train.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma)``
+draft vocab (``draft.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma)``
 (docs/parallel_drafts.md, "DFlash: anchor blocks").
 
 The step reads nothing from the device: anchors come from ``topk`` over random keys, every
@@ -117,7 +117,7 @@ def dflash_step(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
         anchors / anchor_valid: ``(B, A)`` (:func:`~draftsmith.models.dflash.sample_anchors`).
         head: the target head over the draft vocab (``TargetDraftHead``).
         weights: ``(Bk,)`` slot weights (:func:`~draftsmith.models.dflash.slot_weights`).
-        loss: ``train.loss`` (``LossSpec``); None: forward KL.
+        loss: ``draft.loss`` (``LossSpec``); None: forward KL.
         global_denominators: data parallel: ``(1,)`` local weight sum -> the global sum over the
             world size (a device tensor), or None on one process.
         chunk_size: rows per loss chunk (default: ``chunk_rows`` of Vd).
@@ -160,7 +160,7 @@ class AnchorCountPlan:
 
 
 class DFlashMethod(DraftVocabMethod):
-    """DFlash: anchor blocks over the fused aux context, ``train.loss`` per block slot with
+    """DFlash: anchor blocks over the fused aux context, ``draft.loss`` per block slot with
     exponential position decay, against the target distribution over the draft vocab.
 
     Raises (at construction, i.e. at train start):

@@ -1,7 +1,7 @@
 """The :class:`Eagle3Method` that ``train/eagle3.py`` runs (``draftsmith.methods`` names it).
 
-EAGLE-3 (arXiv:2503.01840): the draft layer unrolled ``train.ttt_steps`` times
-(training-time test) on the fused aux hidden states, a divergence (``train.loss``, forward KL
+EAGLE-3 (arXiv:2503.01840): the draft layer unrolled ``draft.ttt_steps`` times
+(training-time test) on the fused aux hidden states, a divergence (``draft.loss``, forward KL
 by default) against the target's distribution over the draft vocab.
 The entry script's docstring (its ``--help``) lists what a run reads and writes.
 """
@@ -32,7 +32,7 @@ def eagle3_batch_plan(batch: dict[str, torch.Tensor], steps: int) -> dict[str, A
 
 
 class Eagle3Method(DraftVocabMethod):
-    """EAGLE-3: fused aux states in, TTT unrolled ``train.ttt_steps`` times, ``train.loss`` against
+    """EAGLE-3: fused aux states in, TTT unrolled ``draft.ttt_steps`` times, ``draft.loss`` against
     the target distribution over the draft vocab."""
 
     name = "eagle3"
@@ -74,10 +74,10 @@ class Eagle3Method(DraftVocabMethod):
     def batch_plan(self):
         """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader
         (:func:`~draftsmith.models.eagle3.ttt_plan`), so the step never reads a mask back."""
-        return functools.partial(eagle3_batch_plan, steps=self.recipe.train.ttt_steps)
+        return functools.partial(eagle3_batch_plan, steps=self.recipe.draft.ttt_steps)
 
     def compute_loss(self, model, batch):
-        """The TTT loss ``sum_k gamma**k D_k`` (``train.loss``), computed inside the draft's forward
+        """The TTT loss ``sum_k gamma**k D_k`` (``draft.loss``), computed inside the draft's forward
         in chunks of rows (:func:`~draftsmith.train.losses.chunked_distill`): no step keeps its
         ``(M_k, Vd)`` logits, and the target's distribution is computed once per batch at the
         rows some step needs. No host read when the batch carries its plan (:meth:`batch_plan`).
@@ -85,7 +85,7 @@ class Eagle3Method(DraftVocabMethod):
         param = next(p for p in model.parameters() if p.requires_grad)
         aux, final = self.target_states(batch)
         aux = aux.to(param.dtype)  # (B, T, 3H)
-        K = self.recipe.train.ttt_steps
+        K = self.recipe.draft.ttt_steps
         # packed rows (train.packing) carry per-document positions and document ids
         docs = batch.get("document_ids")
         plan = batch if "ttt_index" in batch else ttt_plan(batch["loss_mask"], K, docs)
@@ -114,7 +114,7 @@ class Eagle3Method(DraftVocabMethod):
             denominators = counts_t.clamp_min(1).float()
         index = torch.split(plan["ttt_index"].to(device, non_blocking=True), counts)
         teacher_index = torch.split(plan["ttt_teacher_index"].to(device, non_blocking=True), counts)
-        gamma, chunk = self.recipe.train.gamma, self.recipe.train.loss_chunk_rows
+        gamma, chunk = self.recipe.draft.gamma, self.recipe.train.loss_chunk_rows
 
         def step_head(k: int, hidden: torch.Tensor, logits_fn):
             h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
@@ -131,10 +131,10 @@ class Eagle3Method(DraftVocabMethod):
 
     def validation_spec(self) -> ValidationSpec:
         """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
-        ``val_loss`` weights the first ``train.ttt_steps`` steps by ``gamma**k`` as training does."""
-        t = self.recipe.train
-        return ValidationSpec(self.recipe.eval.num_speculative_tokens, tuple(t.eval_temperatures),
-                              tuple(t.gamma**k for k in range(t.ttt_steps)))
+        ``val_loss`` weights the first ``draft.ttt_steps`` steps by ``gamma**k`` as training does."""
+        d = self.recipe.draft
+        return ValidationSpec(self.recipe.eval.num_speculative_tokens, tuple(self.recipe.train.eval_temperatures),
+                              tuple(d.gamma**k for k in range(d.ttt_steps)))
 
     @torch.no_grad()
     def validation_sums(self, model, batch):
@@ -146,7 +146,7 @@ class Eagle3Method(DraftVocabMethod):
         aux, final = self.target_states(batch)
         mask, docs = batch["loss_mask"], batch.get("document_ids")
         spec = self.validation_spec()
-        K_train, K_chain = self.recipe.train.ttt_steps, spec.num_draft_tokens
+        K_train, K_chain = self.recipe.draft.ttt_steps, spec.num_draft_tokens
         K = max(K_chain, K_train)
         plan = ttt_plan(mask, K, docs)
         counts = plan["ttt_counts_host"]
@@ -188,4 +188,4 @@ class Eagle3Method(DraftVocabMethod):
         return result
 
     def checkpoint_extras(self, directory: Path) -> None:
-        super().checkpoint_extras(directory, ttt_steps=self.recipe.train.ttt_steps)
+        super().checkpoint_extras(directory, ttt_steps=self.recipe.draft.ttt_steps)

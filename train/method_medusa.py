@@ -1,7 +1,7 @@
 """The :class:`MedusaMethod` that ``train/medusa.py`` runs (``draftsmith.methods`` names it).
 
 Medusa-1 (arXiv:2401.10774): K ResBlock heads on the target's final hidden
-state, head k trained with cross-entropy on x_{t+k+2} weighted ``train.head_decay**k``.
+state, head k trained with cross-entropy on x_{t+k+2} weighted ``draft.head_decay**k``.
 The entry script's docstring (its ``--help``) lists what a run reads and writes.
 """
 

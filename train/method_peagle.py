@@ -5,7 +5,7 @@ the EAGLE-3 data (aux states,
 draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
 chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.cod_sample`,
 a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
-elements, the divergence ``train.loss`` (default forward KL) to the target over the draft vocab
+elements, the divergence ``draft.loss`` (default forward KL) to the target over the draft vocab
 at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
 chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
 its metrics are detached device tensors.
@@ -36,7 +36,7 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
     ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.eagle3.DistillTargets` whose weight is
     ``trained / N`` (N the trained count, or the data-parallel denominator), so
     ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
-    divergence ``train.loss``. Nothing is read on the host: the metrics are masked sums
+    divergence ``draft.loss``. Nothing is read on the host: the metrics are masked sums
     (``index_add`` over depth).
 
     Args:

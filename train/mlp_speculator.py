@@ -10,7 +10,7 @@ on (stage 2), each batch is replaced by sequences the frozen target generates it
 prompt part of each row (up to its first assistant token) is continued for
 ``stage2_new_tokens`` tokens (greedy, or sampled at ``stage2_temperature``), the target is run
 on the result for its final normed hidden states, and the loss covers the generated tokens.
-Per-stage cross-entropy weighted ``train.head_decay**i``; metrics ``loss_{i}``, ``acc_{i}``.
+Per-stage cross-entropy weighted ``draft.head_decay**i``; metrics ``loss_{i}``, ``acc_{i}``.
 """
 
 # An entry script run as a file (`accelerate launch train/mlp_speculator.py`), so its imports are absolute;
