@@ -123,7 +123,7 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, A
     from transformers import AutoConfig
 
     from ..methods import UnknownMethodError, method_of_export
-    from ..models.eagle3 import Eagle3Config
+    from ..models.eagle3.config import Eagle3Config
 
     config_path = draft_dir / "config.json"
     cfg = json.loads(config_path.read_text())

@@ -4,7 +4,7 @@
 
 Format A (speculators, what :func:`export_dflash` writes) and Format B (z-lab / ModelOpt
 ``DFlashDraftModel`` with ``dflash_config``, read by :func:`load_dflash`) are described in
-docs/formats.md ("DFlash") and :class:`~draftsmith.models.dflash.DFlashConfig`.
+docs/formats.md ("DFlash") and :class:`~draftsmith.models.dflash.config.DFlashConfig`.
 
 vLLM's DFlash ``load_weights`` is not strict: a tensor missing from ``model.safetensors`` is
 left at its random / ones init without any error. :func:`export_dflash` therefore checks the
@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import __version__
-from ..models.dflash import DFlashConfig, DFlashDraftModel, DFlashKVCache
+from ..models.dflash.config import DFlashConfig
+from ..models.dflash.model import DFlashDraftModel, DFlashKVCache
 from .export import SPECULATORS_VERSION, ExportError, check_tensor_set, read_method_checkpoint
 from .spec_decode import DraftLoadError, Proposal, Proposer, _read_config, read_export, to_target_vocab
 

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from .. import __version__
 from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, DraftConfigError, RunLayout
 from ..methods import UnknownMethodError, get_method
-from ..models.eagle3 import Eagle3Config
+from ..models.eagle3.config import Eagle3Config
 from ..runtime import DTYPE_CHOICES, resolve_dtype
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema this export follows

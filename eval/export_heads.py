@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from .. import __version__
 from .export import ExportError, export, read_draft_config, require_checkpoint_files
 from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig
-from ..models.medusa import MedusaConfig, MedusaModel
-from ..models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from ..models.medusa.model import MedusaConfig, MedusaModel
+from ..models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
 MLP_PREFIX = "speculator."
 

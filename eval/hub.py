@@ -70,7 +70,7 @@ def _eagle3_k(cfg: dict[str, Any]) -> int | None:
 
 def _eagle3_export_facts(cfg: dict[str, Any]):
     """The EAGLE-3 keys of the export as their format's owner (and vLLM) reads them, either layout."""
-    from ..models.eagle3 import Eagle3Config  # torch: imported only for an EAGLE-3 card
+    from ..models.eagle3.config import Eagle3Config
 
     return Eagle3Config.export_facts(cfg)
 

@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..models.eagle3 import Eagle3KVCache
-from ..models.peagle import PEagleConfig, PEagleDraftModel
+from ..models.eagle3.model import Eagle3KVCache
+from ..models.peagle.config import PEagleConfig
+from ..models.peagle.model import PEagleDraftModel
 from .export import (SPECULATORS_VERSION, ExportError, check_tensor_set, expected_weight_shapes,
                      read_method_checkpoint)
 from .spec_decode import DraftLoadError, Proposal, Proposer, read_export, to_target_vocab

@@ -74,7 +74,8 @@ from ..data_prep.target import DEVICE_HELP
 from ..layout import DraftLoadError, read_export
 from ..layout import read_export_config as _read_config  # also eval/dflash.py's
 from ..methods import UnknownMethodError, method_of_export
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
+from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
 from ..recipe import add_vllm_arguments
 from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
@@ -287,9 +288,9 @@ class Eagle3Proposer(Proposer):
     position ``m-1+i`` with the previous step's output hidden state and the drafted token
     ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
     (step-0 keys causally + the same position's earlier steps, see
-    :func:`draftsmith.models.eagle3.ttt_attention_mask`). Chained keys are cropped after
+    :func:`draftsmith.models.eagle3.model.ttt_attention_mask`). Chained keys are cropped after
     the proposal. The arithmetic is the model's own
-    (:meth:`draftsmith.models.eagle3.Eagle3DraftModel.step_cached`).
+    (:meth:`draftsmith.models.eagle3.model.Eagle3DraftModel.step_cached`).
     """
 
     def __init__(self, model: Eagle3DraftModel):

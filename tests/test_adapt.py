@@ -120,7 +120,7 @@ def _digest(folder: Path) -> str:
 
 def _fake_export(folder: Path) -> Path:
     """An EAGLE-3 export folder as far as adapt's checks read it (a real config, one weight)."""
-    from draftsmith.models.eagle3 import Eagle3Config
+    from draftsmith.models.eagle3.config import Eagle3Config
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)

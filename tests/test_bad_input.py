@@ -20,7 +20,8 @@ from draftsmith.layout import DataPaths
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import ExportError, export
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.checkpoint import check_checkpoint_shapes
 

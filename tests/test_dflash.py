@@ -26,18 +26,8 @@ from draftsmith.eval.dflash import (
     load_dflash,
 )
 from draftsmith.eval.export import ExportError
-from draftsmith.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    DFlashKVCache,
-    anchor_count,
-    block_attention,
-    block_attention_mask,
-    block_labels,
-    sample_anchors,
-    slot_weights,
-    valid_anchor_mask,
-)
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dflash.model import (DFlashDraftModel, DFlashKVCache, anchor_count, block_attention, block_attention_mask, block_labels, sample_anchors, slot_weights, valid_anchor_mask)
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
 from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
 

@@ -22,14 +22,10 @@ from draftsmith.eval.peagle import (
     load_peagle,
 )
 from draftsmith.methods import method_of_export
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
-from draftsmith.models.peagle import (
-    CODElements,
-    PEagleConfig,
-    PEagleDraftModel,
-    cod_attention_mask,
-    cod_sample,
-)
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import CODElements, PEagleDraftModel, cod_attention_mask, cod_sample
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
 from conftest import write_draft_checkpoint

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import ExportError, export, expected_weight_shapes, read_checkpoint
 from draftsmith.layout import DataPaths, read_tokenized
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
-from draftsmith.models.dflash import DFlashConfig
-from draftsmith.models.eagle3 import Eagle3Config
-from draftsmith.models.medusa import MedusaConfig
-from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
-from draftsmith.models.peagle import PEagleConfig
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.medusa.model import MedusaConfig
+from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
+from draftsmith.models.peagle.config import PEagleConfig
 from draftsmith.recipe import DRAFT_SECTIONS, load_recipe
 
 from conftest import write_draft_checkpoint

@@ -29,9 +29,10 @@ from draftsmith.eval.spec_decode import (
     stop_token_ids,
     verify,
 )
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
 from conftest import TINY_AUX
 

@@ -155,7 +155,7 @@ def test_greedy_speculative_output_equals_plain(vllm_runs):
 
 def test_vllm_dflash_accepts_what_the_reference_decoder_accepts(vllm_runs):
     # Same target, prompts, K and export at T=0: if vLLM's qwen3_dflash computes what
-    # models/dflash.py computes (context path, k_norm, RoPE positions, non-causal block, mask id),
+    # models/dflash/model.py computes (context path, k_norm, RoPE positions, non-causal block, mask id),
     # it proposes the same tokens, so the same number are accepted at each position.
     vllm, ref = vllm_runs["trained"]["counters"], vllm_runs["reference"]["counters"]
     assert vllm_runs["reference"]["outputs"] == vllm_runs["plain"]["outputs"]

@@ -230,7 +230,8 @@ def two_layer_dflash_export(tiny_target, tmp_path_factory):
     from conftest import write_draft_checkpoint
 
     from draftsmith.eval.dflash import export_dflash
-    from draftsmith.models.dflash import DFlashConfig, DFlashDraftModel
+    from draftsmith.models.dflash.config import DFlashConfig
+    from draftsmith.models.dflash.model import DFlashDraftModel
 
     where = tmp_path_factory.mktemp("dflash_k_norm")
     cfg = DFlashConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_attention_heads=2,

@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 
 from draftsmith.eval.peagle import export_peagle
 from draftsmith.methods import get_method
-from draftsmith.models.peagle import CODElements, PEagleConfig, PEagleDraftModel
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import CODElements, PEagleDraftModel
 
 from conftest import write_draft_checkpoint
 from test_peagle import peagle_run  # noqa: F401  (module fixture: prepared tiny-target run)

@@ -31,7 +31,8 @@ from ..layout import (
     DraftLoadError,
     read_export,
 )
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel
+from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.model import Eagle3DraftModel
 
 log = logging.getLogger("draftsmith.train")
 

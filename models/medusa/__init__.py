@@ -1,0 +1,1 @@
+"""The medusa draft method."""

@@ -1,0 +1,1 @@
+"""The mlp_speculator draft method."""
