@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .methods import get_method, registered_methods
+from .methods import attach, attached_part, get_method, registered_methods
 
 
 class _Strict(BaseModel):
@@ -281,15 +281,18 @@ class PEagleDraftConfig(_DraftSection):
         return self
 
 
-DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
-    cls.model_fields["method"].default: cls
-    for cls in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig)
-}
-"""``draft.method`` -> its section class; each registered method (draftsmith.methods) names its
-class here as ``recipe_config``."""
+for _section in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig):
+    attach(_section.model_fields["method"].default, recipe_config=_section)
 
-DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminator="method")]
-"""The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
+
+def draft_sections() -> dict[str, type[_DraftSection]]:
+    """``draft.method`` -> its section class, in the registry's order (each section is attached
+    to its method in :mod:`draftsmith.methods` above)."""
+    return {m: attached_part(m, "recipe_config") for m in registered_methods()}
+
+
+DraftConfig = Annotated[Union[tuple(draft_sections().values())], Field(discriminator="method")]
+"""The recipe's ``draft`` section: one of :func:`draft_sections`, chosen by ``method``."""
 
 
 # the methods whose keys resolved recipe dumps listed (all of them) before the draft union
@@ -312,30 +315,31 @@ def upgrade_draft_section(draft: Any) -> Any:
         return {"method": "eagle3"}
     if not isinstance(draft, dict):
         return draft
+    sections = draft_sections()
     method = draft.get("method", "eagle3")
-    if method not in DRAFT_SECTIONS:
+    if method not in sections:
         return draft  # the union's own error lists the methods
-    own = DRAFT_SECTIONS[method].model_fields
+    own = sections[method].model_fields
     out: dict[str, Any] = {"method": method}
     for key, value in draft.items():
         if key == "method":
             continue
-        if key in DRAFT_SECTIONS and isinstance(value, dict):  # legacy draft.<method>: {...}
+        if key in sections and isinstance(value, dict):  # legacy draft.<method>: {...}
             if key == method:
                 for k, v in value.items():
                     if k in draft and k != "method":
                         raise ValueError(f"draft.{k} is given twice (draft.{k} and draft.{key}.{k})")
                     out[k] = v
                 continue
-            defaults = DRAFT_SECTIONS[key]().model_dump()
+            defaults = sections[key]().model_dump()
             changed = sorted(k for k, v in value.items() if k != "method" and defaults.get(k, object()) != v)
             if changed:
                 raise ValueError(f"draft.{key}.{changed[0]} is set for {key} but draft.method is {method!r}")
             continue
         if key not in own:
-            owners = [m for m, cls in DRAFT_SECTIONS.items() if key in cls.model_fields]
+            owners = [m for m, cls in sections.items() if key in cls.model_fields]
             dumped = [m for m in owners if m in _DUMPED_BEFORE_UNION]
-            if dumped and all(DRAFT_SECTIONS[m]().model_dump()[key] == value for m in dumped):
+            if dumped and all(sections[m]().model_dump()[key] == value for m in dumped):
                 continue  # another method's key at its default (a resolved recipe dump)
             if owners:
                 raise ValueError(f"draft.{key} is a key of {' / '.join(owners)} but draft.method is {method!r}")
@@ -880,7 +884,7 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
                     if row["key"] == f"{key}.method":
                         if row["key"] not in seen:
                             seen.add(row["key"])
-                            rows.append({**row, "type": " | ".join(repr(m) for m in DRAFT_SECTIONS),
+                            rows.append({**row, "type": " | ".join(repr(m) for m in registered_methods()),
                                          "default": "eagle3"})
                         continue
                     rows.append({**row, "description": f"(method {method}) {row['description']}"})

@@ -168,7 +168,7 @@ def test_a_folder_that_is_no_export_is_named(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_target, tmp_path):
-    from draftsmith.eval.spec_decode import load_eagle3
+    from draftsmith.models.eagle3.format import load_eagle3
     from draftsmith.recipe import dump_recipe
     from test_pipeline import tiny_deployed_draft
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.eval.export import export
-from draftsmith.eval.spec_decode import load_eagle3
+from draftsmith.models.eagle3.format import load_eagle3
 from draftsmith.models.common import rope_theta_and_scaling
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3DraftModel

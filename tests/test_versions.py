@@ -317,7 +317,8 @@ def test_spec_decode_compare_and_export_default_to_auto():
 def test_export_auto_writes_float32_on_a_cpu_machine_and_bf16_on_a_gpu_one(tmp_path, monkeypatch, cuda):
     from safetensors.torch import load_file
 
-    from draftsmith.eval.export import ExportError, export
+    from draftsmith.eval.export import export
+    from draftsmith.layout import ExportError
 
     from conftest import write_draft_checkpoint
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
-from draftsmith.eval.dflash import export_dflash
+from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_dflash import DFlashMethod
@@ -96,7 +96,7 @@ def vllm_runs(tiny_target, tmp_path_factory):
     run = where / "run"
     prepare(recipe, run)
     fit(recipe, DFlashMethod(recipe, run), run, progress=False)
-    draft = export_dflash(find_checkpoints(run / "checkpoints")[-1], run / "export")
+    draft = export(find_checkpoints(run / "checkpoints")[-1], run / "export")
     out = where / "out"
     out.mkdir()
     model, tokenizer = load_target(tiny_target, dtype=torch.float32, device="cpu")
