@@ -374,7 +374,7 @@ def cuda_attention_policy() -> Iterator[None]:
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
     (:func:`~draftsmith.models.eagle3.model.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
     A fake step then holds the key / value copies a GPU step holds."""
-    from ..models import eagle3
+    from ..models.eagle3 import model as eagle3
 
     saved = eagle3.sdpa_supports_gqa_with_mask
     eagle3.sdpa_supports_gqa_with_mask = lambda device: False
