@@ -275,10 +275,10 @@ class DraftConfigError(ValueError):
 class DraftCheckpointConfig(BaseModel):
     """``draft_config.json`` of a training checkpoint: what export needs besides the weights.
 
-    Written by every training method's ``checkpoint_extras``, read by ``eval/export.py``,
-    ``eval/export_heads.py`` and ``eval/compare_drafts.py``. Unset optional fields are not
-    written. ``version`` is the draftsmith that wrote it; :meth:`read` refuses one older than
-    :data:`OLDEST_READABLE`.
+    Written by every training method's ``checkpoint_extras``, read by
+    :func:`draftsmith.train.checkpoint.read_draft` (export, warm start, compare). Unset optional
+    fields are not written. ``version`` is the draftsmith that wrote it; :meth:`read` refuses one
+    older than :data:`OLDEST_READABLE`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -331,8 +331,38 @@ class DraftCheckpointConfig(BaseModel):
             raise DraftConfigError(f"{path}: invalid draft config ({problems})") from None
 
 
+@dataclass
+class DraftCheckpoint:
+    """A training checkpoint as :func:`draftsmith.train.checkpoint.read_draft` reads it.
+
+    Attributes:
+        path: the checkpoint directory (``checkpoints/step-N``).
+        meta: its ``draft_config.json``.
+        config: the method's model config built from ``meta.config`` (``Eagle3Config``, ...).
+        state: the model's state dict, ``module.`` prefixes stripped (empty when read without weights).
+    """
+
+    path: Path
+    meta: DraftCheckpointConfig
+    config: Any
+    state: dict[str, torch.Tensor]
+
+    @property
+    def method(self) -> str:
+        return self.meta.method
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "model.safetensors"
+
+
 class DraftLoadError(ValueError):
     """An exported draft folder is unreadable or does not fit the target; names the file / key."""
+
+
+class ExportError(ValueError):
+    """A training checkpoint is incomplete or inconsistent, or a tensor set is not the layout
+    vLLM loads; the message names the file / key."""
 
 
 def read_export_config(path: Path) -> dict[str, Any]:

@@ -1,26 +1,48 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE) is one
-:class:`DraftMethodSpec`: its recipe section, draft model class, FSDP block classes, training
-method and entry script, exporter and export loader, the vLLM ``speculative_config`` method its
-export serves as, the dry run's parameter estimator and the reference decoder's proposer
-factory. Adding a method is one :func:`register` call (plus its own modules).
+A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE) is one :class:`DraftMethodSpec`
+holding real objects, filled in by the layer that owns each part, in the package's import
+direction (``models`` <- ``train`` <- ``eval``):
 
-Entries name their implementations by dotted path (``"package.module:attribute"``) and resolve
-them on use, so importing the registry imports neither torch nor ``train/`` / ``eval/``, and
-``recipe.py`` can take the method names from it (like the speculators package's registry of
-algorithms by name).
+- ``models/<name>/__init__.py`` registers the method (:func:`register`): its model and config
+  classes, its on-disk format (``models/<name>/format.py``, a
+  :class:`~draftsmith.models.common.DraftFormat`: tensor set, exporter, loader, the one detector of
+  its exports, its target-fit facts and its model-card text) and the facts vLLM serves it by;
+- ``recipe.py`` attaches its recipe ``draft`` section (:func:`attach`, ``recipe_config``) as it
+  defines it;
+- ``train/method_registry.py`` attaches the training method class and the dry run's parameter
+  estimator;
+- ``eval/method_registry.py`` attaches the reference decoder's proposer factory, the target
+  check and (Medusa) the installed vLLM's serve check.
+
+:data:`METHOD_PACKAGES` is the one list of method packages, in registration order;
+:data:`LAYER_MODULES` the modules that attach the train and eval parts. A lookup loads what it
+needs on first use (models on :func:`get_method`, the train / eval parts on first access of one
+of theirs), so importing this module imports neither torch nor ``train/`` / ``eval/``, and a
+layer never imports a layer above it. Adding a method is one ``models/<name>/`` package, one
+line here, and its parts in the train and eval registries.
 
     spec = get_method(recipe.draft.method)
     model = spec.model_class(config)
-    spec.exporter(ckpt, out, dtype="bfloat16")
+    spec.format.export(...)   # through draftsmith.eval.export.export(ckpt, out)
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+METHOD_PACKAGES: tuple[str, ...] = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle")
+"""The draft methods, in registration order: ``draftsmith.models.<name>`` registers each."""
+
+LAYER_MODULES: dict[str, str] = {"train": "draftsmith.train.method_registry",
+                                 "eval": "draftsmith.eval.method_registry"}
+"""The module of each upper layer that attaches that layer's parts of every method."""
+
+# the parts each upper layer attaches (the rest: models/<name> and recipe.py)
+_LAYER_PARTS = {"training_method": "train", "parameter_estimator": "train",
+                "proposer_factory": "eval", "target_check": "eval", "vllm_serve_check": "eval"}
 
 
 class UnknownMethodError(ValueError):
@@ -28,137 +50,133 @@ class UnknownMethodError(ValueError):
     message lists the registered names."""
 
 
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-@dataclass(frozen=True)
+@dataclass
 class DraftMethodSpec:
-    """One draft method. Fields ending in ``_path`` are ``"module:attribute"`` paths, read
-    through the property of the same name without the suffix.
+    """One draft method.
 
-    Attributes:
+    Attributes (registered by ``models/<name>``):
         name: ``draft.method`` in recipes, ``method`` in ``draft_config.json`` of checkpoints.
         vllm_method: ``speculative_config["method"]`` vLLM serves the export as.
-        fsdp_block_classes: the model class's ``_no_split_modules`` (FSDP wrap units).
-        fsdp_block_parts: keys of the dry-run parameter estimate inside those blocks.
-        train_script: thin entry script, relative to the package root (``accelerate launch`` runs it).
+        config_class: the model config (built from ``draft_config.json``'s ``config``).
+        model_class: the draft ``nn.Module``, built from its config; its
+            ``_no_split_modules`` are the FSDP wrap units.
+        format: the on-disk format (:class:`~draftsmith.models.common.DraftFormat`).
         supports_gradient_checkpointing: ``draft.gradient_checkpointing`` applies to it.
-        export_options: keyword options of ``eval/export.py``'s ``export`` the exporter takes
-            besides ``dtype`` (``legacy``, ``num_speculative_tokens``, ``embed_tokens``).
-        servable: ``eval/serve_bench.py`` serves its exports with ``vllm serve``.
-        recipe_config_path: the pydantic class of its recipe ``draft`` section (a member of
-            ``recipe.DraftConfig``, the union discriminated by ``method``).
-        model_class_path: the draft ``nn.Module``, built from its config.
-        training_method_path: the ``train/method_<name>.py`` class (``name``, ``build_model``, ...).
-        exporter_path: ``exporter(ckpt, out, dtype=..., **export_options) -> out``.
-        export_loader_path: ``loader(export_dir) -> model`` (float32, eval mode); EAGLE-3
-            takes the target embedding as a second argument when the export has none.
-        export_detector_path: ``detector(config_json: dict) -> bool``, true for its exports.
-        parameter_estimator_path: ``estimator(recipe, eagle3_cfg, vocab_size) ->
-            (parameter counts by part, an upper bound of unchunked logits bytes per micro-batch)``
-            (dry run; its per-GPU memory estimate uses the method's own terms in ``train/dry_run.py``).
-        proposer_factory_path: ``factory(export_dir, target_model | None) -> Proposer`` of
-            ``eval/spec_decode.py``.
-        vllm_serve_check_path: ``check(export_dir)`` raising ValueError when the installed vLLM
-            no longer serves it; None: nothing to check.
-        target_check_path: ``check(export_dir, target_dir)`` raising when the export does not
-            fit the target; None: nothing to check.
+        servable: ``vllm serve`` serves its exports (the serving benchmark, acceptance).
         vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
+
+    Attached by the upper layers (None until then; read through the properties of the same name):
+        recipe_config: the pydantic class of its recipe ``draft`` section (``recipe.py``).
+        training_method: the ``train/method_<name>.py`` class (``name``, ``build_model``, ...).
+        parameter_estimator: ``estimator(recipe, eagle3_cfg, vocab_size) -> (parameter counts by
+            part, an upper bound of unchunked logits bytes per micro-batch)`` (dry run).
+        proposer_factory: ``factory(export_dir, target_model | None) -> Proposer`` of
+            ``eval/spec_decode.py``.
+        target_check: ``check(export_dir, target_dir)`` raising when the export does not fit the
+            target; None: nothing to check.
+        vllm_serve_check: ``check(export_dir)`` raising ValueError when the installed vLLM no
+            longer serves it; None: nothing to check.
     """
 
     name: str
     vllm_method: str
-    fsdp_block_classes: tuple[str, ...]
-    fsdp_block_parts: tuple[str, ...]
-    train_script: str
+    config_class: type
+    model_class: type
+    format: Any
     supports_gradient_checkpointing: bool
-    export_options: tuple[str, ...]
     servable: bool
-    recipe_config_path: str
-    model_class_path: str
-    training_method_path: str
-    exporter_path: str
-    export_loader_path: str
-    export_detector_path: str
-    parameter_estimator_path: str
-    proposer_factory_path: str
-    vllm_serve_check_path: str | None = None
-    target_check_path: str | None = None
     vllm_extra: tuple[tuple[str, Any], ...] = ()
-
-    def speculative_config(self, model: str, num_speculative_tokens: int) -> dict[str, Any]:
-        """vLLM's ``speculative_config`` serving an export of this method: ``method``,
-        ``model``, ``num_speculative_tokens`` and the method's :attr:`vllm_extra` (P-EAGLE:
-        ``parallel_drafting``)."""
-        return {"method": self.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
-                **dict(self.vllm_extra)}
-
-    @property
-    def recipe_config(self) -> type:
-        return _resolve(self.recipe_config_path)
-
-    @property
-    def model_class(self) -> type:
-        return _resolve(self.model_class_path)
-
-    @property
-    def training_method(self) -> type:
-        return _resolve(self.training_method_path)
+    parts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def train_module(self) -> str:
-        """The importable module of the entry script (its ``main(argv)`` trains)."""
-        return "draftsmith." + self.train_script.removesuffix(".py").replace("/", ".")
+        """The importable module of the thin entry script ``train/<name>.py`` (its ``main(argv)``
+        trains; ``accelerate launch`` runs the file)."""
+        return f"draftsmith.train.{self.name}"
+
+    def _part(self, key: str) -> Any:
+        layer = _LAYER_PARTS.get(key)
+        if layer is not None:
+            importlib.import_module(LAYER_MODULES[layer])
+        return self.parts.get(key)
 
     @property
-    def exporter(self) -> Any:
-        return _resolve(self.exporter_path)
+    def recipe_config(self) -> type:
+        importlib.import_module("draftsmith.recipe")  # defines the sections and attaches them
+        return self.parts["recipe_config"]
 
     @property
-    def export_loader(self) -> Any:
-        return _resolve(self.export_loader_path)
+    def training_method(self) -> type:
+        return self._part("training_method")
 
     @property
-    def export_detector(self) -> Any:
-        return _resolve(self.export_detector_path)
+    def parameter_estimator(self) -> Callable[..., Any]:
+        return self._part("parameter_estimator")
 
     @property
-    def parameter_estimator(self) -> Any:
-        return _resolve(self.parameter_estimator_path)
+    def proposer_factory(self) -> Callable[..., Any]:
+        return self._part("proposer_factory")
 
     @property
-    def proposer_factory(self) -> Any:
-        return _resolve(self.proposer_factory_path)
+    def target_check(self) -> Callable[..., Any] | None:
+        return self._part("target_check")
 
     @property
-    def vllm_serve_check(self) -> Any | None:
-        return _resolve(self.vllm_serve_check_path) if self.vllm_serve_check_path else None
-
-    @property
-    def target_check(self) -> Any | None:
-        return _resolve(self.target_check_path) if self.target_check_path else None
+    def vllm_serve_check(self) -> Callable[..., Any] | None:
+        return self._part("vllm_serve_check")
 
 
 _REGISTRY: dict[str, DraftMethodSpec] = {}
+_PENDING: dict[str, dict[str, Any]] = {}  # parts attached before the method package registered
 
 
 def register(spec: DraftMethodSpec) -> DraftMethodSpec:
-    """Add ``spec`` to the registry; returns it.
+    """Add ``spec`` (called by ``models/<name>/__init__.py``); returns it.
 
     Raises:
-        ValueError: a method of that name is registered already.
+        ValueError: a method of that name is registered already, or one not in :data:`METHOD_PACKAGES`.
     """
     if spec.name in _REGISTRY:
         raise ValueError(f"draft method {spec.name!r} is registered already")
+    if spec.name not in METHOD_PACKAGES:
+        raise ValueError(f"draft method {spec.name!r} is not in draftsmith.methods.METHOD_PACKAGES")
+    spec.parts.update(_PENDING.pop(spec.name, {}))
     _REGISTRY[spec.name] = spec
     return spec
 
 
+def attach(name: str, **parts: Any) -> None:
+    """Attach an upper layer's ``parts`` (``recipe_config``, ``training_method``,
+    ``parameter_estimator``, ``proposer_factory``, ``target_check``, ``vllm_serve_check``) to
+    method ``name``; parts attached before the method package is loaded wait for it.
+
+    Raises:
+        ValueError: a method not in :data:`METHOD_PACKAGES`, or a part attached twice.
+    """
+    if name not in METHOD_PACKAGES:
+        raise ValueError(f"draft method {name!r} is not in draftsmith.methods.METHOD_PACKAGES")
+    have = _REGISTRY[name].parts if name in _REGISTRY else _PENDING.setdefault(name, {})
+    twice = sorted(set(parts) & set(have))
+    if twice:
+        raise ValueError(f"draft method {name!r}: {', '.join(twice)} attached twice")
+    have.update(parts)
+
+
+def attached_part(name: str, key: str) -> Any:
+    """The part ``key`` attached to method ``name`` (None: none), without loading the method
+    packages: ``recipe.py`` reads its own sections so, and loading a recipe stays free of torch."""
+    return (_REGISTRY[name].parts if name in _REGISTRY else _PENDING.get(name, {})).get(key)
+
+
+def _load() -> None:
+    for name in METHOD_PACKAGES:
+        if name not in _REGISTRY:
+            importlib.import_module(f"draftsmith.models.{name}")
+
+
 def registered_methods() -> tuple[str, ...]:
     """Names of the registered draft methods, in registration order."""
-    return tuple(_REGISTRY)
+    return METHOD_PACKAGES
 
 
 def get_method(name: str) -> DraftMethodSpec:
@@ -167,118 +185,24 @@ def get_method(name: str) -> DraftMethodSpec:
     Raises:
         UnknownMethodError: no method of that name (the message lists the registered ones).
     """
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(_REGISTRY)}") from None
+    if name not in METHOD_PACKAGES:
+        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(METHOD_PACKAGES)}")
+    _load()
+    return _REGISTRY[name]
 
 
 def method_of_export(config: dict[str, Any]) -> DraftMethodSpec:
-    """The method whose exports look like ``config`` (an exported draft's ``config.json``).
+    """The method whose exports look like ``config`` (an exported draft's ``config.json``): the
+    one whose format's detector accepts it.
 
     Raises:
         UnknownMethodError: no registered method recognises it.
     """
-    for spec in _REGISTRY.values():
-        if spec.export_detector(config):
+    _load()
+    for name in METHOD_PACKAGES:
+        spec = _REGISTRY[name]
+        if spec.format.detect(config):
             return spec
     raise UnknownMethodError(f"architectures {config.get('architectures') or []}, model_type "
                              f"{config.get('model_type')!r} is no registered draft format "
-                             f"({', '.join(_REGISTRY)})")
-
-
-register(DraftMethodSpec(
-    name="eagle3",
-    vllm_method="eagle3",
-    fsdp_block_classes=("Eagle3DecoderLayer",),
-    fsdp_block_parts=("attention", "mlp"),
-    train_script="train/eagle3.py",
-    supports_gradient_checkpointing=True,
-    export_options=("legacy", "num_speculative_tokens", "embed_tokens"),
-    servable=True,
-    recipe_config_path="draftsmith.recipe:Eagle3DraftConfig",
-    model_class_path="draftsmith.models.eagle3:Eagle3DraftModel",
-    training_method_path="draftsmith.train.method_eagle3:Eagle3Method",
-    exporter_path="draftsmith.eval.export:export_eagle3",
-    export_loader_path="draftsmith.eval.spec_decode:load_eagle3",
-    export_detector_path="draftsmith.eval.export:is_eagle3_export",
-    parameter_estimator_path="draftsmith.train.dry_run:eagle3_parameter_estimate",
-    proposer_factory_path="draftsmith.eval.spec_decode:eagle3_proposer",
-    target_check_path="draftsmith.eval.acceptance:check_draft_matches_target",
-))
-register(DraftMethodSpec(
-    name="medusa",
-    vllm_method="medusa",
-    fsdp_block_classes=("MedusaBlock",),
-    fsdp_block_parts=("resblocks",),
-    train_script="train/medusa.py",
-    supports_gradient_checkpointing=False,
-    export_options=(),
-    servable=True,
-    recipe_config_path="draftsmith.recipe:MedusaDraftConfig",
-    model_class_path="draftsmith.models.medusa:MedusaModel",
-    training_method_path="draftsmith.train.method_medusa:MedusaMethod",
-    exporter_path="draftsmith.eval.export_heads:export_medusa",
-    export_loader_path="draftsmith.eval.export_heads:load_medusa",
-    export_detector_path="draftsmith.eval.export_heads:is_medusa_export",
-    parameter_estimator_path="draftsmith.train.dry_run:medusa_parameter_estimate",
-    proposer_factory_path="draftsmith.eval.spec_decode:medusa_proposer",
-    vllm_serve_check_path="draftsmith.eval.serving.run:check_vllm_serves_medusa",
-))
-register(DraftMethodSpec(
-    name="mlp_speculator",
-    vllm_method="mlp_speculator",
-    fsdp_block_classes=(),
-    fsdp_block_parts=(),
-    train_script="train/mlp_speculator.py",
-    supports_gradient_checkpointing=False,
-    export_options=(),
-    servable=False,
-    recipe_config_path="draftsmith.recipe:MLPSpeculatorDraftConfig",
-    model_class_path="draftsmith.models.mlp_speculator:MLPSpeculator",
-    training_method_path="draftsmith.train.method_mlp_speculator:MLPSpeculatorMethod",
-    exporter_path="draftsmith.eval.export_heads:export_mlp_speculator",
-    export_loader_path="draftsmith.eval.export_heads:load_mlp_speculator",
-    export_detector_path="draftsmith.eval.export_heads:is_mlp_speculator_export",
-    parameter_estimator_path="draftsmith.train.dry_run:mlp_speculator_parameter_estimate",
-    proposer_factory_path="draftsmith.eval.spec_decode:mlp_speculator_proposer",
-))
-register(DraftMethodSpec(
-    name="dflash",
-    vllm_method="dflash",
-    fsdp_block_classes=("DFlashDecoderLayer",),
-    fsdp_block_parts=("attention", "mlp"),
-    train_script="train/dflash.py",
-    supports_gradient_checkpointing=True,
-    export_options=(),
-    servable=True,
-    recipe_config_path="draftsmith.recipe:DFlashDraftConfig",
-    model_class_path="draftsmith.models.dflash:DFlashDraftModel",
-    training_method_path="draftsmith.train.method_dflash:DFlashMethod",
-    exporter_path="draftsmith.eval.dflash:export_dflash",
-    export_loader_path="draftsmith.eval.dflash:load_dflash",
-    export_detector_path="draftsmith.eval.dflash:is_dflash_export",
-    parameter_estimator_path="draftsmith.train.dry_run:dflash_parameter_estimate",
-    proposer_factory_path="draftsmith.eval.dflash:dflash_proposer",
-    target_check_path="draftsmith.eval.dflash:check_dflash_matches_target",
-))
-register(DraftMethodSpec(
-    name="peagle",
-    vllm_method="eagle3",
-    fsdp_block_classes=("PEagleDecoderLayer",),
-    fsdp_block_parts=("attention", "mlp"),
-    train_script="train/peagle.py",
-    supports_gradient_checkpointing=True,
-    export_options=(),
-    servable=True,
-    recipe_config_path="draftsmith.recipe:PEagleDraftConfig",
-    model_class_path="draftsmith.models.peagle:PEagleDraftModel",
-    training_method_path="draftsmith.train.method_peagle:PEagleMethod",
-    exporter_path="draftsmith.eval.peagle:export_peagle",
-    export_loader_path="draftsmith.eval.peagle:load_peagle",
-    export_detector_path="draftsmith.eval.peagle:is_peagle_export",
-    parameter_estimator_path="draftsmith.train.dry_run:peagle_parameter_estimate",
-    proposer_factory_path="draftsmith.eval.peagle:peagle_proposer",
-    target_check_path="draftsmith.eval.peagle:check_peagle_matches_target",
-    vllm_extra=(("parallel_drafting", True),),
-))
+                             f"({', '.join(METHOD_PACKAGES)})")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .methods import registered_methods
+from .methods import attach, attached_part, registered_methods
 
 
 class _Strict(BaseModel):
@@ -297,15 +297,18 @@ class PEagleDraftConfig(_DraftVocabSection):
         "embedding, frozen, and only mask_hidden adapts the mask slots.")
 
 
-DRAFT_SECTIONS: dict[str, type[_DraftSection]] = {
-    cls.model_fields["method"].default: cls
-    for cls in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig)
-}
-"""``draft.method`` -> its section class; each registered method (draftsmith.methods) names its
-class here as ``recipe_config``."""
+for _section in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig):
+    attach(_section.model_fields["method"].default, recipe_config=_section)
 
-DraftConfig = Annotated[Union[tuple(DRAFT_SECTIONS.values())], Field(discriminator="method")]
-"""The recipe's ``draft`` section: one of :data:`DRAFT_SECTIONS`, chosen by ``method``."""
+
+def draft_sections() -> dict[str, type[_DraftSection]]:
+    """``draft.method`` -> its section class, in the registry's order (each section is attached
+    to its method in :mod:`draftsmith.methods` above)."""
+    return {m: attached_part(m, "recipe_config") for m in registered_methods()}
+
+
+DraftConfig = Annotated[Union[tuple(draft_sections().values())], Field(discriminator="method")]
+"""The recipe's ``draft`` section: one of :func:`draft_sections`, chosen by ``method``."""
 
 
 def require_method(recipe: "Recipe", method: str, script: str) -> None:
@@ -652,7 +655,7 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
                     if row["key"] == f"{key}.method":
                         if row["key"] not in seen:
                             seen.add(row["key"])
-                            rows.append({**row, "type": " | ".join(repr(m) for m in DRAFT_SECTIONS),
+                            rows.append({**row, "type": " | ".join(repr(m) for m in registered_methods()),
                                          "default": "eagle3"})
                         continue
                     rows.append({**row, "description": f"(method {method}) {row['description']}"})

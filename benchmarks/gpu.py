@@ -165,9 +165,9 @@ def dflash_pairs(anchors: torch.Tensor, valid: torch.Tensor, document_ids: torch
 
 def cod_allowed_pairs(elements: Any, document_ids: torch.Tensor | None) -> int:
     """The (query, key) pairs between valid COD elements that P-EAGLE's mask allows
-    (``lo[k] <= x[q] <= hi[k]``, :func:`~draftsmith.models.peagle.cod_attention_keys`), counted
+    (``lo[k] <= x[q] <= hi[k]``, :func:`~draftsmith.models.peagle.model.cod_attention_keys`), counted
     with sorted interval bounds (no ``S x S`` tensor)."""
-    from draftsmith.models.peagle import cod_attention_keys
+    from draftsmith.models.peagle.model import cod_attention_keys
 
     x, lo, hi = cod_attention_keys(elements, document_ids)
     total = 0
@@ -204,7 +204,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
     elif method.name == "dflash":
-        from draftsmith.models.dflash import sample_anchors
+        from draftsmith.models.dflash.model import sample_anchors
         from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
 
         Bk = cfg.block_size
@@ -224,7 +224,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(anchors=A, valid_anchors=int(valid.sum()), block_size=Bk)
     elif method.name == "peagle":
-        from draftsmith.models.peagle import cod_sample, step0_prediction_mask
+        from draftsmith.models.peagle.model import cod_sample, step0_prediction_mask
 
         d = recipe.draft
         pred = step0_prediction_mask(loss_mask, docs_cpu)
@@ -499,7 +499,8 @@ def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namesp
     """The target's plain forward, decoder-only forward and hidden-state capture at the recipe's
     ``B x T`` (module docstring), or why they were skipped."""
     from draftsmith.data_prep.capture import capture_batch
-    from draftsmith.data_prep.target import default_aux_layer_ids, text_config
+    from draftsmith.data_prep.target import default_aux_layer_ids
+    from draftsmith.models.common import text_config
 
     B, T = recipe.train.batch_size, recipe.data.max_length
     dtype = getattr(torch, recipe.target.dtype)

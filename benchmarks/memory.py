@@ -372,9 +372,9 @@ def cuda_autocast_policy() -> Iterator[None]:
 def cuda_attention_policy() -> Iterator[None]:
     """While active, the drafts' attention takes CUDA's path on any device: with a mask, CUDA's
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
-    (:func:`~draftsmith.models.eagle3.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
+    (:func:`~draftsmith.models.eagle3.model.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
     A fake step then holds the key / value copies a GPU step holds."""
-    from draftsmith.models import eagle3
+    from draftsmith.models.eagle3 import model as eagle3
 
     saved = eagle3.sdpa_supports_gqa_with_mask
     eagle3.sdpa_supports_gqa_with_mask = lambda device: False
@@ -413,7 +413,7 @@ class OneProcess:
 
 def target_geometry(config: Any) -> dict[str, int]:
     """``hidden_size``, ``vocab_size``, ``num_hidden_layers`` of the target's text config."""
-    from draftsmith.data_prep.target import text_config
+    from draftsmith.models.common import text_config
 
     text = text_config(config)
     return {"hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
@@ -584,7 +584,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         ctx.enter_context(tracker)
         if fake and precision.autocast:
             ctx.enter_context(cuda_autocast_policy())
-        if dev.type != "cuda":  # the GPU's attention path: grouped key/value heads expanded (models/eagle3.py)
+        if dev.type != "cuda":  # the GPU's attention path: grouped key/value heads expanded (models/eagle3/model.py)
             ctx.enter_context(cuda_attention_policy())
         head_dtype = getattr(torch, recipe.target.dtype)
         factory = torch.empty if fake else random_weights

@@ -40,6 +40,7 @@ from .plan import Cluster, DataPlan, PlanError, build_plan, parse_share
 from .shards import MANIFEST, ShardError, ShardSpec, atomic_write_bytes, distributed_rank
 from . import regenerate as regen
 from . import target as tgt
+from ..models.common import text_config
 from . import vocab
 from ..cli import add_recipe_arguments, recipe_from_args, setup_logging
 from ..layout import DataPaths, RunLayout, read_tokenized
@@ -53,7 +54,7 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
     """Resolve the target and fix the aux layer ids; writes ``target.json``."""
     path = tgt.resolve_target(recipe.target.name_or_path, recipe.target.trust_remote_code)
     config = tgt.load_target_config(path, recipe.target.trust_remote_code)
-    text = tgt.text_config(config)
+    text = text_config(config)
     n = tgt.num_decoder_layers(config)
     ids = recipe.data.aux_layer_ids or tgt.default_aux_layer_ids(n)
     ids = tgt.validate_aux_layer_ids(ids, n)

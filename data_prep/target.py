@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..models.common import text_config
+
 if TYPE_CHECKING:
     from ..recipe import Recipe
 
@@ -137,11 +139,6 @@ def load_target_config(path: Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-def text_config(config: Any) -> Any:
-    """The language-model part of a (possibly multimodal) config."""
-    return getattr(config, "text_config", None) or config
 
 
 def num_decoder_layers(config: Any) -> int:

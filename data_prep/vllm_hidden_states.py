@@ -45,6 +45,7 @@ from typing import Any, Iterator
 import torch
 
 from . import target as tgt
+from ..models.common import text_config
 from ..recipe import VllmConfig
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class VllmHiddenStateCapture:
         from vllm import LLM
 
         config = tgt.load_target_config(Path(target_dir), trust_remote_code)
-        text = tgt.text_config(config)
+        text = text_config(config)
         if str(getattr(text, "model_type", "")).startswith("gemma"):
             raise ValueError(f"{target_dir}: {text.model_type} final norm is (1 + w)-scaled; the vLLM engine "
                              "reproduces only a plain RMSNorm (use data.hidden_states_engine=transformers)")

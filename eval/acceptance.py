@@ -31,6 +31,7 @@ set, MT-bench ``turns`` (first turn), ShareGPT, messages).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import AcceptanceResult, write_acceptance
+from ..layout import DraftLoadError
 from ..methods import DraftMethodSpec, get_method, registered_methods
 from ..recipe import RecipeError, VllmConfig, load_recipe
 from ..vllm_bridge import spec_config
@@ -77,78 +79,52 @@ def summarise(counters: dict[str, Any], k: int) -> dict[str, Any]:
     }
 
 
-def target_fit_problems(target_config: Any, export_dir: Path, *, hidden_size: int | None,
-                        target_hidden_size: int | None, vocab_size: int | None, draft_vocab_size: int | None,
-                        verifier: dict[str, Any]) -> list[str]:
-    """What every draft that shares the target's embedding and vocab must agree on with it (EAGLE-3,
-    DFlash, P-EAGLE): hidden size, aux-state width (``target_hidden_size``, None: not written),
-    vocab size, a draft vocab no larger than the target's, the verifier architecture, and the
-    length of ``t2d`` in ``export_dir/model.safetensors``.
+def check_draft_matches_target(draft_dir: Path, target_dir: Path, method: str | None = None) -> dict[str, Any]:
+    """Refuse to measure or serve a draft exported for another target; returns its ``config.json``.
+
+    The draft's format (:func:`draftsmith.methods.method_of_export`; a ``config.json`` no format
+    recognises is checked as the EAGLE-3 export it is meant to be) says what it must agree on
+    with the target (:attr:`~draftsmith.models.common.DraftFormat.fit`), and
+    :func:`~draftsmith.models.common.fit_problems` decides, with the length of ``t2d`` in
+    ``draft_dir/model.safetensors``.
 
     Args:
-        target_config: the target's transformers config (its ``text_config`` when it has one is used).
-
-    Returns:
-        One line per disagreement (empty when the draft fits).
-    """
-    text = getattr(target_config, "text_config", None) or target_config
-    problems = []
-    if hidden_size != text.hidden_size:
-        problems.append(f"draft hidden_size {hidden_size} != target {text.hidden_size} (vLLM would not share the "
-                        "target embedding)")
-    if target_hidden_size is not None and target_hidden_size != text.hidden_size:
-        problems.append(f"draft target_hidden_size {target_hidden_size} != target {text.hidden_size}")
-    if vocab_size != text.vocab_size:
-        problems.append(f"draft vocab_size {vocab_size} != target {text.vocab_size}")
-    if (draft_vocab_size or 0) > text.vocab_size:
-        problems.append(f"draft_vocab_size {draft_vocab_size} > target vocab {text.vocab_size}")
-    target_arch = list(getattr(target_config, "architectures", None) or [])
-    if verifier.get("architectures") and target_arch and verifier["architectures"] != target_arch:
-        problems.append(f"verifier {verifier.get('name_or_path')!r} is {verifier['architectures']}, target is {target_arch}")
-    weights = export_dir / "model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as fh:
-            if "t2d" in fh.keys() and fh.get_slice("t2d").get_shape() != [text.vocab_size]:
-                problems.append(f"t2d covers {fh.get_slice('t2d').get_shape()[0]} target ids, target vocab is "
-                                f"{text.vocab_size}")
-    return problems
-
-
-def check_draft_matches_target(draft_dir: Path, target_dir: Path) -> dict[str, Any]:
-    """Refuse to measure a draft exported for another target.
+        method: the method the draft must be an export of (None: any).
 
     Raises:
         DraftMismatchError: hidden size, vocab size (target vocab, ``t2d`` length, draft vocab
-            larger than the target's), verifier architecture, or aux layer ids (not three, or out
-            of range for the target) that do not fit the target; the export of another method.
+            larger than the target's), verifier architecture, aux layer ids, mask token or K that
+            do not fit the target; the export of another method than ``method``.
+        DraftLoadError: a config its format cannot read.
     """
     from transformers import AutoConfig
 
     from ..methods import UnknownMethodError, method_of_export
-    from ..models.eagle3 import Eagle3Config
+    from ..models.common import TargetFit, fit_problems
 
+    draft_dir = Path(draft_dir)
     config_path = draft_dir / "config.json"
     cfg = json.loads(config_path.read_text())
     try:
-        method = method_of_export(cfg).name
+        spec = method_of_export(cfg)
     except UnknownMethodError:
-        method = None  # not recognisably any format: checked as the EAGLE-3 export it is meant to be
-    if method not in (None, "eagle3"):
-        raise DraftMismatchError(f"{config_path}: a {method} export, not an EAGLE-3 draft")
-    # the EAGLE-3 keys as the format's owner (and vLLM) reads them, in either export format
-    facts = Eagle3Config.export_facts(cfg)
-    tcfg = AutoConfig.from_pretrained(target_dir)
-    text = getattr(tcfg, "text_config", None) or tcfg
-    problems = target_fit_problems(tcfg, draft_dir, hidden_size=facts.hidden_size,
-                                   target_hidden_size=facts.target_hidden_size, vocab_size=facts.vocab_size,
-                                   draft_vocab_size=facts.draft_vocab_size, verifier=facts.verifier)
-    ids = facts.aux_layer_ids
-    if ids is not None and len(ids) != 3:
-        problems.append(f"aux layer ids {ids}: an EAGLE-3 draft needs exactly 3")
-    if ids and not all(0 <= i < text.num_hidden_layers for i in ids):
-        problems.append(f"aux layer ids {ids} out of range for {text.num_hidden_layers} target layers")
+        spec = get_method(method or "eagle3")
+    if method is not None and spec.name != method:
+        raise DraftMismatchError(f"{config_path}: a {spec.name} export, not a {get_method(method).format.layout} draft")
+    if spec.format.fit is None:
+        return cfg
+    try:
+        draft = spec.format.fit(cfg)
+    except DraftLoadError as exc:
+        raise DraftLoadError(f"{draft_dir}/{exc}") from None
+    weights = draft_dir / "model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            if "t2d" in fh.keys():
+                draft = dataclasses.replace(draft, t2d_size=fh.get_slice("t2d").get_shape()[0])
+    problems = fit_problems(draft, TargetFit.of_config(AutoConfig.from_pretrained(target_dir)))
     if problems:
         raise DraftMismatchError(f"{draft_dir} does not match target {target_dir}: " + "; ".join(problems))
     return cfg

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..layout import DRAFT_CONFIG_FILE, DraftCheckpointConfig, RunLayout
+from ..layout import DRAFT_CONFIG_FILE, RunLayout
 
 INDEX_TENSORS = ("d2t", "t2d")
 
@@ -71,14 +71,14 @@ def training_figures(run_dir: Path) -> dict[str, Any]:
     Raises:
         RunError: no checkpoint with ``train_state.json``.
     """
-    from ..train.checkpoint import find_checkpoints
+    from ..train.checkpoint import find_checkpoints, read_draft
 
     ckpts = find_checkpoints(RunLayout(run_dir).checkpoints)
     if not ckpts:
         raise RunError(f"{run_dir / 'checkpoints'}: no finished checkpoint")
     ckpt = ckpts[-1]
     state = json.loads((ckpt / "train_state.json").read_text())
-    method = DraftCheckpointConfig.read(ckpt).method if (ckpt / DRAFT_CONFIG_FILE).is_file() else None
+    method = read_draft(ckpt, weights=False).method if (ckpt / DRAFT_CONFIG_FILE).is_file() else None
     return {"method": method, "steps": state["step"], "train_tokens": state["tokens"],
             "train_seconds": state.get("train_seconds"), "checkpoint": str(ckpt)}
 

@@ -24,7 +24,6 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +31,7 @@ import yaml
 
 from .results import AcceptanceResult, ServeResults, read_acceptance
 from ..methods import DraftMethodSpec, UnknownMethodError, method_of_export
+from ..vllm_bridge import spec_config
 
 DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json")
 # Hub dataset ids look like "owner/name"; local files and builtin: sets are not listed in the card.
@@ -41,61 +41,6 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")
 
 class HubError(RuntimeError):
     """Preparing or pushing the Hub folder failed; the message names the folder or repo."""
-
-
-@dataclass(frozen=True)
-class _MethodCard:
-    """How the card names a draft method and which facts of its ``config.json`` it lists."""
-
-    title: str
-    summary: str
-    facts: Callable[[dict[str, Any]], list[str]]
-    num_speculative_tokens: Callable[[dict[str, Any]], int | None]
-
-
-def _eagle3_facts(cfg: dict[str, Any]) -> list[str]:
-    facts = _eagle3_export_facts(cfg)
-    fmt = "speculators" if facts.format == "speculators" else "legacy LlamaForCausalLMEagle3"
-    return [f"- method: EAGLE-3 (one Llama decoder layer over three target hidden states), format {fmt}",
-            f"- aux hidden-state layer ids: {facts.aux_layer_ids} (vLLM convention: residual stream after L layers)",
-            f"- draft vocab size: {facts.draft_vocab_size} of the target's {facts.vocab_size} tokens "
-            "(d2t / t2d included)",
-            f"- hidden size {facts.hidden_size}; norm_before_residual {facts.norm_before_residual}; "
-            f"default num_speculative_tokens {_eagle3_k(cfg) or 3}"]
-
-
-def _eagle3_k(cfg: dict[str, Any]) -> int | None:
-    return _eagle3_export_facts(cfg).num_speculative_tokens
-
-
-def _eagle3_export_facts(cfg: dict[str, Any]):
-    """The EAGLE-3 keys of the export as their format's owner (and vLLM) reads them, either layout."""
-    from ..models.eagle3 import Eagle3Config  # torch: imported only for an EAGLE-3 card
-
-    return Eagle3Config.export_facts(cfg)
-
-
-def _medusa_facts(cfg: dict[str, Any]) -> list[str]:
-    return [f"- method: Medusa, {cfg.get('num_heads')} heads (head k predicts the token k+1 ahead from the "
-            f"target's last hidden state), {cfg.get('num_hidden_layers')} residual block(s) per head",
-            f"- hidden size {cfg.get('hidden_size')}; vocab size {cfg.get('vocab_size')} (the target's)"]
-
-
-def _mlp_speculator_facts(cfg: dict[str, Any]) -> list[str]:
-    return [f"- method: MLP speculator, {cfg.get('n_predict')} stages (each predicts one more token from the "
-            "previous stage's state and token embedding)",
-            f"- embedding size {cfg.get('emb_dim')}, inner size {cfg.get('inner_dim')}; vocab size "
-            f"{cfg.get('vocab_size')} (the target's); tied stages {cfg.get('tie_weights')}"]
-
-
-# Keyed by the registered method name (draftsmith.methods); a method without an entry gets a
-# card with its name only.
-_METHOD_CARDS = {
-    "eagle3": _MethodCard("EAGLE-3", "EAGLE-3 (arXiv:2503.01840)", _eagle3_facts, _eagle3_k),
-    "medusa": _MethodCard("Medusa", "Medusa heads (arXiv:2401.10774)", _medusa_facts, lambda c: c.get("num_heads")),
-    "mlp_speculator": _MethodCard("MLP speculator", "an MLP speculator (arXiv:2404.19124)", _mlp_speculator_facts,
-                                  lambda c: c.get("n_predict")),
-}
 
 
 def _method(cfg: dict[str, Any]) -> DraftMethodSpec:
@@ -224,10 +169,10 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
         HubError: no registered method recognises ``cfg``.
     """
     spec = _method(cfg)
-    card = _METHOD_CARDS.get(spec.name) or _MethodCard(spec.name, f"a {spec.name} draft", lambda c: [], lambda c: None)
+    card = spec.format.card
     target = _verifier(cfg, recipe) or "TARGET"
     k = card.num_speculative_tokens(cfg) or 3
-    serve_spec = spec.speculative_config(repo_id, k)
+    serve_spec = spec_config.for_export(spec, repo_id, k)
     front: dict[str, Any] = {"base_model": target, "license": card_license or target_license(target) or "other"}
     datasets = hub_datasets(recipe)
     if datasets:

@@ -71,10 +71,13 @@ import torch.nn.functional as F
 
 from ..data_prep.capture import AuxHiddenStateCapture, decoder_layers
 from ..data_prep.target import DEVICE_HELP
-from ..layout import DraftLoadError, read_export
-from ..layout import read_export_config as _read_config  # also eval/dflash.py's
+from ..layout import DraftLoadError, ExportError
+from ..layout import read_export_config as _read_config
 from ..methods import UnknownMethodError, method_of_export
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
+from ..models.eagle3.format import load_eagle3
+from ..models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
+from ..models.medusa.format import load_medusa
+from ..models.mlp_speculator.format import load_mlp_speculator
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
@@ -287,9 +290,9 @@ class Eagle3Proposer(Proposer):
     position ``m-1+i`` with the previous step's output hidden state and the drafted token
     ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
     (step-0 keys causally + the same position's earlier steps, see
-    :func:`draftsmith.models.eagle3.ttt_attention_mask`). Chained keys are cropped after
+    :func:`draftsmith.models.eagle3.model.ttt_attention_mask`). Chained keys are cropped after
     the proposal. The arithmetic is the model's own
-    (:meth:`draftsmith.models.eagle3.Eagle3DraftModel.step_cached`).
+    (:meth:`draftsmith.models.eagle3.model.Eagle3DraftModel.step_cached`).
     """
 
     def __init__(self, model: Eagle3DraftModel):
@@ -471,56 +474,33 @@ def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0
 # Loading exported drafts
 
 
-def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3DraftModel:
-    """An EAGLE-3 draft exported by ``eval/export.py`` (speculators format, or legacy
-    ``LlamaForCausalLMEagle3`` with ``midlayer.*`` weights).
-
-    Args:
-        embed_tokens: the target's input embedding ``[V, H]``, used when the export has none
-            (vLLM shares the target's embedding the same way).
-
-    Raises:
-        DraftLoadError: a config.json that is no EAGLE-3 export (:meth:`Eagle3Config.from_export`),
-            missing / unexpected / mis-shaped tensors, or no embedding anywhere.
-    """
-    config, state, weights = read_export(path, Eagle3Config.from_export)
-    embed = state.pop("embed_tokens.weight", embed_tokens)
-    if embed is None:
-        raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")
-    model = Eagle3DraftModel(config)
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatches
-        raise DraftLoadError(f"{weights}: {exc}") from exc
-    if result.missing_keys or result.unexpected_keys:
-        raise DraftLoadError(f"{weights}: missing tensors {result.missing_keys}, "
-                             f"unexpected tensors {result.unexpected_keys}")
-    try:
-        model.init_from_target(embed.float())
-    except ValueError as exc:
-        raise DraftLoadError(f"{path}: {exc}") from exc
-    return model.eval().requires_grad_(False)
-
-
 def eagle3_proposer(path: Path, target_model: Any | None = None) -> Eagle3Proposer:
     """The proposer of an EAGLE-3 export, sharing ``target_model``'s input embedding.
 
     Raises:
-        DraftLoadError: see :func:`load_eagle3`; aux layer ids the target does not have.
+        DraftLoadError: see :func:`~draftsmith.models.eagle3.format.load_eagle3`; aux layer ids the target does not have.
     """
     embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
     model = load_eagle3(path, embed)
     if target_model is not None:
-        n_layers = len(decoder_layers(target_model))
-        if not all(0 <= L < n_layers for L in model.config.aux_layer_ids):
-            raise DraftLoadError(f"{path / 'config.json'}: aux layer ids {model.config.aux_layer_ids} out of "
-                                 f"range for a target with {n_layers} decoder layers")
+        check_aux_layers(path, model.config.aux_layer_ids, target_model)
     return Eagle3Proposer(model)
 
 
-def _head_export(loader: Any, path: Path) -> Any:
-    from .export import ExportError
+def check_aux_layers(path: Path, aux_layer_ids: list[int], target_model: Any, lowest: int = 0) -> None:
+    """Refuse a draft (export folder ``path``) reading aux layer ids the target has no decoder
+    layer for (``lowest``: the smallest id the format allows).
 
+    Raises:
+        DraftLoadError: naming the ids and the target's layer count.
+    """
+    n_layers = len(decoder_layers(target_model))
+    if not all(lowest <= L < n_layers for L in aux_layer_ids):
+        raise DraftLoadError(f"{Path(path) / 'config.json'}: aux layer ids {aux_layer_ids} out of "
+                             f"range for a target with {n_layers} decoder layers")
+
+
+def _head_export(loader: Any, path: Path) -> Any:
     try:
         return loader(path).requires_grad_(False)
     except (ExportError, KeyError) as exc:
@@ -528,24 +508,20 @@ def _head_export(loader: Any, path: Path) -> Any:
 
 
 def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaProposer:
-    """The proposer of a Medusa export (:func:`draftsmith.eval.export_heads.load_medusa`).
+    """The proposer of a Medusa export (:func:`draftsmith.models.medusa.format.load_medusa`).
 
     Raises:
         DraftLoadError: the folder does not load.
     """
-    from .export_heads import load_medusa
-
     return MedusaProposer(_head_export(load_medusa, path))
 
 
 def mlp_speculator_proposer(path: Path, target_model: Any | None = None) -> MLPSpeculatorProposer:
-    """The proposer of an MLP-speculator export (:func:`draftsmith.eval.export_heads.load_mlp_speculator`).
+    """The proposer of an MLP-speculator export (:func:`draftsmith.models.mlp_speculator.format.load_mlp_speculator`).
 
     Raises:
         DraftLoadError: the folder does not load.
     """
-    from .export_heads import load_mlp_speculator
-
     return MLPSpeculatorProposer(_head_export(load_mlp_speculator, path))
 
 

@@ -103,8 +103,9 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     from draftsmith.data_prep.target import validate_aux_layer_ids
     from draftsmith.eval.acceptance import check_draft_matches_target
     from draftsmith.eval.export import export
-    from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from draftsmith.layout import DraftCheckpointConfig, safe_path
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
     from draftsmith.recipe import load_recipe
     from draftsmith.train.checkpoint import check_checkpoint_shapes
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from ..data_prep.traffic import TrafficError, holdout_split, read_traffic
 from ..layout import DraftLoadError, read_export
-from ..models.eagle3 import Eagle3Config
+from ..models.eagle3.config import Eagle3Config
 from ..recipe import RecipeError, dump_recipe, load_recipe
 
 

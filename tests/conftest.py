@@ -145,7 +145,7 @@ def write_draft_checkpoint(model: torch.nn.Module, directory: Path, method: str,
 
 def dflash_tiny_config(**kw):
     """A tiny DFlash draft geometry (GQA, 2 layers, blocks of 4), overridden by ``kw``."""
-    from draftsmith.models.dflash import DFlashConfig
+    from draftsmith.models.dflash.config import DFlashConfig
 
     base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
@@ -157,7 +157,7 @@ def dflash_tiny_config(**kw):
 def random_dflash_model(cfg, seed: int = 0, **model_kw):
     """A DFlash draft with random weights everywhere, norms included (ones would hide a norm applied
     in the wrong place), a random target embedding and an identity-prefix vocab map; in eval mode."""
-    from draftsmith.models.dflash import DFlashDraftModel
+    from draftsmith.models.dflash.model import DFlashDraftModel
 
     torch.manual_seed(seed)
     model = DFlashDraftModel(cfg, **model_kw)

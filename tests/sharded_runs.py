@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.eval.export import export, read_checkpoint
+from draftsmith.eval.export import export
+from draftsmith.train.checkpoint import read_draft
 from draftsmith.train.checkpoint import find_checkpoints
 
 # 4 optimizer steps, a checkpoint after step 2 (and the final one at 4), both kept
@@ -49,7 +50,7 @@ def assert_export_matches_checkpoint(run: Path, out: Path) -> None:
     """The run's last checkpoint exports, and the export holds exactly its trained tensors."""
     ckpt = find_checkpoints(run / "checkpoints")[-1]
     export(ckpt, out)
-    _, _, state = read_checkpoint(ckpt)
+    state = read_draft(ckpt).state
     exported = load_file(str(out / "model.safetensors"))
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)

@@ -14,6 +14,7 @@ import pytest
 
 from draftsmith.eval import acceptance
 from draftsmith.eval.acceptance import DraftMismatchError, build_parser, draft_method, vllm_speculative_config
+from draftsmith.methods import get_method
 
 VERIFIER = {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]}
 LAYER = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -200,8 +201,9 @@ class FakeWorkerProcess:
 def test_measure_runs_the_methods_target_check_then_the_worker_with_its_registry_name(tmp_path, monkeypatch):
     draft, target = export_dir(tmp_path, "peagle"), tmp_path / "target"
     checked = []
-    monkeypatch.setattr("draftsmith.eval.peagle.check_peagle_matches_target",
-                        lambda export, tgt: checked.append((export, tgt)))
+    spec = get_method("peagle")
+    assert spec.target_check is not None  # the eval layer's parts are attached
+    monkeypatch.setitem(spec.parts, "target_check", lambda export, tgt: checked.append((export, tgt)))
     FakeWorkerProcess.commands = []
     monkeypatch.setattr(subprocess, "Popen", FakeWorkerProcess)
     out = tmp_path / "acceptance.json"
@@ -217,7 +219,9 @@ def test_measure_refuses_a_draft_its_target_check_rejects_before_starting_vllm(t
     def reject(export, target):
         raise DraftMismatchError(f"{export} does not match target {target}: draft hidden_size 64 != target 576")
 
-    monkeypatch.setattr("draftsmith.eval.dflash.check_dflash_matches_target", reject)
+    spec = get_method("dflash")
+    assert spec.target_check is not None  # the eval layer's parts are attached
+    monkeypatch.setitem(spec.parts, "target_check", reject)
     FakeWorkerProcess.commands = []
     monkeypatch.setattr(subprocess, "Popen", FakeWorkerProcess)
     with pytest.raises(DraftMismatchError, match="hidden_size 64 != target 576"):

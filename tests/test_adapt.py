@@ -128,7 +128,7 @@ def _digest(folder: Path) -> str:
 
 def _fake_export(folder: Path) -> Path:
     """An EAGLE-3 export folder as far as adapt's checks read it (a real config, one weight)."""
-    from draftsmith.models.eagle3 import Eagle3Config
+    from draftsmith.models.eagle3.config import Eagle3Config
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_a_folder_that_is_no_export_is_named(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_target, tmp_path):
-    from draftsmith.eval.spec_decode import load_eagle3
+    from draftsmith.models.eagle3.format import load_eagle3
     from draftsmith.recipe import dump_recipe
     from test_pipeline import tiny_deployed_draft
 

@@ -12,16 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import draftsmith.models.dflash as dflash
-import draftsmith.models.eagle3 as eagle3
-from draftsmith.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    block_attention,
-    block_attention_mask,
-    sample_anchors,
-    slot_weights,
-)
+import draftsmith.models.dflash.model as dflash
+import draftsmith.models.eagle3.model as eagle3
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dflash.model import (DFlashDraftModel, block_attention, block_attention_mask, sample_anchors, slot_weights)
 from draftsmith.train.losses import LossSpec, TargetDraftHead
 from draftsmith.train.method_dflash import dflash_step
 

@@ -10,14 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftsmith.models.eagle3 import (
-    Eagle3Config,
-    Eagle3DraftModel,
-    TTTMask,
-    same_document,
-    ttt_attention,
-    ttt_plan,
-)
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, same_document, ttt_attention, ttt_plan
 from draftsmith.train.losses import LossSpec, TargetDraftHead, chunked_distill
 
 

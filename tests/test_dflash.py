@@ -16,28 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.dflash import (
-    DFlashProposer,
-    check_dflash_matches_target,
-    dflash_proposer,
-    expected_dflash_weights,
-    export_dflash,
-    is_dflash_export,
-    load_dflash,
-)
-from draftsmith.eval.export import ExportError
-from draftsmith.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    DFlashKVCache,
-    anchor_count,
-    block_attention,
-    block_attention_mask,
-    block_labels,
-    sample_anchors,
-    slot_weights,
-    valid_anchor_mask,
-)
+from draftsmith.eval.acceptance import check_draft_matches_target
+from draftsmith.eval.dflash import DFlashProposer, dflash_proposer
+from draftsmith.eval.export import export
+from draftsmith.layout import ExportError
+from draftsmith.models.dflash.format import expected_dflash_weights, is_dflash_export, load_dflash
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dflash.model import (DFlashDraftModel, DFlashKVCache, anchor_count, block_attention, block_attention_mask, block_labels, sample_anchors, slot_weights, valid_anchor_mask)
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
 from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
 
@@ -433,7 +418,7 @@ def make_checkpoint(tmp_path: Path, cfg: DFlashConfig) -> tuple[Path, dict]:
 def test_export_writes_exactly_the_tensors_vllm_loads(tmp_path, draft_vocab):
     cfg = tiny_config(draft_vocab_size=draft_vocab)
     ckpt, state = make_checkpoint(tmp_path, cfg)
-    out = export_dflash(ckpt, tmp_path / "out")
+    out = export(ckpt, tmp_path / "out")
     weights = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected_dflash_weights(cfg)
     assert ("d2t" in weights) == (draft_vocab < 50) and "embed_tokens.weight" not in weights
@@ -444,7 +429,7 @@ def test_export_writes_exactly_the_tensors_vllm_loads(tmp_path, draft_vocab):
     for k, v in weights.items():
         torch.testing.assert_close(loaded.state_dict()[k], v)
     with pytest.raises(ExportError, match="block_size=4"):
-        export_dflash(ckpt, tmp_path / "k7", num_speculative_tokens=7)
+        export(ckpt, tmp_path / "k7", num_speculative_tokens=7)
 
 
 def test_export_refuses_missing_or_extra_tensors(tmp_path):
@@ -454,14 +439,14 @@ def test_export_refuses_missing_or_extra_tensors(tmp_path):
     missing = {k: v for k, v in state.items() if k != "layers.1.self_attn.q_norm.weight"}
     save_file({k: v.contiguous() for k, v in missing.items()}, str(weights))
     with pytest.raises(ExportError, match=r"missing \['layers.1.self_attn.q_norm.weight'\]"):
-        export_dflash(ckpt, tmp_path / "a")
+        export(ckpt, tmp_path / "a")
     save_file({**{k: v.contiguous() for k, v in state.items()}, "mask_hidden": torch.zeros(1, 48)}, str(weights))
     with pytest.raises(ExportError, match=r"unexpected \['mask_hidden'\]"):
-        export_dflash(ckpt, tmp_path / "b")
+        export(ckpt, tmp_path / "b")
     bad = dict(state, **{"fc.weight": torch.zeros(32, 24)})
     save_file({k: v.contiguous() for k, v in bad.items()}, str(weights))
     with pytest.raises(ExportError, match="fc.weight"):
-        export_dflash(ckpt, tmp_path / "c")
+        export(ckpt, tmp_path / "c")
 
 
 def test_proposer_refuses_more_tokens_than_the_block_holds():
@@ -494,9 +479,9 @@ def test_export_for_another_target_is_refused(tmp_path, tiny_target):
     from draftsmith.eval.acceptance import DraftMismatchError
 
     ckpt, _ = make_checkpoint(tmp_path, tiny_config())  # H=32, V=50 vs the tiny target's 128 / 512
-    out = export_dflash(ckpt, tmp_path / "out")
+    out = export(ckpt, tmp_path / "out")
     with pytest.raises(DraftMismatchError, match="hidden_size 32 != target 128.*vocab_size 50 != target 512"):
-        check_dflash_matches_target(out, tiny_target)
+        check_draft_matches_target(out, tiny_target)
 
 
 # ------------------------------------------------------------------------------------------
@@ -551,8 +536,8 @@ def test_export_of_the_trained_draft_decodes_losslessly(trained, tiny_target, tm
     from draftsmith.train.checkpoint import find_checkpoints
 
     recipe, run = trained
-    out = export_dflash(find_checkpoints(run / "checkpoints")[-1], tmp_path / "export")
-    check_dflash_matches_target(out, tiny_target)
+    out = export(find_checkpoints(run / "checkpoints")[-1], tmp_path / "export")
+    check_draft_matches_target(out, tiny_target)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
     proposer = dflash_proposer(out, model)

@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from draftsmith.models.eagle3 import (
-    Eagle3Config,
-    Eagle3DraftModel,
-    shift_left,
-    ttt_attention,
-    ttt_attention_mask,
-    ttt_prediction_mask,
-)
+from draftsmith.models.common import shift_left
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
 from draftsmith.train.losses import TargetDraftHead
 
 from reference_losses import ttt_loss

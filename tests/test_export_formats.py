@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from draftsmith.eval.export import export
-from draftsmith.eval.spec_decode import load_eagle3
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, rope_theta_and_scaling
+from draftsmith.models.eagle3.format import load_eagle3
+from draftsmith.models.common import rope_theta_and_scaling
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 
 from conftest import write_draft_checkpoint
 
@@ -148,7 +150,7 @@ def test_biases_are_exported_under_the_names_and_config_keys_vllm_reads(tmp_path
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["speculators", "legacy"])
 def test_export_facts_read_either_format_as_from_export_does(legacy):
-    from draftsmith.models.eagle3 import Eagle3ExportFacts
+    from draftsmith.models.eagle3.config import Eagle3ExportFacts
 
     cfg = tiny(target_hidden_size=48, norm_before_residual=False)
     verifier = {"name_or_path": "t", "architectures": ["LlamaForCausalLM"]}

@@ -76,7 +76,7 @@ def _tied_mlp_speculator(tiny_target, prompts, **train):
 def test_fsdp2_trains_and_exports_the_head_methods(tiny_target, tmp_path, method, make_recipe):
     # the wrap unit comes from each model (Medusa: its head blocks; MLP speculator: the root, its
     # stages share tensors when tied), so the same launcher serves every method
-    from draftsmith.eval.export_heads import export_head_draft
+    from draftsmith.eval.export import export
 
     recipe_path = prepare_twin_runs(tiny_target, tmp_path, make_recipe)
     launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29620, script=f"{method}.py")
@@ -86,7 +86,7 @@ def test_fsdp2_trains_and_exports_the_head_methods(tiny_target, tmp_path, method
     assert json.loads((ckpt / "train_state.json").read_text())["distributed_type"] == "FSDP"
     assert_same_losses(tmp_path / "one", two, RTOL)
     assert_same_weights(checkpoint_weights(tmp_path / "one"), checkpoint_weights(two), lr=recipe_lr(recipe_path))
-    out = export_head_draft(ckpt, tmp_path / "export")
+    out = export(ckpt, tmp_path / "export")
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 

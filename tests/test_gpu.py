@@ -35,10 +35,11 @@ from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
 from benchmarks import gpu as bench_gpu
-from draftsmith.eval.export import expected_weight_shapes, read_checkpoint
-from draftsmith.models.dflash import block_attention, block_attention_mask, sample_anchors
-from draftsmith.models.eagle3 import Eagle3DraftModel, TTTMask, ttt_attention
-from draftsmith.models.peagle import CODMask, cod_sample, step0_prediction_mask
+from draftsmith.models.eagle3.format import expected_weight_shapes
+from draftsmith.train.checkpoint import read_draft
+from draftsmith.models.dflash.model import block_attention, block_attention_mask, sample_anchors
+from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, ttt_attention
+from draftsmith.models.peagle.model import CODMask, cod_sample, step0_prediction_mask
 from draftsmith.recipe import DFlashDraftConfig, PEagleDraftConfig, Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 
@@ -575,7 +576,7 @@ def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tin
     exported = subprocess.run([sys.executable, "-m", "draftsmith.eval.export", str(run), "--out", str(out)],
                               capture_output=True, text=True, env=child_env(), timeout=TIMEOUT_S)
     assert exported.returncode == 0, exported.stderr[-4000:]
-    _, cfg, _ = read_checkpoint(final)
+    cfg = read_draft(final).config
     export = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in export.items()} == expected_weight_shapes(cfg)
     for k, v in export.items():  # the export may upcast (bf16 under DeepSpeed -> fp32): exact either way

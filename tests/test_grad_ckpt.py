@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from reference_losses import ttt_loss
 
 from test_eagle3_model import tiny_config

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.train.losses import head_targets
 
 from reference_losses import head_loss

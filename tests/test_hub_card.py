@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO = "alice/smollm2-draft"
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-# config.json of each method's export, as eval/export.py / eval/export_heads.py write them
+# config.json of each method's export, as its format (models/<method>/format.py) writes it
 EXPORT_CONFIGS = {
     "eagle3": {
         "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
@@ -137,3 +137,25 @@ def test_an_attachment_of_another_schema_is_refused_naming_the_file(tmp_path):
     bad.write_text(json.dumps({"meta": {}, "configs": {"eagle3": {"status": "maybe"}}}))
     with pytest.raises(hub.HubError, match="results.json: cannot read the serving results"):
         hub.prepare_folder(run["export"], tmp_path / "hub", REPO, serve=bad)
+
+
+def test_dflash_and_peagle_exports_get_their_own_card_text():
+    from draftsmith.models.dflash.config import DFlashConfig
+    from draftsmith.models.peagle.config import PEagleConfig
+
+    verifier = {"name_or_path": TARGET, "architectures": ["LlamaForCausalLM"]}
+    dflash = DFlashConfig(hidden_size=576, intermediate_size=1536, num_layers=2, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, draft_vocab_size=8192,
+                          aux_layer_ids=[2, 15, 27], block_size=8, mask_token_id=5)
+    peagle = PEagleConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, vocab_size=49152, draft_vocab_size=8192, aux_layer_ids=[2, 15, 27],
+                          num_layers=2, num_depths=4, mask_token_id=5)
+    cards = {"dflash": hub.model_card(dflash.to_speculators(verifier, 7, "bfloat16", "0.3.0", {}), REPO),
+             "peagle": hub.model_card(peagle.to_speculators(verifier, 3, "bfloat16", "0.3.0", {"num_depths": 4}),
+                                       REPO)}
+    assert "# DFlash draft for" in cards["dflash"] and "arXiv:2602.06036" in cards["dflash"]
+    assert "block of 8 positions" in cards["dflash"] and "num_speculative_tokens 7" in cards["dflash"]
+    assert '"method": "dflash"' in cards["dflash"]
+    assert "# P-EAGLE draft for" in cards["peagle"] and "arXiv:2602.01469" in cards["peagle"]
+    assert "up to 4 tokens" in cards["peagle"] and "default num_speculative_tokens 3" in cards["peagle"]
+    assert '"parallel_drafting": true' in cards["peagle"]

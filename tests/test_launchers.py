@@ -57,9 +57,10 @@ def test_fsdp_launcher_wraps_the_models_own_blocks(method, blocks):
 
 
 def tiny_models():
-    from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-    from draftsmith.models.medusa import MedusaConfig, MedusaModel
-    from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+    from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
+    from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
     eagle = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=8, vocab_size=64, draft_vocab_size=32, aux_layer_ids=[0, 1, 2])

@@ -115,7 +115,8 @@ def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
 
 
 def _tiny_eagle3(seed: int = 0):
-    from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
 
     torch.manual_seed(seed)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

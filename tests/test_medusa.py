@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.eval.export import ExportError, export
-from draftsmith.eval.export_heads import load_medusa, medusa_weight_shapes
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
+from draftsmith.eval.export import export
+from draftsmith.layout import ExportError
+from draftsmith.models.medusa.format import load_medusa, medusa_weight_shapes
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
 from draftsmith.recipe import MedusaDraftConfig
 from draftsmith.train.losses import head_targets
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
-from draftsmith.eval.export_heads import load_mlp_speculator
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.mlp_speculator.format import load_mlp_speculator
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.recipe import MLPSpeculatorDraftConfig, RecipeError, load_recipe
 from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
 from draftsmith.train.checkpoint import find_checkpoints

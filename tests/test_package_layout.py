@@ -12,7 +12,7 @@ from draftsmith.methods import get_method, registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = {"tests", "scripts", "benchmarks", "runs", "docs", "recipes", ".venv", "build"}
-ENTRY_SCRIPTS = {get_method(m).train_script for m in registered_methods()}  # run as files
+ENTRY_SCRIPTS = {f"train/{m}.py" for m in registered_methods()}  # run as files
 # what each top-level folder may import from the others: the pipeline flows data_prep -> train ->
 # eval -> serve with models below all of them and vllm_bridge beside them (it imports no stage)
 MAY_IMPORT = {
@@ -96,3 +96,36 @@ def test_the_checker_sees_a_backward_import(tmp_path, monkeypatch):
             test_data_flows_one_way_and_the_package_never_imports_its_tests()
     finally:
         fake.unlink()
+
+
+# the layer each part of a registered method comes from (draftsmith.methods): the method package
+# registers its model and format, recipe.py its section, train/ and eval/ attach theirs
+PART_LAYERS = {"config_class": "models", "model_class": "models", "format": "models", "recipe_config": "recipe",
+               "training_method": "train", "parameter_estimator": "train",
+               "proposer_factory": "eval", "target_check": "eval", "vllm_serve_check": "vllm_bridge"}
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_registered_parts_live_in_the_layer_that_owns_them(name):
+    spec = get_method(name)
+    wrong = []
+    for part, layer in PART_LAYERS.items():
+        obj = getattr(spec, part)
+        if obj is None:
+            continue
+        objects = [obj]
+        if part == "format":  # a DraftFormat of models.common: its functions are the method package's
+            objects = [obj.detect, obj.export, obj.load, obj.card.facts, obj.card.num_speculative_tokens,
+                       *([obj.fit] if obj.fit else [])]
+        for o in objects:
+            module = getattr(o, "func", o).__module__  # functools.partial: the function it wraps
+            parts = module.split(".")
+            if parts[0] != "draftsmith" or parts[1] != layer or (layer == "models" and parts[2] not in (name, "common")):
+                wrong.append(f"{name}.{part}: {module}")
+    assert wrong == []
+
+
+def test_the_registry_imports_no_layer_at_import_time():
+    # methods.py loads the method packages and the train / eval parts on use, never on import
+    imports = [m for _, m in imported_modules(ROOT / "methods.py") if m.startswith("draftsmith")]
+    assert imports == []

@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.train.data import collate
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.models.eagle3 import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
+from draftsmith.models.eagle3.model import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
 from draftsmith.train.method_eagle3 import Eagle3Method
 from reference_losses import ttt_loss
 from draftsmith.train.packing import PackedDataset, collate_packed, first_fit_packs

@@ -12,24 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.export import ExportError, is_eagle3_export
-from draftsmith.eval.peagle import (
-    PEagleProposer,
-    check_peagle_matches_target,
-    expected_peagle_weights,
-    export_peagle,
-    is_peagle_export,
-    load_peagle,
-)
+from draftsmith.eval.acceptance import check_draft_matches_target
+from draftsmith.eval.export import export
+from draftsmith.eval.peagle import PEagleProposer
+from draftsmith.layout import ExportError
+from draftsmith.models.eagle3.format import is_eagle3_export
+from draftsmith.models.peagle.format import expected_peagle_weights, is_peagle_export, load_peagle
 from draftsmith.methods import method_of_export
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3KVCache
-from draftsmith.models.peagle import (
-    CODElements,
-    PEagleConfig,
-    PEagleDraftModel,
-    cod_attention_mask,
-    cod_sample,
-)
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import CODElements, PEagleDraftModel, cod_attention_mask, cod_sample
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
 from conftest import write_draft_checkpoint
@@ -208,7 +201,7 @@ def checkpoint(tmp_path: Path, **kw) -> tuple[Path, PEagleDraftModel]:
 
 def test_export_writes_exactly_the_expected_tensors_and_config(tmp_path):
     ckpt, model = checkpoint(tmp_path, num_layers=3)
-    out = export_peagle(ckpt, tmp_path / "out", num_speculative_tokens=3)
+    out = export(ckpt, tmp_path / "out", num_speculative_tokens=3)
     weights = load_file(str(out / "model.safetensors"))
     want = expected_peagle_weights(model.config)
     assert {k: tuple(v.shape) for k, v in weights.items()} == want
@@ -237,7 +230,7 @@ def test_export_writes_exactly_the_expected_tensors_and_config(tmp_path):
 
 def test_export_ships_trained_embeddings(tmp_path):
     ckpt, model = checkpoint(tmp_path, train_embeddings=True)
-    out = export_peagle(ckpt, tmp_path / "out")
+    out = export(ckpt, tmp_path / "out")
     weights = load_file(str(out / "model.safetensors"))
     assert weights["embed_tokens.weight"].shape == (V, H)
     torch.testing.assert_close(weights["embed_tokens.weight"], model.embed_tokens.detach())
@@ -249,7 +242,7 @@ def test_export_refuses_missing_extra_or_misshaped_tensors_and_k_above_depths(tm
     ckpt, _ = checkpoint(tmp_path)
     state = load_file(str(ckpt / "model.safetensors"))
     with pytest.raises(ExportError, match=r"num_depths=4"):
-        export_peagle(ckpt, tmp_path / "k", num_speculative_tokens=5)
+        export(ckpt, tmp_path / "k", num_speculative_tokens=5)
     for name, edit in [("missing", lambda s: s.pop("mask_hidden")),
                        ("unexpected", lambda s: s.__setitem__("layers.1.hidden_norm.weight", torch.ones(H))),
                        ("mis-shaped", lambda s: s.__setitem__("fc.weight", torch.zeros(H, 2 * H)))]:
@@ -257,7 +250,7 @@ def test_export_refuses_missing_extra_or_misshaped_tensors_and_k_above_depths(tm
         edit(s)
         save_file(s, str(ckpt / "model.safetensors"))
         with pytest.raises(ExportError, match=name):
-            export_peagle(ckpt, tmp_path / name)
+            export(ckpt, tmp_path / name)
 
 
 def test_proposer_is_one_parallel_forward_and_refuses_k_above_depths():
@@ -313,7 +306,6 @@ def peagle_run(tiny_target, tmp_path_factory):
 @pytest.mark.integration
 def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_target, tmp_path):
     from draftsmith.data_prep.target import load_target
-    from draftsmith.eval.export import export
     from draftsmith.eval.spec_decode import SpecCounters, Target, load_draft, plain_generate, speculative_generate
     from draftsmith.train.checkpoint import find_checkpoints
     from draftsmith.train.method_peagle import PEagleMethod
@@ -335,12 +327,12 @@ def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_tar
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == method.config.mask_token_id
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    check_peagle_matches_target(out, tiny_target)
+    check_draft_matches_target(out, tiny_target)
     from conftest import build_tiny_target
     from draftsmith.eval.acceptance import DraftMismatchError
 
     with pytest.raises(DraftMismatchError, match="vocab_size"):
-        check_peagle_matches_target(out, build_tiny_target(tmp_path / "other", vocab_size=640))
+        check_draft_matches_target(out, build_tiny_target(tmp_path / "other", vocab_size=640))
 
     model, tok = load_target(tiny_target, torch.float32)
     proposer = load_draft(out, model)

@@ -10,9 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.eval.export import ExportError, export, expected_weight_shapes, read_checkpoint
+from draftsmith.eval.export import export
+from draftsmith.layout import ExportError
+from draftsmith.models.eagle3.format import expected_weight_shapes
+from draftsmith.train.checkpoint import read_draft
 from draftsmith.layout import DataPaths, read_tokenized
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
@@ -121,7 +124,8 @@ def test_train_loss_goes_down_then_export_reloads(prepared, tmp_path):
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 512
 
-    meta, dcfg, state = read_checkpoint(ckpt)
+    draft = read_draft(ckpt)
+    dcfg, state = draft.config, draft.state
     weights = load_file(str(out / "model.safetensors"))
     shapes = expected_weight_shapes(dcfg)
     assert {k: tuple(v.shape) for k, v in weights.items()} == shapes

@@ -4,18 +4,20 @@ registry's facts agree with the classes it points to."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
 
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
-from draftsmith.models.dflash import DFlashConfig
-from draftsmith.models.eagle3 import Eagle3Config
-from draftsmith.models.medusa import MedusaConfig
-from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
-from draftsmith.models.peagle import PEagleConfig
-from draftsmith.recipe import DRAFT_SECTIONS, load_recipe
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.medusa.model import MedusaConfig
+from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.eval.export import export, load_export
+from draftsmith.recipe import draft_sections, load_recipe
 
 from conftest import write_draft_checkpoint
 
@@ -57,10 +59,10 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
     target = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V}
     state = write_draft_checkpoint(model, ckpt, name, target)
 
-    out = spec.exporter(ckpt, tmp_path / "export", dtype="float32")
+    out = export(ckpt, tmp_path / "export", dtype="float32")
     config = json.loads((out / "config.json").read_text())
     assert method_of_export(config) is spec
-    loaded = spec.export_loader(out, embed) if name in SHARED_EMBEDDING else spec.export_loader(out)
+    loaded = load_export(out, embed) if name in SHARED_EMBEDDING else load_export(out)
 
     assert type(loaded) is spec.model_class
     reloaded = loaded.state_dict()
@@ -79,29 +81,39 @@ def test_unknown_export_format_is_an_error_listing_the_registered_names():
 
 
 @pytest.mark.parametrize("name", registered_methods())
-def test_model_class_declares_the_fsdp_blocks_the_registry_reports(name):
+def test_model_class_has_the_fsdp_blocks_it_declares(name):
     spec = get_method(name)
-    assert tuple(spec.model_class._no_split_modules) == spec.fsdp_block_classes
+    assert type(TINY_CONFIGS[name]) is spec.config_class
     model = spec.model_class(TINY_CONFIGS[name])
     present = {type(m).__name__ for m in model.modules()}
-    assert set(spec.fsdp_block_classes) <= present
+    assert set(spec.model_class._no_split_modules) <= present
 
 
 @pytest.mark.parametrize("name", registered_methods())
 def test_training_method_and_entry_script_are_the_methods_own(name):
     spec = get_method(name)
     assert spec.training_method.name == name
-    assert spec.train_script == f"train/{name}.py"
     assert spec.train_module == f"draftsmith.train.{name}"
+    assert importlib.util.find_spec(spec.train_module) is not None
 
 
 def test_every_registered_method_has_one_draft_section():
-    assert tuple(DRAFT_SECTIONS) == registered_methods()
+    sections = draft_sections()
+    assert tuple(sections) == registered_methods()
+    assert all(sections[m].model_fields["method"].default == m for m in sections)
 
 
 @pytest.mark.parametrize("name", registered_methods())
 def test_the_draft_union_picks_the_methods_section(name):
     spec = get_method(name)
-    assert spec.recipe_config is DRAFT_SECTIONS[name]
+    assert spec.recipe_config is draft_sections()[name]
     recipe = load_recipe(None, [f"draft.method={name}"])
     assert type(recipe.draft) is spec.recipe_config and recipe.draft.method == name
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_every_method_has_a_model_card_and_every_part_attached(name):
+    spec = get_method(name)
+    card = spec.format.card
+    assert card.title and card.summary and name not in (card.title, card.summary)
+    assert callable(spec.proposer_factory) and callable(spec.parameter_estimator)
+    assert (spec.target_check is None) == (spec.format.fit is None)

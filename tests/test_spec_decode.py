@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import summarise
 from draftsmith.eval.export import export
-from draftsmith.eval.export_heads import export_medusa, export_mlp_speculator
 from draftsmith.eval.spec_decode import (
     DraftLoadError,
     Eagle3Proposer,
@@ -30,9 +29,10 @@ from draftsmith.eval.spec_decode import (
     verify,
 )
 from draftsmith.layout import DraftCheckpointConfig
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
 from conftest import TINY_AUX
 
@@ -424,7 +424,7 @@ def test_exported_draft_loads_and_proposes_like_the_trained_one(tiny, tmp_path, 
     if base == "eagle3":
         export(ckpt, out, legacy=kind == "eagle3_legacy")
     else:
-        (export_medusa if base == "medusa" else export_mlp_speculator)(ckpt, out)
+        export(ckpt, out)
     loaded = load_draft(out, model)
     assert type(loaded) is type(proposer)
     for name, tensor in loaded.model.state_dict().items():

@@ -30,9 +30,12 @@ from transformers import AutoConfig, GptOssConfig, LlamaConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from draftsmith.models.dflash import DFlashConfig, DFlashDraftModel
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from draftsmith.models.peagle import PEagleConfig, PEagleDraftModel
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dflash.model import DFlashDraftModel
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import PEagleDraftModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -314,7 +317,8 @@ def test_spec_decode_compare_and_export_default_to_auto():
 def test_export_auto_writes_float32_on_a_cpu_machine_and_bf16_on_a_gpu_one(tmp_path, monkeypatch, cuda):
     from safetensors.torch import load_file
 
-    from draftsmith.eval.export import ExportError, export
+    from draftsmith.eval.export import export
+    from draftsmith.layout import ExportError
 
     from conftest import write_draft_checkpoint
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
-from draftsmith.eval.dflash import export_dflash
+from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_dflash import DFlashMethod
@@ -96,7 +96,7 @@ def vllm_runs(tiny_target, tmp_path_factory):
     run = where / "run"
     prepare(recipe, run)
     fit(recipe, DFlashMethod(recipe, run), run, progress=False)
-    draft = export_dflash(find_checkpoints(run / "checkpoints")[-1], run / "export")
+    draft = export(find_checkpoints(run / "checkpoints")[-1], run / "export")
     out = where / "out"
     out.mkdir()
     model, tokenizer = load_target(tiny_target, dtype=torch.float32, device="cpu")
@@ -155,7 +155,7 @@ def test_greedy_speculative_output_equals_plain(vllm_runs):
 
 def test_vllm_dflash_accepts_what_the_reference_decoder_accepts(vllm_runs):
     # Same target, prompts, K and export at T=0: if vLLM's qwen3_dflash computes what
-    # models/dflash.py computes (context path, k_norm, RoPE positions, non-causal block, mask id),
+    # models/dflash/model.py computes (context path, k_norm, RoPE positions, non-causal block, mask id),
     # it proposes the same tokens, so the same number are accepted at each position.
     vllm, ref = vllm_runs["trained"]["counters"], vllm_runs["reference"]["counters"]
     assert vllm_runs["reference"]["outputs"] == vllm_runs["plain"]["outputs"]

@@ -1,4 +1,4 @@
-"""Parity of OUR EAGLE-3 draft (models/eagle3.py) with vLLM's ``llama_eagle3`` draft, layer by layer.
+"""Parity of OUR EAGLE-3 draft (models/eagle3/model.py) with vLLM's ``llama_eagle3`` draft, layer by layer.
 
 A tiny random :class:`Eagle3DraftModel` is exported with ``eval/export.py``; vLLM's own
 ``Eagle3LlamaForCausalLM`` is built from that export the way its engine builds it (the draft's
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.export import export
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DecoderLayer, Eagle3DraftModel
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DecoderLayer, Eagle3DraftModel
 
 from conftest import build_tokenizer, write_draft_checkpoint
 

@@ -229,8 +229,9 @@ def two_layer_dflash_export(tiny_target, tmp_path_factory):
     """A random-weight 2-layer DFlash export of the tiny target, each layer's k_norm different."""
     from conftest import write_draft_checkpoint
 
-    from draftsmith.eval.dflash import export_dflash
-    from draftsmith.models.dflash import DFlashConfig, DFlashDraftModel
+    from draftsmith.eval.export import export
+    from draftsmith.models.dflash.config import DFlashConfig
+    from draftsmith.models.dflash.model import DFlashDraftModel
 
     where = tmp_path_factory.mktemp("dflash_k_norm")
     cfg = DFlashConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_attention_heads=2,
@@ -247,7 +248,7 @@ def two_layer_dflash_export(tiny_target, tmp_path_factory):
     write_draft_checkpoint(model, where / "ckpt", "dflash",
                            {"name_or_path": str(tiny_target), "path": str(tiny_target),
                             "architectures": ["LlamaForCausalLM"]})
-    return export_dflash(where / "ckpt", where / "export")
+    return export(where / "ckpt", where / "export")
 
 
 @pytest.mark.vllm

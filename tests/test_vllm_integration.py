@@ -183,7 +183,7 @@ def test_greedy_speculative_output_equals_plain(vllm_runs):
 
 def test_vllm_draft_accepts_what_the_reference_decoder_accepts(vllm_runs):
     # Same target, prompts, K and export at T=0: if vLLM's llama_eagle3 computes what
-    # models/eagle3.py computes (norms, fc order, RoPE positions, d2t), it proposes the same
+    # models/eagle3/model.py computes (norms, fc order, RoPE positions, d2t), it proposes the same
     # tokens, so the same number are accepted at each position.
     vllm, ref = vllm_runs["trained"]["counters"], vllm_runs["reference"]["counters"]
     assert vllm_runs["reference"]["outputs"] == vllm_runs["plain"]["outputs"]

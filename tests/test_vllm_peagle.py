@@ -26,9 +26,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.eval.peagle import export_peagle
+from draftsmith.eval.export import export
 from draftsmith.methods import get_method
-from draftsmith.models.peagle import CODElements, PEagleConfig, PEagleDraftModel
+from draftsmith.vllm_bridge import spec_config
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import CODElements, PEagleDraftModel
 
 from conftest import write_draft_checkpoint
 from test_peagle import peagle_run  # noqa: F401  (module fixture: prepared tiny-target run)
@@ -89,7 +91,7 @@ def test_parallel_drafting_layout_matches_vllm(vllm_env, tmp_path, case):  # noq
 
     model = random_peagle(**case, num_depths=4)
     write_draft_checkpoint(model, tmp_path / "ckpt", "peagle", {"name_or_path": "tiny"})
-    export_dir = export_peagle(tmp_path / "ckpt", tmp_path / "export", num_speculative_tokens=K)
+    export_dir = export(tmp_path / "ckpt", tmp_path / "export", num_speculative_tokens=K)
     vmodel, config, loaded = vllm_peagle(export_dir, vllm_env)
     with torch.no_grad():  # the engine shares the target's embedding; here it is set by hand
         vmodel.model.embed_tokens.weight.copy_(model.embed_tokens)
@@ -179,13 +181,13 @@ def served(peagle_run, tiny_target, tmp_path_factory):  # noqa: F811
         done = subprocess.run([sys.executable, str(script), str(out / "peagle.yaml"), "--run-dir", str(run),
                                "--no-prepare"], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
-    draft = export_peagle(find_checkpoints(run / "checkpoints")[-1], out / "export", num_speculative_tokens=K)
+    draft = export(find_checkpoints(run / "checkpoints")[-1], out / "export", num_speculative_tokens=K)
     model, tokenizer = load_target(tiny_target, dtype=torch.float32, device="cpu")
     prompts = recipe.data.sources[0].path
     ids = prompt_token_ids(tokenizer, str(prompts))
     (out / "prompts.json").write_text(json.dumps(ids))
     (out / "run.py").write_text(VLLM_RUN)
-    specs = [get_method("peagle").speculative_config(str(draft), K), None]
+    specs = [spec_config.for_export(get_method("peagle"), str(draft), K), None]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(out / "run.py"), str(tiny_target), str(out / "prompts.json"), str(out),
                            json.dumps(specs)], capture_output=True, text=True, env=env, timeout=900)
@@ -198,7 +200,7 @@ def served(peagle_run, tiny_target, tmp_path_factory):  # noqa: F811
 
 
 def test_speculative_config_asks_for_parallel_drafting(tmp_path):
-    assert get_method("peagle").speculative_config("d", K) == {
+    assert spec_config.for_export(get_method("peagle"), "d", K) == {
         "method": "eagle3", "model": "d", "num_speculative_tokens": K, "parallel_drafting": True}
 
 

@@ -19,6 +19,10 @@ Saves are atomic: everything goes to ``.tmp-step-N`` and is renamed once complet
 mid-save leaves the previous checkpoint whole and the partial one is removed at the next start.
 A save that fills the disk removes its partial directory at once (freeing the space) and
 raises :class:`CheckpointError` naming the checkpoint and the bytes it needs.
+
+:func:`read_draft` is the one reader of a checkpoint's draft (``draft_config.json`` + weights)
+for everything downstream of training: export, warm start (and so ``draftsmith simulate``) and
+``draftsmith compare``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import torch
 
 from .. import __version__
 from ..data_prep.shards import atomic_file, is_disk_full
-from ..layout import RunLayout, too_old_message, written_before_oldest_readable
+from ..layout import (DRAFT_CONFIG_FILE, DraftCheckpoint, DraftCheckpointConfig, DraftConfigError, ExportError,
+                      RunLayout, too_old_message, written_before_oldest_readable)
+from ..methods import UnknownMethodError, get_method
 
 log = logging.getLogger("draftsmith.train")
 
@@ -372,3 +378,49 @@ class CheckpointManager:
 def _tree_bytes(path: Path) -> int:
     """Bytes of the files under ``path`` (0 when it does not exist)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def read_draft(path: Path, method: str | None = None, weights: bool = True) -> DraftCheckpoint:
+    """The draft of training checkpoint ``path``: its ``draft_config.json``, the method's model
+    config built from it and (``weights``) its state dict with ``module.`` prefixes (a wrapped
+    model's) stripped.
+
+    Args:
+        method: the method the caller reads (None: any registered one).
+        weights: False reads ``draft_config.json`` only (``state`` is empty).
+
+    Raises:
+        ExportError: ``model.safetensors`` missing (with ``weights``; naming the launcher's sharded
+            state when only that is there) or ``draft_config.json`` missing / invalid; a checkpoint of another
+            method than ``method``, or of none registered; a config its method refuses.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    weights_path = path / WEIGHTS_NAME
+    if weights and not weights_path.is_file():
+        sharded = [d for d in ("pytorch_model_fsdp_0", "pytorch_model") if (path / d).exists()]
+        if sharded:
+            raise ExportError(
+                f"{weights_path} missing: {path} holds only the launcher's sharded state ({sharded[0]}/), "
+                "which export does not read; checkpoints written by this draftsmith version always carry the "
+                "consolidated model.safetensors (resume the run for one more checkpoint to get it)")
+    for f in (path / DRAFT_CONFIG_FILE, *([weights_path] if weights else [])):
+        if not f.is_file():
+            raise ExportError(f"{f} missing: not a draftsmith training checkpoint")
+    try:
+        meta = DraftCheckpointConfig.read(path)
+    except DraftConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if method is not None and meta.method != method:
+        raise ExportError(f"{path / DRAFT_CONFIG_FILE}: method is {meta.method!r}, expected {method!r}")
+    try:
+        spec = get_method(meta.method)
+    except UnknownMethodError as exc:
+        raise ExportError(f"{path / DRAFT_CONFIG_FILE}: {exc}") from None
+    try:
+        config = spec.config_class(**meta.config)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{path / DRAFT_CONFIG_FILE}: invalid {meta.method} config ({exc})") from None
+    state = {k.removeprefix("module."): v for k, v in load_file(str(weights_path)).items()} if weights else {}
+    return DraftCheckpoint(path, meta, config, state)

@@ -41,14 +41,14 @@ from ..data_prep.target import (  # the config loaders live with the target; imp
     default_aux_layer_ids,
     load_config_json,
     num_decoder_layers,
-    text_config,
     validate_aux_layer_ids,
 )
 from ..data_prep.plan import Cluster, build_plan, target_weight_bytes
+from ..models.common import text_config
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
 from ..methods import get_method
-from ..models.eagle3 import Eagle3Config
+from ..models.eagle3.config import Eagle3Config
 from ..recipe import Recipe
 from .launchers import LauncherReport, draft_model_class, validate_launcher
 
@@ -433,7 +433,7 @@ PEAGLE_LAYER0_INPUT = {"amp-bf16": 12, "bf16": 4, "fp32": 8}
 
 def cod_elements(recipe: Recipe, T: int) -> int:
     """S, the COD elements of a row of T positions (every position trained: the upper bound)."""
-    from ..models.peagle import cod_budget
+    from ..models.peagle.model import cod_budget
 
     d = recipe.draft
     return T + sum(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))
@@ -463,7 +463,7 @@ def peagle_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
 def _gqa_expanded_kv(s: Shapes, key_rows: int) -> int:
     """Bytes of the key / value head copies for ``key_rows`` keys (batch included) that a GPU's SDPA
     keeps: with a mask, CUDA's fused kernels take no grouped heads, so the ``nkv`` heads are
-    expanded to ``nh`` (``models/eagle3.py`` ``sdpa_with_mask``); the extra ``nh - nkv`` heads."""
+    expanded to ``nh`` (``models/eagle3/model.py`` ``sdpa_with_mask``); the extra ``nh - nkv`` heads."""
     return 2 * key_rows * (s.nh - s.nkv) * s.hd * s.act_bytes
 
 

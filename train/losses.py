@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models.eagle3 import shift_left, ttt_prediction_mask
+from ..models.common import shift_left
+from ..models.eagle3.model import ttt_prediction_mask
 from ..recipe import LossName
 
 LOSSES: tuple[str, ...] = get_args(LossName)

@@ -226,7 +226,7 @@ class HeadMethod(TargetDataMethod):
 
     def head_forward(self, model: nn.Module, final: torch.Tensor, tokens: torch.Tensor, head_fn: Any) -> list[Any]:
         """Run the heads on ``final (M, 1, H)`` (every gathered position a length-1 sequence;
-        ``tokens (M, K + 2)`` = x_t .. x_{t+K+1}) with ``head_fn`` (``models.medusa.HeadFn``);
+        ``tokens (M, K + 2)`` = x_t .. x_{t+K+1}) with ``head_fn`` (``models.medusa.model.HeadFn``);
         returns its K results."""
         raise NotImplementedError
 

@@ -10,7 +10,7 @@ draft vocab (``draft.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma
 
 The step reads nothing from the device: anchors come from ``topk`` over random keys, every
 slot of every block is a loss row weighted 0 where it is not trained, the divergence is
-computed in chunks inside the draft's forward (:class:`~draftsmith.models.eagle3.DistillTargets`,
+computed in chunks inside the draft's forward (:class:`~draftsmith.models.common.DistillTargets`,
 :func:`~draftsmith.train.losses.chunked_distill`) and the metrics are detached device scalars.
 """
 
@@ -23,15 +23,9 @@ from typing import Any
 
 import torch
 
-from ..models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    anchor_count,
-    block_labels,
-    sample_anchors,
-    slot_weights,
-)
-from ..models.eagle3 import DistillTargets
+from ..models.dflash.config import DFlashConfig
+from ..models.dflash.model import DFlashDraftModel, anchor_count, block_labels, sample_anchors, slot_weights
+from ..models.common import DistillTargets
 from ..recipe import Recipe
 from .losses import chunked_distill
 from .method_base import DraftVocabMethod
@@ -57,7 +51,7 @@ def teacher_rows(final: torch.Tensor, label_pos: torch.Tensor, head: Any) -> tup
 
     Args:
         final: ``(B, T, Ht)`` the target's final (normed) hidden states.
-        label_pos: ``(B, A, Bk)`` label positions (:func:`~draftsmith.models.dflash.block_labels`).
+        label_pos: ``(B, A, Bk)`` label positions (:func:`~draftsmith.models.dflash.model.block_labels`).
         head: ``(..., Ht) -> (..., Vd)`` the target head over the draft vocab.
 
     Returns:
@@ -110,13 +104,13 @@ def dflash_step(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     """One DFlash loss over given anchors, without host reads.
 
     Args:
-        model: the :class:`~draftsmith.models.dflash.DFlashDraftModel` (possibly wrapped).
+        model: the :class:`~draftsmith.models.dflash.model.DFlashDraftModel` (possibly wrapped).
         input_ids / loss_mask / position_ids / document_ids: ``(B, T)`` the batch.
         aux: ``(B, T, n*Ht)`` aux states in the draft's dtype; final: ``(B, T, Ht)`` the
             target's final hidden states.
-        anchors / anchor_valid: ``(B, A)`` (:func:`~draftsmith.models.dflash.sample_anchors`).
+        anchors / anchor_valid: ``(B, A)`` (:func:`~draftsmith.models.dflash.model.sample_anchors`).
         head: the target head over the draft vocab (``TargetDraftHead``).
-        weights: ``(Bk,)`` slot weights (:func:`~draftsmith.models.dflash.slot_weights`).
+        weights: ``(Bk,)`` slot weights (:func:`~draftsmith.models.dflash.model.slot_weights`).
         loss: ``draft.loss`` (``LossSpec``); None: forward KL.
         global_denominators: data parallel: ``(1,)`` local weight sum -> the global sum over the
             world size (a device tensor), or None on one process.

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel, ttt_plan, ttt_prediction_mask
+from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.model import Eagle3DraftModel, ttt_plan, ttt_prediction_mask
 from ..recipe import Recipe
 from .losses import chunk_rows, chunked_distill
 from .method_base import DraftVocabMethod
@@ -26,7 +27,7 @@ log = logging.getLogger("draftsmith.train.eagle3")
 
 
 def eagle3_batch_plan(batch: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
-    """:meth:`Eagle3Method.batch_plan`: the batch plus :func:`~draftsmith.models.eagle3.ttt_plan`
+    """:meth:`Eagle3Method.batch_plan`: the batch plus :func:`~draftsmith.models.eagle3.model.ttt_plan`
     (module-level so DataLoader workers can pickle it)."""
     return {**batch, **ttt_plan(batch["loss_mask"], steps, batch.get("document_ids"))}
 
@@ -73,7 +74,7 @@ class Eagle3Method(DraftVocabMethod):
 
     def batch_plan(self):
         """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader
-        (:func:`~draftsmith.models.eagle3.ttt_plan`), so the step never reads a mask back."""
+        (:func:`~draftsmith.models.eagle3.model.ttt_plan`), so the step never reads a mask back."""
         return functools.partial(eagle3_batch_plan, steps=self.recipe.draft.ttt_steps)
 
     def compute_loss(self, model, batch):

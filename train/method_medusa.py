@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.medusa import MedusaConfig, MedusaModel
+from ..models.medusa.model import MedusaConfig, MedusaModel
 from ..recipe import Recipe
 from .method_base import HeadMethod
 

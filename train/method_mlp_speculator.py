@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..data_prep.capture import capture_batch
-from ..models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from ..models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 from ..recipe import Recipe
 from .method_base import HeadMethod
 

@@ -3,7 +3,7 @@
 P-EAGLE (arXiv:2602.01469; docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
 the EAGLE-3 data (aux states,
 draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
-chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.cod_sample`,
+chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.model.cod_sample`,
 a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
 elements, the divergence ``draft.loss`` (default forward KL) to the target over the draft vocab
 at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.eagle3 import DistillTargets, Eagle3Config
-from ..models.peagle import (CODElements, PEagleConfig, PEagleDraftModel, cod_sample, cod_targets,
-                             step0_prediction_mask)
+from ..models.common import DistillTargets
+from ..models.eagle3.config import Eagle3Config
+from ..models.peagle.config import PEagleConfig
+from ..models.peagle.model import CODElements, PEagleDraftModel, cod_sample, cod_targets, step0_prediction_mask
 from ..recipe import Recipe
 from .losses import DistillOut, chunked_distill
 from .method_base import DraftVocabMethod
@@ -33,7 +34,7 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
              num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss and per-depth metrics from the model's divergence over the elements.
 
-    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.eagle3.DistillTargets` whose weight is
+    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.common.DistillTargets` whose weight is
     ``trained / N`` (N the trained count, or the data-parallel denominator), so
     ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
     divergence ``draft.loss``. Nothing is read on the host: the metrics are masked sums
@@ -85,7 +86,7 @@ class CODPlan:
     workers), so that the step sizes its tensors without reading the device.
 
     Adds ``cod_seed_bound`` (python int: the most trained positions in a row, which sizes the
-    COD depth budgets, :func:`~draftsmith.models.peagle.cod_budget`) and ``cod_rows0``
+    COD depth budgets, :func:`~draftsmith.models.peagle.model.cod_budget`) and ``cod_rows0``
     (``(N0,)`` int64 CPU tensor: ``b * T + i`` of the trained depth-0 positions, so the loss
     projects only those depth-0 elements and every depth >= 1 slot).
     """

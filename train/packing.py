@@ -5,7 +5,7 @@ concatenates them into rows of up to ``train.pack_tokens`` tokens. The row carri
 ``position_ids`` that restart at 0 for every document (RoPE sees each document as if it
 were alone) and ``document_ids`` (0, 1, ... within the row, -1 on padding); the draft
 restricts attention and predictions to a document with them (see
-:func:`draftsmith.models.eagle3.ttt_attention_mask` and ``ttt_prediction_mask``), so a
+:func:`draftsmith.models.eagle3.model.ttt_attention_mask` and ``ttt_prediction_mask``), so a
 packed row trains exactly what its documents train unpacked.
 
 Packing is greedy first-fit over the sequences in decreasing length (ties in a seeded

@@ -24,14 +24,12 @@ from typing import Any
 
 import torch
 
-from ..layout import (
-    DRAFT_CONFIG_FILE,
-    DraftCheckpointConfig,
-    DraftConfigError,
-    DraftLoadError,
-    read_export,
-)
-from ..models.eagle3 import Eagle3Config, Eagle3DraftModel
+from ..layout import DRAFT_CONFIG_FILE, DraftLoadError, ExportError, read_export
+from ..models.common import DraftFit, TargetFit
+from ..models.common import fit_problems as common_fit_problems
+from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.model import Eagle3DraftModel
+from .checkpoint import read_draft
 
 log = logging.getLogger("draftsmith.train")
 
@@ -59,26 +57,19 @@ def read_init_draft(path: str | Path) -> InitDraft:
         WarmStartError: naming the path, for a missing folder, no EAGLE-3 config, or unreadable weights.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     path = Path(path).expanduser()
     if not path.is_dir():
         raise WarmStartError(f"draft.init_from={str(path)!r}: no such folder (an EAGLE-3 export or checkpoint)")
     try:
         if (path / DRAFT_CONFIG_FILE).is_file():  # our training checkpoint
-            meta = DraftCheckpointConfig.read(path)
-            if meta.method != "eagle3":
-                raise DraftLoadError(f"{path / DRAFT_CONFIG_FILE}: a {meta.method} checkpoint, not EAGLE-3")
             try:
-                config = Eagle3Config(**meta.config)
-            except (TypeError, ValueError) as exc:
-                raise DraftLoadError(f"{path / DRAFT_CONFIG_FILE}: invalid eagle3 config ({exc})") from None
-            weights = path / "model.safetensors"
-            if not weights.is_file():
-                raise DraftLoadError(f"{weights} missing")
-            tensors = {k.removeprefix("module."): v.float() if v.is_floating_point() else v
-                       for k, v in load_file(str(weights)).items()}
-            target = meta.target
+                ckpt = read_draft(path, "eagle3")
+            except ExportError as exc:
+                raise DraftLoadError(str(exc)) from None
+            config = ckpt.config
+            tensors = {k: v.float() if v.is_floating_point() else v for k, v in ckpt.state.items()}
+            target = ckpt.meta.target
             verifier = {"name_or_path": target.get("name_or_path"), "architectures": target.get("architectures", [])}
         else:
             raw_config: dict[str, Any] = {}
@@ -89,13 +80,15 @@ def read_init_draft(path: str | Path) -> InitDraft:
 
             config, tensors, _ = read_export(path, parse)
             verifier = Eagle3Config.export_facts(raw_config).verifier
-    except (DraftConfigError, DraftLoadError, SafetensorError) as exc:
+    except (DraftLoadError, SafetensorError) as exc:
         raise WarmStartError(f"draft.init_from: {exc}") from None
     return InitDraft(config, tensors, path, verifier)
 
 
 def fit_problems(init: InitDraft, target_info: dict[str, Any], d2t: torch.Tensor) -> list[str]:
-    """What keeps ``init`` from being trained on this run's data (empty: it fits).
+    """What keeps ``init`` from being trained on this run's data (empty: it fits): the one target
+    rule (:func:`~draftsmith.models.common.fit_problems`) with this run's aux layer ids, plus a
+    draft vocab that must share tokens with this run's.
 
     Args:
         target_info: ``RUN_DIR/data/target.json`` (hidden_size, vocab_size, aux_layer_ids,
@@ -103,21 +96,14 @@ def fit_problems(init: InitDraft, target_info: dict[str, Any], d2t: torch.Tensor
         d2t: this run's draft vocab offsets ``(Vd,)``.
     """
     c = init.config
-    problems = []
-    H, V = int(target_info["hidden_size"]), int(target_info["vocab_size"])
-    if c.hidden_size != H:
-        problems.append(f"hidden_size {c.hidden_size} != target {H}")
-    if (c.target_hidden_size or c.hidden_size) != H:
-        problems.append(f"target_hidden_size {c.target_hidden_size} != target {H}")
-    if c.vocab_size != V:
-        problems.append(f"vocab_size {c.vocab_size} != target {V} (a draft for another tokenizer)")
-    aux = list(target_info["aux_layer_ids"])
-    if list(c.aux_layer_ids) != aux:
-        problems.append(f"aux layer ids {list(c.aux_layer_ids)} != {aux}, the layers this run's hidden states "
-                        "were captured at (data.aux_layer_ids)")
-    arch, arch_target = init.verifier.get("architectures") or [], target_info.get("architectures") or []
-    if arch and arch_target and list(arch) != list(arch_target):
-        problems.append(f"verifier {init.verifier.get('name_or_path')!r} is {arch}, target is {arch_target}")
+    V = int(target_info["vocab_size"])
+    draft = DraftFit(hidden_size=c.hidden_size, target_hidden_size=c.target_hidden_size or c.hidden_size,
+                     vocab_size=c.vocab_size, draft_vocab_size=None, aux_layer_ids=list(c.aux_layer_ids),
+                     verifier=init.verifier)
+    target = TargetFit(hidden_size=int(target_info["hidden_size"]), vocab_size=V,
+                       architectures=list(target_info.get("architectures") or []),
+                       aux_layer_ids=list(target_info["aux_layer_ids"]))
+    problems = common_fit_problems(draft, target)
     if "d2t" in init.tensors and c.vocab_size == V:
         shared = len(set(target_ids(init.tensors["d2t"]).tolist()) & set(target_ids(d2t).tolist()))
         if shared == 0:

@@ -26,7 +26,7 @@ Attention (:func:`block_attention`): the A*Bk block queries of a row attend in O
 with a head-free bool mask built once per forward (:func:`block_attention_mask`), so no
 ``(nh, A*Bk, T)`` scores exist (fused kernels); ``attention_backend="flex"`` uses
 ``flex_attention`` with a block mask instead (compiled on CUDA). With ``targets``
-(:class:`~draftsmith.models.eagle3.DistillTargets`) the forward returns the distillation loss, computed in chunks of rows.
+(:class:`~draftsmith.models.common.DistillTargets`) the forward returns the distillation loss, computed in chunks of rows.
 
 Shapes: B batch, T sequence length (tokens), A anchors per row, Bk block size, H hidden size,
 Ht target hidden size, n number of aux layers, Vd draft vocab size, nh / nkv query / key-value
@@ -36,246 +36,18 @@ heads, hd head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .eagle3 import DistillTargets, Eagle3Config, TargetSharedDraft, flex_attention, rope_theta_and_scaling, sdpa_with_mask
-
-
-@dataclass
-class DFlashConfig:
-    """Architecture of a DFlash draft for one target model.
-
-    Attributes:
-        hidden_size: H, equal to the target's (vLLM shares the target embedding of that width).
-        intermediate_size: MLP width of each draft layer.
-        num_layers: L draft decoder layers.
-        num_attention_heads / num_key_value_heads / head_dim: attention geometry (head_dim is
-            written explicitly: Qwen3 configs do not derive it).
-        vocab_size: V, the target vocabulary (size of ``t2d``, rows of the shared embedding).
-        draft_vocab_size: Vd, rows of ``lm_head`` (size of ``d2t``).
-        aux_layer_ids: vLLM aux ids (target layer *inputs*, HF ``hidden_states[id]``), strictly
-            ascending, in ``[1, num_target_layers - 1]``; ``fc`` reads ``len(aux_layer_ids) * Ht``.
-        block_size: Bk = anchor + Bk-1 mask slots; served with ``num_speculative_tokens = Bk-1``.
-        mask_token_id: the id embedded in the mask slots; must never occur in the data.
-        target_hidden_size: Ht, width of each aux hidden state (default H).
-        num_target_layers: decoder layers of the target (validates the aux ids), or None.
-        rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings: as the
-            target's (the draft's RoPE must rotate as vLLM rotates it).
-        attention_bias: q/k/v/o biases (Qwen3's ``attention_bias``).
-
-    Raises:
-        ValueError: aux ids not strictly ascending, 0, or not below ``num_target_layers``; a
-            draft vocab larger than the vocab; ``block_size < 2``; a mask id outside the vocab.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    aux_layer_ids: list[int]
-    block_size: int
-    mask_token_id: int
-    target_hidden_size: int | None = None
-    num_target_layers: int | None = None
-    rms_norm_eps: float = 1e-5
-    hidden_act: str = "silu"
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    attention_bias: bool = False
-
-    def __post_init__(self) -> None:
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        ids = self.aux_layer_ids
-        if not ids:
-            raise ValueError("aux_layer_ids is empty: DFlash needs at least one target layer as context")
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ValueError(f"aux_layer_ids must be strictly ascending (vLLM concatenates aux states in layer "
-                             f"order), got {ids}")
-        if ids[0] < 1:
-            raise ValueError(f"aux_layer_ids {ids}: aux id 0 is the embedding output, not a decoder layer's "
-                             "(z-lab target_layer_ids are aux id - 1: add 1 when converting)")
-        if self.num_target_layers is not None and ids[-1] >= self.num_target_layers:
-            raise ValueError(f"aux_layer_ids {ids}: ids must be < the target's {self.num_target_layers} layers "
-                             "(aux id N would be HF's post-norm hidden_states[N], which vLLM never captures)")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size} must be >= 2 (anchor + at least one mask slot)")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocab of {self.vocab_size}")
-
-    @property
-    def target_layer_ids(self) -> list[int]:
-        """z-lab / ModelOpt ``dflash_config.target_layer_ids``: vLLM aux id - 1."""
-        return [i - 1 for i in self.aux_layer_ids]
-
-    @classmethod
-    def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], num_layers: int,
-                    block_size: int, mask_token_id: int) -> DFlashConfig:
-        """The draft geometry of a transformers target config (Llama-like, Qwen3 or gpt-oss):
-        hidden / MLP / attention sizes, norm eps and RoPE copied from the target."""
-        text = getattr(target_config, "text_config", None) or target_config
-        heads = text.num_attention_heads
-        rope_theta, rope_scaling = rope_theta_and_scaling(getattr(text, "rope_parameters", None),
-                                                          getattr(text, "rope_theta", None),
-                                                          getattr(text, "rope_scaling", None))
-        return cls(
-            hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_layers=num_layers,
-            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab_size=text.vocab_size,
-            draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids), block_size=block_size,
-            mask_token_id=mask_token_id, target_hidden_size=text.hidden_size,
-            num_target_layers=text.num_hidden_layers, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
-            hidden_act=getattr(text, "hidden_act", "silu"), rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def rope_parameters(self) -> dict[str, Any]:
-        """RoPE in the ``rope_parameters`` spelling (the same conversion as EAGLE-3's)."""
-        return Eagle3Config.rope_parameters(self)  # reads only rope_theta / rope_scaling
-
-    def llama_config(self) -> LlamaConfig:
-        """A Llama config with this geometry (for the shared RoPE and MLP modules)."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act=self.hidden_act,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=self.rope_parameters(), attention_bias=self.attention_bias, mlp_bias=False,
-            tie_word_embeddings=False,
-        )
-
-    # ----------------------------------------------------------------------------------
-    # Export formats (docs/formats.md, "DFlash"): Format A (speculators) and B (z-lab / ModelOpt).
-
-    def to_layer_config(self) -> dict[str, Any]:
-        """The flat Qwen3 config vLLM builds the draft stack from."""
-        return {
-            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "hidden_act": self.hidden_act, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            # both spellings: vLLM reads rope_parameters and defaults theta to 1e6 without it
-            "rope_theta": self.rope_theta, "rope_parameters": self.rope_parameters(), "rope_scaling": self.rope_scaling,
-            "attention_bias": self.attention_bias, "attention_dropout": 0.0,
-            "layer_types": ["full_attention"] * self.num_layers, "use_sliding_window": False, "sliding_window": None,
-            "tie_word_embeddings": False,
-        }
-
-    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str, version: str,
-                       draftsmith: dict[str, Any]) -> dict[str, Any]:
-        """Format A: the speculators ``"dflash"`` ``config.json`` (vLLM's ``algos.py`` hook).
-
-        ``sliding_window_non_causal`` is written True: the speculators library's default False
-        makes vLLM 0.32 run every layer causally (vLLM PR #56692), a silent mismatch with the
-        bidirectional block this draft was trained on.
-        """
-        return {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
-            "speculators_version": version,
-            "speculators_config": {
-                "algorithm": "dflash",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": verifier,
-            },
-            "transformer_layer_config": self.to_layer_config(),
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "block_size": self.block_size,
-            "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "mask_token_id": self.mask_token_id,
-            "sliding_window_non_causal": True,
-            "sample_from_anchor": False,
-            "torch_dtype": dtype,
-            "draftsmith": dict(draftsmith, num_target_layers=self.num_target_layers),
-        }
-
-    def to_native(self, dtype: str) -> dict[str, Any]:
-        """Format B: the flat z-lab / ModelOpt ``DFlashDraftModel`` config (``dflash_config``
-        with z-lab ``target_layer_ids`` = aux id - 1 and ``causal: false``)."""
-        out = self.to_layer_config()
-        out.update({
-            "architectures": ["DFlashDraftModel"], "draft_vocab_size": self.draft_vocab_size,
-            "torch_dtype": dtype, "block_size": self.block_size, "num_target_layers": self.num_target_layers,
-            "target_hidden_size": self.target_hidden_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
-                              "causal": False},
-        })
-        return out
-
-    @classmethod
-    def _from_layer(cls, layer: dict[str, Any], **fields: Any) -> DFlashConfig:
-        rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
-                                                          layer.get("rope_scaling"))
-        return cls(
-            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-            num_layers=layer["num_hidden_layers"], num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
-            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-            vocab_size=layer["vocab_size"], rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-            hidden_act=layer.get("hidden_act", "silu"), rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=layer.get("max_position_embeddings", 4096),
-            attention_bias=layer.get("attention_bias", False), **fields,
-        )
-
-    @classmethod
-    def from_export(cls, config: dict[str, Any]) -> DFlashConfig:
-        """Read Format A (``speculators_model_type: "dflash"``) or Format B (``dflash_config``).
-
-        Raises:
-            KeyError: a required key is missing.
-            ValueError: neither format; a causal export (the draft is trained bidirectional);
-                invalid layer ids (see the class).
-        """
-        if config.get("speculators_model_type") == "dflash":
-            if config.get("sliding_window_non_causal", True) is not True:
-                raise ValueError("sliding_window_non_causal is false: vLLM would run this DFlash draft causally")
-            extra = config.get("draftsmith") or {}
-            layer = config["transformer_layer_config"]
-            return cls._from_layer(
-                layer, draft_vocab_size=config.get("draft_vocab_size", layer["vocab_size"]),
-                aux_layer_ids=config["aux_hidden_state_layer_ids"], block_size=int(config.get(
-                    "block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1)),
-                mask_token_id=config["mask_token_id"], target_hidden_size=config.get("target_hidden_size"),
-                num_target_layers=extra.get("num_target_layers"))
-        if "dflash_config" in config:
-            dc = config["dflash_config"]
-            if dc.get("causal", False):
-                raise ValueError("dflash_config.causal is true: this pipeline trains and serves bidirectional blocks")
-            aux = [int(i) + 1 for i in dc["target_layer_ids"]]
-            explicit = config.get("eagle_aux_hidden_state_layer_ids")
-            if explicit is not None and list(explicit) != aux:
-                raise ValueError(f"eagle_aux_hidden_state_layer_ids {explicit} != dflash_config.target_layer_ids + 1 "
-                                 f"= {aux} (vLLM would capture the former)")
-            return cls._from_layer(
-                config, draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"], aux_layer_ids=aux,
-                block_size=int(config.get("block_size", 16)), mask_token_id=dc["mask_token_id"],
-                target_hidden_size=config.get("target_hidden_size"),
-                num_target_layers=config.get("num_target_layers"))
-        raise ValueError("not a DFlash config: neither speculators_model_type 'dflash' nor a dflash_config")
+from ..common import DistillTargets, TargetSharedDraft
+from ..eagle3.model import flex_attention, sdpa_with_mask
+from .config import DFlashConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -532,7 +304,7 @@ class DFlashDraftModel(TargetSharedDraft):
                 default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.
             document_ids: optional ``(B, T)`` document per position (packed rows): blocks see
                 only their anchor's document.
-            targets: optional :class:`~draftsmith.models.eagle3.DistillTargets` over block slots
+            targets: optional :class:`~draftsmith.models.common.DistillTargets` over block slots
                 1..Bk-1 (``teacher_index`` / ``weight`` shaped ``(B, A, Bk - 1)``): compute the
                 distillation loss here instead of returning logits.
 

@@ -21,11 +21,11 @@ number of slots per depth), one forward over all elements under the COD mask
 (:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
 interval keys, as an additive SDPA mask or a flex-attention block mask), the divergence to the
 target at position ``anchor + depth`` computed in chunks of rows inside the forward
-(:class:`~draftsmith.models.eagle3.DistillTargets`). Depth 0 is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never
+(:class:`~draftsmith.models.common.DistillTargets`). Depth 0 is exactly EAGLE-3's TTT step 0 (there is no TTT: vLLM never
 feeds draft states back).
 
 The pieces shared with EAGLE-3 (config, RoPE, first-layer ``cat(embed, hidden)`` attention,
-norms, MLP, KV cache) are :mod:`draftsmith.models.eagle3`'s.
+norms, MLP, KV cache) are :mod:`draftsmith.models.eagle3.model`'s (the config :mod:`draftsmith.models.eagle3.config`'s).
 
 Shapes: B batch, T tokens, S sampled elements per row, H hidden size, Ht target hidden size,
 Vd draft vocab size, nh / nkv heads, hd head dim.
@@ -42,90 +42,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .eagle3 import (DistillTargets, Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3KVCache, TargetSharedDraft,
-                     flex_attention, sdpa_with_mask, shift_left, ttt_prediction_mask)
-
-
-@dataclass
-class PEagleConfig(Eagle3Config):
-    """An :class:`~draftsmith.models.eagle3.Eagle3Config` plus the parallel-drafting fields.
-
-    Attributes:
-        num_layers: decoder layers (layer 0 reads ``cat(embed, hidden)``, the rest hidden only).
-        num_depths: D, parallel depths trained (depth 0 = the bonus slot); serve K <= D.
-        mask_token_id: token id of the mask slots (vLLM ``pard_token``); must never occur in the data.
-        train_embeddings: whether ``embed_tokens`` is trained (and then exported).
-    """
-
-    norm_before_residual: bool = False
-    num_layers: int = 2
-    num_depths: int = 4
-    mask_token_id: int = 0
-    train_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.num_depths < 1:
-            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocab of {self.vocab_size}")
-
-    @classmethod
-    def from_eagle3(cls, base: Eagle3Config, **fields: Any) -> "PEagleConfig":
-        """The P-EAGLE config of an EAGLE-3 geometry (e.g. :meth:`Eagle3Config.from_target`)."""
-        values = {k: getattr(base, k) for k in Eagle3Config.__dataclass_fields__}
-        values.update(fields)
-        return cls(**values)
-
-    def to_layer_config(self) -> dict[str, Any]:
-        out = super().to_layer_config()
-        out["num_hidden_layers"] = self.num_layers
-        return out
-
-    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
-                       version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
-        """``config.json`` of the speculators ``peagle`` format (vLLM's ``update_peagle`` hook):
-        the EAGLE-3 file with the type switched, ``mask_token_id`` and ``norm_before_fc``;
-        ``norm_before_residual`` is always written (absent means False for peagle).
-
-        Raises:
-            ValueError: ``num_speculative_tokens`` outside ``[1, num_depths]``.
-        """
-        if not 1 <= num_speculative_tokens <= self.num_depths:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be in [1, {self.num_depths}]: "
-                             f"the draft was trained with num_depths={self.num_depths}")
-        out = super().to_speculators(verifier, num_speculative_tokens, dtype, version, draftsmith)
-        out["architectures"] = ["PEagleSpeculator"]
-        out["speculators_model_type"] = "peagle"
-        out["speculators_config"]["algorithm"] = "peagle"
-        out["norm_before_fc"] = False
-        out["mask_token_id"] = self.mask_token_id
-        out["tie_word_embeddings"] = False
-        return out
-
-    @classmethod
-    def from_speculators(cls, config: dict[str, Any]) -> "PEagleConfig":
-        """Inverse of :meth:`to_speculators`; ``norm_before_residual`` defaults to False (vLLM's
-        peagle hook). ``num_depths`` is read back from ``draftsmith.num_depths`` (else K).
-
-        Raises:
-            KeyError: a required key (``transformer_layer_config``, ``draft_vocab_size``,
-                ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``) is missing.
-            ValueError: an inconsistent geometry.
-        """
-        layer = config["transformer_layer_config"]
-        base = Eagle3Config.from_layer_config(layer, config["draft_vocab_size"],
-                                              config["eagle_aux_hidden_state_layer_ids"],
-                                              config.get("target_hidden_size"),
-                                              bool(config.get("norm_before_residual", False)))
-        facts = Eagle3Config.export_facts(config)
-        extra = config.get("draftsmith") or {}
-        depths = extra.get("num_depths") or facts.num_speculative_tokens or 1
-        return cls.from_eagle3(base, num_layers=int(layer.get("num_hidden_layers", 1)), num_depths=int(depths),
-                               mask_token_id=int(config["mask_token_id"]),
-                               train_embeddings=bool(extra.get("train_embeddings", False)))
+from ..common import DistillTargets, TargetSharedDraft, shift_left
+from ..eagle3.model import (Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask,
+                            ttt_prediction_mask)
+from .config import PEagleConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -559,7 +479,7 @@ class PEagleDraftModel(TargetSharedDraft):
             select: optional ``(B, S)`` bool (e.g. :func:`cod_targets`): return the logits of
                 these elements only (boolean indexing: reads the mask on the host; tests and
                 tools, the training step uses ``targets``).
-            targets: the training step's :class:`~draftsmith.models.eagle3.DistillTargets`: the divergence of every element
+            targets: the training step's :class:`~draftsmith.models.common.DistillTargets`: the divergence of every element
                 against its teacher row, in chunks of rows recomputed in backward
                 (:func:`~draftsmith.train.losses.chunked_distill`), so no ``(B*S, Vd)`` logits
                 outlive a chunk.
@@ -601,7 +521,7 @@ class PEagleDraftModel(TargetSharedDraft):
                 for mask slots).
             hidden: ``(B, T, H)`` fused states (``fc(g_t)`` or :meth:`mask_state`).
             position_ids: ``(B, T)`` RoPE positions (incrementing through the mask slots).
-            caches: one :class:`~draftsmith.models.eagle3.Eagle3KVCache` per layer, appended to.
+            caches: one :class:`~draftsmith.models.eagle3.model.Eagle3KVCache` per layer, appended to.
 
         Returns:
             pre-norm hidden ``(B, T, H)``.

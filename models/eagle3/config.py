@@ -1,0 +1,298 @@
+"""The EAGLE-3 draft's configuration (:class:`Eagle3Config`) and what an export's
+``config.json`` says about it (:class:`Eagle3ExportFacts`); the model is
+:mod:`draftsmith.models.eagle3.model`, the on-disk layouts :mod:`draftsmith.models.eagle3.format`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transformers import LlamaConfig
+
+from ..common import LayerGeometry, rope_theta_and_scaling
+
+
+@dataclass
+class Eagle3Config(LayerGeometry):
+    """Architecture of an EAGLE-3 draft for one target model.
+
+    Attributes:
+        hidden_size: H, equal to the target's hidden size (the draft shares its embedding).
+        intermediate_size: width of the draft decoder layer's MLP.
+        num_attention_heads / num_key_value_heads / head_dim: attention geometry.
+        vocab_size: V, the target vocabulary size (size of ``t2d``).
+        draft_vocab_size: Vd, rows of the draft ``lm_head`` (size of ``d2t``).
+        aux_layer_ids: the three target layer ids whose *inputs* (residual stream after
+            L layers, vLLM's convention) are fused by ``fc``; ascending.
+        target_hidden_size: width of each aux hidden state (``fc`` reads 3x this).
+        norm_before_residual: whether the residual branch carries ``hidden_norm(g)``.
+        rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings:
+            as in a Llama config; copied from the target so draft RoPE matches serving.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int | None = None
+    norm_before_residual: bool = True
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(
+                f"aux_layer_ids must name exactly 3 target layers, got {self.aux_layer_ids}"
+            )
+        if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be ascending, got {self.aux_layer_ids}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
+            )
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        norm_before_residual: bool = True,
+    ) -> "Eagle3Config":
+        """Build the draft geometry from a transformers target config (Llama-like or gpt-oss)."""
+        return cls(**cls.target_geometry(target_config), draft_vocab_size=draft_vocab_size,
+                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def llama_config(self) -> LlamaConfig:
+        """The one-layer Llama config the draft layer corresponds to (vLLM's view of it)."""
+        cfg = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=self.rope_parameters(),
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            tie_word_embeddings=False,
+        )
+        return cfg
+
+    # ----------------------------------------------------------------------------------
+    # Export formats (docs/formats.md, "EAGLE-3"): the writer and the reader of each live here.
+
+    def to_layer_config(self) -> dict[str, Any]:
+        """The one-layer Llama config vLLM builds the draft layer from (``transformer_layer_config``
+        of the speculators format; the top level of the legacy format)."""
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/rope_scaling.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": self.rope_parameters(),
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": False,
+        }
+
+    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
+                       version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` of the speculators format (vLLM detects it by ``speculators_config``).
+
+        Args:
+            verifier: ``{"name_or_path", "architectures"}`` of the target.
+            num_speculative_tokens: K of the default (greedy) proposal method.
+            dtype: ``torch_dtype`` of the exported weights.
+            version: ``speculators_version`` (the speculators config schema followed).
+            draftsmith: provenance written under the ``draftsmith`` key (ignored by readers).
+        """
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": version,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                     "verifier_accept_k": 1, "accept_tolerance": 0.0}
+                ],
+                "verifier": verifier,
+            },
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "norm_before_residual": self.norm_before_residual,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "transformer_layer_config": self.to_layer_config(),
+            "draftsmith": draftsmith,
+        }
+
+    def to_legacy(self, dtype: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` of the legacy ``LlamaForCausalLMEagle3`` format (weights ``midlayer.*``)."""
+        out = self.to_layer_config()
+        out.update({
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+            "torch_dtype": dtype,
+            "draftsmith": draftsmith,
+        })
+        return out
+
+    @classmethod
+    def from_layer_config(cls, layer: dict[str, Any], draft_vocab_size: int, aux_layer_ids: list[int],
+                          target_hidden_size: int | None, norm_before_residual: bool) -> Eagle3Config:
+        """The config of a Llama-style layer config plus the EAGLE-3 fields (either format)."""
+        rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
+                                                          layer.get("rope_scaling"))
+        return cls(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"], draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=target_hidden_size, norm_before_residual=norm_before_residual,
+            rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            max_position_embeddings=layer.get("max_position_embeddings", 4096),
+            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
+        )
+
+    @classmethod
+    def from_speculators(cls, config: dict[str, Any]) -> Eagle3Config:
+        """Inverse of :meth:`to_speculators`. ``norm_before_residual`` defaults to True when
+        absent, as in vLLM.
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: no aux layer ids, or an inconsistent geometry.
+        """
+        facts = Eagle3ExportFacts.read(config, "speculators")
+        if not facts.aux_layer_ids:
+            raise ValueError("no eagle_aux_hidden_state_layer_ids")
+        return cls.from_layer_config(config["transformer_layer_config"], config["draft_vocab_size"],
+                                     facts.aux_layer_ids, facts.target_hidden_size, facts.norm_before_residual)
+
+    @classmethod
+    def from_legacy(cls, config: dict[str, Any]) -> Eagle3Config:
+        """Inverse of :meth:`to_legacy`. ``norm_before_residual`` defaults to False when absent,
+        as in vLLM's legacy loader.
+
+        Raises:
+            KeyError / ValueError: as :meth:`from_speculators`.
+        """
+        facts = Eagle3ExportFacts.read(config, "legacy")
+        if not facts.aux_layer_ids:
+            raise ValueError("no eagle_aux_hidden_state_layer_ids")
+        return cls.from_layer_config(config, config["draft_vocab_size"], facts.aux_layer_ids,
+                                     facts.target_hidden_size, facts.norm_before_residual)
+
+    @classmethod
+    def from_export(cls, config: dict[str, Any]) -> Eagle3Config:
+        """The config of an exported draft's ``config.json``, speculators or legacy format.
+
+        Raises:
+            KeyError / ValueError: as :meth:`from_speculators`.
+        """
+        if Eagle3ExportFacts.export_format(config) == "speculators":
+            return cls.from_speculators(config)
+        return cls.from_legacy(config)
+
+    @staticmethod
+    def export_facts(config: dict[str, Any]) -> Eagle3ExportFacts:
+        """The EAGLE-3 facts of an exported draft's ``config.json`` (either format) that tools
+        report or check against a target, read as :meth:`from_export` and vLLM read them but
+        without requiring the full layer geometry (see :class:`Eagle3ExportFacts`). Never raises
+        for a missing key: absent facts are None."""
+        return Eagle3ExportFacts.read(config)
+
+
+@dataclass(frozen=True)
+class Eagle3ExportFacts:
+    """What an EAGLE-3 export's ``config.json`` says about the draft, in either format.
+
+    The one reader of these keys (:meth:`Eagle3Config.from_speculators` / ``from_legacy`` and the
+    tools that check or describe an export, ``eval/acceptance.py`` and ``eval/hub.py``, all go
+    through it), with vLLM's defaults: ``norm_before_residual`` True when absent in the
+    speculators format, False in the legacy one. Other facts are None when absent.
+
+    Attributes:
+        format: ``"speculators"`` (vLLM's rule: a ``speculators_config`` is present; or
+            ``speculators_model_type`` is ``eagle3``) or ``"legacy"`` (``LlamaForCausalLMEagle3``).
+        aux_layer_ids: ``eagle_aux_hidden_state_layer_ids`` (legacy: under ``eagle_config``).
+        draft_vocab_size: Vd. vocab_size, hidden_size: of the layer config (V, H).
+        target_hidden_size: as written (vLLM uses ``hidden_size`` when absent).
+        num_speculative_tokens: K of the first proposal method (speculators format only).
+        verifier: ``speculators_config.verifier`` (``{}`` when absent).
+    """
+
+    format: str
+    aux_layer_ids: list[int] | None
+    draft_vocab_size: int | None
+    vocab_size: int | None
+    hidden_size: int | None
+    target_hidden_size: int | None
+    norm_before_residual: bool
+    num_speculative_tokens: int | None
+    verifier: dict[str, Any]
+
+    @staticmethod
+    def export_format(config: dict[str, Any]) -> str:
+        """``"speculators"`` or ``"legacy"`` (see :attr:`format`)."""
+        speculators = config.get("speculators_config") is not None or config.get("speculators_model_type") == "eagle3"
+        return "speculators" if speculators else "legacy"
+
+    @classmethod
+    def read(cls, config: dict[str, Any], fmt: str | None = None) -> Eagle3ExportFacts:
+        """The facts of ``config`` read as format ``fmt`` (default: :meth:`export_format`)."""
+        fmt = fmt or cls.export_format(config)
+        if fmt == "speculators":
+            layer = config.get("transformer_layer_config") or {}
+            aux = config.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            layer = config
+            aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        spec = config.get("speculators_config") or {}
+        k = next((m.get("speculative_tokens") for m in spec.get("proposal_methods") or []), None)
+        return cls(format=fmt, aux_layer_ids=list(aux) if aux is not None else None,
+                   draft_vocab_size=config.get("draft_vocab_size"), vocab_size=layer.get("vocab_size"),
+                   hidden_size=layer.get("hidden_size"), target_hidden_size=config.get("target_hidden_size"),
+                   norm_before_residual=config.get("norm_before_residual", fmt == "speculators"),
+                   num_speculative_tokens=k, verifier=dict(spec.get("verifier") or {}))
+
+

@@ -1,0 +1,91 @@
+"""The P-EAGLE draft's configuration (an EAGLE-3 geometry plus the parallel-drafting fields)
+and its speculators ``peagle`` ``config.json``; the model is :mod:`draftsmith.models.peagle.model`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..eagle3.config import Eagle3Config
+
+
+@dataclass
+class PEagleConfig(Eagle3Config):
+    """An :class:`~draftsmith.models.eagle3.config.Eagle3Config` plus the parallel-drafting fields.
+
+    Attributes:
+        num_layers: decoder layers (layer 0 reads ``cat(embed, hidden)``, the rest hidden only).
+        num_depths: D, parallel depths trained (depth 0 = the bonus slot); serve K <= D.
+        mask_token_id: token id of the mask slots (vLLM ``pard_token``); must never occur in the data.
+        train_embeddings: whether ``embed_tokens`` is trained (and then exported).
+    """
+
+    norm_before_residual: bool = False
+    num_layers: int = 2
+    num_depths: int = 4
+    mask_token_id: int = 0
+    train_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.num_depths < 1:
+            raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the target vocab of {self.vocab_size}")
+
+    @classmethod
+    def from_eagle3(cls, base: Eagle3Config, **fields: Any) -> "PEagleConfig":
+        """The P-EAGLE config of an EAGLE-3 geometry (e.g. :meth:`Eagle3Config.from_target`)."""
+        values = {k: getattr(base, k) for k in Eagle3Config.__dataclass_fields__}
+        values.update(fields)
+        return cls(**values)
+
+    def to_layer_config(self) -> dict[str, Any]:
+        out = super().to_layer_config()
+        out["num_hidden_layers"] = self.num_layers
+        return out
+
+    def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
+                       version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` of the speculators ``peagle`` format (vLLM's ``update_peagle`` hook):
+        the EAGLE-3 file with the type switched, ``mask_token_id`` and ``norm_before_fc``;
+        ``norm_before_residual`` is always written (absent means False for peagle).
+
+        Raises:
+            ValueError: ``num_speculative_tokens`` outside ``[1, num_depths]``.
+        """
+        if not 1 <= num_speculative_tokens <= self.num_depths:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be in [1, {self.num_depths}]: "
+                             f"the draft was trained with num_depths={self.num_depths}")
+        out = super().to_speculators(verifier, num_speculative_tokens, dtype, version, draftsmith)
+        out["architectures"] = ["PEagleSpeculator"]
+        out["speculators_model_type"] = "peagle"
+        out["speculators_config"]["algorithm"] = "peagle"
+        out["norm_before_fc"] = False
+        out["mask_token_id"] = self.mask_token_id
+        out["tie_word_embeddings"] = False
+        return out
+
+    @classmethod
+    def from_speculators(cls, config: dict[str, Any]) -> "PEagleConfig":
+        """Inverse of :meth:`to_speculators`; ``norm_before_residual`` defaults to False (vLLM's
+        peagle hook). ``num_depths`` is read back from ``draftsmith.num_depths`` (else K).
+
+        Raises:
+            KeyError: a required key (``transformer_layer_config``, ``draft_vocab_size``,
+                ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``) is missing.
+            ValueError: an inconsistent geometry.
+        """
+        layer = config["transformer_layer_config"]
+        base = Eagle3Config.from_layer_config(layer, config["draft_vocab_size"],
+                                              config["eagle_aux_hidden_state_layer_ids"],
+                                              config.get("target_hidden_size"),
+                                              bool(config.get("norm_before_residual", False)))
+        facts = Eagle3Config.export_facts(config)
+        extra = config.get("draftsmith") or {}
+        depths = extra.get("num_depths") or facts.num_speculative_tokens or 1
+        return cls.from_eagle3(base, num_layers=int(layer.get("num_hidden_layers", 1)), num_depths=int(depths),
+                               mask_token_id=int(config["mask_token_id"]),
+                               train_embeddings=bool(extra.get("train_embeddings", False)))
