@@ -170,15 +170,14 @@ class DraftVocabMethod(TargetDataMethod):
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its
-        ``lm_head`` rows and final norm, the vocab mapping, ``draft.freeze_lm_head`` and
-        ``train.gradient_checkpointing`` applied."""
+        ``lm_head`` rows and final norm, the vocab mapping and ``draft.freeze_lm_head`` applied
+        (the trainer applies ``train.gradient_checkpointing``)."""
         init = self.recipe.draft.init_lm_head_from_target
         model.init_from_target(self.heads["embed_tokens"], self.target_head.weight if init else None,
                                self.heads["final_norm"].float() if init else None)
         model.set_vocab_mapping(self.d2t, self.t2d)
         if self.recipe.draft.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
-        model.gradient_checkpointing = self.recipe.train.gradient_checkpointing
         if hasattr(model, "attention_backend"):
             model.attention_backend = self.recipe.train.attention_backend
         return model
