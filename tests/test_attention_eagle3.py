@@ -16,8 +16,8 @@ from draftsmith.models.eagle3 import (
     TTTMask,
     same_document,
     ttt_attention,
-    ttt_plan,
 )
+from draftsmith.train.labels import ttt_plan, ttt_prediction_masks
 from draftsmith.train.losses import LossSpec, TargetDraftHead, chunked_distill
 
 
@@ -114,7 +114,7 @@ def test_a_training_step_builds_no_quadratic_per_head_tensor():
     ids = torch.randint(0, 120, (B, T))
     aux, final = torch.randn(B, T, 192), torch.randn(B, T, 64)
     loss_mask = torch.ones(B, T, dtype=torch.long)
-    plan = ttt_plan(loss_mask, K)
+    plan = ttt_plan(ttt_prediction_masks(loss_mask, K))
     counts = plan["ttt_counts_host"]
     index, tindex = torch.split(plan["ttt_index"], counts), torch.split(plan["ttt_teacher_index"], counts)
     limit = B * cfg.num_attention_heads * T * T

@@ -30,11 +30,8 @@ from draftsmith.models.peagle import (
     cod_attention_bias,
     cod_attention_mask,
     cod_block_mask,
-    cod_budget,
-    cod_sample,
-    cod_targets,
-    step0_prediction_mask,
 )
+from draftsmith.train.labels import cod_budget, cod_sample, cod_targets, step0_prediction_mask
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead, chunked_distill
 from draftsmith.train.method_peagle import PEagleMethod
 

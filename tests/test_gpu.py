@@ -36,9 +36,10 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.target import load_target
 from draftsmith.eval import bench_gpu
 from draftsmith.eval.export import expected_weight_shapes, read_checkpoint
-from draftsmith.models.dflash import block_attention, block_attention_mask, sample_anchors
+from draftsmith.models.dflash import block_attention, block_attention_mask
 from draftsmith.models.eagle3 import Eagle3DraftModel, TTTMask, ttt_attention
-from draftsmith.models.peagle import CODMask, cod_sample, step0_prediction_mask
+from draftsmith.models.peagle import CODMask
+from draftsmith.train.labels import cod_sample, sample_anchors, step0_prediction_mask
 from draftsmith.recipe import DFlashDraftConfig, PEagleDraftConfig, Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 

@@ -20,7 +20,7 @@ from draftsmith.eval.export import ExportError, export
 from draftsmith.eval.export_heads import load_medusa, medusa_weight_shapes
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.recipe import MedusaDraftConfig
-from draftsmith.train.losses import head_targets
+from draftsmith.train.labels import head_targets
 
 from reference_losses import head_loss
 from draftsmith.train.medusa import main

@@ -28,8 +28,8 @@ from draftsmith.models.peagle import (
     PEagleConfig,
     PEagleDraftModel,
     cod_attention_mask,
-    cod_sample,
 )
+from draftsmith.train.labels import cod_sample
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
 from conftest import write_draft_checkpoint

@@ -1,4 +1,4 @@
-"""The training loop shared by every draft method (setup -> fit), on accelerate.
+"""The training loop of every draft method (:class:`Trainer`: setup, train step, after step), on accelerate.
 
 One process on a laptop CPU or many under ``accelerate launch`` (DDP, DeepSpeed, FSDP from
 the launcher config): nothing here branches on the distributed backend.
