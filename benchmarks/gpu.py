@@ -204,7 +204,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
     elif method.name == "dflash":
-        from draftsmith.models.dflash.model import sample_anchors
+        from draftsmith.train.labels import sample_anchors
         from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
 
         Bk = cfg.block_size
@@ -224,7 +224,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(anchors=A, valid_anchors=int(valid.sum()), block_size=Bk)
     elif method.name == "peagle":
-        from draftsmith.models.peagle.model import cod_sample, step0_prediction_mask
+        from draftsmith.train.labels import cod_sample, step0_prediction_mask
 
         d = recipe.draft
         pred = step0_prediction_mask(loss_mask, docs_cpu)

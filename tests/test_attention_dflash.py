@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_flatten
 import draftsmith.models.dflash.model as dflash
 import draftsmith.models.eagle3.model as eagle3
 from draftsmith.models.dflash.config import DFlashConfig
-from draftsmith.models.dflash.model import (DFlashDraftModel, block_attention, block_attention_mask, sample_anchors, slot_weights)
-from draftsmith.train.losses import LossSpec, TargetDraftHead
-from draftsmith.train.method_dflash import dflash_step
+from draftsmith.models.dflash.model import DFlashDraftModel, block_attention, block_attention_mask
+from draftsmith.train.labels import sample_anchors
+from draftsmith.train.losses import LossSpec, TargetDraftHead, dflash_loss, slot_weights
 
 from conftest import dflash_tiny_config, random_dflash_model
 
@@ -222,7 +222,7 @@ def training_step(model, cfg, B, T, A):
     mask[:, :4] = 0
     head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size, generator=gen))
     anchors, valid = sample_anchors(mask, A, torch.Generator().manual_seed(1))
-    loss, metrics = dflash_step(model, ids, aux, final, mask, anchors, valid, head,
+    loss, metrics = dflash_loss(model, ids, aux, final, mask, anchors, valid, head,
                                 slot_weights(cfg.block_size, 4.0), LossSpec())
     loss.backward()
     return loss, metrics

@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftsmith.models.eagle3.config import Eagle3Config
-from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, same_document, ttt_attention, ttt_plan
+from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, same_document, ttt_attention
+from draftsmith.train.labels import ttt_plan, ttt_prediction_masks
 from draftsmith.train.losses import LossSpec, TargetDraftHead, chunked_distill
 
 
@@ -108,7 +109,7 @@ def test_a_training_step_builds_no_quadratic_per_head_tensor():
     ids = torch.randint(0, 120, (B, T))
     aux, final = torch.randn(B, T, 192), torch.randn(B, T, 64)
     loss_mask = torch.ones(B, T, dtype=torch.long)
-    plan = ttt_plan(loss_mask, K)
+    plan = ttt_plan(ttt_prediction_masks(loss_mask, K))
     counts = plan["ttt_counts_host"]
     index, tindex = torch.split(plan["ttt_index"], counts), torch.split(plan["ttt_teacher_index"], counts)
     limit = B * cfg.num_attention_heads * T * T

@@ -22,9 +22,11 @@ from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.models.dflash.format import expected_dflash_weights, is_dflash_export, load_dflash
 from draftsmith.models.dflash.config import DFlashConfig
-from draftsmith.models.dflash.model import (DFlashDraftModel, DFlashKVCache, anchor_count, block_attention, block_attention_mask, block_labels, sample_anchors, slot_weights, valid_anchor_mask)
-from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
-from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
+from draftsmith.models.dflash.model import DFlashDraftModel, DFlashKVCache, block_attention, block_attention_mask
+from draftsmith.train.activation_checkpointing import apply_activation_checkpointing
+from draftsmith.train.labels import anchor_count, block_labels, sample_anchors, valid_anchor_mask
+from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead, dflash_loss, slot_weights, teacher_rows
+from draftsmith.train.method_dflash import AnchorCountPlan
 
 from conftest import dflash_tiny_config, random_dflash_model, write_draft_checkpoint
 
@@ -151,7 +153,7 @@ def test_block_attention_equals_dense_masked_attention_and_is_bidirectional_in_b
 
 
 # ------------------------------------------------------------------------------------------
-# The loss: dflash_step (chunked, inside the forward, no host read) against the previous
+# The loss: dflash_loss (chunked, inside the forward, no host read) against the previous
 # implementation, kept here as the reference
 
 
@@ -204,7 +206,7 @@ def loss_case(cfg, B=2, T=14, packed=False, seed=0):
 
 @pytest.mark.parametrize("kind", LOSSES)
 @pytest.mark.parametrize("packed,num_anchors", [(False, 3), (False, 5), (True, 4)])
-def test_dflash_step_equals_the_reference_loss_in_value_gradients_and_metrics(kind, packed, num_anchors):
+def test_dflash_loss_equals_the_reference_loss_in_value_gradients_and_metrics(kind, packed, num_anchors):
     cfg = tiny_config()
     ids, aux, final, mask, pos, docs, head = loss_case(cfg, packed=packed)
     anchors, valid = sample_anchors(mask, num_anchors, torch.Generator().manual_seed(1), docs)
@@ -220,7 +222,7 @@ def test_dflash_step_equals_the_reference_loss_in_value_gradients_and_metrics(ki
     want.backward()
 
     model = random_model(cfg).train()
-    loss, metrics = dflash_step(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
+    loss, metrics = dflash_loss(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
                                 chunk_size=7)  # several chunks
     loss.backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
@@ -234,12 +236,12 @@ def test_dflash_step_equals_the_reference_loss_in_value_gradients_and_metrics(ki
     assert float(metrics["loss"]) == pytest.approx(float(want.detach()), rel=1e-5)
 
     # data parallel: a device-tensor global denominator replaces the local weight sum
-    half, _ = dflash_step(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
+    half, _ = dflash_loss(model, ids, aux, final, mask, anchors, valid, head, w, spec, pos, docs,
                           global_denominators=lambda counts: counts * 2.0)
     torch.testing.assert_close(half, want / 2, rtol=1e-5, atol=1e-6)
 
 
-def test_dflash_step_reads_nothing_from_the_device():
+def test_dflash_loss_reads_nothing_from_the_device():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     # .item() / float() / int() / bool() dispatch _local_scalar_dense; x[mask] dispatches index
@@ -266,7 +268,7 @@ def test_dflash_step_reads_nothing_from_the_device():
     mode = NoSync()
     with mode:
         anchors, valid = sample_anchors(mask, 5, torch.Generator().manual_seed(0), docs)
-        loss, metrics = dflash_step(model, ids, aux, final, mask, anchors, valid, head,
+        loss, metrics = dflash_loss(model, ids, aux, final, mask, anchors, valid, head,
                                     slot_weights(cfg.block_size, 4.0), LossSpec(), pos, docs)
         loss.backward()
     assert mode.seen == []
@@ -285,7 +287,7 @@ def test_padding_and_invalid_anchors_give_finite_outputs_and_gradients():
     assert valid[0].sum() == 5 and not valid[1].any()
     head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.hidden_size))
     final = torch.randn(2, T, cfg.hidden_size)
-    loss, metrics = dflash_step(model, ids, g, final, mask, anchors, valid, head, slot_weights(cfg.block_size, 4.0))
+    loss, metrics = dflash_loss(model, ids, g, final, mask, anchors, valid, head, slot_weights(cfg.block_size, 4.0))
     loss.backward()
     assert torch.isfinite(loss) and loss > 0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -293,7 +295,7 @@ def test_padding_and_invalid_anchors_give_finite_outputs_and_gradients():
     assert torch.isfinite(full).all()
     # a micro-batch with no trained slot at all: loss 0, still a graph, finite gradients
     model.zero_grad()
-    none, _ = dflash_step(model, ids, g, final, torch.zeros_like(mask), anchors, valid & False, head,
+    none, _ = dflash_loss(model, ids, g, final, torch.zeros_like(mask), anchors, valid & False, head,
                           slot_weights(cfg.block_size, 4.0))
     none.backward()
     assert float(none.detach()) == 0.0
@@ -310,9 +312,11 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     grads = []
     for ckpt in (False, True):
         model = random_model(cfg).train()
-        model.gradient_checkpointing = ckpt
+        if ckpt:
+            apply_activation_checkpointing(model)
         model(ids, g, anchors, valid).square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+    grads[1] = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads[1].items()}
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 

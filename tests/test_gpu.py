@@ -37,9 +37,10 @@ from draftsmith.data_prep.target import load_target
 from benchmarks import gpu as bench_gpu
 from draftsmith.models.eagle3.format import expected_weight_shapes
 from draftsmith.train.checkpoint import read_draft
-from draftsmith.models.dflash.model import block_attention, block_attention_mask, sample_anchors
+from draftsmith.models.dflash.model import block_attention, block_attention_mask
 from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, ttt_attention
-from draftsmith.models.peagle.model import CODMask, cod_sample, step0_prediction_mask
+from draftsmith.models.peagle.model import CODMask
+from draftsmith.train.labels import cod_sample, sample_anchors, step0_prediction_mask
 from draftsmith.recipe import DFlashDraftConfig, PEagleDraftConfig, Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 

@@ -1,11 +1,13 @@
-"""Gradient checkpointing of the EAGLE-3 draft layer: same loss and gradients, fewer saved
-activations."""
+"""Activation checkpointing of the EAGLE-3 draft layer (``train.gradient_checkpointing``, applied
+from outside by :func:`~draftsmith.train.activation_checkpointing.apply_activation_checkpointing`):
+same loss and gradients, fewer saved activations, the same state-dict keys."""
 
 from __future__ import annotations
 
 import torch
 
 from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.train.activation_checkpointing import apply_activation_checkpointing
 from reference_losses import ttt_loss
 
 from test_eagle3_model import tiny_config
@@ -44,7 +46,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients():
     cfg, model = _model()
     batch = _batch(cfg)
     loss, grads = _loss_and_grads(model, batch)
-    model.gradient_checkpointing = True
+    apply_activation_checkpointing(model)
     loss_ckpt, grads_ckpt = _loss_and_grads(model, batch)
     torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
     for g, gc in zip(grads, grads_ckpt):
@@ -70,18 +72,26 @@ def test_checkpointing_saves_fewer_activations():
     cfg, model = _model()
     batch = _batch(cfg, B=2, T=64)
     plain = _saved_bytes(model, batch)
-    model.gradient_checkpointing = True
+    apply_activation_checkpointing(model)
     ckpt = _saved_bytes(model, batch)
     assert ckpt < 0.6 * plain, (ckpt, plain)
 
 
 def test_no_recompute_without_grad():
-    """Under no_grad (eval) the flag changes nothing: outputs are identical."""
+    """Under no_grad (eval) checkpointing changes nothing: outputs are identical."""
     cfg, model = _model()
     ids, aux, *_ = _batch(cfg)
     with torch.no_grad():
         plain = model(ids, aux, 3)
-        model.gradient_checkpointing = True
+        apply_activation_checkpointing(model)
         ckpt = model(ids, aux, 3)
     for a, b in zip(plain, ckpt):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checkpointing_keeps_the_state_dict_keys():
+    _, model = _model()
+    keys = list(model.state_dict())
+    apply_activation_checkpointing(model)
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(dict(model.state_dict()))

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.train.losses import head_targets
+from draftsmith.train.labels import head_targets
 
 from reference_losses import head_loss
 from draftsmith.train.method_medusa import MedusaMethod

@@ -21,7 +21,7 @@ from draftsmith.layout import ExportError
 from draftsmith.models.medusa.format import load_medusa, medusa_weight_shapes
 from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
 from draftsmith.recipe import MedusaDraftConfig
-from draftsmith.train.losses import head_targets
+from draftsmith.train.labels import head_targets
 
 from reference_losses import head_loss
 from draftsmith.train.medusa import main

@@ -15,7 +15,8 @@ from draftsmith.models.eagle3.model import Eagle3DraftModel, ttt_attention, ttt_
 from draftsmith.train.method_eagle3 import Eagle3Method
 from reference_losses import ttt_loss
 from draftsmith.train.packing import PackedDataset, collate_packed, first_fit_packs
-from draftsmith.train.trainer import LengthGroupedBatches, fit
+from draftsmith.train.sampler import LengthGroupedBatches
+from draftsmith.train.trainer import fit
 
 from conftest import write_jsonl
 from test_eagle3_model import tiny_config

@@ -22,7 +22,8 @@ from draftsmith.methods import method_of_export
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
 from draftsmith.models.peagle.config import PEagleConfig
-from draftsmith.models.peagle.model import CODElements, PEagleDraftModel, cod_attention_mask, cod_sample
+from draftsmith.models.peagle.model import CODElements, PEagleDraftModel, cod_attention_mask
+from draftsmith.train.labels import cod_sample
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
 from conftest import write_draft_checkpoint

@@ -17,7 +17,8 @@ from draftsmith.train.data import HiddenStateDataset
 from draftsmith.layout import safe_path
 from draftsmith.recipe import RecipeError, load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.trainer import REDACTED, fit, redact_argv
+from draftsmith.train.run_info import REDACTED, redact_argv
+from draftsmith.train.trainer import fit
 
 from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 

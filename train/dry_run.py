@@ -433,7 +433,7 @@ PEAGLE_LAYER0_INPUT = {"amp-bf16": 12, "bf16": 4, "fp32": 8}
 
 def cod_elements(recipe: Recipe, T: int) -> int:
     """S, the COD elements of a row of T positions (every position trained: the upper bound)."""
-    from ..models.peagle.model import cod_budget
+    from .labels import cod_budget
 
     d = recipe.draft
     return T + sum(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))

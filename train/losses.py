@@ -1,36 +1,39 @@
-"""Training losses and metrics for draft models.
+"""Every training loss of the draft methods, and the divergences and chunking they share.
 
-EAGLE-3 (TTT): a divergence between the target distribution restricted to the draft vocab
-and the draft's at each TTT step, on assistant tokens only, weighted ``gamma**k`` (EAGLE-3,
-arXiv:2503.01840; docs/conventions.md, "Loss and step weights"). The divergence is ``draft.loss`` (:data:`LOSSES`,
-:func:`divergence`): forward KL (the anchors' default), reverse KL, Jensen-Shannon, total
-variation, or the LK acceptance losses (Samarin et al., "LK Losses: Direct Acceptance Rate
-Optimization for Speculative Decoding", arXiv:2602.23881). P-EAGLE and DFlash use the same
-:func:`divergence` per element.
+- :func:`divergence` (``draft.loss``, :data:`LOSSES`): forward KL (the anchors' default), reverse
+  KL, Jensen-Shannon, total variation, or the LK acceptance losses (Samarin et al., "LK Losses:
+  Direct Acceptance Rate Optimization for Speculative Decoding", arXiv:2602.23881), between the
+  target distribution restricted to the draft vocab and the draft's, per element.
+- :func:`chunked_distill`: the weighted divergence of M draft rows, in chunks of rows recomputed
+  in backward, called inside the draft's forward; its empty case is the one zero loss
+  (``logits_fn(hidden).sum() * 0.0``: the graph reaches every weight the loss would use).
+- :func:`ttt_loss`: EAGLE-3 (arXiv:2503.01840), the divergence at each TTT step on assistant tokens
+  only, weighted ``gamma**k`` (docs/conventions.md, "Loss and step weights").
+- :func:`head_loss`: Medusa heads and MLP-speculator stages, per-head cross-entropy against the
+  sequence's next tokens (the target's own regenerated replies), head k weighted ``decay**k``.
+- :func:`dflash_loss`: DFlash block slots, weighted ``exp(-(k-1)/gamma)`` (:func:`slot_weights`).
+- :func:`cod_loss`: P-EAGLE's conditional-drop elements, per-depth metrics.
 
-The target distribution is recomputed from the target's final (normed) hidden state and
-the ``t2d`` rows of the target ``lm_head``: the ``[tokens, V]`` logits are never built.
-
-Medusa heads and MLP-speculator stages: per-head cross-entropy against the sequence's
-next tokens (the target's own regenerated replies), head k weighted ``decay**k``, on
-assistant tokens only (:func:`head_targets`; the loss itself is :func:`chunked_distill` with
-``labels=True`` inside the heads' forward).
+Which positions each loss trains on (the labels) is :mod:`draftsmith.train.labels`. The target
+distribution is recomputed from the target's final (normed) hidden state and the ``t2d`` rows of
+the target ``lm_head`` (:class:`TargetDraftHead`): the ``[tokens, V]`` logits are never built.
+No loss reads a tensor on the host.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, get_args
+from typing import Any, Callable, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models.common import shift_left
-from ..models.eagle3.model import ttt_prediction_mask
+from ..models.common import DistillTargets
 from ..recipe import LossName
+from .labels import block_labels
 
 LOSSES: tuple[str, ...] = get_args(LossName)
 _ALPHA_FLOOR = 1e-6  # lk_alpha: -log(max(alpha, floor)) stays finite at zero overlap
@@ -222,8 +225,8 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
         args = (hidden[s:s + rows], teacher, teacher_index[s:s + rows], weight[s:s + rows], logits_fn, spec, labels)
         out = checkpoint(_distill_chunk, *args, use_reentrant=False) if grad else _distill_chunk(*args)
         sums.append(out[0]), row_loss.append(out[1]), row_hit.append(out[2])
-    if not sums:  # no row: a zero that keeps the graph
-        zero = hidden.sum() * 0.0
+    if not sums:  # no row: the zero loss, whose graph reaches hidden and logits_fn's weights (DDP / FSDP)
+        zero = logits_fn(hidden).sum() * 0.0
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return DistillOut(zero, empty, empty)
     total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
@@ -241,34 +244,260 @@ class StepMetrics:
     tokens: list[int]
 
 
-@dataclass
-class HeadTargets:
-    """What K multi-token heads train on, gathered at the positions that have a label.
+# --------------------------------------------------------------------------------------
+# EAGLE-3: training-time test (TTT)
 
-    ``positions (B, T)`` bool: positions t where some head k has a label (loss_mask of
-    x_{t+k+2} is 1); M of them. ``tokens (M, K + 2)``: ``tokens[m, j]`` = x_{t+j} (0 past the
-    end). ``labels (K, M)`` = x_{t+k+2}; ``label_mask (K, M)`` bool = loss_mask of that token.
+
+def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, plan: dict[str, Any],
+             steps: int, head: Callable[[torch.Tensor], torch.Tensor], gamma: float, loss: LossSpec | None = None,
+             chunk_size: int | None = None, global_denominators: Callable[[torch.Tensor], Any] | None = None,
+             position_ids: torch.Tensor | None = None,
+             document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The TTT loss ``sum_k gamma**k D_k``: the draft unrolled ``steps`` times with the chunked
+    divergence (:func:`chunked_distill`) as its step head, without host reads.
+
+    Args:
+        model: the :class:`~draftsmith.models.eagle3.Eagle3DraftModel` (possibly wrapped).
+        input_ids / position_ids / document_ids: ``(B, T)`` the batch.
+        aux: ``(B, T, 3*Ht)`` aux states in the draft's dtype; final: ``(B, T, Ht)`` the target's
+            final hidden states.
+        plan: :func:`~draftsmith.train.labels.ttt_plan` of the batch (its rows per step).
+        steps: K. head: the target head over the draft vocab (``TargetDraftHead``), run once per
+            batch at the rows some step needs. gamma: the step decay.
+        loss: ``train.loss``; None: forward KL. chunk_size: rows per loss chunk.
+        global_denominators: data parallel: ``(K,)`` local counts -> the global counts over the
+            world size, or None on one process.
+
+    Returns:
+        ``(loss, metrics)``: ``D_k`` is step k's summed divergence over its M_k rows divided by
+        M_k (or the data-parallel denominator); metrics ``loss``, ``loss_{k}``, ``acc_{k}`` (argmax
+        agreement over the step's rows), detached 0-dim tensors.
     """
+    counts = plan["ttt_counts_host"]
+    device = aux.device
+    counts_t = plan["ttt_counts"].to(device, non_blocking=True)
+    rows = final.flatten(0, 1).index_select(0, plan["ttt_teacher_rows"].to(device, non_blocking=True))
+    teacher = head(rows)  # (N, Vd): the target's distribution, once per batch
+    denominators = global_denominators(counts_t) if global_denominators is not None else None
+    if denominators is None:
+        denominators = counts_t.clamp_min(1).float()
+    index = torch.split(plan["ttt_index"].to(device, non_blocking=True), counts)
+    teacher_index = torch.split(plan["ttt_teacher_index"].to(device, non_blocking=True), counts)
 
-    positions: torch.Tensor
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    label_mask: torch.Tensor
+    def step_head(k: int, hidden: torch.Tensor, logits_fn):
+        h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
+        weight = (gamma**k / denominators[k]).expand(counts[k])
+        return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size)
+
+    outs = model(input_ids, aux, steps, None, position_ids, document_ids, step_head=step_head)
+    total = torch.stack([o.loss_sum for o in outs]).sum()
+    loss_sum = torch.stack([o.row_loss.sum() for o in outs])
+    acc = torch.stack([o.row_hit.sum() for o in outs]) / counts_t.clamp_min(1)
+    metrics = {"loss": total.detach()}
+    for k in range(steps):
+        metrics[f"loss_{k}"], metrics[f"acc_{k}"] = loss_sum[k] / denominators[k], acc[k]
+    return total, metrics
 
 
-def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
-                 document_ids: torch.Tensor | None = None) -> HeadTargets:
-    """Labels of Medusa heads / MLP-speculator stages: head k at position t predicts
-    x_{t+k+2}, trained only where that token is an assistant token (``loss_mask (B, T)``;
-    padding has 0) and, with ``document_ids (B, T)`` (packed rows), in t's document.
-    Restricting to positions with a label keeps the full-vocab heads to the tokens that count
-    (prompts and padding are never projected).
+# --------------------------------------------------------------------------------------
+# Medusa heads / MLP-speculator stages
 
-    M depends on the data (boolean indexing): training calls it on the collated CPU batch in the
-    DataLoader (``HeadMethod.plan_heads``, the batch plan), so the step reads nothing back."""
-    K = num_heads
-    window = torch.stack([shift_left(input_ids, j) for j in range(K + 2)], dim=-1)  # (B, T, K+2)
-    masks = torch.stack([ttt_prediction_mask(loss_mask, k, document_ids) for k in range(K)])  # (K, B, T)
-    positions = masks.any(0)  # (B, T)
-    tokens = window[positions]  # (M, K+2)
-    return HeadTargets(positions, tokens, tokens[:, 2:].T.contiguous(), masks[:, positions])
+
+def head_loss(run_heads: Callable[[Callable[..., Any]], list[Any]], labels: torch.Tensor, label_mask: torch.Tensor,
+              decay: float, global_denominators: Callable[[torch.Tensor], Any] | None = None,
+              chunk_size: int | None = None, vocab_size: int | None = None,
+              counts_host: list[int] | None = None) -> tuple[torch.Tensor, StepMetrics]:
+    """``sum_k decay**k * CE_k``, ``CE_k`` head k's summed cross-entropy over its labelled positions
+    divided by the (global, data parallel) count, computed per head in chunks of rows
+    (:func:`chunked_distill` with ``labels``): the value and gradients of the per-head
+    cross-entropy over ``(K, M, V)`` logits, without building them. Every head runs on the union
+    of positions, weight 0 where it has no label. No host read.
+
+    Args:
+        run_heads: ``run_heads(head_fn)`` runs the K heads inside the model's forward with
+            ``head_fn(k, hidden (M, H), lm_head) -> (loss_sum, row_loss, row_hit)`` and returns
+            its K results.
+        labels: ``(K, M)`` token ids; label_mask: ``(K, M)`` bool (:func:`~draftsmith.train.labels.head_targets`).
+        decay: ``train.head_decay``.
+        global_denominators: data parallel: ``(K,)`` local counts -> global counts over the world
+            size, or None on one process.
+        chunk_size / vocab_size: the chunking of :func:`chunked_distill`.
+        counts_host: M_k per head as python ints, when known on the host (the batch plan's).
+
+    Returns:
+        ``(loss, StepMetrics)`` with per-head losses and accuracies as detached device tensors.
+    """
+    mask = label_mask.float()  # (K, M)
+    counts = mask.sum(1)  # (K,) local label counts
+    denominators = global_denominators(counts) if global_denominators is not None else None
+    if denominators is None:
+        denominators = counts.clamp_min(1.0)
+    rows = torch.arange(labels.shape[1], device=labels.device)
+
+    def head_fn(k: int, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
+        out = chunked_distill(hidden, lm_head, labels[k], rows, mask[k], chunk_size=chunk_size, labels=True,
+                              vocab_size=vocab_size)
+        return out.loss_sum, out.row_loss, out.row_hit
+
+    outs = run_heads(head_fn)
+    head_losses = [loss_sum / denominators[k] for k, (loss_sum, _, _) in enumerate(outs)]
+    loss = head_losses[0]
+    for k in range(1, len(head_losses)):
+        loss = loss + decay**k * head_losses[k]
+    accs = [(hit * mask[k]).sum() / counts[k].clamp_min(1.0) for k, (_, _, hit) in enumerate(outs)]
+    return loss, StepMetrics(loss=[lk.detach() for lk in head_losses], acc=accs, tokens=counts_host or [])
+
+
+# --------------------------------------------------------------------------------------
+# DFlash: anchor blocks
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """``(Bk,)`` loss weight of each block slot: 0 for the anchor, ``exp(-(k-1)/gamma)`` for k >= 1
+    (the z-lab paper's fixed exponential decay)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+
+
+def teacher_rows(final: torch.Tensor, label_pos: torch.Tensor, head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target logits the block slots are distilled towards, computed once per batch.
+
+    Slot k of anchor a predicts x_{a+k}, so its teacher is ``p_{a+k-1}`` = ``head(final[a+k-1])``
+    (same-position labels: no EAGLE shift). The head runs on whichever row set is smaller (both
+    sizes are known on the host): every position (``B*T`` rows) or the ``B*A*(Bk-1)`` slot rows.
+
+    Args:
+        final: ``(B, T, Ht)`` the target's final (normed) hidden states.
+        label_pos: ``(B, A, Bk)`` label positions (:func:`~draftsmith.train.labels.block_labels`).
+        head: ``(..., Ht) -> (..., Vd)`` the target head over the draft vocab.
+
+    Returns:
+        ``(teacher (N, Vd), teacher_index (B, A, Bk) long)``; slot 0's index is a valid row
+        (the anchor is never trained).
+    """
+    B, T, _ = final.shape
+    _, A, Bk = label_pos.shape
+    prev = (label_pos - 1).clamp_min(0)  # (B, A, Bk): p_{t-1} for the label at t
+    if A * (Bk - 1) < T:
+        rows = final.gather(1, prev[:, :, 1:].reshape(B, -1, 1).expand(-1, -1, final.shape[-1]))  # (B, A*(Bk-1), Ht)
+        teacher = head(rows.reshape(B * A * (Bk - 1), -1))
+        index = torch.arange(B * A * (Bk - 1), device=label_pos.device).view(B, A, Bk - 1)
+        index = torch.cat([index[:, :, :1], index], dim=2)  # slot 0: any valid row
+    else:
+        teacher = head(final.reshape(B * T, -1))
+        index = torch.arange(B, device=label_pos.device)[:, None, None] * T + prev
+    return teacher, index
+
+
+def slot_metrics(row_loss: torch.Tensor, row_hit: torch.Tensor, trained: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-slot means over the trained rows, as detached 0-dim tensors (no host read).
+
+    Args:
+        row_loss / row_hit: ``(B, A, Bk-1)`` per-row divergence and argmax match of slots 1..Bk-1.
+        trained: ``(B, A, Bk-1)`` bool.
+
+    Returns:
+        ``loss_{k-1}`` / ``acc_{k-1}`` for slot k = 1..Bk-1 (0 where a slot has no trained row)
+        and ``acceptance_length = 1 + sum_k prod_{i<=k} acc_i`` (a slot without rows stops the chain).
+    """
+    w = trained.float().flatten(0, 1)  # (B*A, Bk-1)
+    count = w.sum(0)  # (Bk-1,)
+    denom = count.clamp_min(1.0)
+    loss = (row_loss.flatten(0, 1) * w).sum(0) / denom
+    acc = (row_hit.flatten(0, 1) * w).sum(0) / denom
+    out: dict[str, torch.Tensor] = {}
+    for k in range(loss.shape[0]):  # over the host-known slot count: views, no reads
+        out[f"loss_{k}"], out[f"acc_{k}"] = loss[k].detach(), acc[k].detach()
+    out["acceptance_length"] = (1.0 + acc.cumprod(0).sum()).detach()
+    return out
+
+
+def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+                loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, head: Any,
+                weights: torch.Tensor, loss: Any = None, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None,
+                global_denominators: Callable[[torch.Tensor], Any] | None = None,
+                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One DFlash loss over given anchors, without host reads.
+
+    Args:
+        model: the :class:`~draftsmith.models.dflash.DFlashDraftModel` (possibly wrapped).
+        input_ids / loss_mask / position_ids / document_ids: ``(B, T)`` the batch.
+        aux: ``(B, T, n*Ht)`` aux states in the draft's dtype; final: ``(B, T, Ht)`` the
+            target's final hidden states.
+        anchors / anchor_valid: ``(B, A)`` (:func:`~draftsmith.train.labels.sample_anchors`).
+        head: the target head over the draft vocab (``TargetDraftHead``).
+        weights: ``(Bk,)`` slot weights (:func:`slot_weights`).
+        loss: ``train.loss`` (``LossSpec``); None: forward KL.
+        global_denominators: data parallel: ``(1,)`` local weight sum -> the global sum over the
+            world size (a device tensor), or None on one process.
+        chunk_size: rows per loss chunk (default: ``chunk_rows`` of Vd).
+
+    Returns:
+        ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots; metrics
+        ``loss``, ``loss_{k-1}`` / ``acc_{k-1}`` per slot k, ``acceptance_length``
+        (:func:`slot_metrics`), all detached 0-dim tensors.
+    """
+    Bk = weights.shape[0]
+    B, A = anchors.shape
+    label_pos, label_mask = block_labels(anchors, anchor_valid, loss_mask, Bk, document_ids)  # (B, A, Bk)
+    teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
+    weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
+    out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
+                targets=DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
+                                       distill=chunked_distill, loss=loss, chunk_size=chunk_size))
+    local = weight.sum()
+    denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
+    total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))
+    rows = (B, A, Bk - 1)
+    metrics = {"loss": total.detach()}
+    metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
+    return total, metrics
+
+
+# --------------------------------------------------------------------------------------
+# P-EAGLE: conditional-drop (COD) elements
+
+
+def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
+             num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss and per-depth metrics from the model's divergence over the elements.
+
+    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.eagle3.DistillTargets` whose weight is
+    ``trained / N`` (N the trained count, or the data-parallel denominator), so
+    ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
+    divergence ``train.loss``. Nothing is read on the host: the metrics are masked sums
+    (``index_add`` over depth).
+
+    Args:
+        out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
+            rows (``DistillTargets.rows``).
+        depth: ``(M,)`` depth of each row.
+        trained: ``(M,)`` bool, the rows trained on.
+        num_depths: D, the number of per-depth metric slots.
+
+    Returns:
+        ``(loss, metrics)``: ``loss = out.loss_sum``; metrics, detached 0-dim tensors: ``loss``,
+        per depth d ``loss_{d}`` (mean divergence), ``acc_{d}`` (draft argmax == target argmax over
+        the draft vocab), both 0 at a depth with no element, and ``expected_al``
+        (:func:`expected_acceptance_length`; 0 without a depth-0 element).
+    """
+    zero = torch.zeros_like(out.row_loss)
+    w = trained.to(out.row_loss.dtype)
+    D = num_depths
+    count = w.new_zeros(D).index_add_(0, depth, w)
+    loss_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_loss, zero)) / count.clamp_min(1.0)
+    acc_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_hit, zero)) / count.clamp_min(1.0)
+    metrics: dict[str, torch.Tensor] = {"loss": out.loss_sum.detach()}
+    for d in range(D):
+        metrics[f"loss_{d}"] = loss_d[d]
+        metrics[f"acc_{d}"] = acc_d[d]
+    metrics["expected_al"] = expected_acceptance_length(acc_d) * (count[0] > 0)
+    return out.loss_sum, metrics
+
+
+def expected_acceptance_length(acc: torch.Tensor | list[float]) -> torch.Tensor:
+    """``1 + sum_d prod_{j<=d} acc_j``: the acceptance length the per-depth accuracies imply
+    (a 0-dim tensor on ``acc``'s device)."""
+    acc = torch.as_tensor(acc, dtype=torch.float32)
+    return 1.0 + torch.cumprod(acc, 0).sum()

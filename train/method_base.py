@@ -29,7 +29,8 @@ from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
 from .data import HiddenStateDataset, TokenizedDataset
-from .losses import LossSpec, StepMetrics, TargetDraftHead, chunked_distill, head_targets
+from .labels import head_targets
+from .losses import LossSpec, StepMetrics, TargetDraftHead, head_loss
 from .mask_token import resolve_mask_token_id, token_counts
 from .validation import ValidationSpec
 
@@ -170,15 +171,14 @@ class DraftVocabMethod(TargetDataMethod):
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its
-        ``lm_head`` rows and final norm, the vocab mapping, ``draft.freeze_lm_head`` and
-        ``draft.gradient_checkpointing`` applied."""
+        ``lm_head`` rows and final norm, the vocab mapping and ``draft.freeze_lm_head`` applied
+        (the trainer applies ``draft.gradient_checkpointing``)."""
         init = self.recipe.draft.init_lm_head_from_target
         model.init_from_target(self.heads["embed_tokens"], self.target_head.weight if init else None,
                                self.heads["final_norm"].float() if init else None)
         model.set_vocab_mapping(self.d2t, self.t2d)
         if self.recipe.draft.freeze_lm_head:
             model.lm_head.weight.requires_grad_(False)
-        model.gradient_checkpointing = self.recipe.draft.gradient_checkpointing
         if hasattr(model, "attention_backend"):
             model.attention_backend = self.recipe.train.attention_backend
         return model
@@ -236,7 +236,7 @@ class HeadMethod(TargetDataMethod):
         DataLoader, picklable bound with ``functools.partial``): the batch plus
 
         - ``head_index (M,)`` int64: flat ``b * T + t`` of the M positions where some head has a
-          label (:func:`~draftsmith.train.losses.head_targets`);
+          label (:func:`~draftsmith.train.labels.head_targets`);
         - ``head_tokens (M, K + 2)``: x_t .. x_{t+K+1} there (0 past the end);
         - ``head_labels (K, M)``: x_{t+k+2}; ``head_label_mask (K, M)`` bool: head k trains there;
         - ``head_rows`` (python int M) and ``head_counts`` (python list, M_k per head).
@@ -261,11 +261,10 @@ class HeadMethod(TargetDataMethod):
         return dict(batch, final_hidden_states=final)
 
     def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``sum_k decay**k * CE_k``, ``CE_k`` head k's summed cross-entropy over its labelled
-        positions divided by the (global, data parallel) count; the value and gradients of the
-        per-head cross-entropy over ``(K, M, V)`` logits, without building them (tests compare the two).
-        Every head runs on the union of positions, weight 0 where it has no label. Metrics
-        ``loss``, ``loss_{k}``, ``acc_{k}`` are detached 0-dim device tensors. No host read when
+        """:func:`~draftsmith.train.losses.head_loss` on the batch's labelled positions (the value and
+        gradients of the per-head cross-entropy over ``(K, M, V)`` logits, without building them;
+        tests compare the two). Metrics ``loss``, ``loss_{k}``, ``acc_{k}`` are detached 0-dim
+        device tensors. No host read when
         the batch carries its plan (:meth:`batch_plan`); otherwise (validation, tests) the plan is
         computed here from the batch."""
         batch = self.batch_states(batch)  # MLP stage 2: a generated batch, without the plan
@@ -276,30 +275,9 @@ class HeadMethod(TargetDataMethod):
         index, tokens, labels, mask = (plan[key].to(device, non_blocking=True) for key in self.PLAN_KEYS)
         # every gathered position is its own length-1 sequence: heads never mix positions
         final = final.flatten(0, 1).index_select(0, index).to(param.dtype).unsqueeze(1)  # (M, 1, H)
-        mask = mask.float()  # (K, M)
-        counts = mask.sum(1)  # (K,) local label counts
-        denominators = self.global_denominators(counts)  # data parallel: global count / world
-        if denominators is None:
-            denominators = counts.clamp_min(1.0)
-        rows = torch.arange(labels.shape[1], device=device)
-        chunk, vocab = self.recipe.train.loss_chunk_rows, self.config.vocab_size
-
-        def head_fn(k: int, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
-            out = chunked_distill(hidden, lm_head, labels[k], rows, mask[k], chunk_size=chunk, labels=True,
-                                  vocab_size=vocab)
-            loss_sum = out.loss_sum
-            if hidden.shape[0] == 0:  # no position: a zero whose graph reaches lm_head (DDP)
-                loss_sum = loss_sum + lm_head(hidden).sum() * 0.0
-            return loss_sum, out.row_loss, out.row_hit
-
-        outs = self.head_forward(model, final, tokens, head_fn)
-        decay = self.recipe.draft.head_decay
-        head_losses = [loss_sum / denominators[k] for k, (loss_sum, _, _) in enumerate(outs)]
-        loss = head_losses[0]
-        for k in range(1, len(head_losses)):
-            loss = loss + decay**k * head_losses[k]
-        accs = [(hit * mask[k]).sum() / counts[k].clamp_min(1.0) for k, (_, _, hit) in enumerate(outs)]
-        m = StepMetrics(loss=[lk.detach() for lk in head_losses], acc=accs, tokens=plan.get("head_counts", []))
+        loss, m = head_loss(lambda head_fn: self.head_forward(model, final, tokens, head_fn), labels, mask,
+                            self.recipe.draft.head_decay, self.global_denominators, self.recipe.train.loss_chunk_rows,
+                            self.config.vocab_size, plan.get("head_counts"))
         return loss, self.step_metrics(loss, m)
 
     def draft_config(self) -> dict[str, Any]:

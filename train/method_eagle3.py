@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from ..models.eagle3.config import Eagle3Config
-from ..models.eagle3.model import Eagle3DraftModel, ttt_plan, ttt_prediction_mask
+from ..models.eagle3.model import Eagle3DraftModel
 from ..recipe import Recipe
-from .losses import chunk_rows, chunked_distill
+from .labels import ttt_plan, ttt_prediction_masks
+from .losses import chunk_rows, chunked_distill, ttt_loss
 from .method_base import DraftVocabMethod
 from .validation import ValidationSpec, accepted_sums, chain_alphas, full_vocab_logits
 from .warm_start import WarmStartError, fit_problems, load_init_weights, read_init_draft, warm_config
@@ -27,9 +28,9 @@ log = logging.getLogger("draftsmith.train.eagle3")
 
 
 def eagle3_batch_plan(batch: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
-    """:meth:`Eagle3Method.batch_plan`: the batch plus :func:`~draftsmith.models.eagle3.model.ttt_plan`
+    """:meth:`Eagle3Method.batch_plan`: the batch plus :func:`~draftsmith.train.labels.ttt_plan`
     (module-level so DataLoader workers can pickle it)."""
-    return {**batch, **ttt_plan(batch["loss_mask"], steps, batch.get("document_ids"))}
+    return {**batch, **ttt_plan(ttt_prediction_masks(batch["loss_mask"], steps, batch.get("document_ids")))}
 
 
 class Eagle3Method(DraftVocabMethod):
@@ -74,7 +75,7 @@ class Eagle3Method(DraftVocabMethod):
 
     def batch_plan(self):
         """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader
-        (:func:`~draftsmith.models.eagle3.model.ttt_plan`), so the step never reads a mask back."""
+        (:func:`~draftsmith.train.labels.ttt_plan`), so the step never reads a mask back."""
         return functools.partial(eagle3_batch_plan, steps=self.recipe.draft.ttt_steps)
 
     def compute_loss(self, model, batch):
@@ -89,46 +90,10 @@ class Eagle3Method(DraftVocabMethod):
         K = self.recipe.draft.ttt_steps
         # packed rows (train.packing) carry per-document positions and document ids
         docs = batch.get("document_ids")
-        plan = batch if "ttt_index" in batch else ttt_plan(batch["loss_mask"], K, docs)
-        out = self.ttt_forward(model, batch, aux, final, plan, K)
-        loss = out["loss"]
-        metrics = {"loss": loss.detach()}
-        for k in range(K):
-            metrics[f"loss_{k}"], metrics[f"acc_{k}"] = out["loss_sum"][k] / out["denominators"][k], out["acc"][k]
-        return loss, metrics
-
-    def ttt_forward(self, model, batch, aux: torch.Tensor, final: torch.Tensor, plan: dict, K: int,
-                    denominators: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Run the unrolled draft with the chunked loss as its step head.
-
-        Returns ``loss`` (scalar, grad), per-step ``loss_sum (K,)`` (detached, summed divergence),
-        ``acc (K,)`` (argmax agreement over the step's rows), ``denominators (K,)`` and ``counts (K,)``.
-        """
-        counts = plan["ttt_counts_host"]
-        device = aux.device
-        counts_t = plan["ttt_counts"].to(device, non_blocking=True)
-        rows = final.flatten(0, 1).index_select(0, plan["ttt_teacher_rows"].to(device, non_blocking=True))
-        teacher = self.target_head(rows)  # (N, Vd): the target's distribution, once per batch
-        if denominators is None:  # data parallel: the global token count over the world size
-            denominators = self.global_denominators(counts_t)
-        if denominators is None:
-            denominators = counts_t.clamp_min(1).float()
-        index = torch.split(plan["ttt_index"].to(device, non_blocking=True), counts)
-        teacher_index = torch.split(plan["ttt_teacher_index"].to(device, non_blocking=True), counts)
-        gamma, chunk = self.recipe.draft.gamma, self.recipe.train.loss_chunk_rows
-
-        def step_head(k: int, hidden: torch.Tensor, logits_fn):
-            h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
-            weight = (gamma**k / denominators[k]).expand(counts[k])
-            return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, self.loss, chunk)
-
-        outs = model(batch["input_ids"], aux, K, None, batch.get("position_ids"), batch.get("document_ids"),
-                     step_head=step_head)
-        loss = torch.stack([o.loss_sum for o in outs]).sum()
-        return {"loss": loss,
-                "loss_sum": torch.stack([o.row_loss.sum() for o in outs]),
-                "acc": torch.stack([o.row_hit.sum() for o in outs]) / counts_t.clamp_min(1),
-                "denominators": denominators, "counts": counts_t}
+        plan = batch if "ttt_index" in batch else ttt_plan(ttt_prediction_masks(batch["loss_mask"], K, docs))
+        return ttt_loss(model, batch["input_ids"], aux, final, plan, K, self.target_head, self.recipe.draft.gamma,
+                        self.loss, self.recipe.train.loss_chunk_rows, self.global_denominators,
+                        batch.get("position_ids"), docs)
 
     def validation_spec(self) -> ValidationSpec:
         """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
@@ -149,7 +114,8 @@ class Eagle3Method(DraftVocabMethod):
         spec = self.validation_spec()
         K_train, K_chain = self.recipe.draft.ttt_steps, spec.num_draft_tokens
         K = max(K_chain, K_train)
-        plan = ttt_plan(mask, K, docs)
+        masks = ttt_prediction_masks(mask, K, docs)  # once per batch: the TTT rows and the chains
+        plan = ttt_plan(masks)
         counts = plan["ttt_counts_host"]
         device = final.device
         index = torch.split(plan["ttt_index"].to(device), counts)
@@ -184,8 +150,7 @@ class Eagle3Method(DraftVocabMethod):
         for k in range(K_train):
             result[f"loss_{k}"], result[f"acc_{k}"] = outs[k]["loss"], outs[k]["acc"]
             result[f"loss_{k}_count"] = result[f"acc_{k}_count"] = counts[k]
-        masks = [ttt_prediction_mask(mask, k, docs) for k in range(K_chain)]
-        result.update(accepted_sums([outs[k]["alphas"] for k in range(K_chain)], masks, temperatures))
+        result.update(accepted_sums([outs[k]["alphas"] for k in range(K_chain)], masks[:K_chain], temperatures))
         return result
 
     def checkpoint_extras(self, directory: Path) -> None:

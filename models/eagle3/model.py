@@ -521,36 +521,3 @@ def ttt_prediction_mask(
     return sel
 
 
-def ttt_plan(loss_mask: torch.Tensor, steps: int, document_ids: torch.Tensor | None = None) -> dict[str, Any]:
-    """Which rows each TTT step trains on, as index tensors: run on the CPU batch (in the
-    DataLoader) so that the training step gathers with indices of known size instead of boolean
-    masks (which read the mask back to the host).
-
-    Step k trains position t when :func:`ttt_prediction_mask` selects it; its teacher is the
-    target's distribution of x_{t+k+2}, i.e. the target's row at position t+k+1.
-
-    Args:
-        loss_mask: ``(B, T)`` 1 on trained tokens. document_ids: optional ``(B, T)`` (packed rows).
-        steps: K.
-
-    Returns:
-        ``ttt_index (sum M_k,)`` int64 flat positions ``b * T + t``, step-major (step 0's M_0 rows
-        first); ``ttt_teacher_rows (N,)`` int64 flat positions whose target distribution some step
-        needs (each once); ``ttt_teacher_index (sum M_k,)`` int64 the row of ``ttt_teacher_rows``
-        each trained row distils from; ``ttt_counts (K,)`` int64 M_k; ``ttt_counts_host`` the same
-        as a list of python ints.
-    """
-    B, T = loss_mask.shape
-    flat = torch.arange(B * T, device=loss_mask.device).view(B, T)
-    sels = [ttt_prediction_mask(loss_mask, k, document_ids) for k in range(steps)]
-    need = torch.zeros(B, T + 1, dtype=torch.bool, device=loss_mask.device)
-    for k, sel in enumerate(sels):  # row t + k + 1 (< T for every selected t)
-        need[:, k + 1 : T + 1] |= sel[:, : T - k]
-    need = need[:, :T]
-    lookup = need.flatten().cumsum(0) - 1  # flat position -> teacher row
-    index = [flat[sel] for sel in sels]
-    teacher_index = [lookup[i + k + 1] for k, i in enumerate(index)]
-    counts = [int(i.numel()) for i in index]
-    return {"ttt_index": torch.cat(index), "ttt_teacher_rows": flat[need],
-            "ttt_teacher_index": torch.cat(teacher_index), "ttt_counts": torch.tensor(counts, dtype=torch.long),
-            "ttt_counts_host": counts}

@@ -43,8 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..common import DistillTargets, TargetSharedDraft, shift_left
-from ..eagle3.model import (Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask,
-                            ttt_prediction_mask)
+from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask
 from .config import PEagleConfig
 
 
@@ -92,110 +91,6 @@ class CODElements:
             valid[b, : len(a)] = True
         num_depths = max((max(d) for _, d in rows if d), default=0) + 1
         return cls(anchor.to(device), depth.to(device), valid.to(device), num_depths)
-
-
-def cod_budget(seq_len: int, num_depths: int, ratio: float, ratio_min: float,
-               max_anchors: int | None = None, seed_bound: int | None = None) -> list[int]:
-    """Slots reserved for depths 1, 2, ... in a row of ``seq_len`` positions (host-side numbers).
-
-    Depth d keeps ``int(max(0, n - d) * max(ratio**d, ratio_min))`` chains for n seeds
-    (:func:`cod_sample`); with n at its largest (``seq_len``, ``max_anchors``, or
-    ``seed_bound``, a host-side bound on the trained positions per row) this is the number of
-    slots depth d may fill. The list stops before the first depth with no slot, so
-    ``seq_len + sum(cod_budget(...))`` is the element count S of :func:`cod_sample`.
-    """
-    n = min([seq_len] + [b for b in (max_anchors, seed_bound) if b is not None])
-    out = []
-    for d in range(1, num_depths):
-        k = int(max(0, n - d) * max(ratio**d, ratio_min))
-        if k == 0:
-            break
-        out.append(k)
-    return out
-
-
-def _random_keys(shape: tuple[int, ...], eligible: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """i.i.d. uniform keys in [0, 1) at eligible entries, -1 elsewhere: the ``k`` largest are a
-    uniformly random k-subset of the eligible entries (``topk``: no host sync)."""
-    keys = torch.rand(shape, generator=generator, device=eligible.device)
-    return keys.masked_fill_(~eligible, -1.0)
-
-
-def cod_sample(
-    prediction_mask: torch.Tensor,
-    num_depths: int,
-    ratio: float,
-    ratio_min: float,
-    generator: torch.Generator,
-    max_anchors: int | None = None,
-    document_ids: torch.Tensor | None = None,
-    seed_bound: int | None = None,
-) -> CODElements:
-    """Conditional-drop sampling (speculators ``peagle/data.py``; docs/parallel_drafts.md), vectorised on
-    ``prediction_mask``'s device: no tensor is read on the host.
-
-    Per row: depth 0 at every position; depth d (1 <= d < D) keeps
-    ``min(int(max(0, n - d) * max(ratio**d, ratio_min)), #eligible)`` chains, a uniformly random
-    subset of the eligible positions: those that continue a depth-(d-1) chain one step right
-    (depth 1: the seeds), that are trained (``prediction_mask``), at least d from the start, and
-    in the anchor's document. n = number of seeds (trained positions, or a random subset of
-    ``max_anchors`` of them).
-
-    Layout: ``[T depth-0 slots | K_1 depth-1 slots | ... ]`` with ``K_d`` from
-    :func:`cod_budget` (the count for n = T, or ``seed_bound``), so S is known on the host. Each depth's kept
-    elements come first in position order; the slots a row does not fill are invalid.
-
-    The subsets are drawn by ``topk`` over i.i.d. uniform keys from ``generator`` (a generator
-    of ``prediction_mask``'s device), so the same generator state gives the same sample.
-
-    Args:
-        prediction_mask: ``(B, T)`` bool, the EAGLE-3 step-0 loss mask (position i predicts
-            x_{i+2}, trained when True).
-        num_depths: D (depths 0..D-1).
-        ratio, ratio_min: r and r_min.
-        generator: RNG on ``prediction_mask``'s device, seeded for this micro-batch.
-        max_anchors: optional number of seeds (random subset of the trained positions).
-        document_ids: optional ``(B, T)`` document per position (packed rows).
-        seed_bound: optional host-side bound on the trained positions of any row (e.g. counted
-            on the CPU batch, :class:`~draftsmith.train.method_peagle.CODPlan`): sizes the
-            depth budgets to the batch instead of T (fewer empty slots, smaller S). A row with
-            more would keep at most the budget.
-
-    Returns:
-        :class:`CODElements` on ``prediction_mask``'s device.
-    """
-    B, T = prediction_mask.shape
-    dev = prediction_mask.device
-    trained = prediction_mask.bool()
-    if max_anchors is None or max_anchors >= T:
-        seeds = trained
-    else:
-        val, pick = _random_keys((B, T), trained, generator).topk(max_anchors, dim=1)
-        seeds = torch.zeros_like(trained).scatter_(1, pick, val >= 0)
-    n = seeds.sum(1)  # (B,) seeds per row
-    anchors = [torch.arange(T, device=dev).expand(B, T)]
-    depths = [torch.zeros(B, T, dtype=torch.long, device=dev)]
-    valids = [torch.ones(B, T, dtype=torch.bool, device=dev)]
-    prev = seeds  # (B, T): positions that may take the next depth
-    for d, budget in enumerate(cod_budget(T, num_depths, ratio, ratio_min, max_anchors, seed_bound), start=1):
-        eligible = prev.clone()
-        eligible[:, :d] = False
-        if document_ids is not None:
-            eligible[:, d:] &= document_ids[:, d:] == document_ids[:, :-d]
-        # float64 as the host-side formula: int(max(0, n - d) * max(r**d, r_min)) exactly
-        size = ((n - d).clamp_min(0).double() * max(ratio**d, ratio_min)).floor().long()  # (B,)
-        val, pos = _random_keys((B, T), eligible, generator).topk(budget, dim=1)  # (B, K) by key
-        slot = torch.arange(budget, device=dev)
-        keep = (val >= 0) & (slot < size.unsqueeze(1))
-        order = torch.where(keep, pos, T + slot).argsort(dim=1)  # kept first, in position order
-        pos, keep = pos.gather(1, order), keep.gather(1, order)
-        anchors.append(torch.where(keep, pos - d, torch.zeros_like(pos)))
-        depths.append(keep.long() * d)
-        valids.append(keep)
-        chosen = torch.zeros_like(trained).scatter_(1, pos, keep)  # (B, T) positions of depth d
-        prev = torch.zeros_like(trained)
-        prev[:, 1:] = chosen[:, :-1] & trained[:, 1:]  # chains continue one step right
-    return CODElements(torch.cat(anchors, 1), torch.cat(depths, 1), torch.cat(valids, 1), num_depths)
 
 
 def cod_attention_keys(elements: CODElements, document_ids: torch.Tensor | None = None
@@ -533,13 +428,3 @@ class PEagleDraftModel(TargetSharedDraft):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             hidden = layer.forward_cached(embeds if i == 0 else None, hidden, cos, sin, cache)
         return hidden
-
-
-def cod_targets(elements: CODElements, prediction_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, S)`` bool: the elements trained on (valid, and ``prediction_mask`` at ``pos``)."""
-    return elements.valid & prediction_mask.bool().gather(1, elements.pos)
-
-
-def step0_prediction_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The EAGLE-3 step-0 loss mask on the shifted sequence (position i predicts x_{i+2})."""
-    return ttt_prediction_mask(loss_mask, 0, document_ids)
