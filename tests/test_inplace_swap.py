@@ -137,7 +137,8 @@ def test_tensor_specs_are_read_from_headers_and_differences_are_named(tmp_path):
     a = write_export(tmp_path / "a", {"fc.weight": torch.zeros(4, 6), "d2t": torch.zeros(8, dtype=torch.long),
                                       "lm_head.weight": torch.zeros(8, 4)})
     b = write_export(tmp_path / "b", {"fc.weight": torch.zeros(4, 6, dtype=torch.bfloat16),
-                                      "d2t": torch.zeros(16, dtype=torch.long), "embed_tokens.weight": torch.zeros(3, 4)})
+                                      "d2t": torch.zeros(16, dtype=torch.long),
+                                      "embed_tokens.weight": torch.zeros(3, 4)})
     specs = wu.read_tensor_specs(a)
     assert specs == {"fc.weight": ["F32", [4, 6]], "d2t": ["I64", [8]], "lm_head.weight": ["F32", [8, 4]]}
     assert wu.spec_differences(specs, wu.read_tensor_specs(b)) == [
@@ -335,7 +336,8 @@ def check_scenario(r: dict) -> None:
     assert r["matches_a_before"] and not r["matches_b_before"]
     assert NEVER not in r["reply_a"] and r["accepted_a"] == 0  # A never proposes what the target says
     assert r["reply_a"] == r["plain"][:MAX_NEW]
-    assert r["update"]["served"]["export_dir"].endswith("b/export") and r["update"]["served"]["loaded_by"] == "in-place update"
+    served = r["update"]["served"]
+    assert served["export_dir"].endswith("b/export") and served["loaded_by"] == "in-place update"
     assert r["matches_b"] and not r["matches_a"]
     assert r["inflight"] == r["long_after"] and len(r["inflight"]) == LONG  # the frozen request finished intact
     assert r["reply_b"] == r["plain"][:MAX_NEW]  # greedy output unchanged by the swap

