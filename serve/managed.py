@@ -80,6 +80,53 @@ class ManagedServers:
             raise ServerStartError("the proxy closed while the server was starting")
         return info
 
+    def update_in_place_blocking(self, base_url: str, draft: Path, k: int | None = None) -> tuple[dict[str, Any] | None, str]:
+        """Load ``draft``'s weights into the running server at ``base_url`` (vLLM's draft weight
+        update, :func:`draftsmith.vllm_bridge.weight_update.update_draft_weights`): no second
+        server, no extra GPU memory. Then check that the server holds the new weights.
+
+        Returns:
+            ``(info, reason)``: the server's updated :meth:`start_blocking` record and ``""``, or
+            ``(None, why not)`` when an in-place update cannot serve this swap: servers started
+            without ``inplace_swap``, a ``k`` other than the server's (a server-level setting),
+            a server whose vLLM does not update drafts, or an export of another method or
+            tensor set than the served one (an update cannot change the architecture). The
+            caller then starts a second server.
+
+        Raises:
+            ValueError: see :func:`draft_speculative_config` (not a servable export, another target).
+            WeightUpdateError: vLLM failed the update, or served other weights afterwards.
+        """
+        from ..vllm_bridge.weight_update import (WeightUpdateError, draft_weight_update_support,
+                                                 served_draft_matches, update_draft_weights)
+
+        with self._lock:
+            server = self._servers.get(base_url)
+        if server is None or not self.options.inplace_swap:
+            return None, "the server was not started for in-place updates (--no-inplace-swap)"
+        k = self.k if k is None else k
+        if k != server.info["k"]:
+            return None, f"k {k} differs from the running server's {server.info['k']} (set when a server starts)"
+        spec = draft_speculative_config(Path(draft), self.target, k)
+        if spec.get("method") != server.info["speculative_config"].get("method"):
+            return None, f"the new draft is served as {spec.get('method')}, the running one as another method"
+        supported, reason = draft_weight_update_support(base_url)
+        if not supported:
+            return None, reason
+        try:
+            result = update_draft_weights(base_url, Path(draft))
+        except ValueError as exc:  # another tensor set: a new architecture needs a new server
+            return None, str(exc)
+        if not served_draft_matches(base_url, Path(draft)):
+            raise WeightUpdateError(f"{base_url}: after the update the server does not hold {draft}'s weights")
+        with self._lock:
+            server.info.update(draft=str(draft), speculative_config=spec, update_s=result["seconds"])
+            return dict(server.info), ""
+
+    async def update_in_place(self, base_url: str, draft: Path, k: int | None = None) -> tuple[dict[str, Any] | None, str]:
+        """:meth:`update_in_place_blocking` on a worker thread."""
+        return await asyncio.to_thread(self.update_in_place_blocking, base_url, draft, k)
+
     async def start(self, draft: Path, k: int | None = None) -> dict[str, Any]:
         """:meth:`start_blocking` on a worker thread."""
         return await asyncio.to_thread(self.start_blocking, draft, k)

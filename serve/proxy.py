@@ -72,6 +72,7 @@ from yarl import URL
 
 from ..traffic_log import LOGGED_ENDPOINTS, exchange_record, json_or_none
 from ..vllm_bridge.server import ServerOptions, ServerStartError
+from ..vllm_bridge.weight_update import WeightUpdateError
 from .managed import ManagedServers
 from .traffic_writer import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, TrafficLog
 
@@ -467,14 +468,26 @@ class TrafficProxy:
         k = body.get("k")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise _AdminError(400, f"k must be a positive integer, not {k!r}")
+        draft = Path(str(body["draft"]))
+        try:  # first into the running server (no second server, no extra GPU memory), where vLLM can
+            updated, why_not = await self.servers.update_in_place(self._current.base_url, draft, k)
+        except ValueError as exc:
+            raise _AdminError(400, str(exc)) from None
+        except WeightUpdateError as exc:
+            raise _AdminError(500, f"in-place draft update failed: {exc}") from None
+        if updated is not None:
+            self.counters["swaps"] += 1
+            return {"mode": "in_place", "upstream": self._current.describe(), "draft": updated["draft"],
+                    "k": updated["k"], "update_s": updated["update_s"]}
         try:
-            server = await self.servers.start(Path(str(body["draft"])), k)
+            server = await self.servers.start(draft, k)
         except ValueError as exc:
             raise _AdminError(400, str(exc)) from None
         except ServerStartError as exc:  # the old server keeps serving
             raise _AdminError(500, str(exc)) from None
         result = await self.swap(server["base_url"], on_retire=self._retire)
-        return {**result, "draft": server["draft"], "k": server["k"], "server_log": server["log"]}
+        return {**result, "mode": "two_servers", "in_place_not_used": why_not, "draft": server["draft"],
+                "k": server["k"], "server_log": server["log"]}
 
     async def _retire(self, old: dict[str, str]) -> None:
         if self.servers is not None:
@@ -498,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", type=Path, help="managed mode: recipe YAML (target, vllm engine, eval.num_speculative_tokens)")
     p.add_argument("--k", type=int, help="managed mode: num_speculative_tokens (default: the recipe's, else 3)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="managed mode: seconds to wait for a server's /health")
+    p.add_argument("--inplace-swap", action=argparse.BooleanOptionalAction, default=True,
+                   help="managed mode: start servers that accept in-place draft weight updates (vLLM's dev-mode "
+                        "routes on the loopback server), so a draft swap of the same architecture and k loads "
+                        "the new weights into the running server; otherwise, or when vLLM cannot, a swap starts "
+                        "a second server")
     p.add_argument("--server-logs", type=Path, help="managed mode: directory of the servers' logs (default: proxy_servers/ beside --log)")
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="port the proxy listens on")
@@ -531,7 +549,8 @@ def managed_servers_from_args(args: argparse.Namespace) -> ManagedServers:
         raise ValueError("managed mode needs a target: --target or --recipe")
     trust = recipe.target.trust_remote_code if recipe else False
     options = ServerOptions(engine=vllm_config_from_args(args, recipe.vllm if recipe else None),
-                            startup_timeout_s=args.startup_timeout, trust_remote_code=trust)
+                            startup_timeout_s=args.startup_timeout, trust_remote_code=trust,
+                            inplace_swap=args.inplace_swap)
     k = args.k if args.k is not None else (recipe.eval.num_speculative_tokens if recipe else 3)
     log_dir = args.server_logs or args.log.expanduser().resolve().parent / "proxy_servers"
     return ManagedServers(resolve_target(target_name, trust), options, k, log_dir)

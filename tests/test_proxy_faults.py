@@ -365,3 +365,54 @@ def test_a_proxy_reachable_from_other_machines_refuses_to_start_without_an_admin
     code = main(["--upstream", "http://127.0.0.1:9", "--host", host, "--log", str(tmp_path / "t.jsonl")])
     assert code == 2 and "--admin-token" in capsys.readouterr().err
     assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_a_draft_swap_updates_the_running_server_in_place_when_vllm_can_else_starts_a_second_one(
+        supported, tmp_path, monkeypatch):
+    from draftsmith.vllm_bridge import weight_update
+
+    starts, updates = [], []
+
+    @contextlib.contextmanager
+    def fake_server(target, spec, opts, log_path):
+        starts.append(spec["model"])
+        yield {"base_url": urls[len(starts) - 1], "port": 0, "pgid": 0, "command": ["stub"]}
+
+    urls: list[str] = []
+    monkeypatch.setattr(managed_module, "vllm_server", fake_server)
+    monkeypatch.setattr(managed_module, "draft_speculative_config",
+                        lambda d, t, k: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+    monkeypatch.setattr(weight_update, "draft_weight_update_support",
+                        lambda url: (supported, "" if supported else "vLLM says no: supports_draft_weight_updates False"))
+    monkeypatch.setattr(weight_update, "update_draft_weights",
+                        lambda url, d: updates.append((url, str(d))) or {"served": {}, "seconds": 0.5})
+    monkeypatch.setattr(weight_update, "served_draft_matches", lambda url, d: (url, str(d)) == updates[-1])
+
+    async def scenario():
+        async with stub() as a, stub() as b, stub() as c:
+            urls.extend([a.url, b.url, c.url])
+            servers = ManagedServers(tmp_path / "target", ServerOptions(inplace_swap=True), 3, tmp_path / "servers")
+            first = servers.start_blocking(Path("draft-a"))
+            async with proxy_on(first["base_url"], None, servers=servers) as (proxy, purl), \
+                    aiohttp.ClientSession() as client:
+                async with client.post(purl + "/draftsmith/swap", json={"draft": "draft-b"}) as r:
+                    swapped = r.status, await r.json()
+                async with client.post(purl + "/draftsmith/swap", json={"draft": "draft-c", "k": 5}) as r:
+                    other_k = r.status, await r.json()
+                described = servers.describe()
+            servers.close_blocking()
+            return swapped, other_k, described
+
+    (code, result), (code_k, result_k), described = asyncio.run(scenario())
+    assert code == 200 and code_k == 200
+    if supported:
+        assert result["mode"] == "in_place" and result["draft"] == "draft-b" and result["update_s"] == 0.5
+        assert updates == [(urls[0], "draft-b")]  # into the running server: no second one started for it
+        assert starts[:1] == ["draft-a"]
+    else:
+        assert result["mode"] == "two_servers" and "supports_draft_weight_updates False" in result["in_place_not_used"]
+        assert updates == [] and starts[:2] == ["draft-a", "draft-b"]
+    # k is a server-level setting: another k always takes a second server
+    assert result_k["mode"] == "two_servers" and "k 5 differs" in result_k["in_place_not_used"]
+    assert [d["draft"] for d in described.values()] == ["draft-c"]

@@ -53,14 +53,17 @@ def free_port() -> int:
 @dataclass
 class ServerOptions:
     """Settings shared by every configuration's server: the engine (the recipe's ``vllm``), the
-    engine seed, how long to wait for start (seconds) and stop (seconds), and whether the
-    target's remote code may run (the recipe's ``target.trust_remote_code``)."""
+    engine seed, how long to wait for start (seconds) and stop (seconds), whether the
+    target's remote code may run (the recipe's ``target.trust_remote_code``), and whether the
+    server accepts in-place draft weight updates (:mod:`draftsmith.vllm_bridge.weight_update`:
+    vLLM's dev-mode routes, a weight transfer backend and a worker extension; loopback only)."""
 
     engine: VllmConfig = field(default_factory=VllmConfig)
     seed: int = 0
     startup_timeout_s: float = 900.0
     stop_grace_s: float = 20.0
     trust_remote_code: bool = False
+    inplace_swap: bool = False
 
 
 def server_command(target: Path, port: int, spec: dict[str, Any] | None, opts: ServerOptions) -> list[str]:
@@ -72,9 +75,12 @@ def server_command(target: Path, port: int, spec: dict[str, Any] | None, opts: S
     """
     head = (["vllm", "serve", str(target)] if vllm_cli_works()
             else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)])
+    from .weight_update import inplace_swap_server_flags
+
     return head + server_args(opts.engine, host="127.0.0.1", port=port, seed=opts.seed,
-                                          disable_uvicorn_access_log=True, speculative_config=spec,
-                                          trust_remote_code=True if opts.trust_remote_code else None)
+                              disable_uvicorn_access_log=True, speculative_config=spec,
+                              trust_remote_code=True if opts.trust_remote_code else None,
+                              **(inplace_swap_server_flags() if opts.inplace_swap else {}))
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -126,6 +132,7 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
             ``opts.startup_timeout_s``; the message holds the log tail.
     """
     from ..procs import bound_command
+    from .weight_update import inplace_swap_server_env
 
     configure_vllm_env(opts.engine)  # sets the variables this process passes on to the server
     port = free_port()
@@ -134,7 +141,9 @@ def vllm_server(target: Path, spec: dict[str, Any] | None, opts: ServerOptions, 
         # bound to this process: a SIGKILL of it (which runs no finally) still stops the server
         # and its engine processes (parent-death signals, procs.py)
         proc = subprocess.Popen(bound_command(cmd), stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                         **(inplace_swap_server_env() if opts.inplace_swap else {})))
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + opts.startup_timeout_s
