@@ -61,7 +61,6 @@ class DraftMethodSpec:
         model_class: the draft ``nn.Module``, built from its config; its
             ``_no_split_modules`` are the FSDP wrap units.
         format: the on-disk format (:class:`~draftsmith.models.common.DraftFormat`).
-        supports_gradient_checkpointing: ``draft.gradient_checkpointing`` applies to it.
         servable: ``vllm serve`` serves its exports (the serving benchmark, acceptance).
         vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
 
@@ -83,7 +82,6 @@ class DraftMethodSpec:
     config_class: type
     model_class: type
     format: Any
-    supports_gradient_checkpointing: bool
     servable: bool
     vllm_extra: tuple[tuple[str, Any], ...] = ()
     parts: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -9,4 +9,4 @@ from .format import DFLASH_FORMAT
 from .model import DFlashDraftModel
 
 register(DraftMethodSpec(name="dflash", vllm_method="dflash", config_class=DFlashConfig, model_class=DFlashDraftModel,
-                         format=DFLASH_FORMAT, supports_gradient_checkpointing=True, servable=True))
+                         format=DFLASH_FORMAT, servable=True))

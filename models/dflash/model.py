@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from ..common import DistillTargets, TargetSharedDraft
@@ -245,7 +244,8 @@ class DFlashDraftModel(TargetSharedDraft):
 
     The target's token embedding is a frozen, non-persistent buffer (not trained, not in
     checkpoints, not exported: vLLM shares the target's). ``d2t`` / ``t2d`` are persistent buffers
-    (:mod:`draftsmith.data_prep.vocab`). ``gradient_checkpointing`` recomputes each layer in backward.
+    (:mod:`draftsmith.data_prep.vocab`). Activation checkpointing is applied from outside
+    (:func:`draftsmith.train.activation_checkpointing.apply_activation_checkpointing`).
     ``attention_backend`` (training forward only; ``train.attention_backend``): ``"sdpa"``
     (default) or ``"flex"`` (``flex_attention`` with a block mask, compiled on CUDA; on CPU it
     runs eagerly, forward only: torch has no flex backward on CPU).
@@ -258,7 +258,6 @@ class DFlashDraftModel(TargetSharedDraft):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
         self.config = config
-        self.gradient_checkpointing = False
         self.attention_backend = attention_backend
         H, n = config.hidden_size, len(config.aux_layer_ids)
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
@@ -296,9 +295,9 @@ class DFlashDraftModel(TargetSharedDraft):
         Args:
             input_ids: ``(B, T)`` target tokens (right-padded).
             aux_hidden_states: ``(B, T, n*Ht)`` aux states at every position, unshifted.
-            anchors: ``(B, A)`` anchor positions a (:func:`sample_anchors`).
+            anchors: ``(B, A)`` anchor positions a (:func:`draftsmith.train.labels.sample_anchors`).
             anchor_valid: ``(B, A)`` bool; False marks padding anchors (outputs zero, no NaN).
-            label_mask: optional ``(B, A, Bk)`` bool (:func:`block_labels`): return logits only
+            label_mask: optional ``(B, A, Bk)`` bool (:func:`draftsmith.train.labels.block_labels`): return logits only
                 at those slots (boolean indexing: a host sync; training passes ``targets``).
             position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per document);
                 default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.
@@ -331,11 +330,7 @@ class DFlashDraftModel(TargetSharedDraft):
         cos, sin = self.rotary_emb(context, q_pos.flatten(1))  # (B, A*Bk, hd)
         h = self.block_embeddings(input_ids.gather(1, anchors)).to(context.dtype)  # (B, A, Bk, H)
         for layer in self.layers:
-            args = (h, context, ctx_cos, ctx_sin, cos, sin, mask)
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, *args, use_reentrant=False)
-            else:
-                h = layer(*args)
+            h = layer(h, context, ctx_cos, ctx_sin, cos, sin, mask)
         if targets is not None:
             return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
         if label_mask is not None:

@@ -8,4 +8,4 @@ from .format import EAGLE3_FORMAT
 from .model import Eagle3DraftModel
 
 register(DraftMethodSpec(name="eagle3", vllm_method="eagle3", config_class=Eagle3Config, model_class=Eagle3DraftModel,
-                         format=EAGLE3_FORMAT, supports_gradient_checkpointing=True, servable=True))
+                         format=EAGLE3_FORMAT, servable=True))

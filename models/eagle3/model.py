@@ -36,7 +36,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -364,11 +363,10 @@ class Eagle3DraftModel(TargetSharedDraft):
     the target's embedding when the draft has none. ``d2t`` / ``t2d`` are persistent
     buffers (see :mod:`draftsmith.data_prep.vocab`).
 
-    ``gradient_checkpointing`` (set by the trainer from ``draft.gradient_checkpointing``):
-    when True, each TTT step's decoder layer keeps only its inputs and outputs and is
-    recomputed in backward (``torch.utils.checkpoint``, non-reentrant); same loss and
-    gradients, less activation memory (the attention and MLP intermediates of all K steps),
-    about one more layer forward per step in time.
+    Activation checkpointing is applied from outside (``draft.gradient_checkpointing``:
+    :func:`draftsmith.train.activation_checkpointing.apply_activation_checkpointing` wraps each
+    decoder layer): each TTT step's layer then keeps only its inputs and outputs and is
+    recomputed in backward.
     """
 
     _no_split_modules = ["Eagle3DecoderLayer"]  # FSDP unit (transformers convention, read by accelerate)
@@ -376,7 +374,6 @@ class Eagle3DraftModel(TargetSharedDraft):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        self.gradient_checkpointing = False
         self.attention_backend = "sdpa"  # or "flex" (CUDA, compiled; train.attention_backend)
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
@@ -411,10 +408,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
         layer = self.layers[0]
-        if self.gradient_checkpointing and torch.is_grad_enabled():
-            h, kv = checkpoint(layer, embeds, hidden, cos, sin, tuple(cache), mask, use_reentrant=False)
-        else:
-            h, kv = layer(embeds, hidden, cos, sin, tuple(cache), mask)
+        h, kv = layer(embeds, hidden, cos, sin, tuple(cache), mask)
         cache.append(kv)
         return h
 

@@ -7,4 +7,4 @@ from .format import MEDUSA_FORMAT
 from .model import MedusaConfig, MedusaModel
 
 register(DraftMethodSpec(name="medusa", vllm_method="medusa", config_class=MedusaConfig, model_class=MedusaModel,
-                         format=MEDUSA_FORMAT, supports_gradient_checkpointing=False, servable=True))
+                         format=MEDUSA_FORMAT, servable=True))

@@ -8,4 +8,4 @@ from .model import MLPSpeculator, MLPSpeculatorConfig
 
 register(DraftMethodSpec(name="mlp_speculator", vllm_method="mlp_speculator", config_class=MLPSpeculatorConfig,
                          model_class=MLPSpeculator, format=MLP_SPECULATOR_FORMAT,
-                         supports_gradient_checkpointing=False, servable=False))
+                         servable=False))

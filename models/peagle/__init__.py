@@ -9,5 +9,5 @@ from .format import PEAGLE_FORMAT
 from .model import PEagleDraftModel
 
 register(DraftMethodSpec(name="peagle", vllm_method="eagle3", config_class=PEagleConfig, model_class=PEagleDraftModel,
-                         format=PEAGLE_FORMAT, supports_gradient_checkpointing=True, servable=True,
+                         format=PEAGLE_FORMAT, servable=True,
                          vllm_extra=(("parallel_drafting", True),)))

@@ -16,7 +16,7 @@ aux states (vLLM's ``combine_hidden_states``).
 
 Training (docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
 conditional-drop (COD) sampling of (anchor, depth) elements on
-the EAGLE-shifted sequence (:func:`cod_sample`, vectorised on the batch's device with a fixed
+the EAGLE-shifted sequence (:func:`draftsmith.train.labels.cod_sample`, vectorised on the batch's device with a fixed
 number of slots per depth), one forward over all elements under the COD mask
 (:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
 interval keys, as an additive SDPA mask or a flex-attention block mask), the divergence to the
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..common import DistillTargets, TargetSharedDraft, shift_left
@@ -315,7 +314,6 @@ class PEagleDraftModel(TargetSharedDraft):
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
         self.config = config
-        self.gradient_checkpointing = False
         self.attention_backend = attention_backend  # training forward only: "sdpa" or "flex" (CUDA, compiled)
         H, Ht = config.hidden_size, config.target_hidden_size
         if config.train_embeddings:
@@ -345,10 +343,7 @@ class PEagleDraftModel(TargetSharedDraft):
         cos, sin = self.rotary_emb(hidden, positions)
         for i, layer in enumerate(self.layers):
             e = embeds if i == 0 else None
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                hidden = checkpoint(layer, e, hidden, cos, sin, mask, use_reentrant=False)
-            else:
-                hidden = layer(e, hidden, cos, sin, mask)
+            hidden = layer(e, hidden, cos, sin, mask)
         return hidden
 
     def forward(
@@ -367,11 +362,11 @@ class PEagleDraftModel(TargetSharedDraft):
         Args:
             input_ids: ``(B, T)`` target tokens x_0..x_{T-1}.
             aux_hidden_states: ``(B, T, 3 * Ht)`` aux states g_t.
-            elements: :func:`cod_sample`'s elements (positions in the EAGLE-shifted frame).
+            elements: :func:`draftsmith.train.labels.cod_sample`'s elements (positions in the EAGLE-shifted frame).
             position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per
                 document); element s rotates at ``position_ids[anchor] + depth``.
             document_ids: optional ``(B, T)`` document per position (packed rows).
-            select: optional ``(B, S)`` bool (e.g. :func:`cod_targets`): return the logits of
+            select: optional ``(B, S)`` bool (e.g. :func:`draftsmith.train.labels.cod_targets`): return the logits of
                 these elements only (boolean indexing: reads the mask on the host; tests and
                 tools, the training step uses ``targets``).
             targets: the training step's :class:`~draftsmith.models.common.DistillTargets`: the divergence of every element
