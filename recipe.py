@@ -349,6 +349,12 @@ class TrainConfig(_Strict):
     max_nonfinite_steps: int = Field(
         10, ge=1, description="Stop with an error after this many optimizer steps in a row with NaN/inf loss or gradient."
     )
+    collective_timeout_s: float | None = Field(
+        None, gt=0, description="Seconds a rank waits in a collective (all-reduce, barrier) for the other ranks "
+        "before it fails: the process-group timeout (accelerate's InitProcessGroupKwargs). A rank that dies on "
+        "another node or hangs then ends the job after this long; it must exceed the longest wait of a healthy run "
+        "(a checkpoint gathered and written by rank 0; ranks reaching the process group's start at different times). "
+        "null: torch's default (NCCL 10 min, gloo 30 min).")
     log_every: int = Field(10, ge=1, description="Optimizer steps per metrics line (metrics.jsonl and trackers).")
     eval_every: int | None = Field(
         None, ge=1, description="Optimizer steps between validations on the data.validation_fraction conversations "

@@ -10,7 +10,11 @@ built in code; minutes on CPU). Prints two Markdown tables:
 - faults: SIGKILL of training at a seeded random step, SIGTERM, a crash in the middle of a
   checkpoint save, NaN losses, SIGKILL of data preparation; for each, what survived: optimizer
   steps lost, tokens recomputed, and the max |param diff| of the resumed run against an
-  uninterrupted one (fp32 CPU: expected 0).
+  uninterrupted one (fp32 CPU: expected 0);
+- launcher kills: one of 2 CPU processes under DeepSpeed ZeRO-2 and FSDP2 killed (SIGKILL)
+  mid-epoch and during a checkpoint write (``tests/launcher_kills.py``): seconds from the kill to
+  the job's exit, steps lost, and the max |param diff| after ``--resume`` (``--no-launchers``
+  skips these runs, the slowest part).
 
 It lives outside the package because it is built from the test-suite: the fault injectors and
 helpers come from ``tests/faults.py`` (shared with ``tests/test_resume.py`` and
@@ -52,6 +56,7 @@ from faults import (  # noqa: E402
     train_cmd,
     wait_for_step,
 )
+from launcher_kills import format_kill_table, launcher_kill_rows  # noqa: E402
 from test_pipeline import PROMPTS, tiny_recipe  # noqa: E402
 
 from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
@@ -393,6 +398,12 @@ def prep_faults(work: Path, recipe: Recipe, prepared: Path) -> list[dict[str, An
     return rows
 
 
+def _recipe_file(recipe: Recipe, work: Path) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, work / "recipe.yaml")
+    return work / "recipe.yaml"
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "n/a"
@@ -416,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, help="keep the runs here (default: a temp dir, removed)")
     p.add_argument("--seed", type=int, default=0, help="picks the SIGKILL step")
+    p.add_argument("--no-launchers", action="store_true", help="skip the DeepSpeed / FSDP launcher kills")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     t0 = time.perf_counter()
@@ -425,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe, prepared, target = tiny_setup(work)
         bad = bad_inputs(work, recipe, prepared, target)
         fault_rows = faults(work, recipe, prepared, args.seed) + prep_faults(work, recipe, prepared)
+        kill_rows = [] if args.no_launchers else launcher_kill_rows(_recipe_file(recipe, work / "launchers"),
+                                                                    prepared / "data", work / "launchers")
     print(format_tables(bad, fault_rows))
+    if kill_rows:
+        print("\n## Launcher kills\n\n" + format_kill_table(kill_rows))
     print(f"\n(tiny target H=128, 6 layers, V=512; {recipe.train.max_steps} steps, batch 2 x accumulation 2, "
           f"checkpoint every 3, CPU fp32; {time.perf_counter() - t0:.0f} s)")
     return 0

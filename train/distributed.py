@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,42 @@ def distributed_kwargs() -> dict[str, Any]:
     return out
 
 
+def process_group_kwargs(timeout_s: float | None, gloo: bool) -> Any | None:
+    """accelerate's ``InitProcessGroupKwargs`` for the run; None when nothing differs from its defaults.
+
+    ``gloo``: the CPU backend (see the module docstring). ``timeout_s``
+    (``train.collective_timeout_s``): the process-group timeout, how long a rank waits in a
+    collective for a peer that died or hangs before it fails (NCCL's watchdog, gloo's socket
+    waits); accelerate passes it to ``init_process_group`` or DeepSpeed's ``init_distributed``.
+    """
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if timeout_s is None and not gloo:
+        return None
+    kwargs: dict[str, Any] = {"backend": "gloo"} if gloo else {}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def set_default_collective_timeout(timeout_s: float | None) -> None:
+    """Make ``timeout_s`` torch's default timeout of process groups created without one.
+
+    The timeout given to ``init_process_group`` covers only the world group: a group made later
+    by ``new_group()`` gets torch's default (NCCL 10 min, gloo 30 min), and DeepSpeed reduces
+    ZeRO gradients over such a group (its clone of the world group), so a rank of a DeepSpeed run
+    whose peer hangs would wait 30 min on CPU whatever the recipe says. accelerate also leaves out
+    a timeout equal to its own default (600 s), which then falls back to this default.
+    """
+    if timeout_s is None:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:  # None without NCCL
+        c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+
+
 def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     """The run's ``accelerate.Accelerator`` (see the module docstring).
 
@@ -125,7 +162,7 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
         LauncherError: the launcher asked for what was not built, or contradicts the recipe.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import DistributedType, ProjectConfiguration
 
     cfg = recipe.train
     check_trackers(cfg.report_to)
@@ -133,8 +170,11 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     gpu_defaults()
     extra = distributed_kwargs()
     handlers = extra.pop("kwargs_handlers")
-    if asked and runs_on_cpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    gloo = bool(asked) and runs_on_cpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    set_default_collective_timeout(cfg.collective_timeout_s)
+    pg = process_group_kwargs(cfg.collective_timeout_s, gloo)
+    if pg is not None:
+        handlers.append(pg)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum_steps,
         log_with=list(cfg.report_to) or None,
