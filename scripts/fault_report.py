@@ -2,7 +2,7 @@
 
     python scripts/fault_report.py [--workdir DIR] [--seed 0]     (from the repository root)
 
-Runs on the test-suite's tiny random target (``tests/conftest.py``: H=128, 6 layers, V=512,
+Runs on the test-suite's tiny random target (``tests/helpers/tiny.py``: H=128, 6 layers, V=512,
 built in code; minutes on CPU). Prints two Markdown tables:
 
 - bad inputs: ``input | outcome | message``, the message being the text actually raised
@@ -13,9 +13,8 @@ built in code; minutes on CPU). Prints two Markdown tables:
   uninterrupted one (fp32 CPU: expected 0).
 
 It lives outside the package because it is built from the test-suite: the fault injectors and
-helpers come from ``tests/faults.py`` (shared with ``tests/test_resume.py`` and
-``tests/test_prep_resume.py``), the tiny target and recipe from ``tests/conftest.py`` and
-``tests/test_pipeline.py``.
+helpers come from ``tests/helpers/faults.py`` (shared with the resume tests), the tiny target
+and recipe from ``tests/helpers/tiny.py`` and ``tests/helpers/recipes.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from conftest import build_tiny_target, write_jsonl  # noqa: E402
-from faults import (  # noqa: E402
+from helpers.faults import (  # noqa: E402
     FAULT_TRAIN,
     PREP_KILLER,
     FaultyEagle3,
@@ -52,7 +50,8 @@ from faults import (  # noqa: E402
     train_cmd,
     wait_for_step,
 )
-from test_pipeline import PROMPTS, tiny_recipe  # noqa: E402
+from helpers.recipes import PROMPTS, tiny_recipe  # noqa: E402
+from helpers.tiny import build_tiny_target, write_jsonl  # noqa: E402
 
 from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
 from draftsmith.train.checkpoint import find_checkpoints  # noqa: E402

@@ -170,7 +170,7 @@ def test_a_folder_that_is_no_export_is_named(tmp_path, capsys):
 def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_target, tmp_path):
     from draftsmith.eval.spec_decode import load_eagle3
     from draftsmith.recipe import dump_recipe
-    from test_pipeline import tiny_deployed_draft
+    from helpers.recipes import tiny_deployed_draft
 
     recipe, base, _, deployed = tiny_deployed_draft(tiny_target, tmp_path, max_steps=6)
     before = _digest(deployed)

@@ -25,7 +25,7 @@ from draftsmith.models.dflash import (
 from draftsmith.train.losses import LossSpec, TargetDraftHead
 from draftsmith.train.method_dflash import dflash_step
 
-from conftest import dflash_tiny_config, random_dflash_model
+from helpers.tiny import dflash_tiny_config, random_dflash_model
 
 # ------------------------------------------------------------------------------------------
 # The dense reference: the previous implementation, every anchor block against every context

@@ -24,7 +24,7 @@ from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from draftsmith.recipe import load_recipe
 from draftsmith.train.checkpoint import check_checkpoint_shapes
 
-from conftest import TINY_AUX
+from helpers.tiny import TINY_AUX
 
 
 def target_info(tiny_target: Path) -> dict:

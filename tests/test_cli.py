@@ -11,8 +11,8 @@ import pytest
 from draftsmith.cli import STAGES, main
 from draftsmith.recipe import MedusaDraftConfig, Recipe, dump_recipe, recipe_schema
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,8 @@ from draftsmith.train.method_medusa import MedusaMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from draftsmith.data_prep.conversations import (
     tokenize_conversation,
 )
 
-from conftest import write_jsonl
+from helpers.tiny import write_jsonl
 
 CONV = [
     {"role": "system", "content": "You are terse."},
@@ -143,7 +143,7 @@ def test_json_file_through_datasets(tmp_path):
 
 
 def test_harmony_masks_selected_assistant_channels_only():
-    from conftest import HARMONY, build_tokenizer
+    from helpers.tiny import HARMONY, build_tokenizer
     from draftsmith.data_prep.conversations import is_harmony_template
 
     tok = build_tokenizer(HARMONY)

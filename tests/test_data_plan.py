@@ -212,7 +212,7 @@ def test_prepare_checks_free_space_before_capture_and_keeps_the_earlier_stages(t
     from draftsmith.data_prep.prepare import prepare
     from draftsmith.data_prep.shards import DiskFullError
 
-    from test_prepare_ranks import small_recipe
+    from helpers.recipes import small_recipe
 
     recipe = small_recipe(tiny_target, tmp_path)
     run = tmp_path / "run"

@@ -17,27 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from sharded_runs import SCHEDULE, assert_exact, assert_export_matches_checkpoint, checkpoint_weights, interrupted_copy
-from test_data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
+from helpers.sharded_runs import (
+    RTOL,
+    SCHEDULE,
+    assert_exact,
+    assert_export_matches_checkpoint,
+    assert_same_losses,
+    assert_same_weights,
+    checkpoint_weights,
+    deepspeed_launcher,
+    interrupted_copy,
+    launch,
+    prepare_twin_runs,
+    recipe_lr,
+)
 
 pytestmark = pytest.mark.integration  # accelerate launch of DeepSpeed training
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def deepspeed_launcher(tmp_path: Path, processes: int, port: int = 29710, **ds: object) -> Path:
-    """An accelerate launcher YAML for ZeRO-2 on ``processes`` CPU processes (rendezvous on
-    ``port``); ``ds`` adds keys to its DeepSpeed JSON."""
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, **ds}
-    ds_json = tmp_path / "ds_zero2.json"
-    ds_json.write_text(json.dumps(config))
-    yaml = tmp_path / "deepspeed.yaml"
-    yaml.write_text(
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
-        f"deepspeed_config:\n  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\n"
-        f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\nmain_process_port: {port}\nuse_cpu: false\n")
-    return yaml
 
 
 def accelerate_launch(config: Path, recipe_path: Path, run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -41,7 +41,8 @@ from draftsmith.models.dflash import (
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
 from draftsmith.train.method_dflash import AnchorCountPlan, dflash_step, teacher_rows
 
-from conftest import dflash_tiny_config, random_dflash_model, write_draft_checkpoint
+from helpers.recipes import dflash_recipe
+from helpers.tiny import dflash_tiny_config, random_dflash_model, write_draft_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -501,24 +502,6 @@ def test_export_for_another_target_is_refused(tmp_path, tiny_target):
 
 # ------------------------------------------------------------------------------------------
 # End to end on the tiny target
-
-
-def dflash_recipe(tiny_target: Path, where: Path, **draft):
-    from draftsmith.recipe import dump_recipe
-
-    from conftest import write_jsonl
-    from test_pipeline import PROMPTS, tiny_recipe
-
-    prompts = write_jsonl(where / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=40)
-    from draftsmith.recipe import DFlashDraftConfig
-
-    recipe.draft = DFlashDraftConfig(**{"num_layers": 1, "block_size": 4, "num_anchors": 64,
-                                        "freeze_lm_head": False, **draft})
-    recipe.name = "tiny_dflash"
-    path = where / "tiny_dflash.yaml"
-    dump_recipe(recipe, path)
-    return recipe, path
 
 
 @pytest.fixture(scope="module")

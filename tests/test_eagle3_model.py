@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from draftsmith.models.eagle3 import (
-    Eagle3Config,
     Eagle3DraftModel,
     shift_left,
     ttt_attention,
@@ -17,14 +16,8 @@ from draftsmith.models.eagle3 import (
 )
 from draftsmith.train.losses import TargetDraftHead
 
-from reference_losses import ttt_loss
-
-
-def tiny_config(**kw) -> Eagle3Config:
-    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=50, draft_vocab_size=20, aux_layer_ids=[0, 1, 2], rope_theta=10000.0)
-    base.update(kw)
-    return Eagle3Config(**base)
+from helpers.reference_losses import ttt_loss
+from helpers.tiny import eagle3_tiny_config as tiny_config
 
 
 def test_ttt_mask_equals_hand_written_reference():

@@ -12,7 +12,7 @@ from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import load_eagle3
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel, rope_theta_and_scaling
 
-from conftest import write_draft_checkpoint
+from helpers.tiny import write_draft_checkpoint
 
 H, V, VD = 32, 64, 48
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

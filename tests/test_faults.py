@@ -20,8 +20,6 @@ from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import NonFiniteLossError, fit
 
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
-
 pytestmark = pytest.mark.integration  # trains the tiny target end to end
 
 REPO = Path(__file__).resolve().parent.parent

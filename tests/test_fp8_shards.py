@@ -17,8 +17,8 @@ from draftsmith.train.data import HiddenStateDataset
 from draftsmith.train.validation import dataset_ids
 from draftsmith.data_prep.target import load_target
 
-from conftest import TINY_AUX
-from test_hidden_states import make_records
+from helpers.tiny import TINY_AUX
+from helpers.tiny import make_records
 
 
 @pytest.fixture(scope="module")

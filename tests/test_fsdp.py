@@ -18,19 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from sharded_runs import SCHEDULE, assert_exact, assert_export_matches_checkpoint, checkpoint_weights, interrupted_copy
-from test_data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
+from helpers.sharded_runs import (
+    FSDP_ENV,
+    RTOL,
+    SCHEDULE,
+    assert_exact,
+    assert_export_matches_checkpoint,
+    assert_same_losses,
+    assert_same_weights,
+    checkpoint_weights,
+    interrupted_copy,
+    launch,
+    prepare_twin_runs,
+    recipe_lr,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-
-FSDP_ENV = {
-    "ACCELERATE_USE_CPU": "1",
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_VERSION": "2",
-    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    "FSDP_RESHARD_AFTER_FORWARD": "false",
-    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-}
 
 
 @pytest.mark.integration
@@ -57,14 +60,14 @@ def test_fsdp2_two_processes_train_checkpoint_resume_and_export_like_one_process
 
 
 def _medusa(tiny_target, prompts, **train):
-    from test_medusa import medusa_recipe
+    from helpers.recipes import medusa_recipe
 
     return medusa_recipe(tiny_target, prompts, **train)
 
 
 def _tied_mlp_speculator(tiny_target, prompts, **train):
     from draftsmith.recipe import MLPSpeculatorDraftConfig
-    from test_pipeline import tiny_recipe
+    from helpers.recipes import tiny_recipe
 
     recipe = tiny_recipe(tiny_target, prompts, **train)
     recipe.draft = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, tie_weights=True)

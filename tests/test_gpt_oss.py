@@ -22,31 +22,10 @@ from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import HARMONY, build_tokenizer, write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import HARMONY, build_tiny_gpt_oss, build_tokenizer, write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def build_tiny_gpt_oss(directory, head_dim: int = 16, dtype: torch.dtype = torch.float32):
-    """A random 6-layer gpt-oss (sliding and full attention, YaRN, 4 experts) saved with a
-    ChatML tokenizer, in ``dtype``, without an MXFP4 ``quantization_config``."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    cfg = GptOssConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 3, max_position_embeddings=512,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False},
-    )
-    model = GptOssForCausalLM(cfg).to(dtype)
-    model.save_pretrained(directory, safe_serialization=True)
-    tok.save_pretrained(directory)
-    return directory
 
 
 @pytest.mark.integration

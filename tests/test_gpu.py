@@ -42,11 +42,11 @@ from draftsmith.models.peagle import CODMask, cod_sample, step0_prediction_mask
 from draftsmith.recipe import DFlashDraftConfig, PEagleDraftConfig, Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 
-from conftest import TINY_AUX, write_jsonl
-from faults import max_param_diff, read_metrics, wait_for_step
-from test_medusa import medusa_recipe
-from test_mlp_speculator import mlp_recipe
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import TINY_AUX, write_jsonl
+from helpers.faults import max_param_diff, read_metrics, wait_for_step
+from helpers.recipes import medusa_recipe
+from helpers.recipes import mlp_recipe
+from helpers.recipes import PROMPTS, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from draftsmith.models.eagle3 import Eagle3DraftModel
-from reference_losses import ttt_loss
+from helpers.reference_losses import ttt_loss
 
-from test_eagle3_model import tiny_config
+from helpers.tiny import eagle3_tiny_config as tiny_config
 
 
 def _batch(cfg, B=2, T=12):

@@ -17,7 +17,7 @@ from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.train.losses import head_targets
 
-from reference_losses import head_loss
+from helpers.reference_losses import head_loss
 from draftsmith.train.method_medusa import MedusaMethod
 from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
 

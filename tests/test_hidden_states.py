@@ -14,7 +14,7 @@ from draftsmith.train.data import HiddenStateDataset, collate
 from draftsmith.train.validation import dataset_ids
 from draftsmith.data_prep.target import default_aux_layer_ids, load_target, validate_aux_layer_ids
 
-from conftest import TINY_AUX, TINY_LAYERS
+from helpers.tiny import TINY_AUX, TINY_LAYERS, make_records
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +46,6 @@ def test_layer_id_convention_and_validation():
     with pytest.raises(ValueError, match="exactly 3"):
         validate_aux_layer_ids([2, 15], 30)
     assert validate_aux_layer_ids([27, 2, 15], 30) == [2, 15, 27]
-
-
-def make_records(n, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        T = int(torch.randint(5, 20, (1,), generator=g))
-        ids = torch.randint(0, vocab, (T,), generator=g).tolist()
-        out.append({"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * 3 + [1] * (T - 3)})
-    return out
 
 
 def test_shards_round_trip_per_sequence(tiny, tmp_path):

@@ -44,11 +44,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftsmith.data_prep.prepare import prepare
 from draftsmith.train import trainer as trainer_module
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.recipes import tiny_recipe
 
 pytestmark = pytest.mark.integration  # prepares the tiny target's data and trains it
 
@@ -150,11 +148,10 @@ class DispatchSyncs(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def prepared_data(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("host_sync")
-    prompts = write_jsonl(root / "p.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    prepare(tiny_recipe(tiny_target, prompts, max_steps=MAX_STEPS), root / "prepared")
-    return prompts, root / "prepared"
+def prepared_data(prepared_run) -> tuple[Path, Path]:
+    """``(prompts, run dir)`` of the session's prepared tiny run (its data is copied, not written)."""
+    _, run, _ = prepared_run
+    return run / "prompts.jsonl", run
 
 
 def _method(name: str, tiny_target: Path, prompts: Path, run: Path):

@@ -4,7 +4,7 @@ import pytest
 
 from draftsmith.eval.long_context import LongContextError, build_long_conversations, load_history
 
-from conftest import write_jsonl
+from helpers.tiny import write_jsonl
 
 
 def _length(tok, conv):

@@ -9,7 +9,7 @@ import torch
 from draftsmith.recipe import Recipe
 from draftsmith.train.losses import LOSSES, LossSpec, acceptance_probability, divergence
 
-from reference_losses import ttt_loss
+from helpers.reference_losses import ttt_loss
 
 P = [0.5, 0.3, 0.2]  # target distribution
 Q = [0.2, 0.3, 0.5]  # draft distribution: draft logits log(Q) (softmax(log Q) = Q)

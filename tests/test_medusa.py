@@ -19,17 +19,16 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import ExportError, export
 from draftsmith.eval.export_heads import load_medusa, medusa_weight_shapes
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.recipe import MedusaDraftConfig
 from draftsmith.train.losses import head_targets
 
-from reference_losses import head_loss
+from helpers.reference_losses import head_loss
 from draftsmith.train.medusa import main
 from draftsmith.train.method_medusa import MedusaMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, medusa_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,12 +95,6 @@ def test_head_loss_weights_head_k_by_decay_to_the_k():
     # data parallel: explicit denominators replace the local counts
     loss2, _ = head_loss(logits, labels, mask, decay=0.5, denominators=[8.0, 4.0, 1.0])
     torch.testing.assert_close(loss2, ce0 / 2 + 0.5 * ce1 / 2)
-
-
-def medusa_recipe(tiny_target: Path, prompts: Path, **train):
-    recipe = tiny_recipe(tiny_target, prompts, **train)
-    recipe.draft = MedusaDraftConfig(num_heads=3, num_layers=1)
-    return recipe
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,13 +15,13 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
 from draftsmith.eval.export_heads import load_mlp_speculator
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.recipe import MLPSpeculatorDraftConfig, RecipeError, load_recipe
+from draftsmith.recipe import RecipeError, load_recipe
 from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, mlp_recipe
 
 
 def test_weight_names_shapes_and_forward_shape():
@@ -90,12 +89,6 @@ def test_tie_weights_share_stages_like_fms_extras():
     with pytest.raises(RecipeError, match="tie_weights needs n_predict >= 2"):
         load_recipe(None, ["draft.method=mlp_speculator", "draft.tie_weights=true",
                            "draft.n_predict=1"])
-
-
-def mlp_recipe(tiny_target: Path, prompts: Path, **spec):
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=20, lr=0.01)
-    recipe.draft = MLPSpeculatorDraftConfig(n_predict=3, inner_dim=64, **spec)
-    return recipe
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 from draftsmith.data_prep.conversations import DataError, load_records, resolve_source_path
 
-from conftest import write_jsonl
+from helpers.tiny import write_jsonl
 
 TURNS = ["Write a haiku about rain.", "Now make it rhyme."]
 

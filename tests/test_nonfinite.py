@@ -41,8 +41,8 @@ from draftsmith.recipe import dump_recipe
 from draftsmith.train.checkpoint import TrainState, find_checkpoints
 from draftsmith.train.trainer import NonFiniteGuard, NonFiniteLossError
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -237,7 +237,7 @@ def test_ddp_skips_a_nan_loss_on_one_rank_on_every_rank(prepared_data, tmp_path)
 
 @pytest.mark.integration
 def test_fsdp2_skips_a_nan_loss_on_one_rank_on_every_rank(prepared_data, tmp_path):
-    from test_fsdp import FSDP_ENV
+    from helpers.sharded_runs import FSDP_ENV
 
     run = new_run(prepared_data, tmp_path / "run")
     launch_nan_run(prepared_data, run, ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29821"],
@@ -252,7 +252,7 @@ def test_deepspeed_zero2_skips_a_nan_loss_on_one_rank_on_every_rank(prepared_dat
     """The step DeepSpeed runs inside ``accelerator.backward`` is skipped: weights, the fp32
     master partitions and Adam moments of every rank unchanged. A NaN in the boundary
     micro-batch is what a check after ``accelerator.backward`` sees too late."""
-    from test_deepspeed import deepspeed_launcher
+    from helpers.sharded_runs import deepspeed_launcher
 
     run = new_run(prepared_data, tmp_path / "run")
     config = deepspeed_launcher(tmp_path, processes=2, port=29831)

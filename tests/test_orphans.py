@@ -17,8 +17,8 @@ import pytest
 
 from draftsmith.data_prep import procs
 
-from conftest import CPU_VLLM, write_jsonl
-from test_pipeline import tiny_recipe
+from helpers.tiny import CPU_VLLM, write_jsonl
+from helpers.recipes import tiny_recipe
 
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")

@@ -13,13 +13,13 @@ from draftsmith.train.data import collate
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.models.eagle3 import Eagle3DraftModel, ttt_attention, ttt_attention_mask, ttt_prediction_mask
 from draftsmith.train.method_eagle3 import Eagle3Method
-from reference_losses import ttt_loss
+from helpers.reference_losses import ttt_loss
 from draftsmith.train.packing import PackedDataset, collate_packed, first_fit_packs
 from draftsmith.train.trainer import LengthGroupedBatches, fit
 
-from conftest import write_jsonl
-from test_eagle3_model import tiny_config
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.tiny import eagle3_tiny_config as tiny_config
+from helpers.recipes import PROMPTS, tiny_recipe
 
 
 def test_packed_ttt_mask_equals_hand_written_reference():

@@ -32,7 +32,7 @@ from draftsmith.models.peagle import (
 )
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
-from conftest import write_draft_checkpoint
+from helpers.tiny import write_draft_checkpoint
 
 V, H, VD = 64, 32, 48
 
@@ -287,29 +287,6 @@ def test_mask_token_occurring_in_the_data_is_refused():
 # Training on the tiny target -> export -> lossless speculative decoding
 
 
-@pytest.fixture(scope="module")
-def peagle_run(tiny_target, tmp_path_factory):
-    from draftsmith.data_prep.prepare import prepare
-    from draftsmith.recipe import load_recipe
-
-    from conftest import write_jsonl
-    from test_pipeline import PROMPTS, tiny_recipe
-
-    run = tmp_path_factory.mktemp("peagle_run")
-    prompts = write_jsonl(run / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    base = tiny_recipe(tiny_target, prompts, max_steps=30)
-    recipe = load_recipe(None, [f"{k}={v}" for k, v in {
-        "target.name_or_path": tiny_target, "data.sources": f"[{{path: {prompts}}}]", "data.eval_prompts": "null",
-        "data.regenerate.engine": "transformers", "data.regenerate.max_new_tokens": 24,
-        "data.regenerate.temperatures": "[0.0, 0.7]", "data.aux_layer_ids": base.data.aux_layer_ids,
-        "data.draft_vocab_size": 128, "data.max_length": 96, "data.sequences_per_shard": 3,
-        "draft": "{method: peagle, num_layers: 2, num_depths: 3}",
-        "train.batch_size": 8, "train.lr": 0.003, "train.warmup_ratio": 0.0, "train.log_every": 1,
-        "train.checkpoint_every": 1000, "train.max_steps": 30}.items()])
-    prepare(recipe, run)
-    return recipe, run
-
-
 @pytest.mark.integration
 def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_target, tmp_path):
     from draftsmith.data_prep.target import load_target
@@ -336,7 +313,7 @@ def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_tar
     assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == method.config.mask_token_id
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     check_peagle_matches_target(out, tiny_target)
-    from conftest import build_tiny_target
+    from helpers.tiny import build_tiny_target
     from draftsmith.eval.acceptance import DraftMismatchError
 
     with pytest.raises(DraftMismatchError, match="vocab_size"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,63 +12,14 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import ExportError, export, expected_weight_shapes, read_checkpoint
 from draftsmith.layout import DataPaths, read_tokenized
 from draftsmith.models.eagle3 import Eagle3DraftModel
-from draftsmith.recipe import load_recipe
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import CPU_VLLM, TINY_AUX, write_jsonl
+from helpers.recipes import PROMPTS
+from helpers.tiny import TINY_AUX
 
 pytestmark = pytest.mark.integration  # prepare -> train -> export on the tiny target
-
-PROMPTS = [
-    "Translate to French: good morning.", "Write a haiku about autumn.", "What is the capital of Italy?",
-    "Summarize: the meeting moved to Tuesday.", "def add(a, b): explain this.", "Return JSON with name and age.",
-    "Name a quick brown animal.", "Why do foxes jump?",
-]
-
-
-def tiny_recipe(tiny_target: Path, prompts: Path, **train):
-    overrides = [
-        f"target.name_or_path={tiny_target}",
-        f"data.sources=[{{path: {prompts}}}]",
-        "data.eval_prompts=null",
-        "data.regenerate.engine=transformers",
-        "data.regenerate.max_new_tokens=24",
-        "data.regenerate.temperatures=[0.0, 0.7]",
-        f"data.aux_layer_ids={TINY_AUX}",
-        "data.draft_vocab_size=128",
-        "data.max_length=96",
-        "data.sequences_per_shard=3",
-        "train.ttt_steps=3",
-        "train.batch_size=8",
-        "train.lr=0.003",
-        "train.warmup_ratio=0.0",
-        "train.log_every=1",
-        "train.checkpoint_every=1000",
-        f"vllm={json.dumps(CPU_VLLM)}",
-    ] + [f"train.{k}={v}" for k, v in train.items()]
-    return load_recipe(None, overrides)
-
-
-def tiny_deployed_draft(tiny_target: Path, root: Path, max_steps: int = 5):
-    """``(recipe, run dir, prompts file, export)``: the tiny target's draft prepared, trained
-    ``max_steps`` steps on :data:`PROMPTS` and exported to ``root/export``."""
-    run = root / "run"
-    prompts = write_jsonl(root / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=max_steps)
-    prepare(recipe, run)
-    fit(recipe, Eagle3Method(recipe, run), run, progress=False)
-    return recipe, run, prompts, export(find_checkpoints(run / "checkpoints")[-1], root / "export")
-
-
-@pytest.fixture(scope="module")
-def prepared(tiny_target, tmp_path_factory):
-    run = tmp_path_factory.mktemp("run")
-    prompts = write_jsonl(run / "prompts.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
-    recipe = tiny_recipe(tiny_target, prompts, max_steps=25)
-    summary = prepare(recipe, run)
-    return recipe, run, summary
 
 
 def test_prepare_writes_every_stage(prepared):

@@ -23,8 +23,7 @@ from draftsmith.data_prep.shards import load_manifest
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.regenerate import regenerate
 
-from faults import PREP_KILLER
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
+from helpers.faults import PREP_KILLER
 
 pytestmark = pytest.mark.integration  # kills and reruns data_prep/prepare.py processes
 

@@ -17,10 +17,9 @@ from safetensors.torch import load_file
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.data_prep.shards import load_manifest
 from draftsmith.layout import RunLayout, read_tokenized
-from draftsmith.recipe import dump_recipe, load_recipe
+from draftsmith.recipe import dump_recipe
 
-from conftest import write_jsonl
-from test_pipeline import TINY_AUX
+from helpers.recipes import small_recipe
 
 pytestmark = pytest.mark.integration  # torchrun launch of two prepare processes
 
@@ -42,25 +41,6 @@ for name in ("stage_target", "stage_regenerate", "stage_tokenize", "stage_vocab"
     setattr(prepare, name, wrap(getattr(prepare, name)))
 sys.exit(prepare.main(sys.argv[1:]))
 '''
-
-
-def small_recipe(tiny_target: Path, tmp_path: Path):
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-                                         {"role": "assistant", "content": f"The answer is {2 * i}, of course."}]}
-            for i in range(5)]
-    data = write_jsonl(tmp_path / "chats.jsonl", rows)
-    return load_recipe(None, [
-        f"target.name_or_path={tiny_target}",
-        f"data.sources=[{{path: {data}}}]",
-        "data.eval_prompts=null",
-        "data.regenerate.enabled=false",
-        "data.hidden_states_engine=transformers",
-        "data.hidden_states_dtype=float32",
-        f"data.aux_layer_ids={TINY_AUX}",
-        "data.draft_vocab_size=128",
-        "data.max_length=64",
-        "data.sequences_per_shard=2",
-    ])
 
 
 def test_two_ranks_prepare_the_same_data_as_one_and_run_early_stages_once(tiny_target, tmp_path):

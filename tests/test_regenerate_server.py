@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_VLLM, write_jsonl
+from helpers.tiny import CPU_VLLM, write_jsonl
 from draftsmith.data_prep import regenerate as regen
 from draftsmith.data_prep.prepare import load_sources
 from draftsmith.recipe import VllmConfig, load_recipe

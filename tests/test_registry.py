@@ -17,7 +17,7 @@ from draftsmith.models.mlp_speculator import MLPSpeculatorConfig
 from draftsmith.models.peagle import PEagleConfig
 from draftsmith.recipe import DRAFT_SECTIONS, load_recipe
 
-from conftest import write_draft_checkpoint
+from helpers.tiny import write_draft_checkpoint
 
 H, V, VD = 32, 64, 48
 

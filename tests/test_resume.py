@@ -23,7 +23,7 @@ from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints, truncate_metrics
 from draftsmith.train.trainer import fit
 
-from faults import (
+from helpers.faults import (
     FAULT_TRAIN,
     FaultyEagle3,
     final_params,
@@ -32,7 +32,6 @@ from faults import (
     train_cmd,
     wait_for_step,
 )
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
 
 pytestmark = pytest.mark.integration  # kills and resumes train/eagle3.py processes
 

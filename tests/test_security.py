@@ -18,8 +18,6 @@ from draftsmith.recipe import RecipeError, load_recipe, safe_path
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import REDACTED, fit, redact_argv
 
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
-
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [p for p in REPO.rglob("*.py") if not {".venv", "tests", "build", "runs"} & set(p.relative_to(REPO).parts)]
 

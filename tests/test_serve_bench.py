@@ -23,7 +23,7 @@ from draftsmith.eval.report import PLOTS, _where_it_pays, write_report
 from draftsmith import vllm_server as lifecycle
 from draftsmith.recipe import VllmConfig
 
-from conftest import CPU_VLLM, write_jsonl
+from helpers.tiny import CPU_VLLM, write_jsonl
 
 PROMETHEUS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -268,7 +268,7 @@ def test_report_is_generated_from_saved_json_alone(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_serve_bench_end_to_end_baseline_eagle3_ngram(tiny_target, tmp_path):
     """Whole run on the tiny target: 3 servers, 2 levels, 2 prompts each; nothing left running."""
-    from test_pipeline import tiny_deployed_draft
+    from helpers.recipes import tiny_deployed_draft
 
     _, _, prompts, draft = tiny_deployed_draft(tiny_target, tmp_path)
 

@@ -33,7 +33,7 @@ from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from draftsmith.models.medusa import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
-from conftest import TINY_AUX
+from helpers.tiny import TINY_AUX
 
 DRAFT_TYPES = ["eagle3", "medusa", "mlp_speculator"]
 

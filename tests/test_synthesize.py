@@ -11,7 +11,7 @@ import torch
 from draftsmith.data_prep.synthesize import keep_prompt, main, synthesize, transformers_sampler, user_turn_prefix
 from draftsmith.data_prep.target import load_target
 
-from conftest import CPU_VLLM_FLAGS
+from helpers.tiny import CPU_VLLM_FLAGS
 
 
 def test_user_turn_prefix_on_two_templates(chatml_tokenizer, zephyr_tokenizer):

@@ -12,8 +12,6 @@ from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import budget_lr_factor, fit
 
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
-
 
 def test_budget_schedule_is_warmup_then_cosine_over_progress():
     assert budget_lr_factor(0.0, 0.1, 0.0) == 0.0

@@ -18,7 +18,7 @@ from draftsmith.layout import DataPaths, RunLayout, read_tokenized, write_tokeni
 from draftsmith.recipe import load_recipe
 from draftsmith.train.data import TokenizedDataset
 
-from conftest import TINY_AUX, write_jsonl
+from helpers.tiny import TINY_AUX, write_jsonl
 
 CONVERSATIONS = [
     {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},

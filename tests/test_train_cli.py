@@ -15,8 +15,8 @@ import pytest
 from draftsmith.recipe import dump_recipe
 from draftsmith.train.checkpoint import CheckpointManager, find_checkpoints
 
-from conftest import write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 

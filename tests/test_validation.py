@@ -23,8 +23,7 @@ from draftsmith.train.validation import (
     summarise_validation,
 )
 
-from reference_losses import simulated_chain
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
+from helpers.reference_losses import simulated_chain
 
 
 def test_conversation_key_joins_regenerations_and_duplicates():

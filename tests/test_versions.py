@@ -316,7 +316,7 @@ def test_export_auto_writes_float32_on_a_cpu_machine_and_bf16_on_a_gpu_one(tmp_p
 
     from draftsmith.eval.export import ExportError, export
 
-    from conftest import write_draft_checkpoint
+    from helpers.tiny import write_draft_checkpoint
 
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, vocab_size=64, draft_vocab_size=48, aux_layer_ids=[0, 2, 3])

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
-from conftest import CPU_VLLM
+from helpers.tiny import CPU_VLLM
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 

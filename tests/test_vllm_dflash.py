@@ -27,7 +27,7 @@ from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_dflash import DFlashMethod
 from draftsmith.train.trainer import fit
 
-from test_dflash import dflash_recipe
+from helpers.recipes import dflash_recipe
 
 pytestmark = [
     pytest.mark.vllm,

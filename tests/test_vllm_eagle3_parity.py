@@ -25,25 +25,24 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.export import export
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3DecoderLayer, Eagle3DraftModel
 
-from conftest import build_tokenizer, write_draft_checkpoint
+from helpers.tiny import write_draft_checkpoint
+from helpers.vllm_parity import HD, NH, NKV, VD, CausalSDPA, H, I, V
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
 ]
 
-H, NH, NKV, HD, I, V, VD, T = 64, 4, 2, 16, 96, 256, 128, 12
+T = 12
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -59,43 +58,6 @@ def draft_config(**kw) -> Eagle3Config:
     return Eagle3Config(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
                         head_dim=HD, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 3],
                         max_position_embeddings=512, **kw)
-
-
-@pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory):
-    """A tiny target directory (vLLM's ``ModelConfig`` of the verifier) and vLLM's single-process
-    distributed state (tensor parallel 1, gloo), torn down after the module."""
-    from transformers import LlamaConfig
-
-    from draftsmith.runtime import configure_vllm_env
-
-    configure_vllm_env()
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-
-    target = tmp_path_factory.mktemp("parity_target")
-    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=NH,
-                num_key_value_heads=NKV, head_dim=HD, max_position_embeddings=512,
-                tie_word_embeddings=False).save_pretrained(target)
-    build_tokenizer(vocab_size=V).save_pretrained(target)
-
-    already = torch.distributed.is_available() and torch.distributed.is_initialized()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-    yield target
-    destroy_model_parallel()
-    if not already:
-        destroy_distributed_environment()
 
 
 def random_draft(cfg: Eagle3Config, seed: int = 0) -> tuple[Eagle3DraftModel, torch.Tensor]:
@@ -118,21 +80,6 @@ def random_draft(cfg: Eagle3Config, seed: int = 0) -> tuple[Eagle3DraftModel, to
 def export_draft(model: Eagle3DraftModel, embed: torch.Tensor, out: Path, legacy: bool) -> Path:
     write_draft_checkpoint(model, out / "ckpt", "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
     return export(out / "ckpt", out / "export", legacy=legacy, embed_tokens=embed)
-
-
-class CausalSDPA(torch.nn.Module):
-    """Stands in for vLLM's attention kernel: ``(q [T, nh*hd], k, v [T, nkv*hd]) -> [T, nh*hd]``,
-    causal over the T tokens of one sequence, query head i reading kv head i // (nh / nkv)."""
-
-    def __init__(self, attn: torch.nn.Module):
-        super().__init__()
-        self.nh, self.nkv, self.hd, self.scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = q.shape[0]
-        q, k, v = (x.view(n, h, self.hd).transpose(0, 1) for x, h in ((q, self.nh), (k, self.nkv), (v, self.nkv)))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1).reshape(n, self.nh * self.hd)
 
 
 def vllm_draft(export_dir: Path, target: Path):

@@ -227,7 +227,7 @@ print(json.dumps({"drafts": drafts, "stacked_as_exported": torch.equal(model._k_
 @pytest.fixture(scope="module")
 def two_layer_dflash_export(tiny_target, tmp_path_factory):
     """A random-weight 2-layer DFlash export of the tiny target, each layer's k_norm different."""
-    from conftest import write_draft_checkpoint
+    from helpers.tiny import write_draft_checkpoint
 
     from draftsmith.eval.dflash import export_dflash
     from draftsmith.models.dflash import DFlashConfig, DFlashDraftModel

@@ -12,7 +12,7 @@ import torch
 from draftsmith.data_prep.capture import capture_batch
 from draftsmith.recipe import VllmConfig
 
-from test_gpt_oss import build_tiny_gpt_oss
+from helpers.tiny import build_tiny_gpt_oss
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 

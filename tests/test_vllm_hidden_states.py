@@ -20,8 +20,8 @@ from draftsmith.data_prep.target import load_target
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import fit
 
-from conftest import TINY_AUX, write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import TINY_AUX, write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
@@ -160,7 +160,7 @@ def test_fewer_states_than_asked_is_an_error_naming_the_model_class(tmp_path):
 def capture_engine(tiny_target, tmp_path_factory):
     from draftsmith.recipe import VllmConfig
 
-    from conftest import CPU_VLLM
+    from helpers.tiny import CPU_VLLM
 
     work = tmp_path_factory.mktemp("vllm_capture") / "hidden_states" / ".vllm-work"
     work.mkdir(parents=True)

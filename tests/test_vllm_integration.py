@@ -33,8 +33,8 @@ from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
-from conftest import build_tiny_target, write_jsonl
-from test_pipeline import PROMPTS, tiny_recipe
+from helpers.tiny import build_tiny_target, write_jsonl
+from helpers.recipes import PROMPTS, tiny_recipe
 
 pytestmark = [
     pytest.mark.vllm,

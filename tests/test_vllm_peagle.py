@@ -30,9 +30,8 @@ from draftsmith.eval.peagle import export_peagle
 from draftsmith.methods import get_method
 from draftsmith.models.peagle import CODElements, PEagleConfig, PEagleDraftModel
 
-from conftest import write_draft_checkpoint
-from test_peagle import peagle_run  # noqa: F401  (module fixture: prepared tiny-target run)
-from test_vllm_eagle3_parity import CausalSDPA, vllm_env  # noqa: F401  (vLLM distributed state)
+from helpers.tiny import write_draft_checkpoint
+from helpers.vllm_parity import CausalSDPA
 
 pytestmark = [
     pytest.mark.vllm,

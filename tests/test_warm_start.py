@@ -17,8 +17,6 @@ from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import fit
 from draftsmith.train.warm_start import WarmStartError, target_ids
 
-from test_pipeline import prepared  # noqa: F401  (module fixture: a prepared tiny run)
-
 pytestmark = pytest.mark.integration
 
 

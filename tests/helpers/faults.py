@@ -20,7 +20,7 @@ from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_eagle3 import Eagle3Method
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 # 8 tiny sequences, batch 2, accumulation 2 -> 2 optimizer steps per epoch: resumes land at
 # epoch starts and mid-epoch; checkpoints every 3 steps, metrics every 2 (a checkpoint falls
