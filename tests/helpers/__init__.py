@@ -10,6 +10,16 @@ puts ``tests/`` on ``sys.path``): ``from helpers.tiny import build_tiny_target``
 Fixtures (the tiny target, the prepared tiny run, ...) are in ``tests/conftest.py``.
 """
 
+import hashlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root (the draftsmith package)
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over the names and bytes of every file under ``folder``."""
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()

@@ -197,3 +197,15 @@ def build_tiny_gpt_oss(directory, head_dim: int = 16, dtype: torch.dtype = torch
     model.save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory
+
+
+def write_fp8_shards(model, directory: Path) -> tuple[Path, int, int]:
+    """``(directory, records, hidden size)``: fp8 hidden-state shards of 7 random records of
+    ``model`` (3 sequences a shard) written to ``directory``."""
+    from draftsmith.data_prep.hidden_states import generate_hidden_states
+    from draftsmith.data_prep.shards import ShardSpec
+
+    records = make_records(7, model.config.vocab_size, seed=8)
+    generate_hidden_states(model, records, directory, ShardSpec(model.config.hidden_size, TINY_AUX, "float8_e4m3fn"),
+                           sequences_per_shard=3, progress=False)
+    return directory, len(records), model.config.hidden_size

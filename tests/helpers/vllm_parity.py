@@ -65,3 +65,10 @@ class CausalSDPA(torch.nn.Module):
         q, k, v = (x.view(n, h, self.hd).transpose(0, 1) for x, h in ((q, self.nh), (k, self.nkv), (v, self.nkv)))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         return out.transpose(0, 1).reshape(n, self.nh * self.hd)
+
+
+def loop_rms_norm(out, x, weight, eps):
+    """A correct grouped RMSNorm written out per layer: ``out[l] = rmsnorm(x[l]) * weight[l]``."""
+    for layer in range(weight.shape[0]):
+        xl = x[layer].float()
+        out[layer] = (xl / torch.sqrt(xl.pow(2).mean(-1, keepdim=True) + eps) * weight[layer].float()).to(out.dtype)

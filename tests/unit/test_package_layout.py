@@ -1,0 +1,95 @@
+"""The package's import structure: relative imports inside it, thin training entry scripts,
+and data flowing one way (models <- data_prep <- train <- eval)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from draftsmith.methods import get_method, registered_methods
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTSIDE = {"tests", "scripts", "runs", "docs", "recipes", ".venv", "build"}
+ENTRY_SCRIPTS = {get_method(m).train_script for m in registered_methods()}  # run as files
+# what each top-level folder may import from the others (the flow of the pipeline)
+MAY_IMPORT = {
+    "models": set(),
+    "data_prep": {"models"},
+    "train": {"models", "data_prep"},
+    "eval": {"models", "data_prep", "train"},
+}
+
+
+def package_modules() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py")
+                  if not (set(p.relative_to(ROOT).parts[:-1]) & OUTSIDE) and not p.name.startswith("."))
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """``(line, absolute dotted module)`` of every ``from ... import`` in ``path``."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ["draftsmith", *rel.parts[:-1]]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+            elif node.module:
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def test_modules_inside_the_package_import_each_other_relatively():
+    absolute = []
+    for path in package_modules():
+        rel = str(path.relative_to(ROOT))
+        if rel in ENTRY_SCRIPTS:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and not node.level else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            absolute += [f"{rel}:{node.lineno} {n}" for n in names if n and n.split(".")[0] == "draftsmith"]
+    assert package_modules(), "no package modules found"
+    assert absolute == []
+
+
+@pytest.mark.parametrize("script", sorted(ENTRY_SCRIPTS))
+def test_training_entry_scripts_are_thin(script):
+    # run as files by `accelerate launch train/<method>.py`: they import the method and call train_main
+    tree = ast.parse((ROOT / script).read_text())
+    functions = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert functions == ["main"] and classes == []
+
+
+def test_data_flows_one_way_and_the_package_never_imports_its_tests():
+    backwards = []
+    for path in package_modules():
+        rel = path.relative_to(ROOT)
+        folder = rel.parts[0] if len(rel.parts) > 1 else None
+        for line, module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] in ("tests", "conftest") or parts[:2] == ["draftsmith", "tests"]:
+                backwards.append(f"{rel}:{line} imports {module}")
+            if folder in MAY_IMPORT and parts[0] == "draftsmith" and len(parts) > 1:
+                other = parts[1]
+                if other in MAY_IMPORT and other != folder and other not in MAY_IMPORT[folder]:
+                    backwards.append(f"{rel}:{line} imports {module}")
+    assert backwards == []
+
+
+def test_the_checker_sees_a_backward_import(tmp_path, monkeypatch):
+    # the scan above must be able to fail: a data_prep module importing eval is caught
+    fake = ROOT / "data_prep" / "_layout_probe.py"
+    fake.write_text("from ..eval import export\n")
+    try:
+        with pytest.raises(AssertionError):
+            test_data_flows_one_way_and_the_package_never_imports_its_tests()
+    finally:
+        fake.unlink()
