@@ -64,12 +64,29 @@ def zephyr_tokenizer():
     return build_tokenizer(ZEPHYR)
 
 
-@pytest.fixture(scope="session")
-def shipped_recipes():
-    """``{name: Recipe}`` of every ``recipes/*.yaml``, loaded once."""
-    from draftsmith.recipe import load_recipe
+class _Copies(dict):
+    """A dict whose items are handed out as deep copies (a test may change its recipe)."""
 
-    return {path.stem: load_recipe(path) for path in RECIPES}
+    def __getitem__(self, name):
+        return super().__getitem__(name).model_copy(deep=True)
+
+
+@pytest.fixture(scope="session")
+def shipped_recipes() -> dict:
+    """``{name: Recipe}`` of every ``recipes/*.yaml`` (``helpers.recipes.RECIPES``), loaded once
+    for the tests that check each of them; a recipe that does not load fails every such test,
+    naming it."""
+    from draftsmith.recipe import RecipeError, load_recipe
+
+    recipes, errors = _Copies(), []
+    for path in RECIPES:
+        try:
+            recipes[path.stem] = load_recipe(path)
+        except RecipeError as exc:
+            errors.append(f"{path.name}: {exc}")
+    if errors:
+        pytest.fail("shipped recipes that do not load:\n" + "\n".join(errors))
+    return recipes
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,15 @@ No vLLM is started here."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from draftsmith.recipe import RecipeError, VllmConfig, add_vllm_arguments, load_recipe, vllm_config_from_args
 
+from helpers.recipes import RECIPES
 from helpers.tiny import CPU_VLLM
 
-RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
 
 def test_defaults_are_gpu_values():
@@ -110,8 +109,8 @@ def test_a_bad_flag_value_is_an_error_naming_the_flag():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
-def test_every_recipe_validates_and_builds_its_engine_arguments(path):
-    engine = load_recipe(path).vllm
+def test_every_recipe_validates_and_builds_its_engine_arguments(path, shipped_recipes):
+    engine = shipped_recipes[path.stem].vllm
     on_gpu = not path.stem.startswith("smollm2")
     kwargs = engine.llm_kwargs(on_gpu=on_gpu, model="/t")
     assert kwargs["model"] == "/t"

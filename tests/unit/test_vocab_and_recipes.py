@@ -15,6 +15,7 @@ from draftsmith.data_prep.vocab import (
     draft_to_target_ids,
     target_to_draft_ids,
 )
+from draftsmith.methods import registered_methods
 from draftsmith.recipe import (
     Eagle3DraftConfig,
     MedusaDraftConfig,
@@ -24,8 +25,9 @@ from draftsmith.recipe import (
     load_recipe,
 )
 
+from helpers.recipes import RECIPES
+
 RECIPE_DIR = Path(__file__).parents[2] / "recipes"
-RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
 
 
 def test_draft_vocab_keeps_most_frequent_assistant_tokens_and_round_trips():
@@ -58,9 +60,13 @@ def test_draft_vocab_errors():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
-def test_every_shipped_recipe_validates(path):
-    recipe = load_recipe(path)
-    assert recipe.name
+def test_every_shipped_recipe_is_named_after_its_file_and_the_file_after_its_method(path, shipped_recipes):
+    # runs/<recipe name> is a recipe's default run directory, and <target>_<method>.yaml (EAGLE-3:
+    # <target>.yaml) is how the dry run and the docs find a recipe's target and method
+    recipe = shipped_recipes[path.stem]
+    assert recipe.name == path.stem
+    suffixes = [m for m in registered_methods() if path.stem.endswith(f"_{m}")]
+    assert suffixes == ([] if recipe.draft.method == "eagle3" else [recipe.draft.method])
 
 
 def test_unknown_key_is_rejected_naming_the_key(tmp_path):
