@@ -1,10 +1,17 @@
 """What several test modules share, importable from every test folder (``tests/conftest.py``
 puts ``tests/`` on ``sys.path``): ``from helpers.tiny import build_tiny_target``.
 
-- ``tiny``: tiny targets, tokenizers and draft checkpoints built in code (no network);
-- ``recipes``: the tiny target's recipes and prompts, and a trained, exported tiny draft;
+- ``tiny``: tiny targets, tokenizers, draft geometries, records and checkpoints built in code (no
+  network);
+- ``recipes``: the shipped recipes' paths, the tiny target's recipes and prompts, and a trained,
+  exported tiny draft;
+- ``drafts``: random drafts of every method and their reference proposers;
+- ``rope_targets``: targets with Llama-3.1's and gpt-oss's rotary embeddings, and drafts built on them;
 - ``sharded_runs``: the multi-process launches (torchrun, FSDP2, DeepSpeed) and their comparisons;
 - ``faults``: fault injectors and run readers of the resume tests;
+- ``procs``: liveness and clean-up of the processes a test started;
+- ``fake_inputs``: made-up secrets, traffic-log lines and conversations;
+- ``vllm_parity``: vLLM's distributed state and stand-ins for the parity tests;
 - ``reference_losses``: the unchunked reference losses the training paths are checked against.
 
 Fixtures (the tiny target, the prepared tiny run, ...) are in ``tests/conftest.py``.
