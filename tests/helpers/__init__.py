@@ -7,7 +7,8 @@ puts ``tests/`` on ``sys.path``): ``from helpers.tiny import build_tiny_target``
   exported tiny draft;
 - ``drafts``: random drafts of every method and their reference proposers;
 - ``rope_targets``: targets with Llama-3.1's and gpt-oss's rotary embeddings, and drafts built on them;
-- ``sharded_runs``: the multi-process launches (torchrun, FSDP2, DeepSpeed) and their comparisons;
+- ``data_parallel``: torchrun launches of a tiny run on CPU and their comparison with one process;
+- ``sharded_runs``: what the FSDP2 and DeepSpeed launcher tests share (resume, export, launchers);
 - ``faults``: fault injectors and run readers of the resume tests;
 - ``procs``: liveness and clean-up of the processes a test started;
 - ``fake_inputs``: made-up secrets, traffic-log lines and conversations;

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from draftsmith.train.checkpoint import find_checkpoints
 
-from helpers.sharded_runs import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
+from helpers.data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
 
 pytestmark = pytest.mark.integration  # torchrun / accelerate launch of two training processes
 

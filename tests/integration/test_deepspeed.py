@@ -17,19 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.data_parallel import RTOL, assert_same_losses, assert_same_weights, launch, prepare_twin_runs, recipe_lr
 from helpers.sharded_runs import (
-    RTOL,
     SCHEDULE,
     assert_exact,
     assert_export_matches_checkpoint,
-    assert_same_losses,
-    assert_same_weights,
     checkpoint_weights,
     deepspeed_launcher,
     interrupted_copy,
-    launch,
-    prepare_twin_runs,
-    recipe_lr,
 )
 
 pytestmark = pytest.mark.integration  # accelerate launch of DeepSpeed training
