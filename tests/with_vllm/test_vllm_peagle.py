@@ -83,7 +83,7 @@ def vllm_peagle(export_dir: Path, target: Path):
 
 @pytest.mark.parametrize("case", [dict(num_layers=2, norm_before_residual=False),
                                   dict(num_layers=3, norm_before_residual=True)], ids=["2_layers", "3_layers_nbr"])
-def test_parallel_drafting_layout_matches_vllm(vllm_env, tmp_path, case):  # noqa: F811
+def test_parallel_drafting_layout_matches_vllm(vllm_env, tmp_path, case):
     from vllm.config import set_current_vllm_config
 
     model = random_peagle(**case, num_depths=4)
@@ -162,7 +162,7 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def served(peagle_run, tiny_target, tmp_path_factory):  # noqa: F811
+def served(peagle_run, tiny_target, tmp_path_factory):
     from draftsmith.data_prep.target import load_target
     from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
     from draftsmith.recipe import dump_recipe
