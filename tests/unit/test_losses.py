@@ -1,0 +1,189 @@
+"""draft.loss: every divergence's value and gradient on a hand-made case, worked out here in
+plain Python (no torch), and the recipe / training wiring."""
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.recipe import Recipe, RecipeError, load_recipe
+from draftsmith.train.losses import LOSSES, LossSpec, acceptance_probability, divergence
+
+from helpers.reference_losses import ttt_loss
+
+P = [0.5, 0.3, 0.2]  # target distribution
+Q = [0.2, 0.3, 0.5]  # draft distribution: draft logits log(Q) (softmax(log Q) = Q)
+
+
+def softmax_grad(dl_dq: list[float], q: list[float]) -> list[float]:
+    """dL/dz for q = softmax(z): sum_i dL/dq_i * q_i (delta_ij - q_j)."""
+    inner = sum(g * qi for g, qi in zip(dl_dq, q))
+    return [qj * (gj - inner) for gj, qj in zip(dl_dq, q)]
+
+
+def expected(kind: str) -> tuple[float, list[float]]:
+    """(value, d value / d draft logits) of each divergence at (P, Q), by hand."""
+    fkl = sum(p * math.log(p / q) for p, q in zip(P, Q))
+    alpha = sum(min(p, q) for p, q in zip(P, Q))  # 0.2 + 0.3 + 0.2 = 0.7
+    # d(1 - alpha)/dq_i = -1 where q_i < p_i (q_i is the min), 0 where q_i > p_i; ties (0.3)
+    # take torch.minimum's even split of the gradient: -1/2
+    dtv_dq = [-1.0 if q < p else (-0.5 if q == p else 0.0) for p, q in zip(P, Q)]
+    dtv = softmax_grad(dtv_dq, Q)
+    if kind == "forward_kl":
+        return fkl, [q - p for p, q in zip(P, Q)]
+    if kind == "reverse_kl":
+        rkl = sum(q * math.log(q / p) for p, q in zip(P, Q))
+        return rkl, [q * (math.log(q / p) - rkl) for p, q in zip(P, Q)]
+    if kind == "jsd":
+        M = [(p + q) / 2 for p, q in zip(P, Q)]
+        value = 0.5 * sum(p * math.log(p / m) for p, m in zip(P, M)) + 0.5 * sum(q * math.log(q / m) for q, m in zip(Q, M))
+        return value, softmax_grad([0.5 * math.log(q / m) for q, m in zip(Q, M)], Q)
+    if kind == "tv":
+        return 1 - alpha, dtv
+    if kind == "lk_alpha":
+        return -math.log(alpha), [g / alpha for g in dtv]
+    if kind == "lk_lambda":
+        w = 2.0 * math.exp(-3.0 * alpha)  # lk_kl_scale 2, lk_kl_decay 3; alpha is not differentiated in w
+        return w * fkl + 1 - alpha, [w * (q - p) + g for p, q, g in zip(P, Q, dtv)]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+def test_divergence_value_and_gradient_by_hand(kind):
+    target = torch.tensor([P]).log()
+    draft = torch.tensor([Q]).log().requires_grad_(True)
+    value = divergence(kind, target, draft, lk_kl_scale=2.0, lk_kl_decay=3.0)
+    value.sum().backward()
+    want, want_grad = expected(kind)
+    assert value.shape == (1,)
+    assert value.item() == pytest.approx(want, abs=1e-6)
+    assert draft.grad[0].tolist() == pytest.approx(want_grad, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+def test_divergence_is_zero_where_the_draft_is_the_target_and_positive_elsewhere(kind):
+    g = torch.Generator().manual_seed(0)
+    target, draft = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    assert divergence(kind, target, target + 3.0).abs().max() < 1e-5  # softmax is shift invariant
+    assert (divergence(kind, target, draft) > 1e-4).all()
+
+
+def test_lk_alpha_is_cross_entropy_at_a_one_hot_target_and_finite_at_zero_overlap():
+    draft = torch.tensor([[0.1, 2.0, -1.0]])
+    one_hot = torch.tensor([[0.0, -1e4, -1e4]])
+    ce = torch.nn.functional.cross_entropy(draft, torch.tensor([0]))
+    assert divergence("lk_alpha", one_hot, draft).item() == pytest.approx(ce.item(), abs=1e-5)
+    disjoint = divergence("lk_alpha", torch.tensor([[0.0, -1e4]]), torch.tensor([[-1e4, 0.0]]))
+    assert torch.isfinite(disjoint).all() and disjoint.item() > 10
+
+
+def test_acceptance_probability_is_one_minus_total_variation():
+    log_p, log_q = torch.tensor(P).log(), torch.tensor(Q).log()
+    assert acceptance_probability(log_p, log_q).item() == pytest.approx(0.7)
+    tv = 0.5 * sum(abs(p - q) for p, q in zip(P, Q))
+    assert acceptance_probability(log_p, log_q).item() == pytest.approx(1 - tv)
+
+
+def test_unknown_loss_names_the_choices():
+    with pytest.raises(ValueError, match="forward_kl, reverse_kl"):
+        divergence("kl", torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_ttt_loss_uses_the_recipe_divergence():
+    """The step loss of ttt_loss is the chosen divergence's mean over the step's positions."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 1, 6, 7
+    target_logits = torch.randn(B, T, V, generator=g)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    # step 0 at position t predicts x_{t+2}: positions 0..3 (loss_mask at t+2)
+    draft = torch.randn(4, V, generator=g)
+    for kind in ("forward_kl", "tv", "lk_alpha"):
+        total, m = ttt_loss([draft], target_logits, loss_mask, loss=LossSpec(kind))
+        want = divergence(kind, target_logits[0, 1:5], draft).mean()
+        assert total.item() == pytest.approx(want.item(), rel=1e-6)
+        assert m.tokens == [4]
+
+
+def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
+    r = Recipe.model_validate({"draft": {"loss": "lk_lambda", "lk_kl_scale": 0.5}})
+    assert LossSpec.from_recipe(r.draft) == LossSpec("lk_lambda", 0.5, 3.0)
+    with pytest.raises(RecipeError, match="draft.loss: Input should be 'forward_kl'"):
+        load_recipe(None, ["draft.loss=l2"])
+    # medusa / mlp_speculator heads train on hard labels: their sections have no loss key
+    with pytest.raises(RecipeError, match=r"draft.loss: unknown key for draft.method medusa \(a key of eagle3 / dflash / peagle\)"):
+        load_recipe(None, ["draft.method=medusa", "draft.loss=jsd"])
+
+
+def _tiny_eagle3(seed: int = 0):
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
+    model = Eagle3DraftModel(cfg)
+    model.init_from_target(torch.randn(100, 32))
+    return model
+
+
+def _method_stub(kind: str, gamma: float, chunk: int | None):
+    """An Eagle3Method with only what compute_loss reads (no run directory)."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.losses import TargetDraftHead
+    from draftsmith.train.method_eagle3 import Eagle3Method
+
+    method = Eagle3Method.__new__(Eagle3Method)
+    method.recipe = SimpleNamespace(train=SimpleNamespace(loss_chunk_rows=chunk),
+                                    draft=SimpleNamespace(ttt_steps=3, gamma=gamma))
+    method.loss = LossSpec(kind)
+    method.target_head = TargetDraftHead(torch.randn(40, 32))
+    method.accelerator = SimpleNamespace(num_processes=1)
+    return method
+
+
+@pytest.mark.parametrize("kind", LOSSES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_ttt_loss_inside_forward_equals_the_unchunked_loss_with_gradients(kind, packed):
+    # the training path (batch plan -> teacher once per batch -> chunked divergence inside the
+    # draft's forward) against the reference that keeps every step's (M_k, Vd) logits
+    model = _tiny_eagle3()
+    method = _method_stub(kind, gamma=0.7, chunk=5)
+    B, T = 2, 24
+    batch = {"input_ids": torch.randint(0, 100, (B, T)), "loss_mask": (torch.rand(B, T) > 0.3).long(),
+             "aux_hidden_states": torch.randn(B, T, 96), "final_hidden_states": torch.randn(B, T, 32)}
+    if packed:
+        batch["document_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4])
+    docs = batch.get("document_ids")
+    logits = model(batch["input_ids"], batch["aux_hidden_states"], 3, batch["loss_mask"], None, docs)
+    want, m = ttt_loss(logits, method.target_head(batch["final_hidden_states"]), batch["loss_mask"], 0.7, None,
+                       docs, LossSpec(kind))
+    want_grads = torch.autograd.grad(want, [p for p in model.parameters() if p.requires_grad])
+    from draftsmith.train.method_eagle3 import eagle3_batch_plan
+
+    for b in (batch, eagle3_batch_plan(batch, steps=3)):  # without and with the collate's plan
+        got, metrics = method.compute_loss(model, b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = torch.autograd.grad(got, [p for p in model.parameters() if p.requires_grad])
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        for k in range(3):  # per-step metrics stay device tensors, equal to the reference's
+            assert isinstance(metrics[f"loss_{k}"], torch.Tensor)
+            assert metrics[f"loss_{k}"].item() == pytest.approx(m.loss[k], rel=1e-5, abs=1e-6)
+            assert metrics[f"acc_{k}"].item() == pytest.approx(m.acc[k], abs=1e-6)
+
+
+def test_chunked_ttt_loss_weights_step_k_by_gamma_to_the_k():
+    # the step weights are pinned: with gamma = 1 every step counts fully, with gamma = 0.5
+    # step k's divergence is halved k times
+    model = _tiny_eagle3(1)
+    B, T = 2, 20
+    batch = {"input_ids": torch.randint(0, 100, (B, T)), "loss_mask": torch.ones(B, T, dtype=torch.long),
+             "aux_hidden_states": torch.randn(B, T, 96), "final_hidden_states": torch.randn(B, T, 32)}
+    torch.manual_seed(5)
+    loss_1, m1 = _method_stub("forward_kl", 1.0, None).compute_loss(model, batch)
+    torch.manual_seed(5)
+    loss_h, mh = _method_stub("forward_kl", 0.5, None).compute_loss(model, batch)
+    steps = [m1[f"loss_{k}"] for k in range(3)]
+    torch.testing.assert_close(loss_1, sum(steps))
+    torch.testing.assert_close(loss_h, sum(0.5**k * s for k, s in enumerate(steps)))
