@@ -33,7 +33,7 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q tests
 
-# tests/unit only (about 3 minutes on 2 cores): no vLLM engine, no launched processes, no end-to-end
+# tests/unit only (under 2 minutes on 2 cores): no vLLM engine, no launched processes, no end-to-end
 # training; tests/conftest.py marks every test by its folder (tests/{unit,integration,with_vllm,gpu}),
 # so the markers select the folders (the gpu tests skip without CUDA)
 test-fast: install
