@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.serve.adapt import adapt as adapt_mod
+from draftsmith.serve import adapt as adapt_mod
 from safetensors.torch import load_file
 
 from helpers import folder_digest

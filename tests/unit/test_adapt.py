@@ -15,7 +15,7 @@ from draftsmith.data_prep.traffic import (
     read_traffic,
     traffic_log_files,
 )
-from draftsmith.serve.adapt import adapt as adapt_mod
+from draftsmith.serve import adapt as adapt_mod
 
 from helpers import folder_digest
 from helpers.fake_inputs import MODEL, served, write_log
