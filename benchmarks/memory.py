@@ -664,7 +664,9 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
     parameters in ``precision.param_dtype``, ``forward`` under bf16 autocast with accelerate's fp32
     output upcast (``amp-bf16``), the trainer's AdamW over the trainable parameters, the method
     set up on one process, in train mode. Returns ``(model, trainable, optimizer)``."""
-    model = method.build_model()
+    from draftsmith.train.activation_checkpointing import apply_recipe_checkpointing
+
+    model = apply_recipe_checkpointing(method.build_model(), recipe.draft)  # as the trainer does
     if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
         model.to(dev)
     trainable = [p for p in model.parameters() if p.requires_grad]

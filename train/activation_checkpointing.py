@@ -44,3 +44,13 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
         if not isinstance(block, CheckpointWrapper):
             layers[i] = checkpoint_wrapper(block, checkpoint_fn=_checkpoint_with_grad)
     return model
+
+
+def apply_recipe_checkpointing(model: nn.Module, draft_config: Any) -> nn.Module:
+    """:func:`apply_activation_checkpointing` when the recipe's draft section asks for it
+    (``draft.gradient_checkpointing``; the sections without the key, Medusa's and the MLP
+    speculator's, never do). The trainer and the memory benchmarks build the draft through this
+    one rule. Returns ``model``."""
+    if getattr(draft_config, "gradient_checkpointing", False):
+        apply_activation_checkpointing(model)
+    return model

@@ -70,7 +70,7 @@ from .checkpoint import (
     remove_partial_checkpoints,
     truncate_metrics,
 )
-from .activation_checkpointing import apply_activation_checkpointing
+from .activation_checkpointing import apply_recipe_checkpointing
 from .packing import PackedDataset, collate_packed
 from .run_info import run_metadata
 from .sampler import LengthGroupedBatches
@@ -529,7 +529,7 @@ class MetricsWriter:
 class Trainer:
     """One training run of ``method``'s model on ``RUN_DIR/data``, in small steps:
 
-    - :meth:`setup`: run directory, data, model (:func:`~draftsmith.train.activation_checkpointing.apply_activation_checkpointing`
+    - :meth:`setup`: run directory, data, model (:func:`~draftsmith.train.activation_checkpointing.apply_recipe_checkpointing`
       with ``draft.gradient_checkpointing``), optimizer and schedule, resume, run metadata;
     - :meth:`train_step`: one micro-batch (forward, backward and, at the end of an accumulation
       window, clipping, the optimizer and the schedule), without host reads;
@@ -610,8 +610,7 @@ class Trainer:
 
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
-        if getattr(self.recipe.draft, "gradient_checkpointing", False):  # eagle3 / dflash / peagle sections
-            apply_activation_checkpointing(model)
+        apply_recipe_checkpointing(model, self.recipe.draft)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg, acc.device)
         deepspeed = acc.distributed_type.value == "DEEPSPEED"
