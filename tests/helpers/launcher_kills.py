@@ -35,7 +35,7 @@ from helpers.sharded_runs import FSDP_ENV, checkpoint_weights, deepspeed_launche
 
 from draftsmith.train.checkpoint import find_checkpoints
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/helpers/ -> the checkout
 
 LAUNCHERS = ("deepspeed", "fsdp")
 COLLECTIVE_TIMEOUT_S = 60  # train.collective_timeout_s here (20 s: on a loaded machine a rank started late fails init)
