@@ -14,7 +14,7 @@ DFlash's anchor blocks, P-EAGLE's COD elements, the heads of Medusa / the MLP sp
 teacher distribution; the chunked loss; with or without ``draft.gradient_checkpointing``).
 ``draftsmith bench memory RECIPE`` measures the same step (its real code under fake tensors)
 beside this estimate; the two agree within 20% for every shipped GPU recipe
-(``tests/test_bench_memory.py``).
+(``tests/integration/test_bench_memory_measured.py``).
 
 The target's ``config.json`` comes from ``--target-config``, else from the copy shipped under
 ``recipes/targets/<hub id>/config.json`` (:func:`bundled_target_config`: every shipped GPU
@@ -258,7 +258,7 @@ def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision
 # e.g. EAGLE-3 under bf16 autocast keeps per step four (T, I) bf16 MLP tensors, 8 B/token per
 # unit of I, three bf16 casts of the (T, 2H) layer input, 12 B per unit of H, and about five fp32
 # (T, H) RMSNorm / residual tensors). The global terms (teacher distribution, loss chunks,
-# attention masks, weight copies, input casts) are counted explicitly. ``tests/test_bench_memory.py``
+# attention masks, weight copies, input casts) are counted explicitly. ``tests/integration/test_bench_memory_measured.py``
 # holds the estimate to the measurement within 20% for every shipped GPU recipe: when a method's
 # code changes what it keeps, its coefficients here are re-read from the bench (``--json``
 # lists the largest groups at the peak).

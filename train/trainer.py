@@ -37,7 +37,7 @@ work while the GPU runs.
   skipped steps too (it follows the optimizer-step count).
 - ``train.max_time_minutes`` is checked at logging steps (the clock is shared across ranks then).
 - The code that may wait for the device is marked with :func:`host_work` (logging, checkpoint,
-  validation, data loading on the CPU); ``tests/test_host_sync.py`` counts syncs outside it.
+  validation, data loading on the CPU); ``tests/integration/test_host_sync.py`` counts syncs outside it.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def host_work(kind: str, step: int | None = None) -> Iterator[None]:
     """Marks trainer code that may wait for the device or works on host data only: ``"data"``
     (DataLoader batches, CPU tensors), ``"log"`` / ``"checkpoint"`` / ``"validation"`` (at
     their steps, ``step``), ``"nonfused-skip"`` (the non-finite guard's host read, only where no
-    fused AdamW exists). Does nothing; ``tests/test_host_sync.py`` replaces it to attribute the
+    fused AdamW exists). Does nothing; ``tests/integration/test_host_sync.py`` replaces it to attribute the
     syncs it counts."""
     yield
 
