@@ -307,8 +307,7 @@ class TrafficProxy:
         if self._upstream_is_down(upstream):  # managed mode, its server died: a restart is under way
             self.counters["rejected"] += 1
             self._log(endpoint, body, upstream, 503, [], "", False, False, received, "upstream_restarting")
-            return error_response(503, f"upstream {upstream.label} died and is being restarted", "ServiceUnavailable",
-                                  **{"Retry-After": "10"})
+            return self._restarting_response(upstream)
         upstream.enter()
         self.counters["requests"] += 1
         status, parts, encoding, streamed, complete, error = CLIENT_CLOSED_REQUEST, [], "", False, False, None
@@ -348,14 +347,9 @@ class TrafficProxy:
                 return response
             if error == "upstream_unreachable" and self._upstream_is_down(upstream):
                 status = 503
-                return error_response(503, f"upstream {upstream.label} died and is being restarted",
-                                      "ServiceUnavailable", **{"Retry-After": "10"})
-            status = 504 if error == "upstream_timeout" else 502
-            what = (f"sent nothing for {self.upstream_timeout_s:g} s" if status == 504 else
-                    f"could not be reached ({type(exc).__name__})" if error == "upstream_unreachable" else
-                    f"closed the connection ({type(exc).__name__})")
-            return error_response(status, f"upstream {upstream.label} {what}",
-                                  "GatewayTimeout" if status == 504 else "BadGateway")
+                return self._restarting_response(upstream)
+            status, kind, what = self._upstream_failure(error, f" ({type(exc).__name__})")
+            return error_response(status, f"upstream {upstream.label} {what}", kind)
         finally:
             upstream.leave()
             self._log(endpoint, body, upstream, status, parts, encoding, streamed, complete, received, error)
@@ -371,13 +365,26 @@ class TrafficProxy:
             streamed=streamed, complete=complete, finished=time.time(), latency_s=time.monotonic() - received,
             error=error))
 
+    def _upstream_failure(self, error: str, cause: str = "") -> tuple[int, str, str]:
+        """``(HTTP status, OpenAI error type, what the upstream did)`` for a failure
+        (:func:`upstream_error`); ``cause`` is appended where the upstream was unreachable or hung up."""
+        if error == "upstream_timeout":
+            return 504, "GatewayTimeout", f"sent nothing for {self.upstream_timeout_s:g} s"
+        if error == "upstream_unreachable":
+            return 502, "BadGateway", f"could not be reached{cause}"
+        return 502, "BadGateway", f"closed the connection{cause}"
+
+    @staticmethod
+    def _restarting_response(upstream: Upstream) -> web.Response:
+        return error_response(503, f"upstream {upstream.label} died and is being restarted", "ServiceUnavailable",
+                              **{"Retry-After": "10"})
+
     async def _end_stream_with_error(self, response: web.StreamResponse, upstream: Upstream, error: str) -> None:
         """End a stream the upstream broke off with an OpenAI-style error event (clients' SDKs raise on
         it) instead of a silent end that reads like a finished reply; no ``[DONE]`` follows."""
-        code = 504 if error == "upstream_timeout" else 502
-        what = (f"sent nothing for {self.upstream_timeout_s:g} s" if code == 504 else "closed the connection")
+        code, kind, what = self._upstream_failure(error)
         event = {"error": {"message": f"draftsmith proxy: upstream {upstream.label} {what} mid-stream",
-                           "type": "GatewayTimeout" if code == 504 else "BadGateway", "code": code}}
+                           "type": kind, "code": code}}
         with contextlib.suppress(ConnectionResetError, RuntimeError):  # the client may be gone too
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
 

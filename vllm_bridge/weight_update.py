@@ -48,11 +48,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .server import LOOPBACK  # no HTTP proxy on loopback
+
 BACKEND = "draftsmith_safetensors"
 EXTENSION = "draftsmith.vllm_bridge.weight_update.DraftWeightsExtension"
 
 # The server is on loopback: never route its requests through an http_proxy from the environment.
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class WeightUpdateError(RuntimeError):
@@ -340,7 +341,7 @@ def _request(base_url: str, method: str, path: str, body: Any = None, timeout_s:
     req = urllib.request.Request(base_url.rstrip("/") + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
-        with _LOOPBACK.open(req, timeout=timeout_s) as r:
+        with LOOPBACK.open(req, timeout=timeout_s) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
