@@ -70,8 +70,12 @@ LOSS_RTOL = BF16_UNIT_ROUNDOFF
 # GPU (same draws; TF32 matmuls, as the trainer sets on CUDA). Calibrated like LOSS_RTOL (the
 # trainer under bf16 autocast on CPU against fp32 on CPU, same draws, these 6 steps): at most
 # 4.3e-3 (dflash) and 2.9e-3 (peagle), whereas a run from another seed differs by up to 6.6%
-# (dflash) and 30% (peagle); so two bf16 unit roundoffs.
-DRAW_LOSS_RTOL = 2 * BF16_UNIT_ROUNDOFF
+# (dflash) and 30% (peagle); so two bf16 unit roundoffs. On an H100 (torch 2.11, CUDA 13.0,
+# 2026-11-25) P-EAGLE went past that once: 8.5e-4, 1.6e-3, then 1.23e-2 at step 3, and back to
+# 2.7e-3 / 8.5e-4 / 1.3e-3 (CUDA's bf16 attention kernels round differently from CPU autocast, and
+# a step of P-EAGLE's COD loss over few tokens moves with them); DFlash stayed within 2. P-EAGLE's
+# bound is therefore four roundoffs (1.6e-2), still 20x below a run from another seed.
+DRAW_LOSS_RTOL = {"dflash": 2 * BF16_UNIT_ROUNDOFF, "peagle": 4 * BF16_UNIT_ROUNDOFF}
 # Step 1 starts from identical weights: an fp32 CUDA run differs from the CPU run by reduction
 # order only (~1e-7). Below FP32_NOISE bf16 autocast was not in effect; in the calibration bf16
 # moved the step-1 loss by 2e-5 (mlp_speculator) to 2.6e-4 (eagle3).
@@ -333,7 +337,7 @@ def test_bf16_training_on_cuda_tracks_fp32_training_on_cuda(method, tiny_target,
     got, want = ([m["loss"] for m in read_metrics(run)] for run in (bf16, fp32))
     assert len(got) == len(want) == STEPS
     errors = relative_errors(got, want)
-    assert max(errors) <= DRAW_LOSS_RTOL, f"{method}: CUDA bf16 losses {got} vs CUDA fp32 {want} (relative {errors})"
+    assert max(errors) <= DRAW_LOSS_RTOL[method], f"{method}: CUDA bf16 losses {got} vs CUDA fp32 {want} (relative {errors})"
     assert errors[0] > FP32_NOISE, f"{method}: the bf16 run reproduced fp32 ({errors}): bf16 autocast was not on"
 
 
