@@ -117,7 +117,8 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
-    """The config to train: the init draft's geometry, residual norm and EAGLE-3.1 options, this run's draft vocab size."""
+    """The config to train: the init draft's geometry, residual norm and EAGLE-3.1 options, this
+    run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
     for key in ("norm_before_residual", *EAGLE31_OPTIONS):
         if getattr(init.config, key) != getattr(run_config, key):
             log.warning("draft.init_from: %s=%s as the draft was trained (the recipe says %s)",

@@ -295,8 +295,9 @@ class Eagle3ExportFacts:
         num_speculative_tokens: K of the first proposal method (speculators format only).
         verifier: ``speculators_config.verifier`` (``{}`` when absent).
         eagle31: ``{option: value}`` of the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`), top-level
-            keys in both formats, as written (:class:`Eagle3Config` refuses a non-bool), False when absent (as vLLM reads them; in the legacy format
-            vLLM also reads ``eagle_config.norm_before_fc`` first, so that spelling wins here too).
+            keys in both formats, as written (:class:`Eagle3Config` refuses a non-bool), False
+            when absent, as vLLM reads them (in the legacy format vLLM reads
+            ``eagle_config.norm_before_fc`` first, so that spelling wins here too).
     """
 
     format: str
