@@ -10,9 +10,9 @@ Before anything is trained it must fit this run: its hidden size, aux-state widt
 size must be the target's, its aux layer ids the ones this run's hidden states were captured
 at (``RUN_DIR/data/target.json``), its verifier architecture (when recorded) the target's, and
 its draft vocab must share tokens with this run's. The draft keeps its own layer geometry
-(intermediate size, heads), ``norm_before_residual`` and EAGLE-3.1 options; its ``lm_head`` rows are carried over
-by target token id into this run's draft vocab (``d2t``), rows of tokens it did not have keep
-the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
+(intermediate size, heads), ``norm_before_residual`` and EAGLE-3.1 options; its ``lm_head`` rows
+are carried over by target token id into this run's draft vocab (``d2t``), rows of tokens it did
+not have keep the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
 """
 
 from __future__ import annotations
