@@ -174,3 +174,23 @@ def test_bad_input_names_the_option_key_or_tensor(tmp_path):
 
     with pytest.raises(ValueError, match="fc_norm, norm_output: EAGLE-3.1 options are for draft.method eagle3"):
         PEagleConfig.from_eagle3(eagle3_tiny_config(), fc_norm=True, norm_output=True)
+
+
+def test_warm_start_keeps_the_exported_options_and_warns_when_the_recipe_differs(tmp_path, caplog):
+    from draftsmith.train.warm_start import load_init_weights, read_init_draft, warm_config
+
+    model = draft(norm_before_fc=True, fc_norm=True, norm_output=True)
+    write_draft_checkpoint(model, tmp_path / "ckpt", "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
+    init = read_init_draft(export(tmp_path / "ckpt", tmp_path / "export", dtype="float32"))
+    assert init.config.eagle31_options() == dict.fromkeys(EAGLE31_OPTIONS, True)
+    with caplog.at_level("WARNING", logger="draftsmith.train"):
+        config = warm_config(init, eagle3_tiny_config(target_hidden_size=HT, norm_output=True))
+    assert config.eagle31_options() == dict.fromkeys(EAGLE31_OPTIONS, True)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "norm_before_fc=True" in warned and "fc_norm=True" in warned and "norm_output" not in warned
+    warm = Eagle3DraftModel(config)
+    warm.init_from_target(model.embed_tokens)
+    warm.set_vocab_mapping(model.d2t, model.t2d)
+    load_init_weights(warm, init)
+    for name in ("input_norm.weight", "fc_norm.2.weight"):
+        assert torch.equal(warm.state_dict()[name], model.state_dict()[name])
