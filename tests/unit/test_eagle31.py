@@ -170,10 +170,18 @@ def test_bad_input_names_the_option_key_or_tensor(tmp_path):
     with pytest.raises(ExportError, match="norm_input"):
         export(tmp_path / "ckpt", tmp_path / "export3")
     # P-EAGLE: vLLM 0.32's peagle reader drops fc_norm / norm_output and the draft has none of them
+    from draftsmith.models.peagle import PEagleDraftModel
     from draftsmith.models.peagle.config import PEagleConfig
 
     with pytest.raises(ValueError, match="fc_norm, norm_output: EAGLE-3.1 options are for draft.method eagle3"):
         PEagleConfig.from_eagle3(eagle3_tiny_config(), fc_norm=True, norm_output=True)
+    peagle = PEagleDraftModel(PEagleConfig.from_eagle3(eagle3_tiny_config(), mask_token_id=3))
+    write_draft_checkpoint(peagle, tmp_path / "peagle", "peagle", {"name_or_path": "tiny"})
+    meta_path = tmp_path / "peagle" / "draft_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "config": {**meta["config"], "fc_norm": True}}))
+    with pytest.raises(ExportError, match="draft_config.json: invalid peagle config .fc_norm: EAGLE-3.1 options"):
+        export(tmp_path / "peagle", tmp_path / "peagle_export")
 
 
 def test_warm_start_keeps_the_exported_options_and_warns_when_the_recipe_differs(tmp_path, caplog):
