@@ -205,6 +205,15 @@ class Eagle3DraftConfig(_DraftVocabSection):
     norm_before_residual: bool = Field(
         True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
     )
+    norm_before_fc: bool = Field(
+        False, description="EAGLE-3.1: one RMSNorm (input_norm, width 3*H_target) over the concatenated aux hidden "
+        "states before fc (speculators' 3.1 default: true).")
+    fc_norm: bool = Field(
+        False, description="EAGLE-3.1: one RMSNorm per aux hidden state (fc_norm.{0,1,2}, width H_target) before fc "
+        "(speculators' 3.1 default: false; its library refuses it together with norm_before_fc, vLLM runs both).")
+    norm_output: bool = Field(
+        False, description="EAGLE-3.1: each TTT step (and each chained proposal in vLLM) reads the previous step's "
+        "post-norm hidden norm(h) instead of h (speculators' 3.1 default: true).")
     init_from: str | None = Field(
         None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
         "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "

@@ -310,7 +310,7 @@ class Eagle3Proposer(Proposer):
         m = self.model
         dtype, device = m.fc.weight.dtype, m.fc.weight.device
         n = states.shape[0]
-        hidden = m.fc(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
+        hidden = m.fuse(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
         positions = torch.arange(self.length, self.length + n, device=device)
         hidden = m.step_cached(next_tokens.to(device).unsqueeze(0), hidden, positions.unsqueeze(0), self.cache)
         hidden = hidden[:, -1:]  # (1, 1, H)
@@ -322,7 +322,8 @@ class Eagle3Proposer(Proposer):
             nonlocal hidden
             if i > 0:
                 prev_ids = (prev + d2t[prev]).view(1, 1)  # the embedding is over target ids
-                hidden = m.step_cached(prev_ids, hidden, torch.tensor([[self.length - 1 + i]], device=device), self.cache)
+                hidden = m.step_cached(prev_ids, m.next_hidden(hidden),  # post-norm with norm_output
+                                       torch.tensor([[self.length - 1 + i]], device=device), self.cache)
             return m.compute_logits(hidden[0, -1]).float()  # (Vd,)
 
         proposal = self._chain(logits_fn, k, temperature, generator)

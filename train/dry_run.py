@@ -30,7 +30,7 @@ the keys that reduce it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from ..models.common import text_config
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
 from ..methods import get_method
-from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.config import EAGLE31_OPTIONS, Eagle3Config
 from ..recipe import Recipe
 from .launchers import LauncherReport, draft_model_class, validate_launcher
 
@@ -106,7 +106,8 @@ def load_config_only(recipe: Recipe, target_config: Path | None) -> Any:
 
 
 def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
-    """Trainable parameters of the EAGLE-3 draft by part, plus the frozen shared embedding."""
+    """Trainable parameters of the EAGLE-3 draft by part, plus the frozen shared embedding
+    (the EAGLE-3.1 norms before ``fc``, 3 * Ht each for ``norm_before_fc`` and ``fc_norm``, under "norms")."""
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -114,7 +115,7 @@ def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
         "fc": 3 * Ht * H,
         "attention": 2 * H * (q + 2 * kv) + q * H,
         "mlp": 3 * H * I,
-        "norms": 4 * H,
+        "norms": 4 * H + 3 * Ht * (int(cfg.norm_before_fc) + int(cfg.fc_norm)),
         "lm_head": cfg.draft_vocab_size * H,
         "frozen_embedding": cfg.vocab_size * H,
     }
@@ -140,6 +141,7 @@ def eagle3_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int
     unchunked TTT logits per micro-batch, K steps of (B*T, Vd) fp32 logits + their softmax grads;
     :func:`memory_estimate` uses the method's own terms (:func:`eagle3_activations`) instead."""
     logits_bytes = recipe.draft.ttt_steps * recipe.train.batch_size * recipe.data.max_length * cfg.draft_vocab_size * 4 * 3
+    cfg = replace(cfg, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
     return draft_parameter_count(cfg), logits_bytes
 
 
@@ -645,7 +647,8 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     V = int(text.vocab_size)
     if recipe.data.draft_vocab_size > V:
         raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
-    # the target's shapes for every method's estimator (norm_before_residual changes no count)
+    # the target's shapes for every method's estimator (norm_before_residual changes no count; the
+    # EAGLE-3.1 norms are added by eagle3_parameter_estimate)
     cfg = Eagle3Config.from_target(config, recipe.data.draft_vocab_size, ids)
     T = recipe.data.max_length
     counts = parameter_counts(recipe, cfg, V)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.config import EAGLE31_OPTIONS, Eagle3Config
 from ..models.eagle3.model import Eagle3DraftModel
 from ..recipe import Recipe
 from .labels import ttt_plan, ttt_prediction_masks
@@ -59,6 +59,7 @@ class Eagle3Method(DraftVocabMethod):
             draft_vocab_size=int(self.d2t.shape[0]),
             aux_layer_ids=self.target_info["aux_layer_ids"],
             norm_before_residual=recipe.draft.norm_before_residual,
+            **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS},
         )
         if self.init is not None:
             problems = fit_problems(self.init, self.target_info, self.d2t)

@@ -10,9 +10,9 @@ Before anything is trained it must fit this run: its hidden size, aux-state widt
 size must be the target's, its aux layer ids the ones this run's hidden states were captured
 at (``RUN_DIR/data/target.json``), its verifier architecture (when recorded) the target's, and
 its draft vocab must share tokens with this run's. The draft keeps its own layer geometry
-(intermediate size, heads) and ``norm_before_residual``; its ``lm_head`` rows are carried over
-by target token id into this run's draft vocab (``d2t``), rows of tokens it did not have keep
-the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
+(intermediate size, heads), ``norm_before_residual`` and EAGLE-3.1 options; its ``lm_head`` rows
+are carried over by target token id into this run's draft vocab (``d2t``), rows of tokens it did
+not have keep the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ..layout import DRAFT_CONFIG_FILE, DraftLoadError, ExportError, read_export
 from ..models.common import DraftFit, TargetFit
 from ..models.common import fit_problems as common_fit_problems
-from ..models.eagle3.config import Eagle3Config
+from ..models.eagle3.config import EAGLE31_OPTIONS, Eagle3Config
 from ..models.eagle3.model import Eagle3DraftModel
 from .checkpoint import read_draft
 
@@ -117,10 +117,12 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
-    """The config to train: the init draft's geometry and residual norm, this run's draft vocab size."""
-    if init.config.norm_before_residual != run_config.norm_before_residual:
-        log.warning("draft.init_from: norm_before_residual=%s as the draft was trained (the recipe says %s)",
-                    init.config.norm_before_residual, run_config.norm_before_residual)
+    """The config to train: the init draft's geometry, residual norm and EAGLE-3.1 options, this
+    run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
+    for key in ("norm_before_residual", *EAGLE31_OPTIONS):
+        if getattr(init.config, key) != getattr(run_config, key):
+            log.warning("draft.init_from: %s=%s as the draft was trained (the recipe says %s)",
+                        key, getattr(init.config, key), getattr(run_config, key))
     return dataclasses.replace(init.config, draft_vocab_size=run_config.draft_vocab_size,
                                extra=dict(run_config.extra))
 

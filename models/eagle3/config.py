@@ -11,6 +11,10 @@ from transformers import LlamaConfig
 
 from ..common import LayerGeometry, rope_theta_and_scaling
 
+#: The EAGLE-3.1 options: top-level ``config.json`` keys that vLLM 0.32's ``llama_eagle3`` reads
+#: (``norm_before_fc`` also from ``eagle_config``) and the speculators library writes.
+EAGLE31_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
+
 
 @dataclass
 class Eagle3Config(LayerGeometry):
@@ -26,6 +30,12 @@ class Eagle3Config(LayerGeometry):
             L layers, vLLM's convention) are fused by ``fc``; ascending.
         target_hidden_size: width of each aux hidden state (``fc`` reads 3x this).
         norm_before_residual: whether the residual branch carries ``hidden_norm(g)``.
+        norm_before_fc / fc_norm / norm_output: the EAGLE-3.1 options (all False: EAGLE-3), as
+            vLLM's ``llama_eagle3`` and the speculators library read them (top-level keys of the
+            export's ``config.json``): one RMSNorm ``input_norm`` over ``cat(aux)`` (width 3 * Ht)
+            before ``fc``; one RMSNorm ``fc_norm.{i}`` per aux hidden state (width Ht) before
+            ``fc``; the next draft step (TTT step, chained proposal) reads the post-norm hidden
+            ``norm(h)`` instead of the pre-norm ``h``. See docs/formats.md, "EAGLE-3.1".
         rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings:
             as in a Llama config; copied from the target so draft RoPE matches serving.
     """
@@ -40,6 +50,9 @@ class Eagle3Config(LayerGeometry):
     aux_layer_ids: list[int]
     target_hidden_size: int | None = None
     norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
@@ -58,6 +71,9 @@ class Eagle3Config(LayerGeometry):
             )
         if list(self.aux_layer_ids) != sorted(self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids must be ascending, got {self.aux_layer_ids}")
+        for key in EAGLE31_OPTIONS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false (an EAGLE-3.1 option), got {getattr(self, key)!r}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
@@ -70,10 +86,24 @@ class Eagle3Config(LayerGeometry):
         draft_vocab_size: int,
         aux_layer_ids: list[int],
         norm_before_residual: bool = True,
+        **eagle31: bool,
     ) -> "Eagle3Config":
-        """Build the draft geometry from a transformers target config (Llama-like or gpt-oss)."""
+        """Build the draft geometry from a transformers target config (Llama-like or gpt-oss).
+
+        ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set."""
         return cls(**cls.target_geometry(target_config), draft_vocab_size=draft_vocab_size,
-                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual)
+                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual, **eagle31)
+
+    def eagle31_options(self) -> dict[str, bool]:
+        """``{option: value}`` of the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`), in that order."""
+        return {k: getattr(self, k) for k in EAGLE31_OPTIONS}
+
+    def eagle31_keys(self) -> dict[str, bool]:
+        """The EAGLE-3.1 keys an export's ``config.json`` carries at its top level: all three when
+        any option is on, none for a plain EAGLE-3 draft (its ``config.json`` stays as before;
+        vLLM and the speculators library read an absent key as False)."""
+        options = self.eagle31_options()
+        return options if any(options.values()) else {}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +184,7 @@ class Eagle3Config(LayerGeometry):
             "target_hidden_size": self.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "norm_before_residual": self.norm_before_residual,
+            **self.eagle31_keys(),
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
             "transformer_layer_config": self.to_layer_config(),
@@ -168,6 +199,7 @@ class Eagle3Config(LayerGeometry):
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
             "norm_before_residual": self.norm_before_residual,
+            **self.eagle31_keys(),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
             "torch_dtype": dtype,
@@ -177,8 +209,10 @@ class Eagle3Config(LayerGeometry):
 
     @classmethod
     def from_layer_config(cls, layer: dict[str, Any], draft_vocab_size: int, aux_layer_ids: list[int],
-                          target_hidden_size: int | None, norm_before_residual: bool) -> Eagle3Config:
-        """The config of a Llama-style layer config plus the EAGLE-3 fields (either format)."""
+                          target_hidden_size: int | None, norm_before_residual: bool,
+                          **eagle31: bool) -> Eagle3Config:
+        """The config of a Llama-style layer config plus the EAGLE-3 fields (either format);
+        ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`)."""
         rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
                                                           layer.get("rope_scaling"))
         return cls(
@@ -190,7 +224,7 @@ class Eagle3Config(LayerGeometry):
             rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=layer.get("max_position_embeddings", 4096),
-            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
+            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False), **eagle31,
         )
 
     @classmethod
@@ -206,7 +240,8 @@ class Eagle3Config(LayerGeometry):
         if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
         return cls.from_layer_config(config["transformer_layer_config"], config["draft_vocab_size"],
-                                     facts.aux_layer_ids, facts.target_hidden_size, facts.norm_before_residual)
+                                     facts.aux_layer_ids, facts.target_hidden_size, facts.norm_before_residual,
+                                     **facts.eagle31)
 
     @classmethod
     def from_legacy(cls, config: dict[str, Any]) -> Eagle3Config:
@@ -220,7 +255,7 @@ class Eagle3Config(LayerGeometry):
         if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
         return cls.from_layer_config(config, config["draft_vocab_size"], facts.aux_layer_ids,
-                                     facts.target_hidden_size, facts.norm_before_residual)
+                                     facts.target_hidden_size, facts.norm_before_residual, **facts.eagle31)
 
     @classmethod
     def from_export(cls, config: dict[str, Any]) -> Eagle3Config:
@@ -259,6 +294,10 @@ class Eagle3ExportFacts:
         target_hidden_size: as written (vLLM uses ``hidden_size`` when absent).
         num_speculative_tokens: K of the first proposal method (speculators format only).
         verifier: ``speculators_config.verifier`` (``{}`` when absent).
+        eagle31: ``{option: value}`` of the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`), top-level
+            keys in both formats, as written (:class:`Eagle3Config` refuses a non-bool), False
+            when absent, as vLLM reads them (in the legacy format vLLM reads
+            ``eagle_config.norm_before_fc`` first, so that spelling wins here too).
     """
 
     format: str
@@ -270,6 +309,7 @@ class Eagle3ExportFacts:
     norm_before_residual: bool
     num_speculative_tokens: int | None
     verifier: dict[str, Any]
+    eagle31: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(EAGLE31_OPTIONS, False))
 
     @staticmethod
     def export_format(config: dict[str, Any]) -> str:
@@ -289,10 +329,13 @@ class Eagle3ExportFacts:
             aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         spec = config.get("speculators_config") or {}
         k = next((m.get("speculative_tokens") for m in spec.get("proposal_methods") or []), None)
+        eagle31 = {key: config.get(key, False) for key in EAGLE31_OPTIONS}
+        if fmt == "legacy" and "norm_before_fc" in (config.get("eagle_config") or {}):
+            eagle31["norm_before_fc"] = config["eagle_config"]["norm_before_fc"]
         return cls(format=fmt, aux_layer_ids=list(aux) if aux is not None else None,
                    draft_vocab_size=config.get("draft_vocab_size"), vocab_size=layer.get("vocab_size"),
                    hidden_size=layer.get("hidden_size"), target_hidden_size=config.get("target_hidden_size"),
                    norm_before_residual=config.get("norm_before_residual", fmt == "speculators"),
-                   num_speculative_tokens=k, verifier=dict(spec.get("verifier") or {}))
+                   num_speculative_tokens=k, verifier=dict(spec.get("verifier") or {}), eagle31=eagle31)
 
 

@@ -7,6 +7,9 @@
   ``transformer_layer_config``; weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
   (with ``attention_bias`` / ``mlp_bias`` also the ``{q,k,v,o}_proj`` / ``{gate,up,down}_proj`` biases,
   which vLLM's ``llama_eagle3`` loads when the layer config sets those keys).
+  EAGLE-3.1 (docs/formats.md, "EAGLE-3.1"): the top-level keys ``norm_before_fc``, ``fc_norm``,
+  ``norm_output`` (written, all three, when any is on) and the tensors ``input_norm.weight``
+  ``[3 * Ht]`` (``norm_before_fc``) and ``fc_norm.{0,1,2}.weight`` ``[Ht]`` (``fc_norm``).
 - legacy (``legacy=True``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
   ``eagle_config``, weights under ``midlayer.*``.
 
@@ -35,17 +38,24 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
     ``{gate,up,down}_proj.bias``: vLLM's ``llama_eagle3`` reads both keys from the layer config
     (``attention_bias`` -> ``qkv_proj`` and ``o_proj`` bias, ``mlp_bias`` -> ``gate_up_proj`` and
     ``down_proj`` bias) and loads the biases under these names, so they are exported too.
+    EAGLE-3.1: ``norm_before_fc`` adds ``input_norm.weight`` ``[3 * Ht]``, ``fc_norm`` adds
+    ``fc_norm.{i}.weight`` ``[Ht]`` for i in 0..2 (vLLM's ``LlamaModel.input_norm`` / ``fc_norm``);
+    ``norm_output`` adds none.
     """
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    biases: dict[str, tuple[int, ...]] = {}
+    optional: dict[str, tuple[int, ...]] = {}
     if cfg.attention_bias:
-        biases.update({f"{prefix}self_attn.q_proj.bias": (nh * hd,), f"{prefix}self_attn.k_proj.bias": (nkv * hd,),
-                       f"{prefix}self_attn.v_proj.bias": (nkv * hd,), f"{prefix}self_attn.o_proj.bias": (H,)})
+        optional.update({f"{prefix}self_attn.q_proj.bias": (nh * hd,), f"{prefix}self_attn.k_proj.bias": (nkv * hd,),
+                         f"{prefix}self_attn.v_proj.bias": (nkv * hd,), f"{prefix}self_attn.o_proj.bias": (H,)})
     if cfg.mlp_bias:
-        biases.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
-                       f"{prefix}mlp.down_proj.bias": (H,)})
-    return biases | {
+        optional.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
+                         f"{prefix}mlp.down_proj.bias": (H,)})
+    if cfg.norm_before_fc:
+        optional["input_norm.weight"] = (3 * Ht,)
+    if cfg.fc_norm:
+        optional.update({f"fc_norm.{i}.weight": (Ht,) for i in range(3)})
+    return optional | {
         "fc.weight": (H, 3 * Ht),
         f"{prefix}self_attn.q_proj.weight": (nh * hd, 2 * H),
         f"{prefix}self_attn.k_proj.weight": (nkv * hd, 2 * H),
@@ -147,7 +157,9 @@ def eagle3_card_facts(config: dict[str, Any]) -> list[str]:
             f"- draft vocab size: {facts.draft_vocab_size} of the target's {facts.vocab_size} tokens "
             "(d2t / t2d included)",
             f"- hidden size {facts.hidden_size}; norm_before_residual {facts.norm_before_residual}; "
-            f"default num_speculative_tokens {facts.num_speculative_tokens or 3}"]
+            f"default num_speculative_tokens {facts.num_speculative_tokens or 3}"] + (
+        ["- EAGLE-3.1 options: " + ", ".join(f"{k} {v}" for k, v in facts.eagle31.items())]
+        if any(facts.eagle31.values()) else [])
 
 
 EAGLE3_FORMAT = DraftFormat(

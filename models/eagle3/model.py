@@ -13,9 +13,16 @@ Follows EAGLE-3 (Li et al., arXiv:2503.01840) and the layout vLLM's
 with ``r = g_t`` (``norm_before_residual=False``, the paper's layout) or
 ``r = hidden_norm(g_t)`` (``norm_before_residual=True``).
 
+EAGLE-3.1 (the three options vLLM's ``llama_eagle3`` reads and the speculators library writes;
+all off: EAGLE-3 as above, bit for bit): ``norm_before_fc`` puts one RMSNorm ``input_norm``
+(width 3 * Ht) over ``cat(h_low, h_mid, h_high)`` before ``fc``; ``fc_norm`` one RMSNorm
+``fc_norm.{i}`` (width Ht) over each of the three before the concatenation (with both, ``input_norm``
+runs first, as in vLLM); ``norm_output`` feeds the next step the post-norm hidden ``norm(h)``
+instead of ``h`` (:meth:`Eagle3DraftModel.next_hidden`; the logits are ``lm_head(norm(h))`` either way).
+
 TTT unrolls the draft for ``ttt_steps`` steps on each training sequence: step 0 reads
-the fused target states ``g_t``; step k > 0 reads the draft's own pre-norm output ``h``
-of step k-1 at the same position, the token embedding shifted one more position and the
+the fused target states ``g_t``; step k > 0 reads the draft's own output ``h`` of step k-1
+(pre-norm; post-norm with ``norm_output``) at the same position, the token embedding shifted one more position and the
 RoPE position shifted by k -- exactly what vLLM's proposer feeds at the k-th drafted
 token. Attention at step k is given by :func:`ttt_attention_mask`.
 
@@ -377,6 +384,10 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.attention_backend = "sdpa"  # or "flex" (CUDA, compiled; train.attention_backend)
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
+        # EAGLE-3.1 norms before fc (vLLM's names: input_norm, fc_norm.{i}); absent in EAGLE-3
+        self.input_norm = LlamaRMSNorm(3 * Ht, eps=config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([LlamaRMSNorm(Ht, eps=config.rms_norm_eps) for _ in range(3)])
+                        if config.fc_norm else None)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
@@ -384,6 +395,23 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(..., 3 * Ht)`` concatenated aux hidden states -> ``(..., H)`` fused ``g``: ``fc`` after
+        the EAGLE-3.1 norms that are on (``input_norm`` over the whole, then ``fc_norm.{i}`` over
+        each aux state), as vLLM's ``combine_hidden_states``."""
+        if self.input_norm is not None:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        if self.fc_norm is not None:
+            chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden_states)
+
+    def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., H)`` pre-norm output of a step -> the hidden state the next step reads (TTT step
+        k + 1, the next chained proposal): ``norm(hidden)`` with ``norm_output`` (EAGLE-3.1, vLLM's
+        ``aux_output``), else ``hidden`` itself."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def step(
         self,
@@ -397,7 +425,8 @@ class Eagle3DraftModel(TargetSharedDraft):
 
         Args:
             input_ids: ``(B, T)`` tokens whose embeddings enter this step (x_{t+k+1}).
-            hidden: ``(B, T, H)`` fused target states (step 0) or previous step output.
+            hidden: ``(B, T, H)`` fused target states (step 0) or :meth:`next_hidden` of the
+                previous step's output.
             position_ids: ``(B, T)`` RoPE positions.
             cache: per-step key/value list, appended to.
             mask: the unroll's :class:`TTTMask` (documents of packed rows); default: plain TTT.
@@ -418,13 +447,13 @@ class Eagle3DraftModel(TargetSharedDraft):
 
         Chain drafting (docs/conventions.md, "EAGLE-3 draft and training-time test"; as vLLM
         runs it): step 0 over the newly committed
-        positions (``hidden = fc(aux)``), then one call per chained token with the previous
-        output hidden state at the next RoPE position; the caller crops the chained keys
+        positions (``hidden = fuse(aux)``), then one call per chained token with the previous
+        output hidden state (:meth:`next_hidden`) at the next RoPE position; the caller crops the chained keys
         afterwards. Attending every cached key is exactly the TTT mask of training.
 
         Args:
             input_ids: ``(B, T)`` target ids whose embeddings enter (x_{t+1}).
-            hidden: ``(B, T, H)`` fused aux states or the previous step's output.
+            hidden: ``(B, T, H)`` fused aux states or :meth:`next_hidden` of the previous step's output.
             position_ids: ``(B, T)`` RoPE positions.
             cache: appended to.
 
@@ -481,7 +510,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         B, T = input_ids.shape
-        hidden = self.fc(aux_hidden_states)  # (B, T, H)
+        hidden = self.fuse(aux_hidden_states)  # (B, T, H)
         base_pos = position_ids
         if base_pos is None:
             base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
@@ -492,6 +521,8 @@ class Eagle3DraftModel(TargetSharedDraft):
             # x_{t+k+1}; near a packed document's end this is the next document's token: only
             # positions whose prediction is masked out (ttt_prediction_mask) ever read it
             ids_k = shift_left(input_ids, k + 1)
+            if k > 0:
+                hidden = self.next_hidden(hidden)  # what step k reads of step k - 1's output
             hidden = self.step(ids_k, hidden, base_pos + k, cache, mask)
             if step_head is not None:
                 outputs.append(step_head(k, hidden, self.compute_logits))

@@ -28,6 +28,10 @@ class PEagleConfig(Eagle3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        on = [k for k, v in self.eagle31_options().items() if v]
+        if on:  # vLLM's peagle config reader keeps norm_before_fc only; this model has none of them
+            raise ValueError(f"{', '.join(on)}: EAGLE-3.1 options are for draft.method eagle3 only (vLLM 0.32's "
+                             "peagle reader drops fc_norm and norm_output, and the P-EAGLE draft has none of them)")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_depths < 1:

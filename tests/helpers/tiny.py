@@ -157,6 +157,17 @@ def random_dflash_model(cfg, seed: int = 0, **model_kw):
     return model.eval()
 
 
+@torch.no_grad()
+def randomize_norms(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
+    """Every RMSNorm weight of ``model`` (parameters named ``*norm*``) set to ``1 + scale * N(0, 1)``:
+    with ones, a norm applied twice or skipped can go unseen (RMSNorm is scale-invariant, so e.g.
+    EAGLE-3.1's ``norm_output`` under ``hidden_norm`` changes nothing). Returns ``model``."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1.0 + scale * torch.randn_like(p))
+    return model
+
+
 def eagle3_tiny_config(**kw):
     """A tiny EAGLE-3 draft geometry (GQA, H=32, V=50 -> 20, aux layers 0-2), overridden by ``kw``."""
     from draftsmith.models.eagle3 import Eagle3Config

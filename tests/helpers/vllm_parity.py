@@ -1,5 +1,7 @@
 """What the vLLM parity tests (EAGLE-3 and P-EAGLE layers run through vLLM's own modules) share:
-the verifier's geometry, vLLM's single-process distributed state and a stand-in attention kernel."""
+the verifier's geometry, vLLM's single-process distributed state, a stand-in attention kernel and,
+for EAGLE-3 / EAGLE-3.1, a random draft exported with ``eval/export.py``, vLLM's
+``Eagle3LlamaForCausalLM`` built from that export and both run on the same first TTT step."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from helpers.tiny import build_tokenizer
+from helpers.tiny import build_tokenizer, write_draft_checkpoint
 
 # the verifier's geometry: hidden, heads, kv heads, head dim, intermediate, vocab, draft vocab
 H, NH, NKV, HD, I, V, VD = 64, 4, 2, 16, 96, 256, 128
@@ -72,3 +74,110 @@ def loop_rms_norm(out, x, weight, eps):
     for layer in range(weight.shape[0]):
         xl = x[layer].float()
         out[layer] = (xl / torch.sqrt(xl.pow(2).mean(-1, keepdim=True) + eps) * weight[layer].float()).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 (and EAGLE-3.1) parity: our draft vs vLLM's llama_eagle3 built from our export
+
+T = 12  # tokens of the parity sequence
+
+
+def eagle3_draft_config(**kw):
+    """A tiny EAGLE-3 draft geometry over the verifier of :func:`vllm_distributed`, fields ``kw``."""
+    from draftsmith.models.eagle3.config import Eagle3Config
+
+    return Eagle3Config(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
+                        head_dim=HD, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 3],
+                        max_position_embeddings=512, **kw)
+
+
+def random_eagle3_draft(cfg, seed: int = 0):
+    """``(model in eval mode, target embedding [V, H])``: a draft with every parameter random (norm
+    weights too, so swapped or skipped norms show) and a non-trivial ``d2t`` (draft id i -> target id 2i)."""
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # every RMSNorm weight: layer norms, final norm, EAGLE-3.1 input_norm / fc_norm.{i}
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    embed = torch.randn(V, H)
+    model.init_from_target(embed)
+    model.set_vocab_mapping(torch.arange(VD), torch.arange(V) % 2 == 0)  # offset i -> target 2i
+    return model.eval(), embed
+
+
+def export_eagle3_draft(model, embed: torch.Tensor, out: Path, legacy: bool = False) -> Path:
+    """``model`` saved as a training checkpoint under ``out/ckpt`` and exported with ``eval/export.py``
+    to ``out/export`` (speculators format, or legacy); returns the export folder."""
+    from draftsmith.eval.export import export
+
+    write_draft_checkpoint(model, out / "ckpt", "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)
+    return export(out / "ckpt", out / "export", legacy=legacy, embed_tokens=embed)
+
+
+def vllm_eagle3_draft(export_dir: Path, target: Path):
+    """vLLM's ``Eagle3LlamaForCausalLM`` for ``export_dir``, built and loaded as its engine does (the
+    ``config.json`` read by vLLM's ``SpeculativeConfig``, the weights through ``load_weights``, then
+    ``process_weights_after_loading``), its attention kernel replaced by :class:`CausalSDPA`."""
+    from safetensors.torch import load_file
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    model_config = ModelConfig(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(model=str(export_dir), method="eagle3", num_speculative_tokens=3,
+                             target_model_config=model_config, target_parallel_config=parallel)
+    config = VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=spec)
+    with set_current_vllm_config(config):
+        model = Eagle3LlamaForCausalLM(vllm_config=config)
+        model.load_weights(load_file(str(export_dir / "model.safetensors")).items())
+        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+    attn = model.model.layers[0].self_attn
+    attn.attn = CausalSDPA(attn)
+    return model.eval(), config
+
+
+def run_eagle3_both(model, export_dir: Path, target: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{name: (ours, vLLM's)}`` of the first TTT step over one random sequence of T tokens:
+
+    - ``g``: ours ``model.fuse`` vs vLLM's ``combine_hidden_states`` (EAGLE-3.1 ``input_norm`` /
+      ``fc_norm`` included);
+    - ``hidden``: the hidden state the next draft step reads, ours ``model.next_hidden`` of the
+      step's output vs the second output of vLLM's ``LlamaModel.forward`` (its ``aux_output``: the
+      pre-norm sum, or the post-norm hidden with ``norm_output``);
+    - ``logits``: ours ``compute_logits`` vs vLLM's ``compute_logits`` (which scatters the draft
+      vocab into the target vocab with ``d2t``; read back at ``i + d2t[i]``).
+    """
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+
+    vmodel, config = vllm_eagle3_draft(export_dir, target)
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, V, (1, T + 1), generator=gen)
+    aux = torch.randn(1, T + 1, 3 * H, generator=gen)
+    positions = torch.arange(T + 1).unsqueeze(0)
+    with torch.no_grad():
+        g = model.fuse(aux)
+        # TTT step 0 (Eagle3DraftModel.forward): position t reads the embedding of x_{t+1} and g_t
+        h = model.step(input_ids[:, 1:], g[:, :-1], positions[:, :-1], [])
+        logits = model.compute_logits(h)
+        torch.testing.assert_close(model(input_ids, aux, ttt_steps=1)[0][:, :-1], logits, rtol=0, atol=0)
+        with set_current_vllm_config(config):
+            # vLLM's proposer pairs each hidden state with the next token, at the same position
+            g_v = vmodel.combine_hidden_states(aux[0])
+            normed, passed_on = vmodel(input_ids[0, 1:], positions[0, :-1], g_v[:-1])
+            full = vmodel.compute_logits(normed)  # [T, V], draft logits scattered to i + d2t[i]
+    d2t = load_file(str(export_dir / "model.safetensors"))["d2t"]
+    return {"g": (g[0], g_v), "hidden": (model.next_hidden(h)[0], passed_on),
+            "logits": (logits[0], full[:, torch.arange(VD) + d2t])}
+
+
+def assert_parity(outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every ``(ours, vLLM's)`` pair equal to 1e-5 (float32); the message names the pair."""
+    for name, (ours, theirs) in outs.items():
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

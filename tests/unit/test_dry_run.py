@@ -42,8 +42,9 @@ TARGET_LAYERS = {"gptoss120b": 36, "gptoss20b": 24, "llama3_1_8b": 32, "qwen3_8b
 
 
 def target_of(path: Path) -> str:
-    """The target part of a recipe name (<target>_<method>.yaml share their target's config)."""
-    target = path.stem
+    """The target part of a recipe name (<target>_<method>.yaml and the EAGLE-3.1 variants
+    <target>_eagle31.yaml share their target's config)."""
+    target = path.stem.removesuffix("_eagle31")
     for method in registered_methods():
         target = target.removesuffix(f"_{method}")
     return target

@@ -34,7 +34,7 @@ from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
 from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
-from helpers.tiny import TINY_AUX
+from helpers.tiny import TINY_AUX, randomize_norms
 from helpers.drafts import draft_vocab, make_eagle3, random_proposer, strengthen_attention
 
 DRAFT_TYPES = ["eagle3", "medusa", "mlp_speculator"]
@@ -174,11 +174,14 @@ def test_rejection_sampling_accepts_a_draft_equal_to_the_target_and_never_emits_
 # EAGLE-3 draft KV cache
 
 
-def test_eagle3_cached_proposals_equal_the_ttt_forward_across_rounds():
+@pytest.mark.parametrize("eagle31", [{}, dict(norm_before_fc=True, fc_norm=True, norm_output=True)],
+                         ids=["eagle3", "eagle31"])
+def test_eagle3_cached_proposals_equal_the_ttt_forward_across_rounds(eagle31):
+    # with EAGLE-3.1's norm_output each chained step reads the post-norm hidden, as TTT step k does
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[0, 1, 2])
-    draft = Eagle3DraftModel(cfg)
+                       head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[0, 1, 2], **eagle31)
+    draft = randomize_norms(Eagle3DraftModel(cfg)) if eagle31 else Eagle3DraftModel(cfg)
     draft.init_from_target(torch.randn(50, 32))
     draft.set_vocab_mapping(*draft_vocab(50, 20, seed=0))
     draft.eval()

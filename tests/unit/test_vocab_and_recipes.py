@@ -61,11 +61,15 @@ def test_draft_vocab_errors():
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_shipped_recipe_is_named_after_its_file_and_the_file_after_its_method(path, shipped_recipes):
     # runs/<recipe name> is a recipe's default run directory, and <target>_<method>.yaml (EAGLE-3:
-    # <target>.yaml) is how the dry run and the docs find a recipe's target and method
+    # <target>.yaml, EAGLE-3.1: <target>_eagle31.yaml) is how the dry run and the docs find a
+    # recipe's target and method
     recipe = shipped_recipes[path.stem]
     assert recipe.name == path.stem
     suffixes = [m for m in registered_methods() if path.stem.endswith(f"_{m}")]
     assert suffixes == ([] if recipe.draft.method == "eagle3" else [recipe.draft.method])
+    if recipe.draft.method == "eagle3":  # the EAGLE-3.1 variants, and only they, set the 3.1 options
+        eagle31 = (recipe.draft.norm_before_fc, recipe.draft.fc_norm, recipe.draft.norm_output)
+        assert eagle31 == ((True, False, True) if path.stem.endswith("_eagle31") else (False, False, False))
 
 
 def test_unknown_key_is_rejected_naming_the_key(tmp_path):
