@@ -1,5 +1,6 @@
-"""What the vLLM parity tests (EAGLE-3 and P-EAGLE layers run through vLLM's own modules) share:
-the verifier's geometry, vLLM's single-process distributed state and a stand-in attention kernel."""
+"""What the vLLM parity tests (EAGLE-3, P-EAGLE, DFlash and DSpark run through vLLM's own modules)
+share: the verifier's geometry, vLLM's single-process distributed state, a stand-in attention
+kernel and the names vLLM's DFlash / DSpark loaders give the exported tensors."""
 
 from __future__ import annotations
 
@@ -72,3 +73,22 @@ def loop_rms_norm(out, x, weight, eps):
     for layer in range(weight.shape[0]):
         xl = x[layer].float()
         out[layer] = (xl / torch.sqrt(xl.pow(2).mean(-1, keepdim=True) + eps) * weight[layer].float()).to(out.dtype)
+
+
+def vllm_names(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The exported tensors under the names vLLM's ``DFlashQwen3ForCausalLM`` (and its DSpark
+    subclass) gives them: q/k/v and gate/up stacked into ``qkv_proj`` / ``gate_up_proj``, ``d2t`` as
+    ``draft_id_to_target_id``, ``model.`` in front of all but ``lm_head``; ``t2d`` is not loaded."""
+    w = dict(exported)
+    out = {}
+    layers = sorted({k.split(".")[1] for k in w if k.startswith("layers.")})
+    for i in layers:
+        for a, parts, fused in (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                ("mlp", ("gate_proj", "up_proj"), "gate_up_proj")):
+            out[f"model.layers.{i}.{a}.{fused}.weight"] = torch.cat([w.pop(f"layers.{i}.{a}.{p}.weight")
+                                                                     for p in parts])
+    if "d2t" in w:
+        out["draft_id_to_target_id"] = w.pop("d2t")
+        w.pop("t2d")
+    out.update({(k if k.startswith("lm_head") else "model." + k): v for k, v in w.items()})
+    return out
