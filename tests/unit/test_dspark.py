@@ -95,6 +95,22 @@ def test_every_slot_predicts_the_next_token_with_the_markov_bias_of_the_true_pre
     assert (logits - other).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_dry_run_parameter_estimate_counts_the_models_parameters(with_markov):
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.dry_run import dspark_parameter_estimate
+
+    recipe = load_recipe(None, ["draft.method=dspark", "draft.markov_rank=6", "draft.num_layers=2",
+                                f"draft.confidence_head_with_markov={str(with_markov).lower()}"])
+    geometry = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], target_hidden_size=24)
+    counts, _ = dspark_parameter_estimate(recipe, geometry, 50)
+    model = random_dspark_model(dspark_tiny_config(aux_layer_ids=[1, 2, 3], confidence_head_with_markov=with_markov))
+    assert sum(v for k, v in counts.items() if not k.startswith("frozen_")) == sum(p.numel() for p in model.parameters())
+    assert counts["confidence_head"] == 32 + (6 if with_markov else 0) + 1
+
+
 # ------------------------------------------------------------------------------------------
 # The loss
 
