@@ -574,7 +574,8 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     label_pos, label_mask, teacher_index = label_pos[:, :, 1:], label_mask[:, :, 1:], teacher_index[:, :, 1:]
     tokens = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)  # x_{a+k+1}, target ids
     t2d = t2d.to(tokens.device)
-    draft_id = (t2d.long().cumsum(0) - 1).clamp_min(0)  # target id -> draft id (where in the draft vocab)
+    # target id -> draft id where in the draft vocab (draft ids ascend with target ids: data_prep/vocab.py)
+    draft_id = (t2d.long().cumsum(0) - 1).clamp_min(0)
     weight = weights.to(loss_mask.device) * label_mask
     targets = DSparkTargets(teacher=teacher, teacher_index=teacher_index, labels=draft_id[tokens], label_ok=t2d[tokens],
                             weight=weight, compute=dspark_rows, options=spec, chunk_size=chunk_size)
