@@ -14,6 +14,7 @@ from functools import partial
 from ..methods import attach
 from .acceptance import check_draft_matches_target
 from .dflash import dflash_proposer
+from .dspark import dspark_proposer
 from .peagle import peagle_proposer
 from ..vllm_bridge.spec_config import check_vllm_serves_medusa
 from .spec_decode import eagle3_proposer, medusa_proposer, mlp_speculator_proposer
@@ -23,3 +24,4 @@ attach("medusa", proposer_factory=medusa_proposer, vllm_serve_check=check_vllm_s
 attach("mlp_speculator", proposer_factory=mlp_speculator_proposer)
 attach("dflash", proposer_factory=dflash_proposer, target_check=partial(check_draft_matches_target, method="dflash"))
 attach("peagle", proposer_factory=peagle_proposer, target_check=partial(check_draft_matches_target, method="peagle"))
+attach("dspark", proposer_factory=dspark_proposer, target_check=partial(check_draft_matches_target, method="dspark"))

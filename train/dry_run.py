@@ -167,6 +167,18 @@ def dflash_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int
     return counts, logits_bytes
 
 
+def dspark_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """DSpark: DFlash's counts (:func:`dflash_parameter_estimate`) plus the Markov head
+    (``markov_w1 [V, r]``, ``markov_w2 [Vd, r]``) and the confidence head (``H (+ r) + 1``); its
+    logits are DFlash's block logits."""
+    counts, logits_bytes = dflash_parameter_estimate(recipe, cfg, vocab_size)
+    d, r = recipe.draft, recipe.draft.markov_rank
+    counts["markov_head"] = (vocab_size + cfg.draft_vocab_size) * r
+    if d.confidence_head:
+        counts["confidence_head"] = cfg.hidden_size + (r if d.confidence_head_with_markov else 0) + 1
+    return counts, logits_bytes
+
+
 def peagle_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
     """P-EAGLE counterpart of :func:`eagle3_parameter_estimate`: ``draft.num_layers`` layers (layer
     0 with 2H q/k/v inputs, the rest H), ``mask_hidden``, and the embedding counted as trainable
@@ -500,7 +512,8 @@ def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dic
 
 
 ACTIVATIONS = {"eagle3": eagle3_activations, "dflash": dflash_activations, "peagle": peagle_activations,
-               "medusa": medusa_activations, "mlp_speculator": mlp_speculator_activations}
+               "medusa": medusa_activations, "mlp_speculator": mlp_speculator_activations,
+               "dspark": dflash_activations}  # DSpark's block activations are DFlash's
 
 
 def parameter_counts(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> dict[str, int]:

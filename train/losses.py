@@ -13,6 +13,8 @@
   sequence's next tokens (the target's own regenerated replies), head k weighted ``decay**k``.
 - :func:`dflash_loss`: DFlash block slots, weighted ``exp(-(k-1)/gamma)`` (:func:`slot_weights`).
 - :func:`cod_loss`: P-EAGLE's conditional-drop elements, per-depth metrics.
+- :func:`dspark_loss`: DSpark block slots (Markov-corrected logits): cross-entropy + divergence +
+  the confidence head's BCE, weighted ``exp(-k/gamma)`` (vllm-project/speculators PR #677).
 
 Which positions each loss trains on (the labels) is :mod:`draftsmith.train.labels`. The target
 distribution is recomputed from the target's final (normed) hidden state and the ``t2d`` rows of
@@ -32,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..models.common import DistillTargets
+from ..models.dspark.model import DSparkTargets
 from ..recipe import LossName
 from .labels import block_labels
 
@@ -452,6 +455,140 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     rows = (B, A, Bk - 1)
     metrics = {"loss": total.detach()}
     metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
+    return total, metrics
+
+
+# --------------------------------------------------------------------------------------
+# DSpark: anchor blocks with a Markov head and a confidence head
+
+
+@dataclass(frozen=True)
+class DSparkLossSpec:
+    """The DSpark loss terms' weights and the divergence (``draft.ce_weight``,
+    ``draft.distill_weight``, ``draft.confidence_weight``, ``draft.loss``)."""
+
+    distill: LossSpec = LossSpec("tv")
+    ce_weight: float = 0.1
+    distill_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+    @classmethod
+    def from_recipe(cls, draft_cfg) -> DSparkLossSpec:
+        return cls(LossSpec.from_recipe(draft_cfg), draft_cfg.ce_weight, draft_cfg.distill_weight,
+                   draft_cfg.confidence_weight)
+
+
+def dspark_slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """``(Bk,)`` loss weight ``exp(-k/gamma)`` of DSpark slot k = 0..Bk-1 (every slot, the anchor's
+    included, is a prediction): DFlash's :func:`slot_weights` of a block one longer, its anchor dropped."""
+    return slot_weights(block_size + 1, gamma)[1:]
+
+
+@dataclass
+class DSparkOut(DistillOut):
+    """:class:`DistillOut` of the DSpark rows (``row_loss``: the weighted sum of the terms per row)
+    plus ``row_alpha (M,)``: the acceptance probability ``1 - TV`` of each row (detached), the
+    confidence head's target."""
+
+    row_alpha: torch.Tensor | None = None
+
+
+def _dspark_chunk(model: Any, hidden: torch.Tensor, embed: torch.Tensor, teacher: torch.Tensor,
+                  teacher_index: torch.Tensor, labels: torch.Tensor, label_ok: torch.Tensor, weight: torch.Tensor,
+                  spec: DSparkLossSpec) -> tuple[torch.Tensor, ...]:
+    logits = model.markov_logits(hidden, embed).float()  # (C, Vd)
+    target = teacher.index_select(0, teacher_index).float()  # (C, Vd)
+    alpha = acceptance_probability(torch.log_softmax(target, -1), torch.log_softmax(logits, -1)).detach()
+    ce = F.cross_entropy(logits, labels, reduction="none") * label_ok
+    row = spec.ce_weight * ce + spec.distill_weight * spec.distill(target, logits)
+    if model.confidence_head is not None:  # always in the graph (weight 0 or not): DDP / FSDP see it used
+        conf = model.confidence_logit(hidden, embed)
+        row = row + spec.confidence_weight * F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+    hit = logits.argmax(-1) == target.argmax(-1)
+    return (weight * row).sum(), row.detach(), hit.float(), alpha
+
+
+def dspark_rows(model: Any, hidden: torch.Tensor, embed: torch.Tensor, targets: Any) -> DSparkOut:
+    """The DSpark loss of M slot rows, in chunks of rows recomputed in backward (as
+    :func:`chunked_distill`): per row ``ce_weight * CE(z, y) + distill_weight * D(p, softmax(z))
+    + confidence_weight * BCE(sigmoid(c), 1 - TV(p, softmax(z)))`` with ``z`` the Markov-corrected
+    logits, ``y`` the true next token (CE only where it is in the draft vocab), ``p`` the target's
+    distribution and ``c`` the confidence logit (the BCE target is detached).
+
+    Args:
+        model: the :class:`~draftsmith.models.dspark.model.DSparkDraftModel` (unwrapped module).
+        hidden: ``(M, H)`` pre-norm slot rows; embed: ``(M, r)`` Markov embeddings of each row's
+            previous token.
+        targets: the :class:`~draftsmith.models.dspark.model.DSparkTargets` (rows flattened alike).
+
+    Returns:
+        :class:`DSparkOut` (``loss_sum`` with grad).
+    """
+    spec = targets.options or DSparkLossSpec()
+    rows = chunk_rows(targets.teacher.shape[-1], targets.chunk_size)
+    flat = [t.reshape(-1) for t in (targets.teacher_index, targets.labels, targets.label_ok.float(), targets.weight)]
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    outs = []
+    for s in range(0, hidden.shape[0], rows):
+        args = (model, hidden[s:s + rows], embed[s:s + rows], targets.teacher, *(t[s:s + rows] for t in flat), spec)
+        outs.append(checkpoint(_dspark_chunk, *args, use_reentrant=False) if grad else _dspark_chunk(*args))
+    total = torch.stack([o[0] for o in outs]).sum()
+    row_loss, row_hit, row_alpha = (torch.cat([o[i] for o in outs]) for i in (1, 2, 3))
+    return DSparkOut(total, row_loss, row_hit, row_alpha)
+
+
+def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+                loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, head: Any,
+                t2d: torch.Tensor, weights: torch.Tensor, spec: DSparkLossSpec | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                global_denominators: Callable[[torch.Tensor], Any] | None = None,
+                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One DSpark loss over given anchors, without host reads. Follows the DSpark loss of
+    vllm-project/speculators PR #677 ("Add DSpark speculator (DFlash + Markov + confidence
+    head)"): ``0.1 * CE + 0.9 * TV`` on every block slot, slot k weighted ``exp(-k/4)``, plus
+    ``1.0 * BCE(confidence, 1 - TV)`` (the weights, the divergence and the decay are the recipe's).
+
+    Labels (``sample_from_anchor``): slot k of anchor a predicts ``x_{a+k+1}``, its teacher is
+    ``p_{a+k}`` and its Markov bias uses the true previous token ``x_{a+k}`` (teacher forcing);
+    they are DFlash's :func:`~draftsmith.train.labels.block_labels` / :func:`teacher_rows` of a
+    block one slot longer, its slot 0 dropped.
+
+    Args:
+        model: the DSpark draft (possibly wrapped); input_ids / loss_mask / position_ids /
+            document_ids ``(B, T)``; aux ``(B, T, n*Ht)``; final ``(B, T, Ht)``; anchors /
+            anchor_valid ``(B, A)``; head: the target head over the draft vocab.
+        t2d: ``(V,)`` bool, the target ids in the draft vocab.
+        weights: ``(Bk,)`` slot weights (:func:`dspark_slot_weights`).
+        spec: :class:`DSparkLossSpec` (None: speculators' defaults).
+        global_denominators / chunk_size: as :func:`dflash_loss`.
+
+    Returns:
+        ``(loss, metrics)``: ``loss = sum(w * row) / sum(w)``; metrics ``loss``, ``loss_{k}`` /
+        ``acc_{k}`` per slot k (argmax agreement with the target), ``acceptance_length``,
+        ``alpha`` (mean ``1 - TV`` over trained rows), all detached 0-dim tensors.
+    """
+    Bk = weights.shape[0]
+    B, A = anchors.shape
+    label_pos, label_mask = block_labels(anchors, anchor_valid, loss_mask, Bk + 1, document_ids)  # (B, A, Bk+1)
+    teacher, teacher_index = teacher_rows(final, label_pos, head)  # slot j of the longer block: p_{a+j-1}
+    label_pos, label_mask, teacher_index = label_pos[:, :, 1:], label_mask[:, :, 1:], teacher_index[:, :, 1:]
+    tokens = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)  # x_{a+k+1}, target ids
+    t2d = t2d.to(tokens.device)
+    # target id -> draft id where in the draft vocab (draft ids ascend with target ids: data_prep/vocab.py)
+    draft_id = (t2d.long().cumsum(0) - 1).clamp_min(0)
+    weight = weights.to(loss_mask.device) * label_mask
+    targets = DSparkTargets(teacher=teacher, teacher_index=teacher_index, labels=draft_id[tokens], label_ok=t2d[tokens],
+                            weight=weight, compute=dspark_rows, options=spec, chunk_size=chunk_size)
+    out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
+                targets=targets)
+    local = weight.sum()
+    denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
+    total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))
+    rows = (B, A, Bk)
+    metrics = {"loss": total.detach()}
+    metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask))
+    trained = label_mask.flatten().float()
+    metrics["alpha"] = ((out.row_alpha * trained).sum() / trained.sum().clamp_min(1.0)).detach()
     return total, metrics
 
 

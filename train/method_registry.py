@@ -11,12 +11,14 @@ from __future__ import annotations
 from ..methods import attach
 from .dry_run import (
     dflash_parameter_estimate,
+    dspark_parameter_estimate,
     eagle3_parameter_estimate,
     medusa_parameter_estimate,
     mlp_speculator_parameter_estimate,
     peagle_parameter_estimate,
 )
 from .method_dflash import DFlashMethod
+from .method_dspark import DSparkMethod
 from .method_eagle3 import Eagle3Method
 from .method_medusa import MedusaMethod
 from .method_mlp_speculator import MLPSpeculatorMethod
@@ -27,3 +29,4 @@ attach("medusa", training_method=MedusaMethod, parameter_estimator=medusa_parame
 attach("mlp_speculator", training_method=MLPSpeculatorMethod, parameter_estimator=mlp_speculator_parameter_estimate)
 attach("dflash", training_method=DFlashMethod, parameter_estimator=dflash_parameter_estimate)
 attach("peagle", training_method=PEagleMethod, parameter_estimator=peagle_parameter_estimate)
+attach("dspark", training_method=DSparkMethod, parameter_estimator=dspark_parameter_estimate)

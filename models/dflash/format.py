@@ -58,7 +58,10 @@ def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_dflash_export(config: dict[str, Any]) -> bool:
-    """True for the ``config.json`` of a DFlash draft (Format A or B)."""
+    """True for the ``config.json`` of a DFlash draft (Format A or B); a DSpark export (which
+    carries a ``dflash_config`` too, architecture ``Qwen3DSparkModel``) is not one."""
+    if "Qwen3DSparkModel" in (config.get("architectures") or []):
+        return False
     return config.get("speculators_model_type") == "dflash" or "dflash_config" in config
 
 

@@ -314,6 +314,18 @@ class DFlashDraftModel(TargetSharedDraft):
             grad, detached per-row ``row_loss`` / ``row_hit``) over the ``B*A*(Bk-1)`` rows of
             slots 1..Bk-1.
         """
+        h = self.block_hidden(input_ids, aux_hidden_states, anchors, anchor_valid, position_ids, document_ids)
+        if targets is not None:
+            return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
+        if label_mask is not None:
+            h = h[label_mask]  # (M, H)
+        return self.compute_logits(h)
+
+    def block_hidden(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
+                     anchor_valid: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The pre-norm hidden states ``(B, A, Bk, H)`` of the A anchor blocks of each row (the
+        body of :meth:`forward`; same arguments)."""
         B, T = input_ids.shape
         Bk = self.config.block_size
         if position_ids is None:
@@ -331,11 +343,7 @@ class DFlashDraftModel(TargetSharedDraft):
         h = self.block_embeddings(input_ids.gather(1, anchors)).to(context.dtype)  # (B, A, Bk, H)
         for layer in self.layers:
             h = layer(h, context, ctx_cos, ctx_sin, cos, sin, mask)
-        if targets is not None:
-            return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
-        if label_mask is not None:
-            h = h[label_mask]  # (M, H)
-        return self.compute_logits(h)
+        return h
 
     # ----------------------------------------------------------------------------------
     # Inference, as vLLM runs it (docs/parallel_drafts.md, "DFlash at inference")
@@ -377,15 +385,26 @@ class DFlashDraftModel(TargetSharedDraft):
         if not 1 <= k <= Bk - 1:
             raise ValueError(f"k={k} drafts, but this DFlash draft was trained with block_size={Bk}: "
                              f"it proposes 1..{Bk - 1} tokens per block")
+        h = self.run_block(cache, bonus_token, position, k + 1)
+        return self.compute_logits(h[1:]).float()  # the anchor row's output is discarded
+
+    @torch.no_grad()
+    def run_block(self, cache: DFlashKVCache, bonus_token: int, position: int, n: int) -> torch.Tensor:
+        """The draft layers over the block ``[bonus, M * (n-1)]`` at positions
+        ``position..position+n-1`` (context: every cached position; the block non-causal).
+
+        Returns:
+            ``(n, H)`` pre-norm hidden states, one row per block slot.
+        """
         device = self.fc.weight.device
-        ids = torch.full((1, 1, k + 1), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.full((1, 1, n), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[..., 0] = bonus_token
-        h = F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)  # (1, 1, k+1, H)
-        pos = torch.arange(position, position + k + 1, device=device).unsqueeze(0)
+        h = F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)  # (1, 1, n, H)
+        pos = torch.arange(position, position + n, device=device).unsqueeze(0)
         cos, sin = self.rotary_emb(h, pos)
         ctx_allow = torch.ones(1, 1, len(cache), dtype=torch.bool, device=device)
         valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        mask = block_attention_mask(ctx_allow, valid, k + 1)
+        mask = block_attention_mask(ctx_allow, valid, n)
         for i, layer in enumerate(self.layers):
             h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, mask)
-        return self.compute_logits(h[0, 0, 1:]).float()  # the anchor row's output is discarded
+        return h[0, 0]

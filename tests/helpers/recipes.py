@@ -76,13 +76,14 @@ def mlp_recipe(tiny_target: Path, prompts: Path, **spec):
     return recipe
 
 
-def dflash_recipe(tiny_target: Path, where: Path, **draft):
+def dflash_recipe(tiny_target: Path, where: Path, section: type = DFlashDraftConfig, **draft):
+    """The tiny target's block-drafting recipe (1 layer, blocks of 4, 40 steps), written to
+    ``where/tiny_<method>.yaml``: DFlash, or with ``section=DSparkDraftConfig`` DSpark."""
     prompts = write_prompts(where / "prompts.jsonl")
     recipe = tiny_recipe(tiny_target, prompts, max_steps=40)
-    recipe.draft = DFlashDraftConfig(**{"num_layers": 1, "block_size": 4, "num_anchors": 64,
-                                        "freeze_lm_head": False, **draft})
-    recipe.name = "tiny_dflash"
-    path = where / "tiny_dflash.yaml"
+    recipe.draft = section(**{"num_layers": 1, "block_size": 4, "num_anchors": 64, "freeze_lm_head": False, **draft})
+    recipe.name = f"tiny_{recipe.draft.method}"
+    path = where / f"{recipe.name}.yaml"
     dump_recipe(recipe, path)
     return recipe, path
 

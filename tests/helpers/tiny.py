@@ -168,6 +168,37 @@ def randomize_norms(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Modu
     return model
 
 
+def dspark_tiny_config(**kw):
+    """A tiny DSpark draft geometry: :func:`dflash_tiny_config`'s plus a rank-6 Markov head and a
+    confidence head over ``cat(hidden, Markov embedding)``, overridden by ``kw``."""
+    from draftsmith.models.dspark import DSparkConfig
+
+    base = dflash_tiny_config().to_dict()
+    base.update(markov_rank=6, confidence_head=True, confidence_head_with_markov=True)
+    base.update(kw)
+    return DSparkConfig(**base)
+
+
+def random_dspark_model(cfg, seed: int = 0):
+    """A DSpark draft with random weights everywhere (:func:`random_dflash_model`'s rule; the
+    zero-initialised ``markov_w2`` random too, so the Markov bias is not zero); eval mode."""
+    from draftsmith.models.dspark import DSparkDraftModel
+
+    torch.manual_seed(seed)
+    model = DSparkDraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+            elif name.startswith("markov_head."):
+                p.normal_(0.0, 1.0)
+        model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        model.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)
+    return model.eval()
+
+
 def eagle3_tiny_config(**kw):
     """A tiny EAGLE-3 draft geometry (GQA, H=32, V=50 -> 20, aux layers 0-2), overridden by ``kw``."""
     from draftsmith.models.eagle3 import Eagle3Config

@@ -1,6 +1,7 @@
-"""What the vLLM parity tests (EAGLE-3 and P-EAGLE layers run through vLLM's own modules) share:
-the verifier's geometry, vLLM's single-process distributed state, a stand-in attention kernel and,
-for EAGLE-3 / EAGLE-3.1, a random draft exported with ``eval/export.py``, vLLM's
+"""What the vLLM parity tests (EAGLE-3 / EAGLE-3.1, P-EAGLE, DFlash and DSpark run through vLLM's
+own modules) share: the verifier's geometry, vLLM's single-process distributed state, a stand-in
+attention kernel, the names vLLM's DFlash / DSpark loaders give the exported tensors and, for
+EAGLE-3 / EAGLE-3.1, a random draft exported with ``eval/export.py``, vLLM's
 ``Eagle3LlamaForCausalLM`` built from that export and both run on the same first TTT step."""
 
 from __future__ import annotations
@@ -181,3 +182,22 @@ def assert_parity(outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Every ``(ours, vLLM's)`` pair equal to 1e-5 (float32); the message names the pair."""
     for name, (ours, theirs) in outs.items():
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def vllm_names(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The exported tensors under the names vLLM's ``DFlashQwen3ForCausalLM`` (and its DSpark
+    subclass) gives them: q/k/v and gate/up stacked into ``qkv_proj`` / ``gate_up_proj``, ``d2t`` as
+    ``draft_id_to_target_id``, ``model.`` in front of all but ``lm_head``; ``t2d`` is not loaded."""
+    w = dict(exported)
+    out = {}
+    layers = sorted({k.split(".")[1] for k in w if k.startswith("layers.")})
+    for i in layers:
+        for a, parts, fused in (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                ("mlp", ("gate_proj", "up_proj"), "gate_up_proj")):
+            out[f"model.layers.{i}.{a}.{fused}.weight"] = torch.cat([w.pop(f"layers.{i}.{a}.{p}.weight")
+                                                                     for p in parts])
+    if "d2t" in w:
+        out["draft_id_to_target_id"] = w.pop("d2t")
+        w.pop("t2d")
+    out.update({(k if k.startswith("lm_head") else "model." + k): v for k, v in w.items()})
+    return out

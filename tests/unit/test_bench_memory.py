@@ -119,9 +119,9 @@ def test_tracker_under_fake_tensors_matches_real_tensors():
 
 
 @pytest.mark.parametrize("method, recipe", [("eagle3", "smollm2_135m"), ("dflash", "smollm2_135m_dflash"),
-                                            ("medusa", "smollm2_135m_medusa")])
+                                            ("medusa", "smollm2_135m_medusa"), ("dspark", "smollm2_135m_dspark")])
 def test_fake_step_measures_what_the_real_step_allocates(method, recipe):
-    sets = TINY_SETS + (["draft.num_anchors=8", "draft.block_size=4"] if method == "dflash" else [])
+    sets = TINY_SETS + (["draft.num_anchors=8", "draft.block_size=4"] if method in ("dflash", "dspark") else [])
     r = bench_recipe(load_recipe(RECIPES / f"{recipe}.yaml", sets), 2, 32)
     fake = measure_step(r, TINY, None, Precision.of(None, "fp32"), device="fake")
     real = measure_step(r, TINY, None, Precision.of(None, "fp32"), device="cpu")

@@ -12,6 +12,7 @@ import torch
 
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
 from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dspark.config import DSparkConfig
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.medusa.model import MedusaConfig
 from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
@@ -34,9 +35,12 @@ TINY_CONFIGS = {
     "peagle": PEagleConfig(hidden_size=H, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=16, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 2], num_layers=2,
                            num_depths=3, mask_token_id=5),
+    "dspark": DSparkConfig(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=VD,
+                           aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6, markov_rank=8),
 }
 # the methods whose drafts share the target's embedding (the loader takes it as its second argument)
-SHARED_EMBEDDING = {"eagle3", "dflash", "peagle"}
+SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark"}
 
 
 def test_every_method_has_a_tiny_config_here():

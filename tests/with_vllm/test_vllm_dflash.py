@@ -28,6 +28,7 @@ from draftsmith.train.method_dflash import DFlashMethod
 from draftsmith.train.trainer import fit
 
 from helpers.recipes import dflash_recipe
+from helpers.vllm_parity import vllm_names
 
 pytestmark = [
     pytest.mark.vllm,
@@ -111,25 +112,6 @@ def vllm_runs(tiny_target, tmp_path_factory):
     reference = evaluate(model, tokenizer, load_draft(draft, model), ids, k=K, temperature=0.0, max_new_tokens=MAX_NEW)
     return {"trained": r["0"], "plain": r["1"], "reference": reference,
             "params": load_file(str(out / "vllm_params_0.safetensors")), "draft": draft, "target_model": model}
-
-
-def vllm_names(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The exported tensors under the names vLLM's ``DFlashQwen3ForCausalLM`` gives them: q/k/v and
-    gate/up stacked into ``qkv_proj`` / ``gate_up_proj``, ``d2t`` as ``draft_id_to_target_id``,
-    ``model.`` in front of all but ``lm_head``; ``t2d`` is not loaded."""
-    w = dict(exported)
-    out = {}
-    layers = sorted({k.split(".")[1] for k in w if k.startswith("layers.")})
-    for i in layers:
-        for a, parts, fused in (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                ("mlp", ("gate_proj", "up_proj"), "gate_up_proj")):
-            out[f"model.layers.{i}.{a}.{fused}.weight"] = torch.cat([w.pop(f"layers.{i}.{a}.{p}.weight")
-                                                                     for p in parts])
-    if "d2t" in w:
-        out["draft_id_to_target_id"] = w.pop("d2t")
-        w.pop("t2d")
-    out.update({(k if k.startswith("lm_head") else "model." + k): v for k, v in w.items()})
-    return out
 
 
 def test_vllm_holds_exactly_the_exported_weights(vllm_runs):
