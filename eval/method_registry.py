@@ -1,6 +1,6 @@
 """The evaluation layer's part of every draft method, attached to :mod:`draftsmith.methods`: the
 reference decoder's proposer factory (``eval/spec_decode.py``, ``eval/dflash.py``,
-``eval/peagle.py``), the target check of the drafts that share the target's embedding and vocab
+``eval/dflash2.py``, ``eval/peagle.py``), the target check of the drafts that share the target's embedding and vocab
 (:func:`~draftsmith.eval.acceptance.check_draft_matches_target`, driven by each format's ``fit``)
 and, for Medusa, the installed vLLM's serve check.
 
@@ -14,6 +14,7 @@ from functools import partial
 from ..methods import attach
 from .acceptance import check_draft_matches_target
 from .dflash import dflash_proposer
+from .dflash2 import dflash2_proposer
 from .peagle import peagle_proposer
 from ..vllm_bridge.spec_config import check_vllm_serves_medusa
 from .spec_decode import eagle3_proposer, medusa_proposer, mlp_speculator_proposer
@@ -23,3 +24,4 @@ attach("medusa", proposer_factory=medusa_proposer, vllm_serve_check=check_vllm_s
 attach("mlp_speculator", proposer_factory=mlp_speculator_proposer)
 attach("dflash", proposer_factory=dflash_proposer, target_check=partial(check_draft_matches_target, method="dflash"))
 attach("peagle", proposer_factory=peagle_proposer, target_check=partial(check_draft_matches_target, method="peagle"))
+attach("dflash2", proposer_factory=dflash2_proposer, target_check=partial(check_draft_matches_target, method="dflash2"))

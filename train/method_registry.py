@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..methods import attach
 from .dry_run import (
+    dflash2_parameter_estimate,
     dflash_parameter_estimate,
     eagle3_parameter_estimate,
     medusa_parameter_estimate,
@@ -17,6 +18,7 @@ from .dry_run import (
     peagle_parameter_estimate,
 )
 from .method_dflash import DFlashMethod
+from .method_dflash2 import DFlash2Method
 from .method_eagle3 import Eagle3Method
 from .method_medusa import MedusaMethod
 from .method_mlp_speculator import MLPSpeculatorMethod
@@ -27,3 +29,4 @@ attach("medusa", training_method=MedusaMethod, parameter_estimator=medusa_parame
 attach("mlp_speculator", training_method=MLPSpeculatorMethod, parameter_estimator=mlp_speculator_parameter_estimate)
 attach("dflash", training_method=DFlashMethod, parameter_estimator=dflash_parameter_estimate)
 attach("peagle", training_method=PEagleMethod, parameter_estimator=peagle_parameter_estimate)
+attach("dflash2", training_method=DFlash2Method, parameter_estimator=dflash2_parameter_estimate)

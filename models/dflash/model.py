@@ -252,6 +252,7 @@ class DFlashDraftModel(TargetSharedDraft):
     """
 
     _no_split_modules = ["DFlashDecoderLayer"]
+    decoder_layer_cls: type[DFlashDecoderLayer] = DFlashDecoderLayer
 
     def __init__(self, config: DFlashConfig, attention_backend: str = "sdpa"):
         super().__init__()
@@ -263,7 +264,7 @@ class DFlashDraftModel(TargetSharedDraft):
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(n * config.target_hidden_size, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_cls(config) for _ in range(config.num_layers)])
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -332,10 +333,15 @@ class DFlashDraftModel(TargetSharedDraft):
         for layer in self.layers:
             h = layer(h, context, ctx_cos, ctx_sin, cos, sin, mask)
         if targets is not None:
-            return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
+            return self.block_loss(targets, h[:, :, 1:])  # slots 1..Bk-1 (slot 0 is the anchor)
         if label_mask is not None:
             h = h[label_mask]  # (M, H)
         return self.compute_logits(h)
+
+    def block_loss(self, targets: DistillTargets, hidden: torch.Tensor) -> Any:
+        """The training loss of the trained block slots ``hidden (B, A, Bk-1, H)`` (pre-norm): the
+        divergence ``targets`` computes through :meth:`compute_logits`."""
+        return targets(hidden, self.compute_logits)
 
     # ----------------------------------------------------------------------------------
     # Inference, as vLLM runs it (docs/parallel_drafts.md, "DFlash at inference")
@@ -358,6 +364,12 @@ class DFlashDraftModel(TargetSharedDraft):
 
     @torch.no_grad()
     def propose_block(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
+        """One draft forward (:meth:`propose_hidden`) -> ``(k, Vd)`` float32 logits; row i-1 drafts
+        the token at position P+i. Raises as :meth:`propose_hidden`."""
+        return self.compute_logits(self.propose_hidden(cache, bonus_token, position, k)).float()
+
+    @torch.no_grad()
+    def propose_hidden(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
         """One draft forward: the block ``[bonus, M * k]`` at positions ``position..position+k``
         attends to every cached context position and (non-causally) to itself.
 
@@ -368,7 +380,7 @@ class DFlashDraftModel(TargetSharedDraft):
             k: drafts wanted, ``1 <= k <= block_size - 1``.
 
         Returns:
-            ``(k, Vd)`` float32 logits; row i-1 drafts the token at position P+i.
+            ``(k, H)`` pre-norm hidden states of the mask slots (the anchor row's is discarded).
 
         Raises:
             ValueError: ``k`` outside ``[1, block_size - 1]``.
@@ -388,4 +400,4 @@ class DFlashDraftModel(TargetSharedDraft):
         mask = block_attention_mask(ctx_allow, valid, k + 1)
         for i, layer in enumerate(self.layers):
             h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, mask)
-        return self.compute_logits(h[0, 0, 1:]).float()  # the anchor row's output is discarded
+        return h[0, 0, 1:]
