@@ -61,7 +61,8 @@ def dflash_proposer(path: Path, target_model: Any | None = None, *, load: Callab
     the vocab is full).
 
     Raises:
-        DraftLoadError: see :func:`~draftsmith.models.dflash.format.load_dflash`; aux layer ids out of range for the target.
+        DraftLoadError: see :func:`~draftsmith.models.dflash.format.load_dflash`; aux layer ids out of range for
+            the target.
     """
     embed = head = None
     if target_model is not None:

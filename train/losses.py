@@ -552,7 +552,8 @@ class SelectorLoss:
                 "selector_coverage": ((out.row_covered * w).sum() / n).detach()}
 
 
-def dflash2_loss(model: Any, *args: Any, alpha: float = 1.0, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dflash2_loss(model: Any, *args: Any, alpha: float = 1.0,
+                 **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash2 loss: :func:`dflash_loss` (same arguments, ``model`` a
     :class:`~draftsmith.models.dflash2.model.DFlash2DraftModel`) with the selector term
     ``SelectorLoss(alpha)``."""

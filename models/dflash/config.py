@@ -211,7 +211,8 @@ class DFlashConfig(LayerGeometry):
                 invalid layer ids (see the class).
         """
         archs = config.get("architectures") or []
-        foreign = [a for a in archs if a in CANDIDATE_HEAD_ARCHITECTURES + ("DFlashDraftModel",) and a != cls.architecture]
+        family = CANDIDATE_HEAD_ARCHITECTURES + ("DFlashDraftModel",)
+        foreign = [a for a in archs if a in family and a != cls.architecture]
         if foreign:
             raise ValueError(f"architectures {archs}: not a {cls.architecture} config")
         if config.get("speculators_model_type") == cls.speculators_type:

@@ -9,11 +9,15 @@ checked name by name and shape by shape against :func:`expected_dflash2_weights`
 
 from __future__ import annotations
 
-from functools import partial
+from pathlib import Path
 from typing import Any
 
-from ..common import DraftCard, DraftFormat
-from ..dflash.format import dflash_card_facts, dflash_fit, default_k, expected_dflash_weights, export_dflash, load_dflash
+import torch
+
+from ...layout import DraftCheckpoint
+from ..common import DraftCard, DraftFit, DraftFormat
+from ..dflash.format import (dflash_card_facts, dflash_fit, default_k, expected_dflash_weights, export_dflash,
+                             load_dflash)
 from .config import DFlash2Config
 from .model import DFlash2DraftModel
 
@@ -41,20 +45,46 @@ def is_dflash2_export(config: dict[str, Any]) -> bool:
             or DFlash2Config.architecture in (config.get("architectures") or []))
 
 
-export_dflash2 = partial(export_dflash, expected=expected_dflash2_weights, layout="DFlash2")
-export_dflash2.__doc__ = """The Format A tensors and ``config.json`` of a DFlash2 checkpoint
-(:func:`~draftsmith.models.dflash.format.export_dflash`: ``num_speculative_tokens`` must be
-``block_size - 1``, vLLM's convolution block is ``1 + num_speculative_tokens``).
+def export_dflash2(ckpt: DraftCheckpoint, dtype: str, version: str,
+                   num_speculative_tokens: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The Format A tensors and ``config.json`` of a DFlash2 checkpoint
+    (:func:`~draftsmith.models.dflash.format.export_dflash` with :func:`expected_dflash2_weights`).
 
-Raises:
-    ExportError: tensors that differ from :func:`expected_dflash2_weights` (named); another K."""
+    Args:
+        num_speculative_tokens: None or ``block_size - 1`` (vLLM's convolution block is
+            ``1 + num_speculative_tokens``, its attention block too).
 
-load_dflash2 = partial(load_dflash, config_class=DFlash2Config, model_class=DFlash2DraftModel,
+    Raises:
+        ExportError: tensors that differ from :func:`expected_dflash2_weights` (named); another K.
+    """
+    return export_dflash(ckpt, dtype, version, num_speculative_tokens, expected=expected_dflash2_weights,
+                         layout="DFlash2")
+
+
+def load_dflash2(path: Path, embed_tokens: torch.Tensor | None = None,
+                 lm_head: torch.Tensor | None = None) -> DFlash2DraftModel:
+    """A DFlash2 draft from an export folder (Format A or B), float32, eval mode; ``embed_tokens``
+    / ``lm_head`` as :func:`~draftsmith.models.dflash.format.load_dflash`.
+
+    Raises:
+        DraftLoadError: not a DFlash2 config, missing keys, missing / unexpected / mis-shaped tensors.
+    """
+    return load_dflash(path, embed_tokens, lm_head, config_class=DFlash2Config, model_class=DFlash2DraftModel,
                        expected=expected_dflash2_weights, layout="DFlash2")
-load_dflash2.__doc__ = """A DFlash2 draft from an export folder (Format A or B), float32, eval mode.
 
-Raises:
-    DraftLoadError: not a DFlash2 config, missing keys, missing / unexpected / mis-shaped tensors."""
+
+def dflash2_fit(config: dict[str, Any]) -> DraftFit:
+    """What a DFlash2 export must agree on with the target (as DFlash's).
+
+    Raises:
+        DraftLoadError: not a readable DFlash2 config.
+    """
+    return dflash_fit(config, DFlash2Config)
+
+
+def dflash2_default_k(config: dict[str, Any]) -> int | None:
+    """The K a DFlash2 export proposes: ``block_size - 1``."""
+    return default_k(config, DFlash2Config)
 
 
 def dflash2_card_facts(config: dict[str, Any]) -> list[str]:
@@ -67,7 +97,7 @@ def dflash2_card_facts(config: dict[str, Any]) -> list[str]:
 
 DFLASH2_FORMAT = DraftFormat(
     layout="DFlash2", detect=is_dflash2_export, export=export_dflash2, load=load_dflash2,
-    fit=partial(dflash_fit, config_class=DFlash2Config),
+    fit=dflash2_fit,
     card=DraftCard("DFlash2", "DFlash2 block drafting with a candidate selector (z-lab DFlash2)", dflash2_card_facts,
-                   partial(default_k, config_class=DFlash2Config)),
+                   dflash2_default_k),
     export_options=("num_speculative_tokens",))
