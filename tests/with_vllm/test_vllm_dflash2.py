@@ -30,7 +30,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.dflash2 import DFlash2Proposer
 from draftsmith.eval.export import export
@@ -220,6 +220,23 @@ def greedy_walk(ids: torch.Tensor, scores: torch.Tensor) -> list[int]:
     return tokens
 
 
+def assert_block_parity(model: DFlash2DraftModel, vm, config):
+    """One draft block on both sides: hidden states, candidates and scores must agree."""
+    gen = torch.Generator().manual_seed(1)
+    aux = torch.randn(N_CTX, 2 * H, generator=gen)
+    theirs = vllm_block(vm, config, aux)
+    cache = DFlashKVCache()
+    model.append_context(cache, aux, torch.arange(N_CTX))
+    with torch.no_grad():
+        hidden = model.norm(model.propose_hidden(cache, BONUS, N_CTX, K))
+    ids, scores = model.propose_scores(cache, BONUS, N_CTX, K)
+    torch.testing.assert_close(hidden, theirs[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"hidden: {m}")
+    assert torch.equal(ids, theirs[1]), "candidates differ"
+    torch.testing.assert_close(scores, theirs[2], rtol=1e-5, atol=1e-5, msg=lambda m: f"scores: {m}")
+    assert scores.std() > 0.1  # a real signal
+    return aux, theirs
+
+
 def test_draft_block_matches_vllm_dflash2(vllm_env, tmp_path):
     model = random_draft()
     export_dir = export_draft(model, tmp_path)
@@ -237,19 +254,7 @@ def test_draft_block_matches_vllm_dflash2(vllm_env, tmp_path):
             key = name if name.startswith("lm_head") else "model." + name
             torch.testing.assert_close(params[key], value, rtol=0, atol=0, msg=name)
 
-    gen = torch.Generator().manual_seed(1)
-    aux = torch.randn(N_CTX, 2 * H, generator=gen)
-    hidden_v, ids_v, scores_v = vllm_block(vm, config, aux)
-
-    cache = DFlashKVCache()
-    model.append_context(cache, aux, torch.arange(N_CTX))
-    with torch.no_grad():
-        hidden = model.norm(model.propose_hidden(cache, BONUS, N_CTX, K))
-    ids, scores = model.propose_scores(cache, BONUS, N_CTX, K)
-    torch.testing.assert_close(hidden, hidden_v, rtol=1e-5, atol=1e-5)
-    assert torch.equal(ids, ids_v)
-    torch.testing.assert_close(scores, scores_v, rtol=1e-5, atol=1e-5)
-    assert scores.std() > 0.1  # a real signal
+    aux, (hidden_v, ids_v, scores_v) = assert_block_parity(model, vm, config)
 
     # the reference decoder's proposal at T=0 is vLLM's walk
     proposer = DFlash2Proposer(model)
@@ -257,3 +262,28 @@ def test_draft_block_matches_vllm_dflash2(vllm_env, tmp_path):
     walked = greedy_walk(ids_v, scores_v)
     assert proposal.token_ids.tolist() == walked
     assert walked != ids_v[:, 0].tolist()  # the selector re-ranked: not the unary argmax path
+
+
+def _swap(a: str, b: str):
+    def mutate(export_dir: Path) -> None:
+        path = export_dir / "model.safetensors"
+        w = load_file(str(path))
+        w[a], w[b] = w[b], w[a]
+        save_file(w, str(path))
+    mutate.__name__ = f"swap_{a.split('.')[-2]}_{b.split('.')[-2]}"
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (_swap("layers.0.attention_conv.base_kernel", "layers.0.mlp_conv.base_kernel"), "hidden"),
+    (_swap("layers.1.attention_conv.kernel_projection.weight", "layers.1.mlp_conv.kernel_projection.weight"),
+     "hidden"),
+    (_swap("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"), "scores"),
+], ids=lambda x: getattr(x, "__name__", x))
+def test_parity_check_fails_when_the_export_disagrees_with_vllm(vllm_env, tmp_path, mutate, where):
+    model = random_draft()
+    export_dir = export_draft(model, tmp_path)
+    mutate(export_dir)
+    vm, config, _ = vllm_dflash2(export_dir, vllm_env, model.embed_tokens)
+    with pytest.raises(AssertionError, match=where):
+        assert_block_parity(model, vm, config)
