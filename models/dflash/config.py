@@ -203,12 +203,14 @@ class DFlashConfig(LayerGeometry):
 
     @classmethod
     def from_export(cls, config: dict[str, Any]) -> DFlashConfig:
-        """Read Format A (``speculators_model_type: "dflash"``) or Format B (``dflash_config``).
+        """Read Format A (``speculators_model_type``: :attr:`speculators_type`) or Format B
+        (``dflash_config``), plus a subclass's :meth:`export_fields`.
 
         Raises:
             KeyError: a required key is missing.
-            ValueError: neither format; a causal export (the draft is trained bidirectional);
-                invalid layer ids (see the class).
+            ValueError: neither format; another DFlash-family architecture (a DFlash2 export is
+                no DFlash export, and back); a causal export (the draft is trained
+                bidirectional); invalid layer ids (see the class).
         """
         archs = config.get("architectures") or []
         family = CANDIDATE_HEAD_ARCHITECTURES + ("DFlashDraftModel",)
