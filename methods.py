@@ -1,6 +1,6 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark) is one :class:`DraftMethodSpec`
+A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2) is one :class:`DraftMethodSpec`
 holding real objects, filled in by the layer that owns each part, in the package's import
 direction (``models`` <- ``train`` <- ``eval``):
 
@@ -33,7 +33,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-METHOD_PACKAGES: tuple[str, ...] = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark")
+METHOD_PACKAGES: tuple[str, ...] = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2")
 """The draft methods, in registration order: ``draftsmith.models.<name>`` registers each."""
 
 LAYER_MODULES: dict[str, str] = {"train": "draftsmith.train.method_registry",

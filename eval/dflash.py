@@ -4,7 +4,7 @@ drafting as vLLM runs it, over an export loaded by :mod:`draftsmith.models.dflas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,28 +39,36 @@ class DFlashProposer(Proposer):
         """
         m = self.model
         if k > self.max_k:
-            raise ValueError(f"k={k}: this DFlash draft was trained with block_size={m.config.block_size} and "
-                             f"proposes at most {self.max_k} tokens per block")
+            raise ValueError(f"k={k}: this {m.config.architecture.removesuffix('DraftModel')} draft was trained with "
+                             f"block_size={m.config.block_size} and proposes at most {self.max_k} tokens per block")
         device, dtype = m.fc.weight.device, m.fc.weight.dtype
         start, n = len(self.cache), states.shape[0]
         m.append_context(self.cache, states.to(device, dtype), torch.arange(start, start + n, device=device))
-        logits = m.propose_block(self.cache, int(next_tokens[-1]), start + n, k)  # (k, Vd)
-        proposal = self._chain(lambda i, prev: logits[i], k, temperature, generator)
+        proposal = self.draft(int(next_tokens[-1]), start + n, k, temperature, generator)
         return to_target_vocab(proposal, m.d2t, m.config.vocab_size)
 
+    def draft(self, bonus_token: int, position: int, k: int, temperature: float,
+              generator: torch.Generator | None) -> Proposal:
+        """The k draft tokens (draft-vocab ids) of the block ``[bonus_token, M * k]`` at ``position``."""
+        logits = self.model.propose_block(self.cache, bonus_token, position, k)  # (k, Vd)
+        return self._chain(lambda i, prev: logits[i], k, temperature, generator)
 
-def dflash_proposer(path: Path, target_model: Any | None = None) -> DFlashProposer:
-    """The proposer of a DFlash export, sharing ``target_model``'s input embedding (and its
-    ``lm_head`` when the export ships none and the vocab is full).
+
+def dflash_proposer(path: Path, target_model: Any | None = None, *, load: Callable[..., Any] = load_dflash,
+                    proposer_class: type[DFlashProposer] = DFlashProposer) -> DFlashProposer:
+    """The proposer of a DFlash export (a DFlash-family one with ``load`` / ``proposer_class``),
+    sharing ``target_model``'s input embedding (and its ``lm_head`` when the export ships none and
+    the vocab is full).
 
     Raises:
-        DraftLoadError: see :func:`~draftsmith.models.dflash.format.load_dflash`; aux layer ids out of range for the target.
+        DraftLoadError: see :func:`~draftsmith.models.dflash.format.load_dflash`; aux layer ids out of range for
+            the target.
     """
     embed = head = None
     if target_model is not None:
         embed = target_model.get_input_embeddings().weight.detach()
         head = target_model.get_output_embeddings().weight.detach()
-    model = load_dflash(path, embed, head)
+    model = load(path, embed, head)
     if target_model is not None:
         check_aux_layers(path, model.config.aux_layer_ids, target_model, lowest=1)
-    return DFlashProposer(model)
+    return proposer_class(model)

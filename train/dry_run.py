@@ -179,6 +179,19 @@ def dspark_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int
     return counts, logits_bytes
 
 
+def dflash2_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
+    """DFlash2 counterpart of :func:`dflash_parameter_estimate`: DFlash's counts plus per layer two
+    grouped convolutions (``base_kernel [2, T, H]``, ``kernel_projection [2*T*H/gs, H]``) and the
+    candidate selector (two ``[V, r]`` codebooks, ``[r, H]``). The selector's cross-entropy adds one
+    more fp32 ``(rows, V)`` logits chunk per block row (the unary top-K), counted with the rest."""
+    counts, logits_bytes = dflash_parameter_estimate(recipe, cfg, vocab_size)
+    d, H = recipe.draft, cfg.hidden_size
+    T = d.conv_kernel_size
+    counts["convolutions"] = d.num_layers * 2 * (2 * T * H + 2 * T * (H // d.conv_group_size) * H)
+    counts["candidate_selector"] = 2 * vocab_size * d.selector_rank + d.selector_rank * H
+    return counts, logits_bytes * 4 // 3
+
+
 def peagle_parameter_estimate(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> tuple[dict[str, int], int]:
     """P-EAGLE counterpart of :func:`eagle3_parameter_estimate`: ``draft.num_layers`` layers (layer
     0 with 2H q/k/v inputs, the rest H), ``mask_hidden``, and the embedding counted as trainable
@@ -438,6 +451,19 @@ def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     return {**saved, **(backward if sum(backward.values()) >= sum(loss.values()) else loss)}
 
 
+def dflash2_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """DFlash2: :func:`dflash_activations` plus, per layer kept for backward, the four grouped
+    convolutions' inputs and ``(T+1)`` fp32 coefficient copies of the ``Eb x H`` block rows, and
+    the selector's loss chunk (one more fp32 ``(rows, V)`` logits chunk with its top-K)."""
+    out = dflash_activations(recipe, s, trainable)
+    d = recipe.draft
+    Eb = s.B * max(1, min(d.num_anchors, s.T - 1)) * d.block_size
+    kept = 1 if s.checkpointing else d.num_layers
+    out["convolutions"] = kept * 4 * (d.conv_kernel_size + 1) * Eb * s.H * 4
+    out["selector_chunk"] = 3 * _chunk(recipe, Eb, s.V) * s.V * 4
+    return out
+
+
 # P-EAGLE, per layer over the B*S COD elements (S = T + the depths' budgets): layer 0 reads the
 # (S, 2H) concatenation of embedding and hidden state (cast once per projection under autocast).
 PEAGLE_LAYER = {"amp-bf16": LayerBytes(H=26.5, I=8, Q=4, KV=4), "bf16": LayerBytes(H=22.5, I=6.5, Q=4.5, KV=4),
@@ -513,7 +539,8 @@ def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dic
 
 ACTIVATIONS = {"eagle3": eagle3_activations, "dflash": dflash_activations, "peagle": peagle_activations,
                "medusa": medusa_activations, "mlp_speculator": mlp_speculator_activations,
-               "dspark": dflash_activations}  # DSpark's block activations are DFlash's
+               "dspark": dflash_activations,  # DSpark's block activations are DFlash's
+               "dflash2": dflash2_activations}
 
 
 def parameter_counts(recipe: Recipe, cfg: Eagle3Config, vocab_size: int) -> dict[str, int]:

@@ -12,6 +12,8 @@
 - :func:`head_loss`: Medusa heads and MLP-speculator stages, per-head cross-entropy against the
   sequence's next tokens (the target's own regenerated replies), head k weighted ``decay**k``.
 - :func:`dflash_loss`: DFlash block slots, weighted ``exp(-(k-1)/gamma)`` (:func:`slot_weights`).
+- :func:`dflash2_loss`: DFlash2, the DFlash loss plus ``alpha`` times the candidate selector's
+  K-way cross-entropy (:func:`chunked_selector`, :class:`SelectorLoss`).
 - :func:`cod_loss`: P-EAGLE's conditional-drop elements, per-depth metrics.
 - :func:`dspark_loss`: DSpark block slots (Markov-corrected logits): cross-entropy + divergence +
   the confidence head's BCE, weighted ``exp(-k/gamma)`` (vllm-project/speculators PR #677).
@@ -35,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.common import DistillTargets
 from ..models.dspark.model import DSparkTargets
+from ..models.dflash2.model import SelectorTargets
 from ..recipe import LossName
 from .labels import block_labels
 
@@ -420,7 +423,8 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
                 weights: torch.Tensor, loss: Any = None, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
                 global_denominators: Callable[[torch.Tensor], Any] | None = None,
-                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chunk_size: int | None = None,
+                selector: "SelectorLoss | None" = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One DFlash loss over given anchors, without host reads.
 
     Args:
@@ -435,26 +439,40 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
         global_denominators: data parallel: ``(1,)`` local weight sum -> the global sum over the
             world size (a device tensor), or None on one process.
         chunk_size: rows per loss chunk (default: ``chunk_rows`` of Vd).
+        selector: DFlash2 (:func:`dflash2_loss`): also the candidate selector's loss, added
+            ``selector.alpha``-weighted with the same slot weights and denominator.
 
     Returns:
-        ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots; metrics
-        ``loss``, ``loss_{k-1}`` / ``acc_{k-1}`` per slot k, ``acceptance_length``
-        (:func:`slot_metrics`), all detached 0-dim tensors.
+        ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots (with
+        ``selector``: ``+ alpha * sum(w * CE) / sum(w)``); metrics ``loss``, ``loss_{k-1}`` /
+        ``acc_{k-1}`` per slot k, ``acceptance_length`` (:func:`slot_metrics`; with ``selector``
+        also :meth:`SelectorLoss.metrics`), all detached 0-dim tensors.
     """
     Bk = weights.shape[0]
     B, A = anchors.shape
     label_pos, label_mask = block_labels(anchors, anchor_valid, loss_mask, Bk, document_ids)  # (B, A, Bk)
     teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
     weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
+    targets: Any = DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
+                                  distill=chunked_distill, loss=loss, chunk_size=chunk_size)
+    if selector is not None:
+        targets = selector.targets(targets, input_ids, label_pos, chunk_rows(teacher.shape[-1], selector.chunk_size
+                                                                             or chunk_size))
     out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
-                targets=DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
-                                       distill=chunked_distill, loss=loss, chunk_size=chunk_size))
+                targets=targets)
+    out, selected = out if isinstance(out, tuple) else (out, None)
     local = weight.sum()
     denominator = global_denominators(local.reshape(1)) if global_denominators is not None else None
-    total = out.loss_sum / (denominator[0] if denominator is not None else local.clamp_min(1e-6))
+    scale = denominator[0] if denominator is not None else local.clamp_min(1e-6)
+    total = out.loss_sum / scale
     rows = (B, A, Bk - 1)
     metrics = {"loss": total.detach()}
     metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
+    if selected is not None:
+        selector_total = selected.loss_sum / scale
+        metrics.update(selector.metrics(selected, selector_total, label_mask[:, :, 1:]), dflash_loss=total.detach())
+        total = total + selector.alpha * selector_total
+        metrics["loss"] = total.detach()
     return total, metrics
 
 
@@ -590,6 +608,93 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     trained = label_mask.flatten().float()
     metrics["alpha"] = ((out.row_alpha * trained).sum() / trained.sum().clamp_min(1.0)).detach()
     return total, metrics
+
+
+# --------------------------------------------------------------------------------------
+# DFlash2: the candidate selector's K-way cross-entropy
+
+
+@dataclass
+class SelectorOut(DistillOut):
+    """What :func:`chunked_selector` returns: :class:`DistillOut` (``row_loss`` the K-way
+    cross-entropy, ``row_hit`` 1 where the selector's top score is the gold token) plus
+    ``row_covered (M,)`` float32, 1 where the gold token was among the unary top-K."""
+
+    row_covered: torch.Tensor
+
+
+def _selector_chunk(hidden: torch.Tensor, predecessor: torch.Tensor, gold: torch.Tensor, weight: torch.Tensor,
+                    score_fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+    scores, target, covered = score_fn(hidden, predecessor, gold)  # (C, K), (C,), (C,)
+    ce = F.cross_entropy(scores, target, reduction="none")
+    return (weight * ce).sum(), ce.detach(), (scores.argmax(-1) == target).float(), covered.float()
+
+
+def chunked_selector(hidden: torch.Tensor, score_fn: Callable[..., Any], predecessor: torch.Tensor,
+                     gold: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> SelectorOut:
+    """The weighted K-way cross-entropy of the DFlash2 selector over M slots, in chunks of
+    ``chunk_size`` rows recomputed in backward (as :func:`chunked_distill`: no ``(M, V)`` tensor).
+
+    Args:
+        hidden: ``(M, H)`` pre-norm slot hidden states, with grad.
+        score_fn: ``score_fn(hidden (C, H), predecessor (C,), gold (C,)) -> (scores (C, K), target
+            (C,), covered (C,))`` (:meth:`~draftsmith.models.dflash2.model.DFlash2DraftModel.teacher_forced_scores`).
+        predecessor / gold: ``(M,)`` token ids; weight: ``(M,)`` float (0: not trained).
+        chunk_size: rows per chunk.
+
+    Returns:
+        :class:`SelectorOut`; ``loss_sum = sum(weight * CE)`` with grad.
+    """
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for s in range(0, max(hidden.shape[0], 1), chunk_size):  # one (possibly empty) chunk at M = 0
+        args = (hidden[s:s + chunk_size], predecessor[s:s + chunk_size], gold[s:s + chunk_size],
+                weight[s:s + chunk_size], score_fn)
+        parts.append(checkpoint(_selector_chunk, *args, use_reentrant=False) if grad else _selector_chunk(*args))
+    total = torch.stack([p[0] for p in parts]).sum()
+    return SelectorOut(total, *(torch.cat([p[i] for p in parts]) for i in (1, 2, 3)))
+
+
+@dataclass
+class SelectorLoss:
+    """The DFlash2 selector term of :func:`dflash_loss` (speculators PR #1006 / SpecForge PR #772):
+    ``alpha * sum_slots w * CE(S(pred, .), gold) / sum w``, S the teacher-forced scores of the unary
+    top-K candidates (the gold token injected as the K-th when missing), ``pred`` the true previous
+    token (the anchor for slot 1), ``gold`` the sequence's token at the slot, w DFlash's slot weights.
+
+    Attributes:
+        alpha: the term's weight (``draft.selector_loss_alpha``; 1.0 in both references).
+        chunk_size: rows per chunk (None: :func:`dflash_loss`'s ``chunk_size``, else ``chunk_rows`` of V).
+    """
+
+    alpha: float = 1.0
+    chunk_size: int | None = None
+
+    def targets(self, distill: DistillTargets, input_ids: torch.Tensor, label_pos: torch.Tensor,
+                rows: int) -> SelectorTargets:
+        """The :class:`SelectorTargets` of blocks at ``label_pos (B, A, Bk)`` (slot 0 = the anchor),
+        ``rows`` per chunk."""
+        tokens = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)  # (B, A, Bk)
+        return SelectorTargets(distill, predecessor=tokens[:, :, :-1], gold=tokens[:, :, 1:], weight=distill.weight,
+                               select=chunked_selector, chunk_size=rows)
+
+    @staticmethod
+    def metrics(out: SelectorOut, total: torch.Tensor, trained: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``selector_loss`` (the weighted term before alpha), ``selector_acc`` (teacher-forced top
+        score is the gold token) and ``selector_coverage`` (gold among the unary top-K), means
+        over the trained slots ``trained (B, A, Bk-1)``; detached."""
+        w = trained.reshape(-1).float()
+        n = w.sum().clamp_min(1.0)
+        return {"selector_loss": total.detach(), "selector_acc": ((out.row_hit * w).sum() / n).detach(),
+                "selector_coverage": ((out.row_covered * w).sum() / n).detach()}
+
+
+def dflash2_loss(model: Any, *args: Any, alpha: float = 1.0,
+                 **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DFlash2 loss: :func:`dflash_loss` (same arguments, ``model`` a
+    :class:`~draftsmith.models.dflash2.model.DFlash2DraftModel`) with the selector term
+    ``SelectorLoss(alpha)``."""
+    return dflash_loss(model, *args, selector=SelectorLoss(alpha), **kwargs)
 
 
 # --------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ class DFlashMethod(DraftVocabMethod):
     """
 
     name = "dflash"
+    config_class: type[DFlashConfig] = DFlashConfig
+    model_class: type[DFlashDraftModel] = DFlashDraftModel
 
     def __init__(self, recipe: Recipe, run_dir: Path):
         from transformers import AutoConfig
@@ -73,18 +75,23 @@ class DFlashMethod(DraftVocabMethod):
         super().__init__(recipe, run_dir)
         mask_id = self.mask_token_id()
         draft = recipe.draft
-        self.config = DFlashConfig.from_target(
+        self.config = self.config_class.from_target(
             AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info["aux_layer_ids"],
-            num_layers=draft.num_layers, block_size=draft.block_size, mask_token_id=mask_id)
+            num_layers=draft.num_layers, block_size=draft.block_size, mask_token_id=mask_id,
+            **self.config_extra())
         self.gamma = loss_decay_gamma(draft.block_size, draft.loss_decay_gamma)
         self.weights = slot_weights(draft.block_size, self.gamma)
         self.step, self.micro = -1, 0
         log.info("dflash: %d layers, block %d, mask token %d, gamma %g", draft.num_layers, draft.block_size,
                  mask_id, self.gamma)
 
+    def config_extra(self) -> dict[str, Any]:
+        """Further config fields from the recipe (a DFlash-family subclass's; none here)."""
+        return {}
+
     def build_model(self) -> DFlashDraftModel:
-        return self.init_draft(DFlashDraftModel(self.config))
+        return self.init_draft(self.model_class(self.config))
 
     def batch_plan(self) -> AnchorCountPlan:
         return AnchorCountPlan(self.recipe.draft.num_anchors)
@@ -116,4 +123,9 @@ class DFlashMethod(DraftVocabMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
-                           self.recipe.train.loss_chunk_rows)
+                           self.recipe.train.loss_chunk_rows, selector=self.selector_loss())
+
+    def selector_loss(self) -> Any:
+        """The candidate-selector term of the loss (:class:`~draftsmith.train.losses.SelectorLoss`),
+        or None: DFlash has none."""
+        return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..methods import attach
 from .dry_run import (
+    dflash2_parameter_estimate,
     dflash_parameter_estimate,
     dspark_parameter_estimate,
     eagle3_parameter_estimate,
@@ -19,6 +20,7 @@ from .dry_run import (
 )
 from .method_dflash import DFlashMethod
 from .method_dspark import DSparkMethod
+from .method_dflash2 import DFlash2Method
 from .method_eagle3 import Eagle3Method
 from .method_medusa import MedusaMethod
 from .method_mlp_speculator import MLPSpeculatorMethod
@@ -30,3 +32,4 @@ attach("mlp_speculator", training_method=MLPSpeculatorMethod, parameter_estimato
 attach("dflash", training_method=DFlashMethod, parameter_estimator=dflash_parameter_estimate)
 attach("peagle", training_method=PEagleMethod, parameter_estimator=peagle_parameter_estimate)
 attach("dspark", training_method=DSparkMethod, parameter_estimator=dspark_parameter_estimate)
+attach("dflash2", training_method=DFlash2Method, parameter_estimator=dflash2_parameter_estimate)

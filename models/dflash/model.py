@@ -252,6 +252,7 @@ class DFlashDraftModel(TargetSharedDraft):
     """
 
     _no_split_modules = ["DFlashDecoderLayer"]
+    decoder_layer_cls: type[DFlashDecoderLayer] = DFlashDecoderLayer
 
     def __init__(self, config: DFlashConfig, attention_backend: str = "sdpa"):
         super().__init__()
@@ -263,7 +264,7 @@ class DFlashDraftModel(TargetSharedDraft):
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(n * config.target_hidden_size, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_cls(config) for _ in range(config.num_layers)])
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -316,7 +317,7 @@ class DFlashDraftModel(TargetSharedDraft):
         """
         h = self.block_hidden(input_ids, aux_hidden_states, anchors, anchor_valid, position_ids, document_ids)
         if targets is not None:
-            return targets(h[:, :, 1:], self.compute_logits)  # slots 1..Bk-1 (slot 0 is the anchor)
+            return self.block_loss(targets, h[:, :, 1:])  # slots 1..Bk-1 (slot 0 is the anchor)
         if label_mask is not None:
             h = h[label_mask]  # (M, H)
         return self.compute_logits(h)
@@ -345,6 +346,11 @@ class DFlashDraftModel(TargetSharedDraft):
             h = layer(h, context, ctx_cos, ctx_sin, cos, sin, mask)
         return h
 
+    def block_loss(self, targets: DistillTargets, hidden: torch.Tensor) -> Any:
+        """The training loss of the trained block slots ``hidden (B, A, Bk-1, H)`` (pre-norm): the
+        divergence ``targets`` computes through :meth:`compute_logits`."""
+        return targets(hidden, self.compute_logits)
+
     # ----------------------------------------------------------------------------------
     # Inference, as vLLM runs it (docs/parallel_drafts.md, "DFlash at inference")
 
@@ -366,6 +372,12 @@ class DFlashDraftModel(TargetSharedDraft):
 
     @torch.no_grad()
     def propose_block(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
+        """One draft forward (:meth:`propose_hidden`) -> ``(k, Vd)`` float32 logits; row i-1 drafts
+        the token at position P+i. Raises as :meth:`propose_hidden`."""
+        return self.compute_logits(self.propose_hidden(cache, bonus_token, position, k)).float()
+
+    @torch.no_grad()
+    def propose_hidden(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
         """One draft forward: the block ``[bonus, M * k]`` at positions ``position..position+k``
         attends to every cached context position and (non-causally) to itself.
 
@@ -376,7 +388,7 @@ class DFlashDraftModel(TargetSharedDraft):
             k: drafts wanted, ``1 <= k <= block_size - 1``.
 
         Returns:
-            ``(k, Vd)`` float32 logits; row i-1 drafts the token at position P+i.
+            ``(k, H)`` pre-norm hidden states of the mask slots (the anchor row's is discarded).
 
         Raises:
             ValueError: ``k`` outside ``[1, block_size - 1]``.
@@ -385,8 +397,7 @@ class DFlashDraftModel(TargetSharedDraft):
         if not 1 <= k <= Bk - 1:
             raise ValueError(f"k={k} drafts, but this DFlash draft was trained with block_size={Bk}: "
                              f"it proposes 1..{Bk - 1} tokens per block")
-        h = self.run_block(cache, bonus_token, position, k + 1)
-        return self.compute_logits(h[1:]).float()  # the anchor row's output is discarded
+        return self.run_block(cache, bonus_token, position, k + 1)[1:]  # the anchor row's output is discarded
 
     @torch.no_grad()
     def run_block(self, cache: DFlashKVCache, bonus_token: int, position: int, n: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
-from draftsmith.recipe import DFlashDraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, dump_recipe, load_recipe
+from draftsmith.recipe import DFlash2DraftConfig, DFlashDraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, dump_recipe, load_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.method_eagle3 import Eagle3Method
 from draftsmith.train.trainer import fit
@@ -84,6 +84,18 @@ def dflash_recipe(tiny_target: Path, where: Path, section: type = DFlashDraftCon
     recipe.draft = section(**{"num_layers": 1, "block_size": 4, "num_anchors": 64, "freeze_lm_head": False, **draft})
     recipe.name = f"tiny_{recipe.draft.method}"
     path = where / f"{recipe.name}.yaml"
+    dump_recipe(recipe, path)
+    return recipe, path
+
+
+def dflash2_recipe(tiny_target: Path, where: Path, **draft):
+    """The tiny target's DFlash2 recipe: :func:`dflash_recipe`'s, over the whole vocab (512)."""
+    recipe, _ = dflash_recipe(tiny_target, where)
+    recipe.data.draft_vocab_size = 512
+    recipe.draft = DFlash2DraftConfig(**{"num_layers": 1, "block_size": 4, "num_anchors": 64, "freeze_lm_head": False,
+                                         "conv_group_size": 32, "selector_rank": 16, "selector_top_k": 8, **draft})
+    recipe.name = "tiny_dflash2"
+    path = where / "tiny_dflash2.yaml"
     dump_recipe(recipe, path)
     return recipe, path
 

@@ -13,6 +13,7 @@ import torch
 from draftsmith.methods import UnknownMethodError, get_method, method_of_export, registered_methods
 from draftsmith.models.dflash.config import DFlashConfig
 from draftsmith.models.dspark.config import DSparkConfig
+from draftsmith.models.dflash2.config import DFlash2Config
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.medusa.model import MedusaConfig
 from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
@@ -32,6 +33,10 @@ TINY_CONFIGS = {
     "dflash": DFlashConfig(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=VD,
                            aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6),
+    "dflash2": DFlash2Config(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=V,
+                             aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6,
+                             conv_group_size=8, selector_rank=4, selector_top_k=3),
     "peagle": PEagleConfig(hidden_size=H, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=16, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 2], num_layers=2,
                            num_depths=3, mask_token_id=5),
@@ -40,7 +45,7 @@ TINY_CONFIGS = {
                            aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6, markov_rank=8),
 }
 # the methods whose drafts share the target's embedding (the loader takes it as its second argument)
-SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark"}
+SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark", "dflash2"}
 
 
 def test_every_method_has_a_tiny_config_here():
@@ -57,7 +62,8 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
             p.normal_()
     embed = torch.randn(V, H)
     if name in SHARED_EMBEDDING:
-        model.set_vocab_mapping(torch.arange(VD), torch.arange(V) < VD)
+        vd = model.config.draft_vocab_size
+        model.set_vocab_mapping(torch.arange(vd) if vd < V else torch.zeros(V, dtype=torch.long), torch.arange(V) < vd)
         model.init_from_target(embed)
     ckpt = tmp_path / "ckpt"
     target = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V}
@@ -75,12 +81,12 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
 
 
 def test_unknown_method_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="'eagle4'.*eagle3, medusa, mlp_speculator, dflash, peagle"):
+    with pytest.raises(UnknownMethodError, match="'eagle4'.*eagle3, medusa, mlp_speculator, dflash, peagle, dflash2"):
         get_method("eagle4")
 
 
 def test_unknown_export_format_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator, dflash, peagle"):
+    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator, dflash, peagle, dflash2"):
         method_of_export({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
 
 

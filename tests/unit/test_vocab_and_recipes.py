@@ -97,8 +97,8 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
 
 @pytest.mark.parametrize("key,value,methods", [
     ("ttt_steps", 3, "eagle3"), ("gamma", 0.5, "eagle3"), ("head_decay", 0.5, "medusa / mlp_speculator"),
-    ("loss", "jsd", "eagle3 / dflash / peagle / dspark"), ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle / dspark"),
-    ("gradient_checkpointing", True, "eagle3 / dflash / peagle / dspark"),
+    ("loss", "jsd", "eagle3 / dflash / peagle / dspark / dflash2"), ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle / dspark / dflash2"),
+    ("gradient_checkpointing", True, "eagle3 / dflash / peagle / dspark / dflash2"),
 ])
 def test_a_training_key_that_moved_to_the_draft_section_names_its_new_place(tmp_path, key, value, methods):
     f = tmp_path / "r.yaml"
@@ -130,8 +130,8 @@ def test_draft_section_is_the_methods_own_keys():
     assert load_recipe(None).draft == Eagle3DraftConfig()  # no draft section: EAGLE-3 defaults
     with pytest.raises(RecipeError, match=r"draft.num_heads: unknown key for draft.method eagle3 \(a key of medusa\)"):
         load_recipe(None, ["draft.num_heads=4"])
-    with pytest.raises(RecipeError, match="draft: Input tag 'dflash2' found using 'method' does not match"):
-        load_recipe(None, ["draft.method=dflash2"])
+    with pytest.raises(RecipeError, match="draft: Input tag 'dflash3' found using 'method' does not match"):
+        load_recipe(None, ["draft.method=dflash3"])
 
 
 @pytest.mark.parametrize("tree,message", [
