@@ -81,12 +81,12 @@ def test_export_round_trips_through_the_registered_exporter_and_loader(tmp_path,
 
 
 def test_unknown_method_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="'eagle4'.*eagle3, medusa, mlp_speculator, dflash, peagle, dflash2"):
+    with pytest.raises(UnknownMethodError, match="'eagle4'.*eagle3, medusa, mlp_speculator, dflash, peagle, dspark, dflash2"):
         get_method("eagle4")
 
 
 def test_unknown_export_format_is_an_error_listing_the_registered_names():
-    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator, dflash, peagle, dflash2"):
+    with pytest.raises(UnknownMethodError, match="model_type 'llama'.*eagle3, medusa, mlp_speculator, dflash, peagle, dspark, dflash2"):
         method_of_export({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
 
 
