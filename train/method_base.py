@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..data_prep.capture import capture_batch
+from ..data_prep.conversations import DataError
 from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
@@ -147,11 +148,19 @@ class DraftVocabMethod(TargetDataMethod):
 
     Raises:
         ValueError: ``t2d`` covers another number of target ids than the target's ``lm_head``.
+        DataError: the prepared draft vocab has another size than the recipe's
+            ``data.draft_vocab_size`` (capped at the target vocab): data prepared for another recipe.
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path):
         super().__init__(recipe, run_dir)
-        self.use_vocab(*read_vocab(self.paths), where=self.paths.vocab)
+        d2t, t2d = read_vocab(self.paths)
+        want = min(recipe.data.draft_vocab_size, t2d.shape[0])
+        if d2t.shape[0] != want:
+            raise DataError(f"{self.paths.vocab}: a draft vocab of {d2t.shape[0]} tokens, but the recipe's "
+                            f"data.draft_vocab_size is {want}: the data was prepared for another recipe; "
+                            f"prepare it again with this one (drop --no-prepare)")
+        self.use_vocab(d2t, t2d, where=self.paths.vocab)
         self.loss = LossSpec.from_recipe(recipe.draft)  # the divergence against the target (draft.loss)
 
     def use_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, where: Any = "draft vocab") -> None:
