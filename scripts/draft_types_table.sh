@@ -9,6 +9,8 @@
 #   scripts/draft_types_table.sh DATA PROMPTS OUT
 #
 # DATA: a prepared RUN_DIR/data folder (`draftsmith prepare recipes/smollm2_135m.yaml`).
+# FULL_VOCAB_DATA: the same folder prepared again with recipes/smollm2_135m_dflash2.yaml (a copy of
+# DATA: only the vocab stage reruns), for DFlash2, which drafts over the whole target vocab.
 # MINUTES (default 4) is the budget per type; TYPES picks the types; PROMPTS_N / NEW_TOKENS / K
 # the measurement. Finished runs (an export) are kept, so a stopped table continues.
 set -euo pipefail
@@ -29,7 +31,8 @@ runs=()
 for t in "${TYPES[@]}"; do
     run="$OUT/$t"
     if [ ! -f "$run/export/config.json" ]; then
-        mkdir -p "$run"; [ -e "$run/data" ] || ln -s "$DATA" "$run/data"
+        data=$DATA; [ "$t" = dflash2 ] && data=$(realpath -m "${FULL_VOCAB_DATA:?DFlash2 needs FULL_VOCAB_DATA}")
+        mkdir -p "$run"; [ -e "$run/data" ] || ln -s "$data" "$run/data"
         log "train $t: $MINUTES min"
         # shellcheck disable=SC2086
         $DS train "${RECIPE[$t]}" --run-dir "$run" --overwrite --no-prepare --set train.max_steps=1000000 \
