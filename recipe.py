@@ -52,6 +52,10 @@ class RegenerateConfig(_Strict):
     temperatures: list[float] = Field(
         [0.0], min_length=1, description="Row i is generated at temperatures[i % len]."
     )
+    samples_per_prompt: int = Field(
+        1, ge=1, description="Target replies per prompt: each conversation is regenerated this many times "
+        "(ids '<id>_gen<j>', one conversation for the validation split), row i at temperatures[i % len]; more "
+        "on-policy data from the same prompts. > 1 needs a temperature > 0 (greedy copies are identical).")
     batch_size: int = Field(64, ge=1, description="Conversations per generation call (and cache flush).")
     reasoning_effort: dict[Literal["low", "medium", "high"], float] | None = Field(
         None,
@@ -79,6 +83,13 @@ class RegenerateConfig(_Strict):
         if any(t < 0 for t in v):
             raise ValueError("temperatures must be >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> "RegenerateConfig":
+        if self.samples_per_prompt > 1 and not any(t > 0 for t in self.temperatures):
+            raise ValueError(f"data.regenerate.samples_per_prompt={self.samples_per_prompt} needs a temperature > 0 in "
+                             f"data.regenerate.temperatures (now {self.temperatures}): greedy replies of one prompt are identical")
+        return self
 
     @field_validator("reasoning_effort")
     @classmethod
