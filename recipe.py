@@ -52,6 +52,10 @@ class RegenerateConfig(_Strict):
     temperatures: list[float] = Field(
         [0.0], min_length=1, description="Row i is generated at temperatures[i % len]."
     )
+    samples_per_prompt: int = Field(
+        1, ge=1, description="Target replies per prompt: each conversation is regenerated this many times "
+        "(ids '<id>_gen<j>', one conversation for the validation split), row i at temperatures[i % len]; more "
+        "on-policy data from the same prompts. > 1 needs a temperature > 0 (greedy copies are identical).")
     batch_size: int = Field(64, ge=1, description="Conversations per generation call (and cache flush).")
     reasoning_effort: dict[Literal["low", "medium", "high"], float] | None = Field(
         None,
@@ -79,6 +83,13 @@ class RegenerateConfig(_Strict):
         if any(t < 0 for t in v):
             raise ValueError("temperatures must be >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _samples_differ(self) -> "RegenerateConfig":
+        if self.samples_per_prompt > 1 and not any(t > 0 for t in self.temperatures):
+            raise ValueError(f"data.regenerate.samples_per_prompt={self.samples_per_prompt} needs a temperature > 0 in "
+                             f"data.regenerate.temperatures (now {self.temperatures}): greedy replies of one prompt are identical")
+        return self
 
     @field_validator("reasoning_effort")
     @classmethod
@@ -181,6 +192,11 @@ class _DraftVocabSection(_DraftSection):
     gradient_checkpointing: bool = Field(
         False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
         "more forward of the layers per step; eagle3: per TTT step).")
+    aux_noise_std: float = Field(
+        0.0, ge=0, description="Training only: add Gaussian noise of this standard deviation (absolute, in the "
+        "units of the target's hidden states) to the aux hidden states the draft reads, fresh every micro-batch; "
+        "the target's distribution (labels) and validation see the clean states. 0: off. A regulariser against "
+        "memorising a small set (the speculators trainer's --noise-std, there uniform in [-std, std]).")
 
     @model_validator(mode="after")
     def _frozen_head_is_initialised(self) -> "_DraftVocabSection":
@@ -398,6 +414,14 @@ class TrainConfig(_Strict):
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps).")
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (after warmup; cosine decay to min_lr_ratio * lr).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw: AdamW over every trainable parameter. muon: torch.optim.Muon (torch >= 2.9) "
+        "over the 2-D hidden weight matrices (fc, attention and MLP projections) and AdamW over the rest "
+        "(embeddings, lm_head, norms, biases), the split of the speculators trainer; not under DeepSpeed.")
+    muon_lr: float | None = Field(
+        None, gt=0, description="optimizer: muon: peak lr of the Muon group (same warmup/cosine schedule); null: "
+        "lr (Muon's update RMS is matched to AdamW's; the speculators trainer defaults to 10 * lr).")
+    muon_weight_decay: float = Field(0.1, ge=0, description="optimizer: muon: decoupled weight decay of the Muon group.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Linear warmup as a fraction of the optimizer steps.")

@@ -179,6 +179,8 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str |
         base = {"target": regen.target_id(info["name_or_path"], info["path"]),
                 "chat_template_sha256": regen.chat_template_sha256(tok),
                 "engine": regen.ENGINE_FAMILY[factory.engine]}
+        if cfg.samples_per_prompt > 1:
+            records = regen.repeat_prompts(records, cfg.samples_per_prompt)
         records = regen.iter_regenerated(
             records, paths.regen if share is None else node_cache(paths, *share), factory, cfg.temperatures,
             cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,

@@ -513,6 +513,20 @@ def _close(engine: Any) -> None:
 FSYNC_EVERY = 50  # rows between fsyncs of the cache on the server path
 
 
+def repeat_prompts(records: Iterable[dict], samples: int) -> Iterator[dict]:
+    """``data.regenerate.samples_per_prompt``: each record ``samples`` times in a row, copy ``j >= 1``
+    with the id ``"{id}_gen{j}"`` (copy 0 keeps its id, so a cache of one sample per prompt stays
+    valid), for several target replies per prompt (on-policy data at T > 0). Copies are
+    consecutive records, so copy ``j`` of the record at position ``p`` is sampled at
+    ``temperatures[(p * samples + j) % len]``; ``_gen<N>`` ids are one conversation for
+    ``data.validation_fraction`` (``train.validation.conversation_key``), so the copies of a prompt
+    are never split between training and validation. ``samples == 1``: ``records`` unchanged."""
+    for r in records:
+        yield r
+        for j in range(1, samples if "messages" in r else 1):
+            yield dict(r, id=f"{r['id']}_gen{j}")
+
+
 REGEN_WINDOW = 4096  # conversations read, generated and handed on at a time when streaming
 
 

@@ -7,7 +7,8 @@ A checkpoint is the directory ``RUN_DIR/checkpoints/step-N``:
   ``save_state`` for one process / DDP, gathered with ``Accelerator.save_model`` (accelerate's
   ``get_state_dict``) under FSDP and DeepSpeed. Export and the evaluators read only this file.
 - what the launcher needs to resume, as accelerate's ``save_state`` writes it: ``optimizer.bin``
-  / ``scheduler.bin`` (one process, DDP), ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (FSDP,
+  / ``scheduler.bin`` (one process, DDP; ``train.optimizer: muon`` adds Muon's ``optimizer_1.bin``
+  / ``scheduler_1.bin``), ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (FSDP,
   torch.distributed.checkpoint), ``pytorch_model/`` (DeepSpeed ZeRO: its own torch pickles,
   loaded only by DeepSpeed on resume), ``random_states_R.pkl`` per rank.
 - ``train_state.json``: the run position (:class:`TrainState`, JSON, no pickle) with the

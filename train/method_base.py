@@ -89,6 +89,24 @@ class TargetDataMethod:
         return capture_batch(self.target, batch["input_ids"], batch["attention_mask"],
                              self.target_info["aux_layer_ids"])
 
+    def training_states(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`target_states` for a training step: ``aux (B, T, n*H)`` in the dtype of the
+        draft's trainable parameters, plus Gaussian noise of standard deviation
+        ``draft.aux_noise_std`` (absolute, fresh per call from torch's seeded generator) where the
+        recipe asks for it; ``final (B, T, H)`` untouched, so the target's distribution (the
+        labels) stays clean. Validation, evaluation and export never call this. The noise
+        follows the speculators trainer's ``--noise-std`` (vllm-project/speculators,
+        ``src/speculators/train/noise_transforms.py``: added to the concatenated aux hidden
+        states of the training split only), Gaussian here where that one is uniform in
+        ``[-std, std]`` (standard deviation ``std / sqrt(3)``)."""
+        param = next(p for p in model.parameters() if p.requires_grad)
+        aux, final = self.target_states(batch)
+        aux = aux.to(param.dtype)
+        std = getattr(self.recipe.draft, "aux_noise_std", 0.0)
+        if std > 0:
+            aux = aux + torch.randn_like(aux) * std
+        return aux, final
+
     def global_denominators(self, counts: torch.Tensor) -> torch.Tensor | None:
         """Per-step normalisers for data parallelism from the local token counts ``(K,)`` of
         each step: the global count over the world size (so the averaged gradient is the

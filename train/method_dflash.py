@@ -113,9 +113,7 @@ class DFlashMethod(DraftVocabMethod):
         return torch.Generator(device=device).manual_seed(self.anchor_seed())
 
     def compute_loss(self, model, batch):
-        param = next(p for p in model.parameters() if p.requires_grad)
-        aux, final = self.target_states(batch)
-        aux = aux.to(param.dtype)  # (B, T, n*Ht)
+        aux, final = self.training_states(model, batch)  # (B, T, n*Ht)
         mask, docs = batch["loss_mask"], batch.get("document_ids")
         T = mask.shape[1]
         width = batch.get(NUM_ANCHORS_KEY)  # the plan's tight A; else the cap (padding anchors cost compute only)

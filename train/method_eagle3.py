@@ -85,9 +85,7 @@ class Eagle3Method(DraftVocabMethod):
         ``(M_k, Vd)`` logits, and the target's distribution is computed once per batch at the
         rows some step needs. No host read when the batch carries its plan (:meth:`batch_plan`).
         Metrics are device tensors."""
-        param = next(p for p in model.parameters() if p.requires_grad)
-        aux, final = self.target_states(batch)
-        aux = aux.to(param.dtype)  # (B, T, 3H)
+        aux, final = self.training_states(model, batch)  # (B, T, 3H)
         K = self.recipe.draft.ttt_steps
         # packed rows (train.packing) carry per-document positions and document ids
         docs = batch.get("document_ids")

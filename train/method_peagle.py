@@ -115,9 +115,7 @@ class PEagleMethod(DraftVocabMethod):
         return torch.as_tensor(den, dtype=torch.float32, device=count.device).reshape(-1)[0]
 
     def compute_loss(self, model, batch):
-        param = next(p for p in model.parameters() if p.requires_grad)
-        aux, final = self.target_states(batch)
-        aux = aux.to(param.dtype)  # (B, T, 3H)
+        aux, final = self.training_states(model, batch)  # (B, T, 3H)
         pred, elements = self.sample(batch)
         sel = cod_targets(elements, pred)  # (B, S) trained elements
         B, T = pred.shape

@@ -211,6 +211,50 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: Any, device: torch.de
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
 
 
+# parameters Muon never takes even when 2-D: the token embedding and the output head (Keller
+# Jordan's Muon convention, which the speculators trainer follows, its PR #746)
+MUON_EXCLUDED_NAMES = ("embed_tokens", "lm_head")
+
+
+def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """``(muon, adamw)``: the trainable parameters of ``model`` that Muon orthogonalises (2-D
+    hidden weight matrices with both sides > 1: the fc, attention and MLP projections) and the
+    rest, which AdamW keeps (norms, biases, any 1-D tensor, and every parameter whose name
+    contains ``embed_tokens`` or ``lm_head``). The split of the speculators trainer (its
+    ``--optimizer muon``, PR #746). Frozen parameters are in neither list."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(n in name for n in MUON_EXCLUDED_NAMES)
+        (muon if hidden_matrix else adamw).append(p)
+    return muon, adamw
+
+
+def build_optimizers(model: torch.nn.Module, cfg: Any, device: torch.device) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``train.optimizer``, stepped in this order every optimizer step:
+    ``adamw``: ``[AdamW]`` over every trainable parameter (:func:`build_optimizer`); ``muon``:
+    ``[AdamW, Muon]``: torch's ``torch.optim.Muon`` (Keller Jordan's Muon; 5 Newton-Schulz
+    steps, momentum 0.95 with Nesterov, ``adjust_lr_fn="match_rms_adamw"`` so its update RMS
+    matches AdamW's, Moonshot's "Muon is Scalable for LLM Training") over the 2-D hidden weight
+    matrices at ``train.muon_lr`` (null: ``train.lr``) and ``train.muon_weight_decay``, AdamW
+    over the rest (:func:`split_muon_params`).
+
+    Raises:
+        RuntimeError: ``train.optimizer: muon`` on a torch without ``torch.optim.Muon`` (< 2.9).
+    """
+    if getattr(cfg, "optimizer", "adamw") == "adamw":
+        return [build_optimizer([p for p in model.parameters() if p.requires_grad], cfg, device)]
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(f"train.optimizer: muon needs torch.optim.Muon (torch >= 2.9); this torch is {torch.__version__}")
+    muon, adamw = split_muon_params(model)
+    optimizers = [build_optimizer(adamw, cfg, device)] if adamw else []
+    if muon:
+        optimizers.append(torch.optim.Muon(muon, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.muon_weight_decay,
+                                           momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw"))
+    return optimizers
+
+
 class MetricWindow:
     """Per-micro-batch metrics since the last logged step, summed on the device.
 
@@ -328,6 +372,11 @@ def window_sums_of_rank(saved: dict[str, list[float]], window_format: int, rank:
     return {k: (float(sum(v[0::2])), float(sum(v[1::2]))) for k, v in saved.items()}
 
 
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group of ``optimizer`` runs a fused kernel that reads ``found_inf``."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
 class NonFiniteGuard:
     """Skips an optimizer step whose loss or gradient is not finite, on the device, on every rank.
 
@@ -346,15 +395,19 @@ class NonFiniteGuard:
     stay on the device and are read with the metrics (:meth:`absorb`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, num_processes: int,
-                 check_grads: bool = False):
-        self.optimizer, self.device, self.world, self.check_grads = optimizer, torch.device(device), num_processes, check_grads
-        self.fused = all(group.get("fused") for group in optimizer.param_groups)
+    def __init__(self, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], device: torch.device,
+                 num_processes: int, check_grads: bool = False):
+        """``optimizer``: one, or the optimizers of one step (``train.optimizer: muon``: AdamW and
+        Muon); the flag is computed (and all-reduced) once per step, by the first hook that runs."""
+        optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        self.optimizer, self.device, self.world, self.check_grads = optimizers[0], torch.device(device), num_processes, check_grads
+        self.fused = all(_is_fused(o) for o in optimizers)
         self.bad = torch.zeros((), dtype=torch.float32, device=self.device)
         self.found: torch.Tensor | None = None
         self.hook_ran = False
         self.counters = torch.zeros(3, dtype=torch.float32, device=self.device)
-        optimizer.register_step_pre_hook(self._before_step)
+        for o in optimizers:
+            o.register_step_pre_hook(self._before_step)
 
     def restore(self, in_a_row: int) -> None:
         self.counters = torch.tensor([0.0, in_a_row, in_a_row], dtype=torch.float32).to(self.device)
@@ -367,6 +420,23 @@ class NonFiniteGuard:
             self.bad.add_(torch.isfinite(norm.detach()).logical_not().float().reshape(()).to(self.device))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.hook_ran:  # a later optimizer of the same step: the flag is known
+            flag = self.found
+        else:
+            flag = self._step_flag(optimizer)
+        self.found, self.hook_ran = flag, True
+        if _is_fused(optimizer):
+            optimizer.found_inf = flag
+            return
+        with host_work("nonfused-skip"):
+            skip = bool(flag.item())  # no fused kernel for this device: the one host read left
+        if skip:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # torch optimizers skip parameters without a gradient
+
+    def _step_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """1.0 where this step must be skipped on any rank, else 0.0 (0-dim device tensor)."""
         flag = (self.bad > 0).float()
         if self.check_grads:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -377,16 +447,7 @@ class NonFiniteGuard:
             import torch.distributed as dist
 
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.found, self.hook_ran = flag, True
-        if self.fused:
-            optimizer.found_inf = flag
-            return
-        with host_work("nonfused-skip"):
-            skip = bool(flag.item())  # no fused kernel for this device: the one host read left
-        if skip:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # torch optimizers skip parameters without a gradient
+        return flag
 
     def end_step(self, applied: bool | None = None) -> None:
         """After the optimizer step: count it. ``applied``: DeepSpeed's ``was_step_applied()``
@@ -611,25 +672,35 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
         apply_recipe_checkpointing(model, self.recipe.draft)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, cfg, acc.device)
+        optimizers = build_optimizers(model, cfg, acc.device)
         deepspeed = acc.distributed_type.value == "DEEPSPEED"
+        if deepspeed and len(optimizers) > 1:
+            raise ValueError("train.optimizer: muon is not supported under DeepSpeed (it steps one optimizer); "
+                             "use train.optimizer: adamw or another launcher")
         # before prepare: DeepSpeed ZeRO steps this same optimizer object on its fp32 partitions
-        self.guard = NonFiniteGuard(optimizer, acc.device, acc.num_processes, check_grads=deepspeed)
+        self.guard = NonFiniteGuard(optimizers, acc.device, acc.num_processes, check_grads=deepspeed)
         steps_per_epoch = max(1, len(self.sampler) // cfg.grad_accum_steps)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
         self.budget_s = cfg.max_time_minutes * 60.0 if cfg.max_time_minutes else None
         self.clock = _TrainClock()
-        if self.budget_s is None:
-            scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-                optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps, min_lr_rate=cfg.min_lr_ratio
-            )
-        else:  # warmup + cosine over max(step / total_steps, seconds / budget)
-            # self.total_steps as it is when the schedule steps (an early stop or a spent budget lowers it)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
+
+        def schedule(optimizer: torch.optim.Optimizer) -> Any:
+            if self.budget_s is None:
+                return get_cosine_with_min_lr_schedule_with_warmup(
+                    optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps, min_lr_rate=cfg.min_lr_ratio
+                )
+            # warmup + cosine over max(step / total_steps, seconds / budget); self.total_steps as
+            # it is when the schedule steps (an early stop or a spent budget lowers it)
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
                 max(step / self.total_steps, self.clock.seconds() / self.budget_s), cfg.warmup_ratio,
                 cfg.min_lr_ratio))
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+
+        # one schedule per optimizer (the same factor of each one's peak lr); accelerate's
+        # save_state / load_state keep every prepared optimizer and scheduler (optimizer_1.bin ...)
+        schedulers = [schedule(o) for o in optimizers]
+        model, *prepared = acc.prepare(model, *optimizers, *schedulers)
+        self.model, self.optimizers, self.schedulers = model, prepared[:len(optimizers)], prepared[len(optimizers):]
+        self.optimizer, self.scheduler = self.optimizers[0], self.schedulers[0]
         self.engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
 
     def _load_last_checkpoint(self) -> None:
@@ -705,16 +776,19 @@ class Trainer:
                 else:
                     norm = _full_tensor(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                     guard.note_grad_norm(norm)
-                    self.optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
+                    for optimizer in self.optimizers:
+                        optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
                     guard.end_step()
                 step = state.step + 1
                 if self.budget_s is not None and self.is_logging_step(step):
                     with host_work("log", step):
                         self.clock.sync(acc)  # the same seconds on every rank, for lr and stop
-                self.scheduler.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
                 if norm is not None:
                     metrics = {**metrics, "grad_norm": norm}
-            self.optimizer.zero_grad(set_to_none=True)
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
         self.window.add(metrics)
         state.batch_in_epoch += 1
         state.tokens += batch["num_tokens"]

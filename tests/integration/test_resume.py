@@ -83,11 +83,15 @@ def test_sigkill_at_a_random_step_then_resume_equals_an_uninterrupted_run(prepar
     assert diff <= TOL, f"max |param diff| {diff} after SIGKILL at step {seen} and resume from {ckpt_step}"
 
 
-def test_crash_mid_checkpoint_keeps_the_previous_one_and_resume_is_exact(prepared, tmp_path):
-    recipe, ref = new_run(prepared, tmp_path / "ref", max_steps=12)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_crash_mid_checkpoint_keeps_the_previous_one_and_resume_is_exact(prepared, tmp_path, optimizer):
+    """muon: both optimizers (AdamW and Muon, its momentum) and both schedules are restored."""
+    if optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon needs torch >= 2.9")
+    recipe, ref = new_run(prepared, tmp_path / "ref", max_steps=12, optimizer=optimizer)
     fit(recipe, Eagle3Method(recipe, ref), ref, progress=False)
 
-    _, run = new_run(prepared, tmp_path / "crashed", max_steps=12)
+    _, run = new_run(prepared, tmp_path / "crashed", max_steps=12, optimizer=optimizer)
     with pytest.raises(OSError, match="injected crash"):
         fit(recipe, FaultyEagle3(recipe, run, crash_on_save=2), run, progress=False)  # saves at 3, 6
     ckpt_dir = run / "checkpoints"
@@ -99,6 +103,8 @@ def test_crash_mid_checkpoint_keeps_the_previous_one_and_resume_is_exact(prepare
     assert not (ckpt_dir / ".tmp-step-6").exists()
     assert_same_curve(read_metrics(run), read_metrics(ref))
     assert max_param_diff(final_params(run), final_params(ref)) <= TOL
+    if optimizer == "muon":
+        assert (find_checkpoints(ckpt_dir)[-1] / "optimizer_1.bin").is_file()  # Muon's state, beside AdamW's
 
 
 def test_resume_without_a_complete_checkpoint_is_an_error(prepared, tmp_path):
