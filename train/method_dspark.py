@@ -47,7 +47,7 @@ class DSparkMethod(DFlashMethod):
 
     def compute_loss(self, model, batch):
         param = next(p for p in model.parameters() if p.requires_grad)
-        aux, final = self.target_states(batch)
+        aux, final = self.training_states(model, batch)  # draft.aux_noise_std applies here too
         mask, docs = batch["loss_mask"], batch.get("document_ids")
         width = batch.get(NUM_ANCHORS_KEY)
         num_anchors = width if width is not None else min(self.recipe.draft.num_anchors, max(mask.shape[1] - 1, 1))
