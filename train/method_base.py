@@ -166,19 +166,11 @@ class DraftVocabMethod(TargetDataMethod):
 
     Raises:
         ValueError: ``t2d`` covers another number of target ids than the target's ``lm_head``.
-        DataError: the prepared draft vocab has another size than the recipe's
-            ``data.draft_vocab_size`` (capped at the target vocab): data prepared for another recipe.
     """
 
     def __init__(self, recipe: Recipe, run_dir: Path):
         super().__init__(recipe, run_dir)
-        d2t, t2d = read_vocab(self.paths)
-        want = min(recipe.data.draft_vocab_size, t2d.shape[0])
-        if d2t.shape[0] != want:
-            raise DataError(f"{self.paths.vocab}: a draft vocab of {d2t.shape[0]} tokens, but the recipe's "
-                            f"data.draft_vocab_size is {want}: the data was prepared for another recipe; "
-                            f"prepare it again with this one (drop --no-prepare)")
-        self.use_vocab(d2t, t2d, where=self.paths.vocab)
+        self.use_vocab(*read_vocab(self.paths), where=self.paths.vocab)
         self.loss = LossSpec.from_recipe(recipe.draft)  # the divergence against the target (draft.loss)
 
     def use_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, where: Any = "draft vocab") -> None:
@@ -408,6 +400,23 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def check_draft_vocab_size(recipe: Recipe, paths: Any) -> None:
+    """Before training: the prepared draft vocab (``paths.vocab``) has the recipe's
+    ``data.draft_vocab_size`` tokens (capped at the target vocab). Evaluation reads folders in a
+    draft's own vocab and does not call this.
+
+    Raises:
+        DataError: naming the vocab file and both sizes (data prepared for another recipe, e.g. an
+            EAGLE-3 folder handed to DFlash2, which drafts over the whole target vocab).
+    """
+    d2t, t2d = read_vocab(paths)
+    want = min(recipe.data.draft_vocab_size, t2d.shape[0])
+    if d2t.shape[0] != want:
+        raise DataError(f"{paths.vocab}: a draft vocab of {d2t.shape[0]} tokens, but the recipe's "
+                        f"data.draft_vocab_size is {want}: the data was prepared for another recipe; "
+                        f"prepare it again with this one (drop --no-prepare)")
+
+
 def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
     """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
     ``--dry-run`` (size and launcher report) or prepare what data is missing and
@@ -466,6 +475,8 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
             claim_run_dir(run_dir, args.resume, args.overwrite)
         # before the accelerator: the data stage's children get the GPUs while no rank holds memory
         ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare)
+        if issubclass(method_cls, DraftVocabMethod):
+            check_draft_vocab_size(recipe, RunLayout(run_dir).data)
         check_online_target_fits(recipe, run_dir)
         accelerator = build_accelerator(recipe, run_dir)
         method = method_cls(recipe, run_dir)
