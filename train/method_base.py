@@ -455,7 +455,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         print(f"{args.recipe}: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from .dry_run import MemoryBudgetError, check_fits, dry_run, format_report
+        from .dry_run import check_fits, dry_run, format_report
 
         try:
             report = dry_run(recipe, args.target_config, args.launcher, args.device_memory_gib)
