@@ -39,7 +39,7 @@ class DFlashProposer(Proposer):
         """
         m = self.model
         if k > self.max_k:
-            raise ValueError(f"k={k}: this {m.config.architecture.removesuffix('DraftModel')} draft was trained with "
+            raise ValueError(f"k={k}: this {type(m).__name__.removesuffix('DraftModel')} draft was trained with "
                              f"block_size={m.config.block_size} and proposes at most {self.max_k} tokens per block")
         device, dtype = m.fc.weight.device, m.fc.weight.dtype
         start, n = len(self.cache), states.shape[0]

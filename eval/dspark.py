@@ -12,8 +12,8 @@ import torch
 
 from ..models.dspark.format import load_dspark
 from ..models.dspark.model import DSparkDraftModel
-from .dflash import DFlashProposer
-from .spec_decode import Proposal, check_aux_layers, to_target_vocab
+from .dflash import DFlashProposer, dflash_proposer
+from .spec_decode import Proposal
 
 
 class DSparkProposer(DFlashProposer):
@@ -29,39 +29,27 @@ class DSparkProposer(DFlashProposer):
         self.max_k = model.config.block_size
 
     @torch.no_grad()
-    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
-                generator: torch.Generator | None) -> Proposal:
-        """See :meth:`Proposer.propose`.
-
-        Raises:
-            ValueError: ``k`` > ``block_size`` (names the trained block size).
-        """
-        m = self.model
-        if k > self.max_k:
-            raise ValueError(f"k={k}: this DSpark draft was trained with block_size={m.config.block_size} and "
-                             f"proposes at most {self.max_k} tokens per block")
-        device, dtype = m.fc.weight.device, m.fc.weight.dtype
-        start, n = len(self.cache), states.shape[0]
-        m.append_context(self.cache, states.to(device, dtype), torch.arange(start, start + n, device=device))
-        pending = int(next_tokens[-1])
-        hidden = m.propose_hidden(self.cache, pending, start + n, k)  # (k, H)
+    def draft(self, bonus_token: int, position: int, k: int, temperature: float,
+              generator: torch.Generator | None) -> Proposal:
+        """The k draft tokens (draft-vocab ids) of the block ``[bonus_token, M * (k-1)]`` at
+        ``position``, Markov-corrected left to right."""
+        m, pending = self.model, bonus_token
+        device = m.fc.weight.device
+        hidden = m.propose_hidden(self.cache, pending, position, k)  # (k, H)
 
         def logits_fn(i: int, prev: int | None) -> torch.Tensor:
             prev_target = pending if prev is None else prev + int(m.d2t[prev])  # draft id -> target id
             e = m.markov_embed(torch.tensor(prev_target, device=device))
             return m.markov_logits(hidden[i], e).float()
 
-        return to_target_vocab(self._chain(logits_fn, k, temperature, generator), m.d2t, m.config.vocab_size)
+        return self._chain(logits_fn, k, temperature, generator)
 
 
 def dspark_proposer(path: Path, target_model: Any | None = None) -> DSparkProposer:
-    """The proposer of a DSpark export, sharing ``target_model``'s input embedding.
+    """The proposer of a DSpark export, sharing ``target_model``'s input embedding
+    (:func:`~draftsmith.eval.dflash.dflash_proposer`).
 
     Raises:
         DraftLoadError: see :func:`~draftsmith.models.dspark.format.load_dspark`; aux layer ids out of range.
     """
-    embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
-    model = load_dspark(path, embed)
-    if target_model is not None:
-        check_aux_layers(path, model.config.aux_layer_ids, target_model, lowest=1)
-    return DSparkProposer(model)
+    return dflash_proposer(path, target_model, load=load_dspark, proposer_class=DSparkProposer)

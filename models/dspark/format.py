@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...layout import DraftCheckpoint, DraftLoadError, ExportError, read_export
-from ..common import DraftCard, DraftFit, DraftFormat, check_tensor_set, with_target_embedding
-from ..dflash.format import dflash_fit, expected_dflash_weights
+from ...layout import DraftCheckpoint, DraftLoadError, ExportError
+from ..common import DraftCard, DraftFit, DraftFormat, check_tensor_set
+from ..dflash.format import dflash_fit, expected_dflash_weights, load_dflash
 from .config import DSPARK_ARCHITECTURE, DSparkConfig
 from .model import DSparkDraftModel
 
@@ -79,24 +79,13 @@ def load_dspark(path: Path, embed_tokens: torch.Tensor | None = None,
 
     Args:
         embed_tokens: the target's input embedding ``[V, H]`` (vLLM shares it); None leaves zeros.
-        lm_head: unused (exports always ship ``lm_head``); accepted for the common loader signature.
+        lm_head: the target's ``lm_head`` (unused: DSpark exports always ship ``lm_head``).
 
     Raises:
         DraftLoadError: not a DSpark config, missing keys, missing / unexpected / mis-shaped tensors.
     """
-    path = Path(path)
-    cfg, state, weights = read_export(path, DSparkConfig.from_export)
-    embed = state.pop("embed_tokens.weight", embed_tokens)
-    try:
-        check_tensor_set(state, expected_dspark_weights(cfg), str(weights), "DSpark")
-    except ExportError as exc:
-        raise DraftLoadError(str(exc)) from None
-    model = DSparkDraftModel(cfg)
-    if cfg.draft_vocab_size == cfg.vocab_size:  # identity mapping
-        state.update(d2t=torch.zeros(cfg.vocab_size, dtype=torch.long),
-                     t2d=torch.ones(cfg.vocab_size, dtype=torch.bool))
-    model.load_state_dict(state, strict=False)
-    return with_target_embedding(model, embed, path)
+    return load_dflash(path, embed_tokens, lm_head, config_class=DSparkConfig, model_class=DSparkDraftModel,
+                       expected=expected_dspark_weights, layout="DSpark")
 
 
 def dspark_fit(config: dict[str, Any]) -> DraftFit:
