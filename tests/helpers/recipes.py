@@ -4,6 +4,8 @@ exported tiny draft."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from draftsmith.data_prep.prepare import prepare
@@ -130,3 +132,11 @@ def small_recipe(tiny_target: Path, tmp_path: Path):
         "data.max_length=64",
         "data.sequences_per_shard=2",
     ])
+
+
+def train_with_entry_script(method: str, recipe_path: Path, run: Path) -> None:
+    """``python train/<method>.py RECIPE --run-dir RUN`` in a child process (the users' entry
+    script); fails the test with the end of its stderr unless it exits 0."""
+    proc = subprocess.run([sys.executable, str(REPO / "train" / f"{method}.py"), str(recipe_path), "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]

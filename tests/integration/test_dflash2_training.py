@@ -4,9 +4,6 @@ export decodes losslessly with the reference decoder."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +12,14 @@ from draftsmith.eval.acceptance import check_draft_matches_target
 from draftsmith.eval.dflash2 import DFlash2Proposer, dflash2_proposer
 from draftsmith.eval.export import export
 
-from helpers.recipes import dflash2_recipe
-
-REPO = Path(__file__).resolve().parents[2]
-
+from helpers.recipes import dflash2_recipe, train_with_entry_script
 
 @pytest.fixture(scope="module")
 def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dflash2_run")
     recipe, path = dflash2_recipe(tiny_target, where)
     run = where / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "dflash2.py"), str(path), "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_with_entry_script("dflash2", path, run)
     return recipe, run
 
 

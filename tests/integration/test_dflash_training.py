@@ -4,9 +4,6 @@ decodes losslessly, and a mask token found in the data stops training at start."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +12,7 @@ from draftsmith.eval.acceptance import check_draft_matches_target
 from draftsmith.eval.dflash import dflash_proposer
 from draftsmith.eval.export import export
 
-from helpers.recipes import dflash_recipe
-
-
-REPO = Path(__file__).resolve().parents[2]
+from helpers.recipes import dflash_recipe, train_with_entry_script
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +20,7 @@ def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dflash_run")
     recipe, path = dflash_recipe(tiny_target, where)
     run = where / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "dflash.py"), str(path), "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_with_entry_script("dflash", path, run)
     return recipe, run
 
 

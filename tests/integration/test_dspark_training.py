@@ -5,9 +5,6 @@ reference decoder's DSpark proposer decodes exactly like plain greedy decoding."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,19 +13,14 @@ from draftsmith.eval.acceptance import check_draft_matches_target
 from draftsmith.eval.export import export
 from draftsmith.recipe import DSparkDraftConfig
 
-from helpers.recipes import dflash_recipe
-
-REPO = Path(__file__).resolve().parents[2]
-
+from helpers.recipes import dflash_recipe, train_with_entry_script
 
 @pytest.fixture(scope="module")
 def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dspark_run")
     recipe, path = dflash_recipe(tiny_target, where, section=DSparkDraftConfig, markov_rank=8)
     run = where / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "dspark.py"), str(path), "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_with_entry_script("dspark", path, run)
     return recipe, run
 
 
