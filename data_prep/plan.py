@@ -207,6 +207,7 @@ class DataPlan:
                  + (f"; smallest tensor-parallel size {self.min_tensor_parallel} "
                     f"({'fits one GPU' if self.fits_one_device else 'larger than one GPU'})" if c.gpus_per_node else "")]
         r = self.regenerate
+        samples = (r or {}).get("samples_per_prompt", 1)
         if r is None:
             lines.append("regenerate       off (data.regenerate.enabled: false) or already done")
         elif not c.gpus_per_node:
@@ -218,6 +219,10 @@ class DataPlan:
                          + (f" ({r['idle_gpus']} idle: the offline engine has no data parallelism)" if r["idle_gpus"] else "")
                          + (f"; node n takes conversations i % {c.nodes} == n" if c.nodes > 1 else "")
                          + f"; {r['throughput']}")
+        if samples > 1:
+            lines.append(f"                 {samples} replies per prompt (data.regenerate.samples_per_prompt) at "
+                         f"temperatures {r['temperatures']}: {samples}x the conversations, tokens and capture time "
+                         f"of one reply each")
         k = self.capture
         if k is None:
             lines.append("capture          none (data.hidden_states_mode: online, or the shards exist)")
@@ -317,7 +322,8 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
         dp = max(1, gpus // tp) if engine == "vllm-server" and gpus else 1
         used = tp * dp if gpus else 0
         regen = {"engine": engine, "tensor_parallel_size": tp, "data_parallel_size": dp, "gpus": used,
-                 "idle_gpus": max(0, gpus - used),
+                 "idle_gpus": max(0, gpus - used), "samples_per_prompt": d.regenerate.samples_per_prompt,
+                 "temperatures": list(d.regenerate.temperatures),
                  "throughput": "throughput per GPU: measured, printed when regeneration ends and kept in "
                                "data/summary.json (regenerate_tok_s_per_gpu)"}
 

@@ -242,7 +242,8 @@ def precision_of(launch: LauncherReport | None) -> str:
     return "bf16" if launch.distributed_type == "DEEPSPEED" else "amp-bf16"
 
 
-def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision: str | None = None) -> dict[str, int]:
+def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision: str | None = None,
+                        optimizer: str = "adamw") -> dict[str, int]:
     """Bytes of the training state of ``trainable`` parameters one rank holds under ``launch``
     (None: one process), by part: ``weights``, ``gradients``, ``optimizer_state`` (AdamW
     ``exp_avg`` + ``exp_avg_sq``, fp32), ``total``, and ``optimizer_shards`` (the number of
@@ -254,6 +255,11 @@ def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision
     plus the fp32 master copy (4 B) sharded with the optimizer state, bf16 gradients (2 B;
     sharded under ZeRO-2) plus the fp32 gradient partition the update reads (4 B, sharded with
     the optimizer state), AdamW state (8 B).
+
+    ``optimizer="muon"`` (``train.optimizer``): the Muon group holds its momentum (4 B) plus the
+    non-finite guard's device-side copy of weights and momentum (8 B, see
+    :class:`~draftsmith.train.trainer.NonFiniteGuard`); every trainable parameter is counted at
+    these 12 B, an upper bound (the embedding, head, norms and biases are AdamW's 8 B).
     """
     precision = precision or precision_of(launch)
     world = (launch.num_processes or 1) if launch is not None else 1
@@ -263,13 +269,14 @@ def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision
         return nbytes // world if what in sharded else nbytes
 
     N = trainable
+    per_param = 12 if optimizer == "muon" else 8
     if precision == "bf16":
         out = {"weights": 2 * N + part(4 * N, "optimizer state"),
                "gradients": part(2 * N, "gradients") + part(4 * N, "optimizer state"),
-               "optimizer_state": part(8 * N, "optimizer state")}
+               "optimizer_state": part(per_param * N, "optimizer state")}
     else:
         out = {"weights": part(4 * N, "weights"), "gradients": part(4 * N, "gradients"),
-               "optimizer_state": part(8 * N, "optimizer state")}
+               "optimizer_state": part(per_param * N, "optimizer state")}
     out["total"] = sum(out.values())
     out["optimizer_shards"] = world if "optimizer state" in sharded else 1
     return out
@@ -581,7 +588,7 @@ def memory_estimate(recipe: Recipe, cfg: Eagle3Config, counts: dict[str, int], v
     precision = precision or precision_of(launch)
     trainable = trainable_parameters(counts)
     s = shapes_of(recipe, cfg, vocab_size, precision)
-    state = state_bytes_per_gpu(trainable, launch, precision)
+    state = state_bytes_per_gpu(trainable, launch, precision, getattr(recipe.train, "optimizer", "adamw"))
     frozen = frozen_bytes(recipe, s, counts)
     batch = s.E * (s.n_aux + 1) * s.Ht * s.hidden_state_bytes + 3 * s.E * 8  # aux + final states, ids / masks
     estimator = ACTIVATIONS.get(recipe.draft.method)
@@ -729,6 +736,7 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
         "estimate": estimate,
         "memory_bytes_per_gpu": gpu,
         "gradient_checkpointing": _checkpointing(recipe),
+        "optimizer": recipe.train.optimizer,
         "hidden_state_bytes_per_token": hs_bytes,
         "expected_tokens": tokens,
         "offline_disk_bytes": hs_bytes * tokens if tokens else None,
@@ -767,8 +775,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"per-GPU memory   {_gib(est['per_gpu_bytes'])} at train.batch_size={est['batch_size']} x "
         f"data.max_length={est['max_length']} ({est['precision']}, gradient checkpointing "
         f"{'on' if r['gradient_checkpointing'] else 'off'}; peak in {est['peak_phase'].replace('_', '/')}): "
-        f"weights {_human(state['weights'])} + grads {_human(state['gradients'])} + AdamW "
-        f"{_human(state['optimizer_state'])} + frozen {_human(sum(frozen.values()))} + batch {_human(est['batch'])} + "
+        f"weights {_human(state['weights'])} + grads {_human(state['gradients'])} + "
+        f"{'Muon+AdamW' if r.get('optimizer') == 'muon' else 'AdamW'} {_human(state['optimizer_state'])} + frozen {_human(sum(frozen.values()))} + batch {_human(est['batch'])} + "
         f"activations {_human(sum(est['activations'].values()))} ({acts})")
     lines.append(r["data_plan"].format())
     return "\n".join(lines)

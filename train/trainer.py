@@ -168,8 +168,7 @@ class FitResult:
 def host_work(kind: str, step: int | None = None) -> Iterator[None]:
     """Marks trainer code that may wait for the device or works on host data only: ``"data"``
     (DataLoader batches, CPU tensors), ``"log"`` / ``"checkpoint"`` / ``"validation"`` (at
-    their steps, ``step``), ``"nonfused-skip"`` (the non-finite guard's host read, only where no
-    fused AdamW exists). Does nothing; ``tests/integration/test_host_sync.py`` replaces it to attribute the
+    their steps, ``step``). Does nothing; ``tests/integration/test_host_sync.py`` replaces it to attribute the
     syncs it counts."""
     yield
 
@@ -372,6 +371,14 @@ def window_sums_of_rank(saved: dict[str, list[float]], window_format: int, rank:
     return {k: (float(sum(v[0::2])), float(sum(v[1::2]))) for k, v in saved.items()}
 
 
+def _step_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer step changes: every parameter of ``optimizer``, then the tensors
+    of its per-parameter state (momentum buffers, moments, tensor step counts), in a fixed order."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return params + state
+
+
 def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every group of ``optimizer`` runs a fused kernel that reads ``found_inf``."""
     return all(group.get("fused") for group in optimizer.param_groups)
@@ -388,8 +395,13 @@ class NonFiniteGuard:
     (:meth:`note_loss`, before each backward), the gradient norm (:meth:`note_grad_norm`; global
     after clipping), and under DeepSpeed (``check_grads``) the gradients the optimizer is about to
     apply (ZeRO hands it this rank's fp32 partition). Fused AdamW reads it as ``found_inf`` and
-    leaves parameters, moments and step counts untouched, as with a GradScaler. Without a fused
-    kernel the flag is read on the host and the step's gradients dropped (``host_work("nonfused-skip")``).
+    leaves parameters, moments and step counts untouched, as with a GradScaler. An optimizer
+    without a fused kernel (``torch.optim.Muon``; AdamW on a device with none) is skipped on the
+    device too: its parameters and state tensors are copied before the step (one ``_foreach_copy_``
+    into buffers kept across steps) and put back after it where the flag is set (``torch.where``),
+    so the step costs no host read and, for those optimizers only, one extra copy of their
+    parameters and state in memory. State the step creates (the first step's momentum buffer) is
+    zeroed where the flag is set.
 
     Counters (skipped since the last read, skipped in a row, longest run since the last read)
     stay on the device and are read with the metrics (:meth:`absorb`).
@@ -406,8 +418,11 @@ class NonFiniteGuard:
         self.found: torch.Tensor | None = None
         self.hook_ran = False
         self.counters = torch.zeros(3, dtype=torch.float32, device=self.device)
+        self._saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id(optimizer) -> (live, copies)
         for o in optimizers:
             o.register_step_pre_hook(self._before_step)
+            if not _is_fused(o):
+                o.register_step_post_hook(self._after_step)
 
     def restore(self, in_a_row: int) -> None:
         self.counters = torch.tensor([0.0, in_a_row, in_a_row], dtype=torch.float32).to(self.device)
@@ -428,12 +443,26 @@ class NonFiniteGuard:
         if _is_fused(optimizer):
             optimizer.found_inf = flag
             return
-        with host_work("nonfused-skip"):
-            skip = bool(flag.item())  # no fused kernel for this device: the one host read left
-        if skip:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # torch optimizers skip parameters without a gradient
+        live = _step_tensors(optimizer)
+        saved = self._saved.get(id(optimizer))
+        if saved is None or len(saved[0]) != len(live) or any(a is not b for a, b in zip(saved[0], live)):
+            saved = (live, [t.detach().clone() for t in live])  # first step, or the state grew
+            self._saved[id(optimizer)] = saved
+        else:
+            torch._foreach_copy_(saved[1], live)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Put a non-fused optimizer's parameters and state back where the step's flag is set
+        (device-side; no host read)."""
+        skip = self.found.bool()
+        before, copies = self._saved[id(optimizer)]
+        kept = {id(t) for t in before}
+        with torch.no_grad():
+            for t, c in zip(before, copies):
+                t.copy_(torch.where(skip, c, t))
+            for t in _step_tensors(optimizer):
+                if id(t) not in kept:  # created by this step (Muon's momentum buffer): as if never stepped
+                    t.copy_(torch.where(skip, torch.zeros_like(t), t))
 
     def _step_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """1.0 where this step must be skipped on any rank, else 0.0 (0-dim device tensor)."""

@@ -221,3 +221,16 @@ def test_an_online_run_on_a_gpu_is_refused_before_any_rank_loads_the_target(monk
     with pytest.raises(MemoryBudgetError, match=r"217\.5 GiB of target weights"):
         check_online_target_fits(online, tmp_path / "run")
     check_online_target_fits(load_recipe(RECIPES / "gptoss120b.yaml"), tmp_path / "run")  # offline: no check
+
+
+def test_plan_names_several_replies_per_prompt():
+    """``data.regenerate.samples_per_prompt`` multiplies what the data stage regenerates and captures:
+    the plan says so and keeps the count."""
+    recipe = load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.regenerate.samples_per_prompt=3",
+                                                        "data.regenerate.temperatures=[0.7]"])
+    plan = build_plan(recipe, config_of("meta-llama/Llama-3.1-8B-Instruct"), Cluster(1, 8, 80))
+    assert plan.regenerate["samples_per_prompt"] == 3
+    assert "3 replies per prompt" in plan.format() and "3x the conversations" in plan.format()
+    one = build_plan(load_recipe(RECIPES / "llama3_1_8b.yaml"), config_of("meta-llama/Llama-3.1-8B-Instruct"),
+                     Cluster(1, 8, 80))
+    assert "replies per prompt" not in one.format()

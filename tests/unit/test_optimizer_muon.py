@@ -81,7 +81,7 @@ def test_a_few_muon_steps_reduce_the_ttt_loss():
 
 def test_guard_skips_a_nonfinite_step_in_both_optimizers():
     """The fused AdamW part skips on the device (``found_inf``); Muon has no fused kernel, so its
-    gradients are dropped after the one host read: weights and Muon's momentum stay put."""
+    weights and momentum are put back on the device after its step: both stay put, bit for bit."""
     model = _draft()
     optimizers = build_optimizers(model, TrainConfig(optimizer="muon", lr=1e-2), torch.device("cpu"))
     guard = NonFiniteGuard(optimizers, torch.device("cpu"), num_processes=1)
@@ -112,3 +112,62 @@ def test_guard_skips_a_nonfinite_step_in_both_optimizers():
 def test_unknown_optimizer_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="optimizer"):
         TrainConfig(optimizer="sgd")
+
+
+def test_guard_skips_a_nonfinite_first_step_without_leaving_muon_state():
+    """A skipped first step: Muon creates its momentum buffers inside that step; the guard zeroes
+    them (as if never stepped) and puts the weights back, so the next good step equals a fresh
+    optimizer's first step."""
+    torch.manual_seed(0)
+    model = _draft()
+    twin = _draft()
+    twin.load_state_dict(model.state_dict())
+    cfg = TrainConfig(optimizer="muon", lr=1e-2)
+    optimizers = build_optimizers(model, cfg, torch.device("cpu"))
+    twin_optimizers = build_optimizers(twin, cfg, torch.device("cpu"))
+    guard = NonFiniteGuard(optimizers, torch.device("cpu"), num_processes=1)
+    twin_guard = NonFiniteGuard(twin_optimizers, torch.device("cpu"), num_processes=1)
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+
+    def step(m, opts, g, loss_value: float) -> None:
+        for n, p in m.named_parameters():
+            p.grad = grads[n].clone()
+        g.note_loss(torch.tensor(loss_value))
+        for o in opts:
+            o.step()
+        g.end_step()
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+
+    step(model, optimizers, guard, float("inf"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert all(torch.count_nonzero(s["momentum_buffer"]) == 0 for s in optimizers[1].state.values())
+    step(model, optimizers, guard, 1.0)
+    step(twin, twin_optimizers, twin_guard, 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_dry_run_counts_muon_state_and_the_guard_copies_from_above():
+    """The dry run's ``optimizer_state`` under ``train.optimizer: muon`` (12 B per trainable
+    parameter) bounds what a real step leaves alive: AdamW's moments, Muon's momentum and the
+    non-finite guard's copies of the Muon group's weights and momentum; AdamW's 8 B stays exact."""
+    from draftsmith.train.dry_run import state_bytes_per_gpu
+    from draftsmith.train.trainer import _step_tensors
+
+    model = _draft()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizers = build_optimizers(model, TrainConfig(optimizer="muon", lr=1e-2), torch.device("cpu"))
+    guard = NonFiniteGuard(optimizers, torch.device("cpu"), num_processes=1)
+    for _ in range(2):  # the second step reuses the guard's copies
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        for o in optimizers:
+            o.step()
+        guard.end_step()
+    params = {id(p) for p in model.parameters()}
+    state = sum(t.numel() * t.element_size() for o in optimizers for t in _step_tensors(o) if id(t) not in params)
+    copies = sum(c.numel() * c.element_size() for _, cs in guard._saved.values() for c in cs)
+    muon_numel = sum(p.numel() for p in split_muon_params(model)[0])
+    assert copies == 2 * 4 * muon_numel  # weights + momentum of the Muon group, fp32
+    assert state + copies <= state_bytes_per_gpu(trainable, None, "fp32", "muon")["optimizer_state"]
+    assert state_bytes_per_gpu(trainable, None, "fp32")["optimizer_state"] == 8 * trainable
