@@ -79,6 +79,19 @@ def test_a_few_muon_steps_reduce_the_ttt_loss():
     assert losses[-1] < 0.6 * losses[0], losses
 
 
+def guarded_step(model, optimizers, guard, loss_value: float, grads: dict | None = None) -> None:
+    """One trainer-shaped step: gradients (``grads`` by name, else ones), the loss noted, every
+    optimizer stepped under the guard, gradients cleared."""
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone() if grads is not None else torch.ones_like(p)
+    guard.note_loss(torch.tensor(loss_value))
+    for o in optimizers:
+        o.step()
+    guard.end_step()
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+
+
 def test_guard_skips_a_nonfinite_step_in_both_optimizers():
     """The fused AdamW part skips on the device (``found_inf``); Muon has no fused kernel, so its
     weights and momentum are put back on the device after its step: both stay put, bit for bit."""
@@ -88,14 +101,7 @@ def test_guard_skips_a_nonfinite_step_in_both_optimizers():
     assert not guard.fused  # Muon's groups are not fused
 
     def step(loss_value: float) -> None:
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        guard.note_loss(torch.tensor(loss_value))
-        for o in optimizers:
-            o.step()
-        guard.end_step()
-        for o in optimizers:
-            o.zero_grad(set_to_none=True)
+        guarded_step(model, optimizers, guard, loss_value)
 
     step(1.0)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -129,21 +135,11 @@ def test_guard_skips_a_nonfinite_first_step_without_leaving_muon_state():
     twin_guard = NonFiniteGuard(twin_optimizers, torch.device("cpu"), num_processes=1)
     grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
 
-    def step(m, opts, g, loss_value: float) -> None:
-        for n, p in m.named_parameters():
-            p.grad = grads[n].clone()
-        g.note_loss(torch.tensor(loss_value))
-        for o in opts:
-            o.step()
-        g.end_step()
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-
-    step(model, optimizers, guard, float("inf"))
+    guarded_step(model, optimizers, guard, float("inf"), grads)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     assert all(torch.count_nonzero(s["momentum_buffer"]) == 0 for s in optimizers[1].state.values())
-    step(model, optimizers, guard, 1.0)
-    step(twin, twin_optimizers, twin_guard, 1.0)
+    guarded_step(model, optimizers, guard, 1.0, grads)
+    guarded_step(twin, twin_optimizers, twin_guard, 1.0, grads)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
