@@ -3,7 +3,7 @@
     draftsmith prepare RECIPE [--run-dir DIR]        data_prep: regenerate, tokenise, vocab, hidden states
     draftsmith train RECIPE [--run-dir DIR]          the recipe's draft.method (accelerate launch train/<method>.py works too)
     draftsmith export CKPT_OR_RUN --out DIR          vLLM-loadable draft
-    draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|report|hub|synthesize|proxy|adapt ...
+    draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|serve-table|report|hub|synthesize|proxy|adapt ...
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
     draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
     draftsmith bench memory RECIPE                   training memory of one step: measured (fake tensors) beside the dry run's estimate
@@ -75,6 +75,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "spec-decode": ("draftsmith.eval.spec_decode", "draftsmith's reference speculative decoder"),
     "compare": ("draftsmith.eval.compare_drafts", "several trained drafts, one table"),
     "serve-bench": ("draftsmith.eval.serve_bench", "serving throughput / latency / cost with vllm bench serve"),
+    "serve-table": ("draftsmith.eval.serve_table", "one serving table from several serve-bench runs"),
     "report": ("draftsmith.eval.report", "report.md and plots from a serving benchmark"),
     "adapt": ("draftsmith.serve.adapt", "continue a deployed draft on the traffic it served (draftsmith proxy's log)"),
     "hub": ("draftsmith.eval.hub", "Hugging Face Hub folder, model card and push"),

@@ -115,11 +115,11 @@ def _numel(shape: list[int]) -> int:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """One row per draft and temperature: AL, per-position acceptance, speedup, parameters,
-    training tokens and time."""
+    training tokens, time and tokens per second (tokens / wall time of the training loop)."""
     k = results["k"]
     head = ("| draft | T | mean acceptance length | per position (1.." + str(k) + ") | acceptance rate | "
-            "speedup vs plain (batch 1) | parameters (trained) | training tokens | training time |")
-    lines = [head, "|" + "---|" * 9]
+            "speedup vs plain (batch 1) | parameters (trained) | training tokens | training time | training tok/s |")
+    lines = [head, "|" + "---|" * 10]
     for t in results["temperatures"]:
         for name, d in results["drafts"].items():
             r = d["acceptance"].get(str(t))
@@ -130,7 +130,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {t:g} | {r['mean_acceptance_length']:.3f} | {pp} | {r['acceptance_rate']:.3f} | "
                 f"{r['speedup']:.2f}x | {d['parameters'] / 1e6:.1f}M ({d['trained_parameters'] / 1e6:.1f}M) | "
-                f"{d['train_tokens']:,} | {'n/a' if secs is None else f'{secs / 60:.1f} min'} |")
+                f"{d['train_tokens']:,} | {'n/a' if secs is None else f'{secs / 60:.1f} min'} | "
+                f"{'n/a' if not secs else format(d['train_tokens'] / secs, ',.0f')} |")
     return "\n".join(lines)
 
 

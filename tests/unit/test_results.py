@@ -71,3 +71,26 @@ def test_acceptance_json_keeps_the_workers_keys_without_token_ids(tmp_path):
     back = read_acceptance(path)["eagle3"]
     assert back.mean_acceptance_length == 1 + 12 / 10 and back.per_position_acceptance == [0.7, 0.4, 0.1]
     assert back.outputs is None
+
+
+def test_serve_table_reads_several_runs_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
+    """``draftsmith serve-table``: one row per draft and level from each run's own baseline and
+    draft levels, the temperature sweep below; a file that is not a results.json is named."""
+    from draftsmith.eval.serve_table import main as serve_table
+
+    monkeypatch.setattr(runner, "serve_configuration", _fake_serve)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        study = _study(tmp_path / name)
+        study.out_dir = tmp_path / name
+        runner.run_study(study)
+    assert serve_table([f"first={tmp_path / 'a' / 'results.json'}", f"second={tmp_path / 'b' / 'results.json'}"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| first (eagle3)") or line.startswith("| second (eagle3)")]
+    assert len(rows) == 4  # two drafts x levels 1, 2
+    # the fake draft serves 1.3x the baseline's 100 tok/s; AL = 1 + 50 accepted / 100 drafts
+    assert all("| 100.0 | 130.0 | 1.30x | 1.500 (0.300 / 0.200 / 0.000) |" in row for row in rows)
+    assert "T=0: 1.500" in out and "T=0.7: 1.500" in out
+    (tmp_path / "bad.json").write_text("{}")
+    assert serve_table([f"x={tmp_path / 'bad.json'}"]) == 2
+    assert "bad.json: not a serve-bench results.json" in capsys.readouterr().err

@@ -1,0 +1,102 @@
+"""One serving table from several ``draftsmith serve-bench`` runs (one trained draft each).
+
+    draftsmith serve-table eagle3=runs/types/eagle3/serve/results.json dflash=runs/types/dflash/serve/results.json
+
+Per draft and concurrency level: plain vLLM's output tok/s (the run's own ``baseline``
+configuration, measured in the same run just before the draft), the draft's output tok/s, their
+ratio, and the draft's mean acceptance length with per-position acceptance from vLLM's counters
+at that level; then, where the run swept temperatures, the acceptance length per temperature.
+Metric definitions: docs/conventions.md, "Acceptance metrics". Output: a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .results import AcceptanceFigures, ConfigResult, ServeResults
+
+
+def _draft_config(results: ServeResults) -> tuple[str, ConfigResult]:
+    """The trained draft's configuration: the one with a speculative config that is not ngram,
+    suffix or a draft model. Raises ValueError when the run has none."""
+    for name, cfg in results.configs.items():
+        if cfg.speculative_config is not None and name not in ("ngram", "suffix", "draft_model"):
+            return name, cfg
+    raise ValueError("no trained-draft configuration (serve-bench ran without --draft?)")
+
+
+def _al(acc: AcceptanceFigures | None) -> str:
+    if acc is None or acc.mean_acceptance_length is None:
+        return "-"
+    per = " / ".join(f"{p:.3f}" for p in acc.per_position_acceptance or [])
+    return f"{acc.mean_acceptance_length:.3f} ({per})" if per else f"{acc.mean_acceptance_length:.3f}"
+
+
+def _tok_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def serving_table(runs: dict[str, ServeResults]) -> str:
+    """The markdown table of ``runs`` (label -> results), in the given order.
+
+    Raises:
+        ValueError: a run has no trained-draft configuration (names the label).
+    """
+    lines = ["| draft | concurrency | plain vLLM output tok/s | with the draft | speedup | "
+             "AL at T=0 (per position) |", "|---|---|---|---|---|---|"]
+    temps: list[str] = []
+    for label, results in runs.items():
+        try:
+            name, cfg = _draft_config(results)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+        base = results.configs.get("baseline")
+        if cfg.status != "ok":
+            lines.append(f"| {label} | - | - | failed: {(cfg.error or '').splitlines()[0][:120]} | - | - |")
+            continue
+        for level in sorted(cfg.levels):
+            got = cfg.levels[level]
+            plain = base.levels.get(level) if base is not None and base.status == "ok" else None
+            ratio = (f"{got.output_tok_s / plain.output_tok_s:.2f}x"
+                     if got.output_tok_s and plain is not None and plain.output_tok_s else "-")
+            lines.append(f"| {label} ({name}) | {level} | {_tok_s(plain.output_tok_s if plain else None)} | "
+                         f"{_tok_s(got.output_tok_s)} | {ratio} | {_al(got.acceptance)} |")
+        sweep = results.temperature_sweep
+        if sweep is not None:
+            temps.append(f"| {label} | " + " | ".join(
+                f"T={t:g}: {_al(r.acceptance)}" for t, r in sorted(sweep.temperatures.items())) + " |")
+    if temps:
+        lines += ["", "| draft | acceptance length by temperature (per position; vLLM's counters) |", "|---|---|"]
+        lines += temps
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="draftsmith serve-table", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="LABEL=RESULTS_JSON",
+                   help="a label and a serve-bench results.json (repeat, one per draft)")
+    args = p.parse_args(argv)
+    runs: dict[str, ServeResults] = {}
+    for item in args.runs:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            print(f"serve-table: {item!r}: expected LABEL=RESULTS_JSON", file=sys.stderr)
+            return 2
+        try:
+            runs[label] = ServeResults.read(Path(path))
+        except (OSError, ValueError) as exc:
+            print(f"serve-table: {path}: not a serve-bench results.json ({str(exc).splitlines()[0]})", file=sys.stderr)
+            return 2
+    try:
+        print(serving_table(runs))
+    except ValueError as exc:
+        print(f"serve-table: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
