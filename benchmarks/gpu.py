@@ -1,11 +1,11 @@
-"""GPU benchmark of the real training step of EAGLE-3, DFlash and P-EAGLE at each recipe's geometry.
+"""GPU benchmark of the real training step of EAGLE-3 (and 3.1), DFlash, P-EAGLE and DSpark at each recipe's geometry.
 
     python -m benchmarks.gpu [--recipes R [R ...]] [--backends sdpa flex] [--steps 10]
         [--warmup 3] [--batch-size B] [--max-length T] [--set KEY=VALUE ...] [--out bench_gpu.json]
     python -m benchmarks.gpu --tiny --device cpu --steps 1 --warmup 0   # the same code on a CPU
 
-For every recipe (a name under ``recipes/`` or a YAML path; default: the Llama-3.1-8B and
-gpt-oss-120b recipes of the three methods) and every ``train.attention_backend`` (``--backends``),
+For every recipe (a name under ``recipes/`` or a YAML path; default: the Llama-3.1-8B
+recipes of EAGLE-3, DFlash, P-EAGLE, EAGLE-3.1 and DSpark, and gpt-oss-120b's of the first three) and every ``train.attention_backend`` (``--backends``),
 one row: the recipe's method object is built at the target's true geometry with random weights by
 the builders of ``draftsmith bench memory`` (:mod:`benchmarks.memory`:
 :func:`~benchmarks.memory.offline_method`, :func:`~benchmarks.memory.prepare_model`,
@@ -96,10 +96,12 @@ GiB = 1024**3
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # one 80 GB GPU: the Llama recipes' one-process peaks are 27-49 GiB, gpt-oss's 7-13 GiB (bench memory)
 DEFAULT_RECIPES = ("llama3_1_8b", "llama3_1_8b_dflash", "llama3_1_8b_peagle",
+                   "llama3_1_8b_eagle31", "llama3_1_8b_dspark",
                    "gptoss120b", "gptoss120b_dflash", "gptoss120b_peagle")
-TINY_RECIPES = ("smollm2_135m", "smollm2_135m_dflash", "smollm2_135m_peagle")
+TINY_RECIPES = ("smollm2_135m", "smollm2_135m_dflash", "smollm2_135m_peagle", "smollm2_135m_dspark")
 TINY_BATCH, TINY_LENGTH = 1, 64
-METHODS = ("eagle3", "dflash", "peagle")
+# EAGLE-3.1 recipes are method eagle3 (its norms are not matmuls: no FLOPs credited for them)
+METHODS = ("eagle3", "dflash", "peagle", "dspark")
 BACKENDS = ("sdpa", "flex")
 # dense bf16 tensor-core peak per GPU (TFLOP/s), NVIDIA datasheets; the first name contained in the
 # device name wins ("NVIDIA H100 80GB HBM3" is the SXM part)
@@ -203,7 +205,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
                   + linear_flops(model.lm_head, lm_rows))
         attention = attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
-    elif method.name == "dflash":
+    elif method.name in ("dflash", "dspark"):
         from draftsmith.train.labels import sample_anchors
         from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
 
@@ -213,9 +215,15 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         A = anchors.shape[1]
         pairs = dflash_pairs(anchors, valid, docs_cpu, Bk) * cfg.num_layers
         blocks = B * A * Bk
-        lm_rows = B * A * (Bk - 1)
-        teacher_rows = lm_rows if A * (Bk - 1) < T else n
+        # DFlash scores slots 1..Bk-1 (slot 0 holds the anchor); DSpark every slot (sample_from_anchor)
+        slots = Bk if method.name == "dspark" else Bk - 1
+        lm_rows = B * A * slots
+        teacher_rows = lm_rows if A * slots < T else n
         linear = linear_flops(model.fc, n, input_grad=False) + linear_flops(model.lm_head, lm_rows)
+        if method.name == "dspark":  # the Markov bias [Vd, r] and the confidence head [1, H (+r)] per scored slot
+            linear += linear_flops(model.markov_head.markov_w2, lm_rows)
+            if model.confidence_head is not None:
+                linear += linear_flops(model.confidence_head.proj, lm_rows)
         for layer in model.layers:
             att = layer.self_attn
             linear += linear_flops(att.k_proj, n + blocks) + linear_flops(att.v_proj, n + blocks)

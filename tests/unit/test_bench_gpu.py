@@ -1,5 +1,5 @@
 """``benchmarks/gpu.py`` (``make bench-gpu``) on the CPU: the whole path end to end at a tiny
-geometry (the SmolLM2-135M recipes of EAGLE-3, DFlash and P-EAGLE at 1 x 64, so it does not
+geometry (the SmolLM2-135M recipes of EAGLE-3, DFlash, P-EAGLE and DSpark at 1 x 64, so it does not
 first fail on a booked GPU), the credited FLOPs against torch's FLOP counter, the attention pair
 counts against the dense masks of the three drafts, the device peak table and bad input."""
 
@@ -40,7 +40,7 @@ def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thr
     rows = result["rows"]
     assert [(r["recipe"], r["method"], r["attention_backend"]) for r in rows] == [
         ("smollm2_135m", "eagle3", "sdpa"), ("smollm2_135m_dflash", "dflash", "sdpa"),
-        ("smollm2_135m_peagle", "peagle", "sdpa")]
+        ("smollm2_135m_peagle", "peagle", "sdpa"), ("smollm2_135m_dspark", "dspark", "sdpa")]
     for r in rows:
         assert r["error"] is None and (r["batch_size"], r["max_length"], r["precision"]) == (1, 64, "fp32")
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None
@@ -52,12 +52,17 @@ def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thr
         assert f["total"] == pytest.approx(f["linear"] + f["attention"] + f["teacher"])
         assert r["tflop_per_step"] == pytest.approx(f["total"] / 1e12)
         assert f"| {r['recipe']} | {r['method']} | sdpa | 1 x 64 |" in table
-    eagle3, dflash, peagle = rows
+    eagle3, dflash, peagle, dspark = rows
     # unpacked rows, T = 64, K = 3: the causal block per step plus one diagonal per earlier step
     assert eagle3["flops"]["attention_pairs"] == 3 * 64 * 65 // 2 + 64 * 3
     assert dflash["flops"]["valid_anchors"] == 63 and peagle["flops"]["cod_elements"] > 64
+    # DSpark scores every slot of a block (sample_from_anchor), DFlash all but the anchor's
+    for r in (dflash, dspark):
+        f = r["flops"]
+        slots = f["block_size"] - (r["method"] == "dflash")
+        assert f["lm_head_rows"] == f["anchors"] * slots, r["method"]
     capture = result["capture"]
-    assert len(capture) == 1 and capture[0]["skipped"] is None  # one target for the three recipes
+    assert len(capture) == 1 and capture[0]["skipped"] is None  # one target for the four recipes
     names = [r["name"] for r in capture[0]["rows"]]
     assert names == ["target plain forward (logits)", "target decoder only (no lm_head)",
                      "capture aux (2, 15, 27) + final"]
@@ -69,7 +74,8 @@ def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thr
 def test_credited_flops_are_what_torch_counts_less_attention_plus_the_loss_recompute(tmp_path, one_thread):
     """On the CPU torch's FLOP counter sees every matmul of the step but no attention kernel; it
     also counts the chunked loss's recomputation of the logits in backward (``2 * P_lm_head`` per
-    row), which MFU does not credit. What remains must be the credited linear + teacher FLOPs."""
+    row; DSpark's chunk also recomputes its Markov bias ``[Vd, r]`` and confidence head ``[1, H + r]``),
+    which MFU does not credit. What remains must be the credited linear + teacher FLOPs."""
     out = tmp_path / "bench.json"
     assert main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-capture", "--no-fake",
                  "--out", str(out)]) == 0
@@ -77,7 +83,11 @@ def test_credited_flops_are_what_torch_counts_less_attention_plus_the_loss_recom
     H, Vd = 576, recipe.data.draft_vocab_size  # SmolLM2-135M's hidden size
     for r in json.loads(out.read_text())["rows"]:
         f = r["flops"]
-        recompute = 2.0 * H * Vd * f["lm_head_rows"]
+        per_row = H * Vd
+        if r["method"] == "dspark":
+            rank = load_recipe(RECIPES / "smollm2_135m_dspark.yaml").draft.markov_rank
+            per_row += rank * Vd + H + rank
+        recompute = 2.0 * per_row * f["lm_head_rows"]
         counted = r["counted_tflop_per_step"] * 1e12
         # P-EAGLE's fc over its one mask_hidden row (6 * 3H * H) is not credited either: < 1e-3
         assert counted == pytest.approx(f["linear"] + f["teacher"] + recompute, rel=1e-3), r["recipe"]
