@@ -61,11 +61,11 @@ def serving_table(runs: dict[str, ServeResults]) -> str:
             plain = base.levels.get(level) if base is not None and base.status == "ok" else None
             ratio = (f"{got.output_tok_s / plain.output_tok_s:.2f}x"
                      if got.output_tok_s and plain is not None and plain.output_tok_s else "-")
-            lines.append(f"| {label} ({name}) | {level} | {_tok_s(plain.output_tok_s if plain else None)} | "
+            lines.append(f"| {label if label == name else f'{label} ({name})'} | {level} | {_tok_s(plain.output_tok_s if plain else None)} | "
                          f"{_tok_s(got.output_tok_s)} | {ratio} | {_al(got.acceptance)} |")
         sweep = results.temperature_sweep
         if sweep is not None:
-            temps.append(f"| {label} | " + " | ".join(
+            temps.append(f"| {label} | " + "; ".join(
                 f"T={t:g}: {_al(r.acceptance)}" for t, r in sorted(sweep.temperatures.items())) + " |")
     if temps:
         lines += ["", "| draft | acceptance length by temperature (per position; vLLM's counters) |", "|---|---|"]

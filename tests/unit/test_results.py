@@ -90,7 +90,9 @@ def test_serve_table_reads_several_runs_and_names_a_bad_one(tmp_path, monkeypatc
     assert len(rows) == 4  # two drafts x levels 1, 2
     # the fake draft serves 1.3x the baseline's 100 tok/s; AL = 1 + 50 accepted / 100 drafts
     assert all("| 100.0 | 130.0 | 1.30x | 1.500 (0.300 / 0.200 / 0.000) |" in row for row in rows)
-    assert "T=0: 1.500" in out and "T=0.7: 1.500" in out
+    temps = [line for line in out.splitlines() if line.startswith("| first | T=")]
+    assert len(temps) == 1 and temps[0].count("|") == 3  # one cell of temperatures under a two-column header
+    assert "T=0: 1.500" in temps[0] and "T=0.7: 1.500" in temps[0]
     (tmp_path / "bad.json").write_text("{}")
     assert serve_table([f"x={tmp_path / 'bad.json'}"]) == 2
     assert "bad.json: not a serve-bench results.json" in capsys.readouterr().err
