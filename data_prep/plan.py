@@ -207,7 +207,7 @@ class DataPlan:
                  + (f"; smallest tensor-parallel size {self.min_tensor_parallel} "
                     f"({'fits one GPU' if self.fits_one_device else 'larger than one GPU'})" if c.gpus_per_node else "")]
         r = self.regenerate
-        samples = (r or {}).get("samples_per_prompt", 1)
+        samples = r["samples_per_prompt"] if r else 1
         if r is None:
             lines.append("regenerate       off (data.regenerate.enabled: false) or already done")
         elif not c.gpus_per_node:

@@ -19,10 +19,13 @@ from .results import AcceptanceFigures, ConfigResult, ServeResults
 
 
 def _draft_config(results: ServeResults) -> tuple[str, ConfigResult]:
-    """The trained draft's configuration: the one with a speculative config that is not ngram,
-    suffix or a draft model. Raises ValueError when the run has none."""
+    """The trained draft's configuration: the one named after a method vLLM serves, as serve-bench
+    itself picks it (:func:`~draftsmith.vllm_bridge.spec_config.served_methods`). Raises
+    ValueError when the run has none."""
+    from ..vllm_bridge.spec_config import served_methods
+
     for name, cfg in results.configs.items():
-        if cfg.speculative_config is not None and name not in ("ngram", "suffix", "draft_model"):
+        if name in served_methods():
             return name, cfg
     raise ValueError("no trained-draft configuration (serve-bench ran without --draft?)")
 

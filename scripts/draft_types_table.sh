@@ -50,9 +50,9 @@ done
 if [ ! -f "$OUT/compare.json" ]; then
     log "compare: ${TYPES[*]}"
     $DS compare --target "$TARGET" "${runs[@]}" --prompts "$PROMPTS" --max-prompts "$PROMPTS_N" \
-        --max-new-tokens "$NEW_TOKENS" --k "$K" --temperatures 0,0.7 --out "$OUT/compare.json" > "$OUT/compare.md"
+        --max-new-tokens "$NEW_TOKENS" --k "$K" --temperatures 0,0.7 --out "$OUT/compare.json" > "$OUT/compare.log"
 fi
-cat "$OUT/compare.md"
+cat "$OUT/compare.md"   # compare's own table, written beside compare.json
 
 read -r -a SERVE <<< "${SERVE_TYPES-eagle3 eagle31 peagle dflash medusa}"
 served=()

@@ -588,7 +588,7 @@ def memory_estimate(recipe: Recipe, cfg: Eagle3Config, counts: dict[str, int], v
     precision = precision or precision_of(launch)
     trainable = trainable_parameters(counts)
     s = shapes_of(recipe, cfg, vocab_size, precision)
-    state = state_bytes_per_gpu(trainable, launch, precision, getattr(recipe.train, "optimizer", "adamw"))
+    state = state_bytes_per_gpu(trainable, launch, precision, recipe.train.optimizer)
     frozen = frozen_bytes(recipe, s, counts)
     batch = s.E * (s.n_aux + 1) * s.Ht * s.hidden_state_bytes + 3 * s.E * 8  # aux + final states, ids / masks
     estimator = ACTIVATIONS.get(recipe.draft.method)

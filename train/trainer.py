@@ -462,7 +462,7 @@ class NonFiniteGuard:
                 t.copy_(torch.where(skip, c, t))
             for t in _step_tensors(optimizer):
                 if id(t) not in kept:  # created by this step (Muon's momentum buffer): as if never stepped
-                    t.copy_(torch.where(skip, torch.zeros_like(t), t))
+                    t.masked_fill_(skip, 0)
 
     def _step_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """1.0 where this step must be skipped on any rank, else 0.0 (0-dim device tensor)."""
