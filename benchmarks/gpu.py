@@ -17,8 +17,9 @@ DeepSpeed; ``--precision``). The batch is real random tensors on the device: eve
 and trained (the upper bound of the loss work), the method's batch plan applied on the host, the
 aux / final hidden states in ``data.hidden_states_dtype``. Each step is the trainer's: the method's
 ``compute_loss`` (loss chunked inside the draft's forward), ``backward``, gradient clipping at
-``train.max_grad_norm``, the non-finite guard and the fused AdamW step, the metrics summed on the
-device; ``begin_step`` advances, so DFlash anchors and P-EAGLE COD elements are redrawn every step.
+``train.max_grad_norm``, the non-finite guard and the step of ``train.optimizer`` (fused AdamW;
+AdamW then torch's Muon, whose Newton-Schulz iterations are timed but not in the model FLOPs),
+the metrics summed on the device; ``begin_step`` advances, so DFlash anchors and P-EAGLE COD elements are redrawn every step.
 ``--warmup`` untimed steps (torch.compile of the flex kernels happens there; each row compiles
 afresh, for its one shape, where a run whose lengths vary compiles dynamic-shape kernels), then
 ``--steps`` timed back to back, timed by CUDA events around the whole run (no synchronisation in
@@ -61,7 +62,8 @@ step must compute, not what the kernels execute):
   B*T)``, P-EAGLE ``B*(T-1)``).
 - not credited: activation-checkpointing recomputation (DFlash's layers) and the chunked loss's
   recomputation of each chunk's logits in backward. ``counted_tflop_per_step`` (SDPA rows) is
-  ``torch.utils.flop_counter``'s count of one extra step for comparison: every matmul executed,
+  ``torch.utils.flop_counter``'s count of one extra step's forward and backward for comparison
+(not the optimizer's: Muon's Newton-Schulz matmuls are no model FLOPs): every matmul executed,
   recomputation included, and attention as dense over its whole mask (CUDA kernels; torch counts
   no CPU attention kernel).
 
@@ -379,24 +381,32 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
     with offline_method(recipe, config_json, getattr(torch, recipe.target.dtype), random_weights) as method:
         H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
         n_aux = len(method.target_info["aux_layer_ids"])
-        model, trainable, opt = prepare_model(method, recipe, precision, dev)
+        model, trainable, optimizers = prepare_model(method, recipe, precision, dev)
         plan = method.batch_plan() if hasattr(method, "batch_plan") else None
         batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
         flops = step_flops(method, model, batch, recipe, seed)
-        guard = NonFiniteGuard(opt, dev, 1)
+        guard = NonFiniteGuard(optimizers, dev, 1)
         window = MetricWindow(dev)
 
-        def step(i: int) -> None:  # train/trainer.py fit(), one process, no accumulation
+        def forward_backward(i: int) -> None:  # train/trainer.py fit(), one process, no accumulation
             method.begin_step(i)
             loss, metrics = method.compute_loss(model, batch)
             guard.note_loss(loss)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             guard.note_grad_norm(norm)
-            opt.step()  # skipped on the device when not finite
-            guard.end_step()
-            opt.zero_grad(set_to_none=True)
             window.add({**metrics, "grad_norm": norm})
+
+        def update() -> None:
+            for opt in optimizers:  # train.optimizer: AdamW, or AdamW then Muon
+                opt.step()  # skipped on the device when not finite
+            guard.end_step()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+
+        def step(i: int) -> None:
+            forward_backward(i)
+            update()
 
         seconds, mem = time_steps(step, steps, warmup, dev)
         counted = None
@@ -404,8 +414,9 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
             from torch.utils.flop_counter import FlopCounterMode
 
             counter = FlopCounterMode(display=False)
-            with counter:
-                step(warmup + steps)
+            with counter:  # the model's work only: Muon's Newton-Schulz matmuls are not model FLOPs
+                forward_backward(warmup + steps)
+            update()
             counted = int(counter.get_total_flops())
         synchronize(dev)
         n_trainable = sum(p.numel() for p in trainable)

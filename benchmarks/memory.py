@@ -9,7 +9,8 @@ The recipe's method builds its real draft model at the target's true geometry (t
 random batch shaped like the method's real one (``input_ids``, ``loss_mask``,
 ``attention_mask``, the aux / final hidden states in ``data.hidden_states_dtype``, position /
 document ids under ``train.packing``) through its real ``compute_loss``: forward, loss,
-backward, gradient clipping and an AdamW step, on the launcher's precision path (bf16 autocast
+backward, gradient clipping and the step of ``train.optimizer`` (AdamW; Muon + AdamW) under the
+trainer's non-finite guard, on the launcher's precision path (bf16 autocast
 with fp32 master weights and accelerate's fp32 output upcast; bf16 weights under DeepSpeed;
 fp32 without mixed precision). Nothing is downloaded.
 
@@ -23,8 +24,9 @@ masks, sampled anchors) stay real, so data-dependent code paths take their real 
 value read from a fake tensor (a metric) reads as 1. ``--device cuda`` (or ``cpu``) runs
 the same step for real instead, and on CUDA also reports ``torch.cuda.max_memory_allocated``.
 
-Two optimizer steps run; the second is measured, so the AdamW state exists as it does at every
-step of a run. The step is measured in one process; the per-GPU figure applies the launcher's
+Two optimizer steps run; the second is measured, so the optimizer state (AdamW's moments; Muon's
+momentum and the guard's copies, see :class:`~draftsmith.train.trainer.NonFiniteGuard`) exists as
+it does at every step of a run. The step is measured in one process; the per-GPU figure applies the launcher's
 sharding by arithmetic (:func:`draftsmith.train.dry_run.state_bytes_per_gpu`): measured peak
 - (trainable weights + gradients + optimizer state as held by the one process) + those states
 as one rank of the launcher holds them. Activations, transients, the batch and the frozen
@@ -592,7 +594,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
             geo = {"H": int(method.target_info["hidden_size"]), "V": int(method.target_info["vocab_size"])}
             n_aux = len(method.target_info["aux_layer_ids"])
             tracker.exclude(getattr(method, "heads", {}))  # host RAM in a run (moved lazily, if ever)
-            model, trainable, opt = prepare_model(method, recipe, precision, dev, fake)
+            model, trainable, optimizers = prepare_model(method, recipe, precision, dev, fake)
+            guard = _guard(optimizers, dev)
             cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, fake, seed)
             plan = method.batch_plan() if hasattr(method, "batch_plan") else None
             if fake:
@@ -618,14 +621,18 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                                         if p.grad is not None) if s is not None}
                 with tracker.phase(f"optimizer{step}"):
                     torch.nn.utils.clip_grad_norm_(trainable, recipe.train.max_grad_norm)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    for opt in optimizers:
+                        opt.step()
+                    if guard is not None:
+                        guard.end_step()
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
                 if measured and dev.type == "cuda":
                     torch.cuda.synchronize()
                     cuda_peak = int(torch.cuda.max_memory_allocated(dev))
-            categories = _categories(tracker, model, trainable, opt, method, batch)
+            categories = _categories(tracker, model, trainable, optimizers, guard, method, batch)
             n_trainable = sum(p.numel() for p in trainable)
-            state = state_bytes_per_gpu(n_trainable, launch, precision.name)
+            state = state_bytes_per_gpu(n_trainable, launch, precision.name, getattr(recipe.train, "optimizer", "adamw"))
             held = categories["weights"] | categories["gradients"] | categories["optimizer_state"]
             known = held | categories["frozen"] | categories["batch"]
             phases, per_gpu, at_peak = {}, {}, {}
@@ -659,11 +666,12 @@ def random_weights(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.device, fake: bool = False
-                  ) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer]:
+                  ) -> tuple[torch.nn.Module, list[torch.nn.Parameter], list[torch.optim.Optimizer]]:
     """The method's draft as the launcher trains it: built, moved to ``dev`` (real runs), its
     parameters in ``precision.param_dtype``, ``forward`` under bf16 autocast with accelerate's fp32
-    output upcast (``amp-bf16``), the trainer's AdamW over the trainable parameters, the method
-    set up on one process, in train mode. Returns ``(model, trainable, optimizer)``."""
+    output upcast (``amp-bf16``), the trainer's optimizers of ``train.optimizer`` (AdamW; AdamW
+    and Muon), the method set up on one process, in train mode. Returns ``(model, trainable,
+    optimizers)``, the optimizers in the order the trainer steps them."""
     from draftsmith.train.activation_checkpointing import apply_recipe_checkpointing
 
     model = apply_recipe_checkpointing(method.build_model(), recipe.draft)  # as the trainer does
@@ -682,23 +690,36 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
         forward = model.forward.__func__
         auto = torch.autocast(device_type=dev.type, dtype=dtype)(forward)
         model.forward = MethodType(convert_outputs_to_fp32(auto), model)
-    opt = _optimizer(trainable, recipe, dev, fake)
+    optimizers = _optimizers(model, trainable, recipe, dev, fake)
     accelerator = OneProcess(dev)
     method.setup(accelerator)
     model.train()
-    return model, trainable, opt
+    return model, trainable, optimizers
 
 
-def _optimizer(params: list[torch.nn.Parameter], recipe: Any, dev: torch.device, fake: bool) -> torch.optim.Optimizer:
-    """The trainer's AdamW (:func:`draftsmith.train.trainer.build_optimizer`: fused where torch has
-    the kernel) as it is built on the GPU the step stands for (a fake step: CUDA); the
+def _optimizers(model: torch.nn.Module, params: list[torch.nn.Parameter], recipe: Any, dev: torch.device,
+                fake: bool) -> list[torch.optim.Optimizer]:
+    """The trainer's optimizers (:func:`draftsmith.train.trainer.build_optimizers`: AdamW, fused
+    where torch has the kernel; under ``train.optimizer: muon`` also torch's Muon over the hidden
+    matrices) as they are built on the GPU the step stands for (a fake step: CUDA); the
     multi-tensor AdamW, CUDA's default, where the trainer has no builder."""
     try:
-        from draftsmith.train.trainer import build_optimizer
+        from draftsmith.train.trainer import build_optimizers
     except ImportError:
-        return torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
-                                 weight_decay=recipe.train.weight_decay, foreach=True)
-    return build_optimizer(params, recipe.train, torch.device("cuda") if fake else dev)
+        return [torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
+                                  weight_decay=recipe.train.weight_decay, foreach=True)]
+    return build_optimizers(model, recipe.train, torch.device("cuda") if fake else dev)
+
+
+def _guard(optimizers: list[torch.optim.Optimizer], dev: torch.device) -> Any:
+    """The trainer's :class:`~draftsmith.train.trainer.NonFiniteGuard` on ``optimizers`` (one
+    process): what it keeps across steps (a non-fused optimizer's copies) is part of the
+    measured optimizer state. None where the trainer has no guard."""
+    try:
+        from draftsmith.train.trainer import NonFiniteGuard
+    except ImportError:
+        return None
+    return NonFiniteGuard(optimizers, dev, 1)
 
 
 def gc_collect() -> None:
@@ -733,18 +754,19 @@ def _is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[torch.Tensor], opt: Any,
-                method: Any, batch: dict[str, Any]) -> dict[str, set[int]]:
+def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[torch.Tensor],
+                optimizers: list[Any], guard: Any, method: Any, batch: dict[str, Any]) -> dict[str, set[int]]:
     """Serials of the storages by role: trainable weights, gradients (of the measured step:
     the weights' ``.grad`` are set to None after it, so they are the storages that were grads at
-    the peak only if still alive; see below), optimizer state, frozen buffers / weights and the
-    method's own device tensors (teacher head), the batch."""
+    the peak only if still alive; see below), optimizer state (the guard's copies included),
+    frozen buffers / weights and the method's own device tensors (teacher head), the batch."""
 
     def serials(tensors: Any) -> set[int]:
         return {s for s in (tracker.serial(t) for t in _tensors(tensors)) if s is not None}
 
     weights = serials(trainable)
-    state = serials([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+    state = serials([v for opt in optimizers for st in opt.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)] + (guard.copies() if guard is not None else []))
     frozen = serials([t for t in itertools.chain(model.parameters(), model.buffers())]) - weights
     frozen |= serials([v for k, v in vars(method).items() if k not in ("heads", "recipe", "paths", "accelerator")])
     data = serials(batch)

@@ -456,13 +456,21 @@ class NonFiniteGuard:
         (device-side; no host read)."""
         skip = self.found.bool()
         before, copies = self._saved[id(optimizer)]
-        kept = {id(t) for t in before}
+        kept = {id(t): c for t, c in zip(before, copies)}
+        after = _step_tensors(optimizer)
         with torch.no_grad():
             for t, c in zip(before, copies):
                 t.copy_(torch.where(skip, c, t))
-            for t in _step_tensors(optimizer):
+            for t in after:
                 if id(t) not in kept:  # created by this step (Muon's momentum buffer): as if never stepped
                     t.masked_fill_(skip, 0)
+        if len(after) != len(before):  # the state grew: copies for it now, so later steps only copy into them
+            self._saved[id(optimizer)] = (after, [kept[id(t)] if id(t) in kept else t.detach().clone() for t in after])
+
+    def copies(self) -> list[torch.Tensor]:
+        """The copies kept across steps of the non-fused optimizers' parameters and state (empty
+        for fused optimizers and before the first step): memory the guard holds."""
+        return [c for _, copies in self._saved.values() for c in copies]
 
     def _step_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """1.0 where this step must be skipped on any rank, else 0.0 (0-dim device tensor)."""

@@ -132,6 +132,33 @@ def test_fake_step_measures_what_the_real_step_allocates(method, recipe):
     assert fake.phases["optimizer"]["optimizer_state"] >= 8 * fake.trainable_parameters  # exp_avg + exp_avg_sq
 
 
+def test_muon_step_measures_momentum_and_the_guards_copies():
+    """``train.optimizer: muon``: the measured optimizer state is AdamW's two moments over the
+    parameters Muon does not take, plus, over the hidden matrices, Muon's momentum and the
+    non-finite guard's copies of weights and momentum (12 B); the dry run's 12 B per trainable
+    parameter bounds it, and the fake step still measures what the real one allocates."""
+    from draftsmith.train.dry_run import state_bytes_per_gpu
+    from draftsmith.train.trainer import split_muon_params
+    from benchmarks.memory import offline_method, random_weights
+
+    r = bench_recipe(load_recipe(RECIPES / "smollm2_135m.yaml", TINY_SETS + ["train.optimizer=muon"]), 2, 32)
+    fake = measure_step(r, TINY, None, Precision.of(None, "fp32"), device="fake")
+    real = measure_step(r, TINY, None, Precision.of(None, "fp32"), device="cpu")
+    assert fake.phases == real.phases
+    with offline_method(r, TINY, torch.float32, random_weights) as method:
+        muon, adamw = split_muon_params(method.build_model())
+    n_muon, n_adamw = sum(p.numel() for p in muon), sum(p.numel() for p in adamw)
+    assert n_muon > 0 and n_muon + n_adamw == fake.trainable_parameters
+    state = fake.phases["optimizer"]["optimizer_state"]
+    expected = 8 * n_adamw + 12 * n_muon
+    assert expected <= state <= expected + 4096  # + the step counters
+    assert state <= state_bytes_per_gpu(fake.trainable_parameters, None, "fp32", "muon")["optimizer_state"]
+    assert fake.state_per_gpu["optimizer_state"] == 12 * fake.trainable_parameters
+    adamw_run = measure_step(bench_recipe(load_recipe(RECIPES / "smollm2_135m.yaml", TINY_SETS + ["train.optimizer=adamw"]),
+                                          2, 32), TINY, None, Precision.of(None, "fp32"), device="fake")
+    assert adamw_run.phases["optimizer"]["optimizer_state"] < state
+
+
 # -- the command
 
 
