@@ -232,7 +232,11 @@ def assert_block_parity(model: DFlash2DraftModel, vm, config):
     ids, scores = model.propose_scores(cache, BONUS, N_CTX, K)
     torch.testing.assert_close(hidden, theirs[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"hidden: {m}")
     assert torch.equal(ids, theirs[1]), "candidates differ"
-    torch.testing.assert_close(scores, theirs[2], rtol=1e-5, atol=1e-5, msg=lambda m: f"scores: {m}")
+    # A score is a sum of pairwise and unary terms up to ~50 in size, so float32 cancellation leaves
+    # an error relative to the largest score, not to each score: the same formula run by vLLM's
+    # kernels and by ours on one hidden state differs by ~2e-5 at |score| ~50.
+    scale = float(theirs[2].abs().max())
+    torch.testing.assert_close(scores, theirs[2], rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"scores: {m}")
     assert scores.std() > 0.1  # a real signal
     return aux, theirs
 
