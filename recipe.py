@@ -411,6 +411,12 @@ class TrainConfig(_Strict):
         "stops at the first optimizer step past it, and warmup + cosine decay follow the larger of the step and "
         "the time fraction, so the schedule completes within the budget. For equal-time comparisons and GPU-hour "
         "budgets; the run is then not bitwise reproducible (the schedule reads the clock).")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant", description="Which tokens the training loss predicts. assistant: the loss mask of data prep "
+        "(assistant replies only, what the draft is served on). all: every real token, prompts and templates "
+        "too: for the methods distilled from the target (eagle3, peagle, dflash, dflash2, dspark) the label is "
+        "the target's own distribution at each position, so every captured token is a distillation example; "
+        "Medusa / MLP speculator heads learn the prompt's next tokens. Validation stays on assistant tokens.")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per process.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps).")
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (after warmup; cosine decay to min_lr_ratio * lr).")

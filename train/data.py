@@ -116,14 +116,18 @@ class BatchCollator:
         base: list of items -> batch of ``(B, T, ...)`` tensors with ``attention_mask``.
         plan: ``method.batch_plan()``: ``plan(batch) -> dict`` of CPU tensors and python values
             merged into the batch; None: nothing added.
+        loss_on_all: ``train.loss_on: all``: ``loss_mask`` becomes ``attention_mask`` (every real
+            token is trained, not only the assistant's) before the plan reads it.
     """
 
     def __init__(self, base: Callable[[list], dict[str, torch.Tensor]],
-                 plan: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
-        self.base, self.plan = base, plan
+                 plan: Callable[[dict[str, Any]], dict[str, Any]] | None = None, loss_on_all: bool = False):
+        self.base, self.plan, self.loss_on_all = base, plan, loss_on_all
 
     def __call__(self, items: list) -> dict[str, Any]:
         batch: dict[str, Any] = self.base(items)
+        if self.loss_on_all:
+            batch["loss_mask"] = batch["attention_mask"].to(batch["loss_mask"].dtype)
         batch["num_tokens"] = int(batch["attention_mask"].sum())
         if self.plan is not None:
             batch.update(self.plan(batch))

@@ -680,7 +680,8 @@ class Trainer:
         recipe, cfg, acc = self.recipe, self.cfg, self.accelerator
         plan_fn = getattr(self.method, "batch_plan", None)
         self.plan = plan_fn() if callable(plan_fn) else None  # run on CPU batches in the DataLoader workers
-        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan)
+        loss_on_all = cfg.loss_on == "all"  # training batches only: validation measures assistant tokens
+        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan, loss_on_all)
         self.val_set = None
         if recipe.data.validation_fraction:  # held-out conversations, never packed
             train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction,
@@ -690,7 +691,7 @@ class Trainer:
                      len(dataset), recipe.data.validation_fraction)
         if cfg.packing:  # rows of several sequences; the sampler then batches rows
             dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
-            collate_fn = BatchCollator(collate_packed, self.plan)
+            collate_fn = BatchCollator(collate_packed, self.plan, loss_on_all)
         # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
         # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
         # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).
