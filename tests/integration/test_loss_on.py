@@ -30,8 +30,8 @@ def test_loss_on_all_trains_prompt_positions(prepared):
 
     torch.manual_seed(0)
     model = method.build_model()
-    loss_assistant, m_assistant = method.compute_loss(model, assistant)
-    loss_all, m_all = method.compute_loss(model, everything)
+    loss_assistant, _ = method.compute_loss(model, assistant)
+    loss_all, _ = method.compute_loss(model, everything)
     assert torch.isfinite(loss_all) and loss_all.item() != loss_assistant.item()
 
 
