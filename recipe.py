@@ -234,8 +234,19 @@ class Eagle3DraftConfig(_DraftVocabSection):
         None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
         "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "
         "run's aux layer ids (checked before training). Its geometry is kept; lm_head rows move by token id.")
+    init_layer_from_target: int | None = Field(
+        None, description="Start the draft decoder layer from this target decoder layer (0-based; negative counts "
+        "from the last, -1 = the last): its q/k/v read the fused hidden state, o_proj, MLP and norms are copied; "
+        "the next-token embedding's columns keep their random start. null: random (the anchors').")
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
+
+    @model_validator(mode="after")
+    def _one_start(self) -> "Eagle3DraftConfig":
+        if self.init_from and self.init_layer_from_target is not None:
+            raise ValueError("draft.init_from (a whole trained draft) and draft.init_layer_from_target (the layer "
+                             "from the target) both set the draft layer's start: set one")
+        return self
 
 
 class MedusaDraftConfig(_HeadsSection):

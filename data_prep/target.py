@@ -225,6 +225,38 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32, trust_remote_cod
     return model, tok
 
 
+def checkpoint_weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a local checkpoint directory (the sharded index's
+    ``weight_map``, else the keys of every ``*.safetensors`` file); reads no tensor."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    weight_map = {}
+    for f in sorted(p.name for p in path.glob("*.safetensors")):
+        with safe_open(path / f, framework="pt") as fh:
+            weight_map.update({k: f for k in fh.keys()})
+    return weight_map
+
+
+LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.")  # decoder layers (plain / multimodal wrapper)
+
+
+def load_target_layer_tensors(path: Path, index: int) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layer ``index`` of a target checkpoint, named without their
+    ``model.layers.{index}.`` prefix (``self_attn.q_proj.weight``, ...), without loading the model.
+
+    Raises:
+        KeyError: the checkpoint holds no tensor of that layer (the prefixes tried are named).
+    """
+    prefixes = [f"{p}{index}." for p in LAYER_PREFIXES]
+    names = {name[len(p):]: [name] for name in checkpoint_weight_map(path) for p in prefixes if name.startswith(p)}
+    if not names:
+        raise KeyError(f"{path}: no tensor of decoder layer {index} ({' or '.join(p + '*' for p in prefixes)})")
+    return load_target_tensors(path, names)
+
+
 def load_target_tensors(path: Path, names: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     """Read a few tensors from a target checkpoint without loading the model.
 
@@ -238,15 +270,7 @@ def load_target_tensors(path: Path, names: dict[str, list[str]]) -> dict[str, to
     """
     from safetensors import safe_open
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-        weight_map = {}
-        for f in files:
-            with safe_open(path / f, framework="pt") as fh:
-                weight_map.update({k: f for k in fh.keys()})
+    weight_map = checkpoint_weight_map(path)
     out = {}
     for key, candidates in names.items():
         found = next((c for c in candidates if c in weight_map), None)

@@ -72,7 +72,30 @@ class Eagle3Method(DraftVocabMethod):
         model = self.init_draft(Eagle3DraftModel(self.config))
         if self.init is not None:
             load_init_weights(model, self.init)
+        elif self.recipe.draft.init_layer_from_target is not None:
+            index, tensors = self.target_layer(self.recipe.draft.init_layer_from_target)
+            model.init_layer_from_target(tensors)
+            log.info("draft.init_layer_from_target: the draft layer starts from target layer %d", index)
         return model
+
+    def target_layer(self, index: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Target decoder layer ``index`` (negative: from the last) -> (its 0-based index, its
+        tensors named without the ``model.layers.{i}.`` prefix), read from the target checkpoint
+        without loading the model.
+
+        Raises:
+            ValueError: ``index`` outside the target's ``num_hidden_layers`` (both named).
+            KeyError: the checkpoint holds no tensor of that layer.
+        """
+        from ..data_prep.target import load_target_layer_tensors
+
+        n = int(self.target_info["num_hidden_layers"])
+        if not -n <= index < n:
+            raise ValueError(f"draft.init_layer_from_target={index}: the target has {n} decoder layers "
+                             f"(0..{n - 1}, or -{n}..-1)")
+        index %= n
+        tensors = load_target_layer_tensors(self.target_dir, index)
+        return index, tensors
 
     def batch_plan(self):
         """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader

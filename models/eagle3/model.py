@@ -396,6 +396,54 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
 
+    @torch.no_grad()
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> None:
+        """Start the draft decoder layer from one target decoder layer (``draft.init_layer_from_target``).
+
+        ``layer`` maps the target layer's tensor names without the ``model.layers.{i}.`` prefix
+        (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ``input_layernorm.weight``, ...) to
+        tensors in the target's shapes: q/k/v ``[out, Ht]``, ``o_proj [H, H]``, the MLP, the two
+        norms ``[H]``. The draft's attention reads ``[input_layernorm(embeds) ; hidden_norm(g)]``
+        ``(.., 2H)``: the target's q/k/v go into the columns that read ``g`` (``[:, H:]``) and
+        ``hidden_norm`` takes the target's ``input_layernorm``, so the layer starts as the target's
+        own layer applied to the fused hidden state; the columns that read the next token's
+        embedding and ``input_layernorm`` keep their initialisation. ``o_proj``, the MLP and
+        ``post_attention_layernorm`` are copied; biases where the draft has them.
+
+        Raises:
+            KeyError: a tensor the draft layer needs is not in ``layer`` (named).
+            ValueError: a tensor's shape differs from the draft's (named, both shapes).
+        """
+        dst = self.layers[0]
+        H = self.config.hidden_size
+        copies: dict[str, tuple[torch.Tensor, str]] = {
+            "self_attn.o_proj.weight": (dst.self_attn.o_proj.weight, "all"),
+            "mlp.gate_proj.weight": (dst.mlp.gate_proj.weight, "all"),
+            "mlp.up_proj.weight": (dst.mlp.up_proj.weight, "all"),
+            "mlp.down_proj.weight": (dst.mlp.down_proj.weight, "all"),
+            "input_layernorm.weight": (dst.hidden_norm.weight, "all"),
+            "post_attention_layernorm.weight": (dst.post_attention_layernorm.weight, "all"),
+        }
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(dst.self_attn, name)
+            copies[f"self_attn.{name}.weight"] = (proj.weight, "hidden")
+            if proj.bias is not None:
+                copies[f"self_attn.{name}.bias"] = (proj.bias, "all")
+        for name, proj in (("self_attn.o_proj", dst.self_attn.o_proj), ("mlp.gate_proj", dst.mlp.gate_proj),
+                           ("mlp.up_proj", dst.mlp.up_proj), ("mlp.down_proj", dst.mlp.down_proj)):
+            if proj.bias is not None:
+                copies[f"{name}.bias"] = (proj.bias, "all")
+        missing = sorted(set(copies) - set(layer))
+        if missing:
+            raise KeyError(f"target layer tensors missing for the draft layer: {missing}")
+        for name, (param, part) in copies.items():
+            into = param[:, H:] if part == "hidden" else param
+            src = layer[name]
+            if tuple(src.shape) != tuple(into.shape):
+                raise ValueError(f"target layer tensor {name} has shape {list(src.shape)}, the draft layer's "
+                                 f"{'g columns ([:, H:]) of ' if part == 'hidden' else ''}{name} is {list(into.shape)}")
+            into.copy_(src.to(into.dtype))
+
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``(..., 3 * Ht)`` concatenated aux hidden states -> ``(..., H)`` fused ``g``: ``fc`` after
         the EAGLE-3.1 norms that are on (``input_norm`` over the whole, then ``fc_norm.{i}`` over
