@@ -238,14 +238,18 @@ class Eagle3DraftConfig(_DraftVocabSection):
         None, description="Start the draft decoder layer from this target decoder layer (0-based; negative counts "
         "from the last, -1 = the last): its q/k/v read the fused hidden state, o_proj, MLP and norms are copied; "
         "the next-token embedding's columns keep their random start. null: random (the anchors').")
+    init_fc: Literal["random", "last_aux"] = Field(
+        "random", description="How fc starts: random (the anchors'), or last_aux: [0 | 0 | I], the fused hidden state "
+        "starts as the highest aux hidden state (with init_layer_from_target, the draft starts as that target layer "
+        "applied to the target's own late hidden state).")
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
 
     @model_validator(mode="after")
     def _one_start(self) -> "Eagle3DraftConfig":
-        if self.init_from and self.init_layer_from_target is not None:
-            raise ValueError("draft.init_from (a whole trained draft) and draft.init_layer_from_target (the layer "
-                             "from the target) both set the draft layer's start: set one")
+        if self.init_from and (self.init_layer_from_target is not None or self.init_fc != "random"):
+            raise ValueError("draft.init_from (a whole trained draft) and draft.init_layer_from_target / "
+                             "draft.init_fc (a start from the target) both set the draft's start: set one")
         return self
 
 

@@ -76,6 +76,8 @@ class Eagle3Method(DraftVocabMethod):
             index, tensors = self.target_layer(self.recipe.draft.init_layer_from_target)
             model.init_layer_from_target(tensors)
             log.info("draft.init_layer_from_target: the draft layer starts from target layer %d", index)
+        if self.init is None and self.recipe.draft.init_fc == "last_aux":
+            model.init_fc_last_aux()
         return model
 
     def target_layer(self, index: int) -> tuple[int, dict[str, torch.Tensor]]:

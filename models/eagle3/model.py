@@ -397,6 +397,20 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
 
     @torch.no_grad()
+    def init_fc_last_aux(self) -> None:
+        """``draft.init_fc: last_aux``: ``fc`` starts as ``[0 | 0 | I]``, so the fused ``g`` is the
+        last (highest) aux hidden state itself (after the EAGLE-3.1 norms that are on).
+
+        Raises:
+            ValueError: the draft's hidden size differs from the target's (no identity exists).
+        """
+        H, Ht = self.config.hidden_size, self.config.target_hidden_size
+        if H != Ht:
+            raise ValueError(f"draft.init_fc=last_aux needs the draft's hidden size ({H}) equal to the target's ({Ht})")
+        self.fc.weight.zero_()
+        self.fc.weight[:, 2 * Ht:] = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+
+    @torch.no_grad()
     def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> None:
         """Start the draft decoder layer from one target decoder layer (``draft.init_layer_from_target``).
 

@@ -97,3 +97,17 @@ def test_shape_mismatch_names_the_tensor(prepared):
     del tensors["mlp.up_proj.weight"]
     with pytest.raises(KeyError, match=r"mlp\.up_proj\.weight"):
         model.init_layer_from_target(tensors)
+
+
+def test_init_fc_last_aux_passes_the_highest_aux_state(prepared):
+    recipe, run, _ = prepared
+    model = _method(recipe, run, init_fc="last_aux").build_model()
+    Ht = model.config.target_hidden_size
+    aux = torch.randn(2, 5, 3 * Ht)
+    with torch.no_grad():
+        torch.testing.assert_close(model.fuse(aux), aux[..., 2 * Ht:], rtol=0, atol=0)
+        random = _method(recipe, run).build_model()
+        assert (random.fuse(aux) - aux[..., 2 * Ht:]).abs().max() > 1e-2
+    with pytest.raises(ValidationError, match="set one"):
+        Recipe.model_validate({**recipe.model_dump(), "draft": {**recipe.draft.model_dump(), "init_from": "x",
+                                                                "init_fc": "last_aux"}})
