@@ -74,8 +74,11 @@ class Eagle3Method(DraftVocabMethod):
             load_init_weights(model, self.init)
         elif self.recipe.draft.init_layer_from_target is not None:
             index, tensors = self.target_layer(self.recipe.draft.init_layer_from_target)
-            model.init_layer_from_target(tensors)
+            unused = model.init_layer_from_target(tensors)
             log.info("draft.init_layer_from_target: the draft layer starts from target layer %d", index)
+            if unused:
+                log.warning("draft.init_layer_from_target: target layer %d tensors the draft layer has no place "
+                            "for, not copied: %s", index, unused)
         if self.init is None and self.recipe.draft.init_fc == "last_aux":
             model.init_fc_last_aux()
         return model

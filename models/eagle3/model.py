@@ -411,7 +411,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.fc.weight[:, 2 * Ht:] = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
 
     @torch.no_grad()
-    def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> None:
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> list[str]:
         """Start the draft decoder layer from one target decoder layer (``draft.init_layer_from_target``).
 
         ``layer`` maps the target layer's tensor names without the ``model.layers.{i}.`` prefix
@@ -423,6 +423,10 @@ class Eagle3DraftModel(TargetSharedDraft):
         own layer applied to the fused hidden state; the columns that read the next token's
         embedding and ``input_layernorm`` keep their initialisation. ``o_proj``, the MLP and
         ``post_attention_layernorm`` are copied; biases where the draft has them.
+
+        Returns:
+            the names in ``layer`` the draft layer has no place for (e.g. Qwen3's ``q_norm`` /
+            ``k_norm``), so the started layer is then not exactly the target's.
 
         Raises:
             KeyError: a tensor the draft layer needs is not in ``layer`` (named).
@@ -457,6 +461,7 @@ class Eagle3DraftModel(TargetSharedDraft):
                 raise ValueError(f"target layer tensor {name} has shape {list(src.shape)}, the draft layer's "
                                  f"{'g columns ([:, H:]) of ' if part == 'hidden' else ''}{name} is {list(into.shape)}")
             into.copy_(src.to(into.dtype))
+        return sorted(set(layer) - set(copies))
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``(..., 3 * Ht)`` concatenated aux hidden states -> ``(..., H)`` fused ``g``: ``fc`` after

@@ -91,6 +91,9 @@ def test_shape_mismatch_names_the_tensor(prepared):
     method = _method(recipe, run, init_layer_from_target=-1)
     model = method.build_model()
     _, tensors = method.target_layer(-1)
+    extra = {**tensors, "self_attn.q_norm.weight": torch.ones(4)}
+    assert model.init_layer_from_target(extra) == ["self_attn.q_norm.weight"]  # reported, not silently dropped
+    assert model.init_layer_from_target(tensors) == []
     tensors["mlp.up_proj.weight"] = tensors["mlp.up_proj.weight"][:-1]
     with pytest.raises(ValueError, match=r"mlp\.up_proj\.weight has shape"):
         model.init_layer_from_target(tensors)
