@@ -251,26 +251,29 @@ def load_target_layer_tensors(path: Path, index: int) -> dict[str, torch.Tensor]
         KeyError: the checkpoint holds no tensor of that layer (the prefixes tried are named).
     """
     prefixes = [f"{p}{index}." for p in LAYER_PREFIXES]
-    names = {name[len(p):]: [name] for name in checkpoint_weight_map(path) for p in prefixes if name.startswith(p)}
+    weight_map = checkpoint_weight_map(path)
+    names = {name[len(p):]: [name] for name in weight_map for p in prefixes if name.startswith(p)}
     if not names:
         raise KeyError(f"{path}: no tensor of decoder layer {index} ({' or '.join(p + '*' for p in prefixes)})")
-    return load_target_tensors(path, names)
+    return load_target_tensors(path, names, weight_map)
 
 
-def load_target_tensors(path: Path, names: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+def load_target_tensors(path: Path, names: dict[str, list[str]],
+                        weight_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Read a few tensors from a target checkpoint without loading the model.
 
     Args:
         path: local checkpoint directory (``model.safetensors`` or a sharded index).
         names: wanted key -> candidate tensor names, tried in order (e.g. a tied
             ``lm_head.weight`` falls back to ``model.embed_tokens.weight``).
+        weight_map: the checkpoint's :func:`checkpoint_weight_map`, when the caller has read it.
 
     Raises:
         KeyError: naming the wanted key and the candidates when none is in the checkpoint.
     """
     from safetensors import safe_open
 
-    weight_map = checkpoint_weight_map(path)
+    weight_map = checkpoint_weight_map(path) if weight_map is None else weight_map
     out = {}
     for key, candidates in names.items():
         found = next((c for c in candidates if c in weight_map), None)

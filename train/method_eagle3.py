@@ -72,14 +72,15 @@ class Eagle3Method(DraftVocabMethod):
         model = self.init_draft(Eagle3DraftModel(self.config))
         if self.init is not None:
             load_init_weights(model, self.init)
-        elif self.recipe.draft.init_layer_from_target is not None:
+            return model
+        if self.recipe.draft.init_layer_from_target is not None:
             index, tensors = self.target_layer(self.recipe.draft.init_layer_from_target)
             unused = model.init_layer_from_target(tensors)
             log.info("draft.init_layer_from_target: the draft layer starts from target layer %d", index)
             if unused:
                 log.warning("draft.init_layer_from_target: target layer %d tensors the draft layer has no place "
                             "for, not copied: %s", index, unused)
-        if self.init is None and self.recipe.draft.init_fc == "last_aux":
+        if self.recipe.draft.init_fc == "last_aux":
             model.init_fc_last_aux()
         return model
 
@@ -99,8 +100,7 @@ class Eagle3Method(DraftVocabMethod):
             raise ValueError(f"draft.init_layer_from_target={index}: the target has {n} decoder layers "
                              f"(0..{n - 1}, or -{n}..-1)")
         index %= n
-        tensors = load_target_layer_tensors(self.target_dir, index)
-        return index, tensors
+        return index, load_target_layer_tensors(self.target_dir, index)
 
     def batch_plan(self):
         """The TTT rows of each step as index tensors, computed on the CPU batch in the DataLoader

@@ -434,32 +434,27 @@ class Eagle3DraftModel(TargetSharedDraft):
         """
         dst = self.layers[0]
         H = self.config.hidden_size
-        copies: dict[str, tuple[torch.Tensor, str]] = {
-            "self_attn.o_proj.weight": (dst.self_attn.o_proj.weight, "all"),
-            "mlp.gate_proj.weight": (dst.mlp.gate_proj.weight, "all"),
-            "mlp.up_proj.weight": (dst.mlp.up_proj.weight, "all"),
-            "mlp.down_proj.weight": (dst.mlp.down_proj.weight, "all"),
-            "input_layernorm.weight": (dst.hidden_norm.weight, "all"),
-            "post_attention_layernorm.weight": (dst.post_attention_layernorm.weight, "all"),
+        attn, mlp = dst.self_attn, dst.mlp
+        g_columns = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}
+        copies = {  # target name -> the draft tensor (or view) it is copied into
+            "input_layernorm.weight": dst.hidden_norm.weight,
+            "post_attention_layernorm.weight": dst.post_attention_layernorm.weight,
         }
-        for name in ("q_proj", "k_proj", "v_proj"):
-            proj = getattr(dst.self_attn, name)
-            copies[f"self_attn.{name}.weight"] = (proj.weight, "hidden")
+        for name, proj in (("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
+                           ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
+                           ("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj),
+                           ("mlp.down_proj", mlp.down_proj)):
+            copies[f"{name}.weight"] = proj.weight[:, H:] if f"{name}.weight" in g_columns else proj.weight
             if proj.bias is not None:
-                copies[f"self_attn.{name}.bias"] = (proj.bias, "all")
-        for name, proj in (("self_attn.o_proj", dst.self_attn.o_proj), ("mlp.gate_proj", dst.mlp.gate_proj),
-                           ("mlp.up_proj", dst.mlp.up_proj), ("mlp.down_proj", dst.mlp.down_proj)):
-            if proj.bias is not None:
-                copies[f"{name}.bias"] = (proj.bias, "all")
+                copies[f"{name}.bias"] = proj.bias
         missing = sorted(set(copies) - set(layer))
         if missing:
             raise KeyError(f"target layer tensors missing for the draft layer: {missing}")
-        for name, (param, part) in copies.items():
-            into = param[:, H:] if part == "hidden" else param
+        for name, into in copies.items():
             src = layer[name]
             if tuple(src.shape) != tuple(into.shape):
                 raise ValueError(f"target layer tensor {name} has shape {list(src.shape)}, the draft layer's "
-                                 f"{'g columns ([:, H:]) of ' if part == 'hidden' else ''}{name} is {list(into.shape)}")
+                                 f"{'g columns ([:, H:]) of ' if name in g_columns else ''}{name} is {list(into.shape)}")
             into.copy_(src.to(into.dtype))
         return sorted(set(layer) - set(copies))
 
