@@ -189,6 +189,11 @@ class _DraftVocabSection(_DraftSection):
         "arXiv:2602.23881.")
     lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
     lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
+    distill_temperature: float = Field(
+        1.0, gt=0, description="The target's logits are divided by this before the softmax that gives the training "
+        "distribution p (Hinton et al.'s distillation temperature, on the target side only; the draft's logits are "
+        "not scaled). Below 1 sharpens p toward the target's argmax, the token greedy (T=0) verification accepts; "
+        "1: the target's own distribution, the one vLLM samples from at T=1.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
         "more forward of the layers per step; eagle3: per TTT step).")

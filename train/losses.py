@@ -103,17 +103,24 @@ def divergence(kind: str, target_logits: torch.Tensor, draft_logits: torch.Tenso
 
 @dataclass(frozen=True)
 class LossSpec:
-    """``draft.loss`` and its LK hyperparameters, passed to :func:`divergence`."""
+    """``draft.loss``, its LK hyperparameters and ``draft.distill_temperature``: the divergence
+    (:func:`divergence`) between ``p = softmax(target_logits / target_temperature)`` and the draft's
+    ``q = softmax(draft_logits)``. A temperature below 1 sharpens the target toward its argmax
+    (the token greedy verification accepts; near 0 the loss becomes cross-entropy on that token),
+    above 1 flattens it; the argmax, and so the accuracy metrics, are unchanged."""
 
     kind: str = "forward_kl"
     lk_kl_scale: float = 1.0
     lk_kl_decay: float = 3.0
+    target_temperature: float = 1.0  # p = softmax(target_logits / target_temperature)
 
     @classmethod
     def from_recipe(cls, draft_cfg) -> LossSpec:
-        return cls(draft_cfg.loss, draft_cfg.lk_kl_scale, draft_cfg.lk_kl_decay)
+        return cls(draft_cfg.loss, draft_cfg.lk_kl_scale, draft_cfg.lk_kl_decay, draft_cfg.distill_temperature)
 
     def __call__(self, target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+        if self.target_temperature != 1.0:  # a python float: no device work at the default
+            target_logits = target_logits.float() / self.target_temperature
         return divergence(self.kind, target_logits, draft_logits, lk_kl_scale=self.lk_kl_scale,
                           lk_kl_decay=self.lk_kl_decay)
 

@@ -115,6 +115,31 @@ def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
         load_recipe(None, ["draft.method=medusa", "draft.loss=jsd"])
 
 
+
+def test_distill_temperature_sharpens_the_target_side_only():
+    """p = softmax(target / tau), worked out by hand at (P, Q); tau 1 is the plain divergence and
+    a small tau turns forward KL into cross-entropy on the target's argmax (token 0 of P)."""
+    target = torch.tensor([P]).log().requires_grad_(False)
+    draft = torch.tensor([Q]).log().requires_grad_(True)
+    tau = 0.5
+    sharp = [p ** (1 / tau) for p in P]
+    sharp = [v / sum(sharp) for v in sharp]  # softmax(log P / tau) = P^(1/tau), renormalised
+    want = sum(p * math.log(p / q) for p, q in zip(sharp, Q))
+    got = LossSpec("forward_kl", target_temperature=tau)(target, draft)
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    got.sum().backward()
+    assert draft.grad[0].tolist() == pytest.approx([q - p for p, q in zip(sharp, Q)], abs=1e-6)  # q - p
+    assert LossSpec("forward_kl", target_temperature=1.0)(target, draft).item() == pytest.approx(
+        divergence("forward_kl", target, draft).item(), abs=0)
+    cold = LossSpec("forward_kl", target_temperature=1e-3)(target, draft)
+    assert cold.item() == pytest.approx(-math.log(Q[0]), rel=1e-4)  # CE on argmax P: -log q_0
+    assert LossSpec.from_recipe(Recipe.model_validate({"draft": {"distill_temperature": 0.5}}).draft) == \
+        LossSpec("forward_kl", 1.0, 3.0, 0.5)
+    with pytest.raises(RecipeError, match="draft.distill_temperature: Input should be greater than 0"):
+        load_recipe(None, ["draft.distill_temperature=0"])
+    with pytest.raises(RecipeError, match="draft.distill_temperature: unknown key for draft.method medusa"):
+        load_recipe(None, ["draft.method=medusa", "draft.distill_temperature=0.5"])
+
 def _tiny_eagle3(seed: int = 0):
     from draftsmith.models.eagle3.config import Eagle3Config
     from draftsmith.models.eagle3.model import Eagle3DraftModel
