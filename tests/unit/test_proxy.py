@@ -460,7 +460,11 @@ def test_swap_under_load_answers_every_request_once_and_retires_the_old_upstream
 
             async with aiohttp.ClientSession() as client:
                 tasks = [asyncio.create_task(one(i, client)) for i in range(n)]
-                await asyncio.sleep(0.2)
+                # swap once A holds a request (not after a fixed sleep: on a loaded machine the
+                # event loop can wake late, after every request has already reached A)
+                deadline = time.monotonic() + 10
+                while not a.active and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
                 swap = asyncio.create_task(proxy.swap(b.url, label="B", on_retire=on_retire))
                 await asyncio.sleep(0)  # swap() runs up to its drain: the switch has happened
                 swapped_at = time.monotonic()
