@@ -119,8 +119,10 @@ def test_slot_weights_are_exp_minus_k_over_gamma_from_the_anchor_slot():
                                                                           math.exp(-0.75)]))
 
 
-@pytest.mark.parametrize("kind", ["tv", "forward_kl"])
-def test_dspark_loss_equals_the_loss_written_out_by_hand(kind):
+@pytest.mark.parametrize("kind,tau", [("tv", 1.0), ("forward_kl", 1.0), ("forward_kl", 0.5)])
+def test_dspark_loss_equals_the_loss_written_out_by_hand(kind, tau):
+    """tau (draft.distill_temperature) sharpens the target in the distillation term only: the
+    confidence head's target stays the real acceptance probability 1 - TV(p, q)."""
     cfg = dspark_tiny_config()
     model = random_dspark_model(cfg).train()
     with torch.no_grad():  # one target id (30) outside the 20-token draft vocab appears as a label below
@@ -130,7 +132,7 @@ def test_dspark_loss_equals_the_loss_written_out_by_hand(kind):
     anchors = torch.tensor([[1, 3, 8], [2, 7, 0]])
     valid = torch.tensor([[True, True, True], [True, True, False]])
     head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(3)))
-    spec = DSparkLossSpec(LossSpec(kind), ce_weight=0.1, distill_weight=0.9, confidence_weight=1.0)
+    spec = DSparkLossSpec(LossSpec(kind, target_temperature=tau), ce_weight=0.1, distill_weight=0.9, confidence_weight=1.0)
     weights = dspark_slot_weights(cfg.block_size, 4.0)
     loss, metrics = dspark_loss(model, ids, aux, final, mask, anchors, valid, head, model.t2d, weights, spec,
                                 chunk_size=5)
@@ -151,8 +153,9 @@ def test_dspark_loss_equals_the_loss_written_out_by_hand(kind):
                 z = hand_logits(model, h[b, j, k], ids[b, a + k])
                 log_q = torch.log_softmax(z, -1)
                 p = torch.softmax(final[b, a + k] @ head.weight.T, -1)
+                p_tau = torch.softmax(final[b, a + k] @ head.weight.T / tau, -1)
                 tv = 0.5 * (p - log_q.exp()).abs().sum()
-                dist = tv if kind == "tv" else (p * (p.log() - log_q)).sum()
+                dist = 0.5 * (p_tau - log_q.exp()).abs().sum() if kind == "tv" else (p_tau * (p_tau.log() - log_q)).sum()
                 y = int(ids[b, t])
                 ce = -log_q[y] if y < cfg.draft_vocab_size else torch.zeros(())
                 normed = rms(h[b, j, k], model.norm.weight, cfg.rms_norm_eps)
