@@ -132,7 +132,8 @@ def test_dspark_loss_equals_the_loss_written_out_by_hand(kind, tau):
     anchors = torch.tensor([[1, 3, 8], [2, 7, 0]])
     valid = torch.tensor([[True, True, True], [True, True, False]])
     head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size, generator=torch.Generator().manual_seed(3)))
-    spec = DSparkLossSpec(LossSpec(kind, target_temperature=tau), ce_weight=0.1, distill_weight=0.9, confidence_weight=1.0)
+    spec = DSparkLossSpec(LossSpec(kind, target_temperature=tau), ce_weight=0.1, distill_weight=0.9,
+                          confidence_weight=1.0)
     weights = dspark_slot_weights(cfg.block_size, 4.0)
     loss, metrics = dspark_loss(model, ids, aux, final, mask, anchors, valid, head, model.t2d, weights, spec,
                                 chunk_size=5)
@@ -155,7 +156,10 @@ def test_dspark_loss_equals_the_loss_written_out_by_hand(kind, tau):
                 p = torch.softmax(final[b, a + k] @ head.weight.T, -1)
                 p_tau = torch.softmax(final[b, a + k] @ head.weight.T / tau, -1)
                 tv = 0.5 * (p - log_q.exp()).abs().sum()
-                dist = 0.5 * (p_tau - log_q.exp()).abs().sum() if kind == "tv" else (p_tau * (p_tau.log() - log_q)).sum()
+                if kind == "tv":
+                    dist = 0.5 * (p_tau - log_q.exp()).abs().sum()
+                else:
+                    dist = (p_tau * (p_tau.log() - log_q)).sum()
                 y = int(ids[b, t])
                 ce = -log_q[y] if y < cfg.draft_vocab_size else torch.zeros(())
                 normed = rms(h[b, j, k], model.norm.weight, cfg.rms_norm_eps)

@@ -115,7 +115,6 @@ def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
         load_recipe(None, ["draft.method=medusa", "draft.loss=jsd"])
 
 
-
 def test_distill_temperature_sharpens_the_target_side_only():
     """p = softmax(target / tau), worked out by hand at (P, Q); tau 1 is the plain divergence and
     a small tau turns forward KL into cross-entropy on the target's argmax (token 0 of P)."""
@@ -139,6 +138,7 @@ def test_distill_temperature_sharpens_the_target_side_only():
         load_recipe(None, ["draft.distill_temperature=0"])
     with pytest.raises(RecipeError, match="draft.distill_temperature: unknown key for draft.method medusa"):
         load_recipe(None, ["draft.method=medusa", "draft.distill_temperature=0.5"])
+
 
 def _tiny_eagle3(seed: int = 0):
     from draftsmith.models.eagle3.config import Eagle3Config
