@@ -672,16 +672,25 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Read ``path`` (YAML), apply ``key.path=value`` overrides (values parsed as YAML).
+    """Read ``path`` (YAML), apply ``key.path=value`` overrides (values parsed as YAML). A ``path``
+    that does not exist but names a shipped recipe (``gptoss120b``, ``gptoss120b.yaml``,
+    ``recipes/gptoss120b.yaml``) reads the one inside the package (:mod:`draftsmith.resources`).
 
     Raises:
-        RecipeError: unreadable file, unknown key, or invalid value, naming file and key path.
+        RecipeError: no such file nor shipped recipe, unreadable file, unknown key, or invalid
+            value, naming file and key path.
     """
     tree: dict = {}
     source = str(path) if path else "<defaults>"
     if path is not None:
+        from .resources import resolve_recipe, shipped_recipe_names
+
+        found = resolve_recipe(path)
+        if found is None:
+            raise RecipeError(f"{source}: no such recipe file, nor a shipped recipe (name one without .yaml: "
+                              f"{', '.join(shipped_recipe_names())})")
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            tree = yaml.safe_load(found.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise RecipeError(f"{source}: cannot read recipe ({exc})") from exc
         if not isinstance(tree, dict):
