@@ -665,13 +665,16 @@ def random_weights(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape).to(dtype) * 0.02
 
 
-def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.device, fake: bool = False
+def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.device, fake: bool = False,
+                  ns_dtype: torch.dtype | None = torch.bfloat16
                   ) -> tuple[torch.nn.Module, list[torch.nn.Parameter], list[torch.optim.Optimizer]]:
     """The method's draft as the launcher trains it: built, moved to ``dev`` (real runs), its
     parameters in ``precision.param_dtype``, ``forward`` under bf16 autocast with accelerate's fp32
     output upcast (``amp-bf16``), the trainer's optimizers of ``train.optimizer`` (AdamW; AdamW
-    and Muon), the method set up on one process, in train mode. Returns ``(model, trainable,
-    optimizers)``, the optimizers in the order the trainer steps them."""
+    and Muon), the method set up on one process, in train mode. ``ns_dtype``: Muon's
+    Newton-Schulz dtype (default bf16, as on the recipes' GPUs, so that a fake and a real step
+    measure the same temporaries whatever this CPU has; None: the trainer's detection). Returns
+    ``(model, trainable, optimizers)``, the optimizers in the order the trainer steps them."""
     from draftsmith.train.activation_checkpointing import apply_recipe_checkpointing
 
     model = apply_recipe_checkpointing(method.build_model(), recipe.draft)  # as the trainer does
@@ -690,7 +693,7 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
         forward = model.forward.__func__
         auto = torch.autocast(device_type=dev.type, dtype=dtype)(forward)
         model.forward = MethodType(convert_outputs_to_fp32(auto), model)
-    optimizers = _optimizers(model, trainable, recipe, dev, fake)
+    optimizers = _optimizers(model, trainable, recipe, dev, fake, ns_dtype)
     accelerator = OneProcess(dev)
     method.setup(accelerator)
     model.train()
@@ -698,17 +701,22 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
 
 
 def _optimizers(model: torch.nn.Module, params: list[torch.nn.Parameter], recipe: Any, dev: torch.device,
-                fake: bool) -> list[torch.optim.Optimizer]:
+                fake: bool, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[torch.optim.Optimizer]:
     """The trainer's optimizers (:func:`draftsmith.train.trainer.build_optimizers`: AdamW, fused
     where torch has the kernel; under ``train.optimizer: muon`` also torch's Muon over the hidden
     matrices) as they are built on the GPU the step stands for (a fake step: CUDA); the
-    multi-tensor AdamW, CUDA's default, where the trainer has no builder."""
+    multi-tensor AdamW, CUDA's default, where the trainer has no builder; Muon's Newton-Schulz
+    iterations in ``ns_dtype`` (:func:`prepare_model`)."""
     try:
         from draftsmith.train.trainer import build_optimizers
     except ImportError:
         return [torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
                                   weight_decay=recipe.train.weight_decay, foreach=True)]
-    return build_optimizers(model, recipe.train, torch.device("cuda") if fake else dev)
+    device = torch.device("cuda") if fake else dev
+    try:
+        return build_optimizers(model, recipe.train, device, ns_dtype=ns_dtype)
+    except TypeError:  # a checkout before the Newton-Schulz dtype was a choice: torch's bf16
+        return build_optimizers(model, recipe.train, device)
 
 
 def _guard(optimizers: list[torch.optim.Optimizer], dev: torch.device) -> Any:

@@ -53,9 +53,11 @@ class DSparkConfidenceHead(nn.Module):
         self.proj = nn.Linear(config.confidence_input_size, 1, bias=True)
 
     def forward(self, normed: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-        """``(..., H)`` post-norm hidden, ``(..., r)`` Markov embedding -> ``(...)`` logits (pre-sigmoid)."""
+        """``(..., H)`` post-norm hidden, ``(..., r)`` Markov embedding -> ``(...)`` float32 logits
+        (pre-sigmoid). The projection runs in the weight's dtype (bf16 weights under DeepSpeed: an
+        fp32 input would not meet them), its output is float32 like the loss's other terms."""
         x = torch.cat([normed, markov_embed], dim=-1) if self.with_markov else normed
-        return self.proj(x.float()).squeeze(-1)
+        return self.proj(x.to(self.proj.weight.dtype)).float().squeeze(-1)
 
 
 @dataclass
