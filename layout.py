@@ -4,7 +4,8 @@ stages, as typed objects.
     RUN_DIR/
       recipe.yaml           resolved recipe (data_prep/prepare.py, train/)
       data/                 :class:`DataPaths`: target.json, regen.jsonl, tokenized/ (Arrow),
-                            stats.json, vocab.safetensors, hidden_states/, summary.json
+                            stats.json, vocab.safetensors, hidden_states/, summary.json,
+                            spec.json (the recipe keys the data was prepared with)
       checkpoints/step-N/   model, optimizer, ..., draft_config.json (:class:`DraftCheckpointConfig`)
       export/               eval/export.py output (vLLM-loadable draft)
       eval/                 acceptance and serving results
@@ -85,6 +86,13 @@ class DataPaths:
     def summary(self) -> Path:
         """``summary.json``: timings of the last prepare run."""
         return self.root / "summary.json"
+
+    @property
+    def spec(self) -> Path:
+        """``spec.json``: per stage, the recipe keys its output was prepared with
+        (:mod:`draftsmith.data_prep.agreement`: a recipe that disagrees is refused before
+        anything is written)."""
+        return self.root / "spec.json"
 
 
 @dataclass(frozen=True)

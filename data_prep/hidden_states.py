@@ -35,6 +35,7 @@ from .shards import (
     atomic_write_bytes,
     bytes_per_token,
     check_free_space,
+    check_shard,
     convert_shards,
     distributed_rank,
     load_manifest,
@@ -58,6 +59,7 @@ def generate_hidden_states(
     rank: int | None = None,
     world_size: int | None = None,
     shard_bytes: int | None = None,
+    verify: str = "header",
 ) -> dict:
     """Capture aux + final hidden states for ``records`` (``input_ids``/``loss_mask``) into shards.
 
@@ -67,7 +69,10 @@ def generate_hidden_states(
     Records are cut into shards in record order by :func:`~draftsmith.data_prep.shards.shard_bounds`
     (at most ``sequences_per_shard`` records and, with ``shard_bytes``, at most that many bytes
     at the storage dtype), from the record lengths alone; a shard already listed in the manifest
-    with a matching spec is skipped, so reruns only compute what is missing. With
+    with a matching spec is kept when it checks out (``verify="header"``: its size and
+    safetensors header against the manifest, as training opens it; ``"full"`` also its sha256)
+    and holds the records the tokenised data now puts there; a damaged or stale one is
+    recomputed, with one log line naming it. Reruns only compute what is missing. With
     ``world_size > 1`` (see ``distributed_rank``) this process computes only the shards
     ``i % world_size == rank`` and writes its part-manifest (module docstring of ``shards``).
 
@@ -101,7 +106,7 @@ def generate_hidden_states(
     engine = model if hasattr(model, "capture") else TransformersCapture(model, spec.aux_layer_ids, batch_tokens)
     try:
         return _capture_shards(engine, records, out_dir, spec, sequences_per_shard, shard_bytes, target_id, progress,
-                               *distributed_rank(rank, world_size))
+                               *distributed_rank(rank, world_size), verify=verify)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
@@ -109,7 +114,8 @@ def generate_hidden_states(
 
 
 def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, sequences_per_shard: int,
-                    shard_bytes: int | None, target_id: str, progress: bool, rank: int, world: int) -> dict:
+                    shard_bytes: int | None, target_id: str, progress: bool, rank: int, world: int,
+                    verify: str = "header") -> dict:
     """``generate_hidden_states`` with the engine built (the caller closes it)."""
     from tqdm.auto import tqdm
 
@@ -145,7 +151,15 @@ def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, s
         done = {}
     mine = [i for i in range(n_shards) if i % world == rank]
     own_manifest = out_dir / (MANIFEST if world == 1 else part_manifest_name(rank, world))
-    todo = [i for i in mine if i not in done or not (out_dir / done[i]["file"]).is_file()]
+    kept = [i for i in mine if i in done]
+    ids_all = _record_ids(records) if kept else []
+    for i in kept:  # a shard listed in the manifest is kept only when it is whole and of these records
+        problem = _kept_shard_problem(out_dir, header, done[i], ids_all[bounds[i]:bounds[i + 1]],
+                                      int(lengths_all[bounds[i]:bounds[i + 1]].sum()), verify)
+        if problem is not None:
+            log.warning("hidden states: %s: recomputing it", problem)
+            del done[i]
+    todo = [i for i in mine if i not in done]
     for i in todo:  # temp files of writes a killed run did not finish (this rank's shards only)
         for stale in out_dir.glob(f".shard-{i:05d}.safetensors.tmp-*"):
             stale.unlink(missing_ok=True)
@@ -273,6 +287,30 @@ def _record_lengths(records: Any) -> np.ndarray:
     if _is_dataset(records):
         return np.asarray(records.select_columns(["length"]).with_format("numpy")[:]["length"], dtype=np.int64)
     return np.array([len(r["input_ids"]) for r in records], dtype=np.int64)
+
+
+def _record_ids(records: Any) -> list[str]:
+    """The ``id`` of every record, in order (of a tokenised dataset: the ``id`` column alone)."""
+    if _is_dataset(records):
+        return [str(i) for i in records.select_columns(["id"]).with_format(None)["id"]]
+    return [str(r.get("id")) for r in records]
+
+
+def _kept_shard_problem(out_dir: Path, header: dict, entry: dict, ids: list[str], num_tokens: int,
+                        verify: str = "header") -> str | None:
+    """Why the finished shard ``entry`` of the manifest cannot be kept (None: it can): its file
+    is missing, or its size or safetensors header disagrees with the manifest
+    (:func:`~draftsmith.data_prep.shards.check_shard`, the check training opens shards with,
+    reading the header and offsets only; ``verify="full"``: its sha256 too), or it holds other
+    records than ``ids`` / ``num_tokens`` (the tokenised data changed since it was captured)."""
+    try:
+        check_shard(out_dir, header, entry, verify)
+    except ShardError as exc:
+        return str(exc)
+    if entry.get("num_tokens") != num_tokens or sorted(map(str, entry.get("ids") or [])) != sorted(ids):
+        return (f"{out_dir / entry['file']}: holds {entry.get('num_sequences')} sequences / {entry.get('num_tokens')} "
+                f"tokens, the tokenised data now puts {len(ids)} / {num_tokens} there (the data changed since capture)")
+    return None
 
 
 def _shard_records(records: Any, lo: int, hi: int) -> list[dict]:

@@ -1,6 +1,6 @@
 """Data preparation CLI: conversations -> token ids + loss masks -> draft vocab -> hidden states.
 
-    python -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x [--stage STAGE] [--set k=v]
+    draftsmith prepare RECIPE.yaml --run-dir runs/x [--stage STAGE] [--set k=v]
 
 Stages (each reruns alone and skips finished work): ``target`` (resolve / dequantise the
 target), ``regenerate`` (target replies, cached), ``tokenize`` (chat template + assistant
@@ -14,6 +14,10 @@ before CUDA or vLLM starts, :func:`bind_local_device`):
     torchrun --nproc-per-node 8 -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x --stage hidden-states
 
 The plan (engines, devices, shards, disk) is printed first; ``--dry-run`` prints it alone.
+Before anything is written the run directory's data is compared with the recipe
+(:mod:`draftsmith.data_prep.agreement`): data prepared with other keys (aux layer ids, max
+length, storage dtype ...) is refused with one line, or deleted first with ``--overwrite-data``.
+Shards already on disk are kept only when they check out (``--verify-shards``: hashed too).
 Inside a training launch the stages run in child processes (``--node`` / ``--capture-share``,
 :mod:`draftsmith.data_prep.launch`); docs/data_stage.md describes both.
 """
@@ -35,6 +39,16 @@ from safetensors.torch import save_file
 
 from . import conversations as conv
 from . import hidden_states as hs
+from .agreement import (
+    check_run_dir,
+    hidden_states_keys,
+    recipe_arg,
+    record_stage,
+    remove_data,
+    target_keys,
+    tokenize_keys,
+    vocab_keys,
+)
 from .capture import CaptureEngine, LazyCapture, TransformersCapture
 from .plan import Cluster, DataPlan, PlanError, build_plan, parse_share
 from .shards import MANIFEST, ShardError, ShardSpec, atomic_write_bytes, distributed_rank
@@ -69,6 +83,7 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
         "aux_layer_ids": ids,
     }
     paths.root.mkdir(parents=True, exist_ok=True)
+    record_stage(paths, "target", target_keys(recipe, ids))
     atomic_write_bytes(paths.target_info, json.dumps(info, indent=1).encode())  # every node's child may write it
     log.info("target %s: %d layers, H=%d, V=%d, aux layers %s", path, n, info["hidden_size"], info["vocab_size"], ids)
     return info
@@ -268,6 +283,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterab
     from ..layout import remove_stale_tokenized_temps, save_tokenized, tokenized_features, tokenized_temp_dir
 
     tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
+    record_stage(paths, "tokenize", tokenize_keys(recipe, regen.chat_template_sha256(tok)))
     max_len = recipe.data.max_length
     channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
     if channels is not None:
@@ -338,6 +354,7 @@ def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records) -> dict:
         log.warning("draft_vocab_size %d > target vocab %d: capped at %d", recipe.data.draft_vocab_size, V, V)
     counts = vocab.count_assistant_tokens(records)
     d2t, t2d = vocab.build_draft_vocab(counts, V, Vd)
+    record_stage(paths, "vocab", vocab_keys(recipe, V))
     save_file({"d2t": d2t, "t2d": t2d}, str(paths.vocab))
     cov = vocab.coverage(counts, t2d)
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of assistant tokens", Vd, V, 100 * cov)
@@ -346,7 +363,7 @@ def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records) -> dict:
 
 def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, device: str | None = None,
                         share: tuple[int, int] | None = None, plan: DataPlan | None = None,
-                        record: Path | None = None) -> dict:
+                        record: Path | None = None, verify: str = "header") -> dict:
     """Capture the shards with ``data.hidden_states_engine``: this process's share of them,
     ``share=(index, count)`` (shards ``i % count == index``; default: ``RANK`` / ``WORLD_SIZE``,
     :func:`~draftsmith.data_prep.shards.distributed_rank`). The transformers engine runs the
@@ -354,6 +371,8 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
     :func:`draftsmith.data_prep.target.default_device`); vLLM runs with the recipe's ``vllm`` at
     ``target.dtype`` and the ``plan``'s tensor-parallel size, its context raised to
     ``data.max_length`` if shorter, its per-request files under ``hidden_states/.vllm-work``.
+    Shards already on disk are kept when they check out (``verify``: ``header``, or ``full`` to
+    hash them too) and recomputed otherwise, one log line naming each.
 
     Raises:
         DiskFullError: the file system holding the shards has less free space than the shards
@@ -385,6 +404,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
         return TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
 
     spec = ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
+    record_stage(paths, "hidden-states", hidden_states_keys(recipe, spec.aux_layer_ids))
     # refuse before any forward when the disk cannot hold this process's share (an even split
     # of the tokens; on a shared file system the others' shares come on top)
     need = int(hs._record_lengths(records).sum()) * bytes_per_token(spec.hidden_size, spec.dtype) // world
@@ -393,7 +413,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
     manifest = hs.generate_hidden_states(
         LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
         recipe.data.capture_batch_tokens, target_id=info["name_or_path"], rank=rank, world_size=world,
-        shard_bytes=recipe.data.shard_bytes,
+        shard_bytes=recipe.data.shard_bytes, verify=verify,
     )
     rate = manifest["throughput_tok_s"]
     log.info("hidden states: %d shards, %d tokens%s", len(manifest["shards"]), manifest["num_tokens"],
@@ -477,7 +497,7 @@ def missing_stages(recipe: Recipe, run_dir: Path) -> list[str]:
 
 def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None,
             capture_share: tuple[int, int] | None = None, plan: DataPlan | None = None,
-            record: Path | None = None) -> dict:
+            record: Path | None = None, verify_shards: bool = False) -> dict:
     """Run the data stages in order; returns a summary dict (also saved as ``data/summary.json``).
 
     Args:
@@ -487,14 +507,19 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
             (default: ``RANK`` / ``WORLD_SIZE``).
         plan: the data plan (default: made here, after the target stage, and printed).
         record: this process's record under ``data/procs`` (:func:`process_record`).
+        verify_shards: hash the shards already on disk against their manifest sha256 before
+            keeping them (default: their size and header are checked).
 
     Raises:
+        RunDirMismatchError: ``RUN_DIR/data`` was prepared with other recipe keys
+            (:func:`~draftsmith.data_prep.agreement.check_run_dir`); raised before anything is written.
         PlanError: the plan refuses the recipe (e.g. ``data.shard_bytes`` below one sequence).
         DiskFullError: the shards need more space than the file system has free.
     """
     from .shards import check_free_space
 
     stages = stages or STAGES
+    check_run_dir(recipe, run_dir, stages)  # before the first write
     paths = RunLayout(run_dir).data
     paths.root.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
@@ -523,7 +548,8 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     elif "hidden-states" in stages:
         records = records if records is not None else read_tokenized(paths)
         t = time.perf_counter()
-        m = stage_hidden_states(recipe, paths, info, records, device, share=capture_share, plan=plan, record=record)
+        m = stage_hidden_states(recipe, paths, info, records, device, share=capture_share, plan=plan, record=record,
+                                verify="full" if verify_shards else "header")
         summary["hidden_states"] = {"tokens": m["num_tokens"], "throughput_tok_s": m["throughput_tok_s"],
                                     "seconds": time.perf_counter() - t}
     summary["seconds"] = time.perf_counter() - t0
@@ -554,6 +580,7 @@ def prepare_node(recipe: Recipe, run_dir: Path, stages: list[str], node: int, no
     Raises:
         TimeoutError: waited ``timeout_s`` for another node; names the files.
     """
+    check_run_dir(recipe, run_dir, stages)  # before the first write
     paths = RunLayout(run_dir).data
     early = [st for st in stages if st != "hidden-states"]
     summary: dict = {}
@@ -658,7 +685,8 @@ EARLY_DONE = ".early-stages.done"  # RUN_DIR/data marker: the main process finis
 
 
 def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None,
-                        poll_s: float = 5.0, timeout_s: float = 48 * 3600.0, record: Path | None = None) -> dict:
+                        poll_s: float = 5.0, timeout_s: float = 48 * 3600.0, record: Path | None = None,
+                        verify_shards: bool = False) -> dict:
     """:func:`prepare`, rank-safe under a distributed launcher (``RANK`` / ``WORLD_SIZE``; one
     process: just :func:`prepare`).
 
@@ -677,7 +705,7 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
     stages = [s for s in STAGES if s in (stages or STAGES)]
     rank, world = distributed_rank()
     if world == 1:
-        return prepare(recipe, run_dir, stages, device, record=record)
+        return prepare(recipe, run_dir, stages, device, record=record, verify_shards=verify_shards)
     paths = RunLayout(run_dir).data
     outputs = stage_outputs(recipe, paths)
     marker = paths.root / EARLY_DONE
@@ -696,7 +724,8 @@ def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None 
             wait_for_markers([marker], None, f"rank 0 to run {', '.join(early)} (rank {rank})", poll_s, timeout_s)
     if "hidden-states" in stages:
         t = time.perf_counter()
-        summary.update(prepare(recipe, run_dir, ["hidden-states"], device, record=record))  # this rank's shards
+        summary.update(prepare(recipe, run_dir, ["hidden-states"], device, record=record,  # this rank's shards
+                               verify_shards=verify_shards))
         wait_for_markers(outputs["hidden-states"], None, f"the other ranks' hidden-state shards (rank {rank})",
                          poll_s, timeout_s)
         if "hidden_states" in summary:  # this rank's throughput; the tokens of every rank's shards
@@ -771,6 +800,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-share", metavar="I/COUNT",
                    help="capture only the hidden-state shards i %% COUNT == I (a rank's capture child)")
     p.add_argument("--session", help="launch id written into the done markers (set by the launching ranks)")
+    p.add_argument("--verify-shards", action="store_true",
+                   help="hash the hidden-state shards already on disk against their manifest sha256 before keeping "
+                        "them (default: their size and safetensors header are checked); a bad one is recomputed")
+    p.add_argument("--overwrite-data", action="store_true",
+                   help="delete RUN_DIR/data first and prepare it afresh (a run directory whose data was prepared "
+                        "with other recipe keys is otherwise refused before anything is written)")
     return p
 
 
@@ -788,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
             print(data_plan(recipe, args.run_dir, None, args.stage, cluster).format())
             return 0
         install_child_reaper()  # engine processes die with this one, SIGKILL included
+        child = bool(args.node or args.capture_share)  # the launching ranks checked the run directory
+        if args.overwrite_data and not child and distributed_rank()[0] == 0:
+            if remove_data(args.run_dir):
+                log.warning("--overwrite-data: removed %s; preparing it afresh", RunLayout(args.run_dir).data.root)
+        elif not args.overwrite_data:
+            # before this process writes anything (its record, the recipe, any stage)
+            check_run_dir(recipe, args.run_dir, [s for s in STAGES if s in (args.stage or STAGES)], recipe_arg(args))
         args.run_dir.mkdir(parents=True, exist_ok=True)
         paths = RunLayout(args.run_dir).data
         if args.node or args.capture_share:
@@ -804,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
             if distributed_rank()[0] == 0:
                 dump_recipe(recipe, RunLayout(args.run_dir).recipe)
             record = process_record(paths, f"rank-{distributed_rank()[0]}", rank=distributed_rank()[0])
-            summary = prepare_distributed(recipe, args.run_dir, args.stage, args.device, record=record)
+            summary = prepare_distributed(recipe, args.run_dir, args.stage, args.device, record=record,
+                                          verify_shards=args.verify_shards)
     except (conv.DataError, ShardError, DiskFullError, PlanError, FileNotFoundError, ValueError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

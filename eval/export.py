@@ -1,7 +1,7 @@
 """Export a trained draft checkpoint into a directory vLLM loads, and load exports back.
 
     draftsmith export RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
-    python -m draftsmith.eval.export CKPT OUT_DIR
+    draftsmith export CKPT OUT_DIR
 
 One exporter and one loader for every method: :func:`export` reads the checkpoint
 (:func:`draftsmith.train.checkpoint.read_draft`), asks the method's format
@@ -17,7 +17,12 @@ saved with the checkpoint for EAGLE-3, and to the trained K for DFlash (``block_
 P-EAGLE (``num_depths``).
 
 Export reads only the checkpoint directory (weights, ``draft_config.json``,
-``vocab.safetensors``, ``recipe.yaml``).
+``vocab.safetensors``, ``recipe.yaml``), and for the aux layer ids one file beside it: the aux
+layer ids written (``eagle_aux_hidden_state_layer_ids``) are those of ``draft_config.json``,
+which training takes from the shard manifest (the layers the states were captured at), never
+the saved ``recipe.yaml``; a checkpoint inside a run directory whose shards were captured at
+other layers than its config names (trained by a draftsmith that took them from ``target.json``)
+is refused (:func:`check_captured_layers`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -65,6 +71,7 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     draft = read_draft(Path(ckpt))
+    check_captured_layers(Path(ckpt), draft)
     fmt = get_method(draft.method).format
     given = {"legacy": legacy or None, "num_speculative_tokens": num_speculative_tokens, "embed_tokens": embed_tokens}
     options = {k: v for k, v in given.items() if v is not None and k in fmt.export_options}
@@ -78,6 +85,32 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
                      fmt.layout)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def check_captured_layers(ckpt: Path, draft: Any) -> None:
+    """Refuse to export a checkpoint of ``RUN_DIR/checkpoints/`` whose draft config names other aux
+    layer ids than the run's hidden-state shards were captured at (``data/hidden_states/manifest.json``):
+    vLLM would feed the draft layers it never saw. A checkpoint outside a run directory, of a
+    draft without aux layers, or of a run without shards is not checked.
+
+    Raises:
+        ExportError: one line naming both lists and both files.
+    """
+    from ..data_prep.agreement import captured_aux_layer_ids
+    from ..data_prep.shards import MANIFEST, ShardError
+
+    ids = getattr(draft.config, "aux_layer_ids", None)
+    if not ids or ckpt.resolve().parent.name != "checkpoints":
+        return
+    paths = RunLayout(ckpt.resolve().parent.parent).data
+    try:
+        captured = captured_aux_layer_ids(paths)
+    except ShardError:
+        return
+    if captured is not None and list(ids) != captured:
+        raise ExportError(f"{ckpt / DRAFT_CONFIG_FILE}: aux layer ids {list(ids)}, but the run's hidden states were "
+                          f"captured at {captured} ({paths.hidden_states / MANIFEST}): the draft was trained on "
+                          "other layers than its config names; train it again with this draftsmith")
 
 
 def load_export(path: Path, embed_tokens: torch.Tensor | None = None,
@@ -124,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.out_dir is None) == (args.out is None):
         p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
+    if not args.checkpoint.exists():
+        print(f"error: {args.checkpoint}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step-N "
+              "or the RUN_DIR of `draftsmith train`", file=sys.stderr)
+        return 1
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
         k = args.num_speculative_tokens

@@ -88,6 +88,9 @@ class TrainState:
     best_value: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
+    # hidden-state shards found holding non-finite states: file -> where (sequence, record id),
+    # warned about once (trainer.NonFiniteShards)
+    nonfinite_shards: dict[str, str] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         # a deep copy, JSON-safe by construction; ``version``: the draftsmith that wrote it

@@ -11,8 +11,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..data_prep.shards import ShardReader, decode_states
+from ..data_prep.shards import ShardError, ShardReader, decode_states
 from ..layout import DataPaths, read_tokenized
+
+SEQUENCE_KEY = "sequence_index"  # SourceTagged: which sequence of the shards each token came from
 
 
 class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):
@@ -26,8 +28,51 @@ class HiddenStateDataset(ShardReader, torch.utils.data.Dataset):
 
     Raises:
         ShardError: missing manifest or shard, incomplete shard set, or (``verify=True``)
-            a checksum / shape / dtype that disagrees with the manifest.
+            a checksum / shape / dtype that disagrees with the manifest; a damaged shard's message
+            ends with the command that recomputes it (:func:`recompute_hint`).
     """
+
+    def __init__(self, directory: Path | str, *args: Any, **kwargs: Any):
+        try:
+            super().__init__(directory, *args, **kwargs)
+        except ShardError as exc:
+            if "rerun" in str(exc) or "run the hidden-states stage" in str(exc):
+                raise
+            raise ShardError(f"{exc}; {recompute_hint(directory)}") from None
+
+
+def recompute_hint(directory: Path | str, verify: bool = False) -> str:
+    """How to recompute a damaged shard of ``directory`` (a run's ``data/hidden_states``):
+    ``draftsmith prepare`` checks the shards it keeps and recomputes a damaged one (with
+    ``verify``: ``--verify-shards``, which also hashes them, for damage that keeps the size)."""
+    directory = Path(directory)
+    run_dir = directory.parent.parent if directory.name == "hidden_states" and directory.parent.name == "data" \
+        else "RUN_DIR"
+    return (f"recompute it with: draftsmith prepare RECIPE --run-dir {run_dir}" + (" --verify-shards" if verify else "")
+            + " (prepare checks the shards it keeps and recomputes a damaged one)")
+
+
+class SourceTagged(torch.utils.data.Dataset):
+    """``dataset`` (the shards, or a subset of them) whose items carry ``sequence_index (T,)``
+    long: the index, among the sequences of the whole shard set, of the sequence every token
+    came from (``indices[i]`` for item i; without ``indices``: i). It collates and packs like the
+    other keys; the trainer takes it out of the batch on the device and counts non-finite hidden
+    states per shard with it (``trainer.NonFiniteShards``), without a host read."""
+
+    def __init__(self, dataset: Any, indices: list[int] | None = None):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def lengths(self) -> list[int]:
+        return self.dataset.lengths()
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = dict(self.dataset[i])
+        index = i if self.indices is None else self.indices[i]
+        item[SEQUENCE_KEY] = torch.full((item["input_ids"].shape[0],), int(index), dtype=torch.long)
+        return item
 
 
 class TokenizedDataset(torch.utils.data.Dataset):

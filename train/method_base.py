@@ -40,13 +40,17 @@ class TargetDataMethod:
     """Base of the draft methods: target info, target head tensors, dataset, target states.
 
     Attributes:
-        target_info: ``RUN_DIR/data/target.json`` (path, hidden_size, vocab_size, aux ids ...).
+        target_info: ``RUN_DIR/data/target.json`` (path, hidden_size, vocab_size, aux ids ...);
+            with offline shards its ``aux_layer_ids`` are the shard manifest's, the layers the
+            states were captured at (what the draft is built, trained and exported with).
         heads: ``embed_tokens [V, H]``, ``lm_head [V, H]``, ``final_norm [H]`` of the target.
         target / tokenizer: the frozen target, loaded when ``data.hidden_states_mode`` is
             ``online`` or the subclass asks for it (``load_target=True``); else None.
 
     Raises:
         FileNotFoundError: ``RUN_DIR/data/target.json`` missing (data not prepared).
+        RunDirMismatchError: the recipe's ``data.aux_layer_ids`` are not the layers the shards
+            were captured at.
     """
 
     name = "base"
@@ -57,6 +61,8 @@ class TargetDataMethod:
         if not self.paths.target_info.is_file():
             raise FileNotFoundError(f"{self.paths.target_info} missing: run `draftsmith prepare` first")
         self.target_info = json.loads(self.paths.target_info.read_text())
+        if recipe.data.hidden_states_mode == "offline":
+            self.target_info["aux_layer_ids"] = self.captured_aux_layer_ids(recipe, run_dir)
         self.target_dir = Path(self.target_info["path"])
         self.heads = load_target_head_tensors(self.target_dir)
         self.target, self.tokenizer = None, None
@@ -65,6 +71,25 @@ class TargetDataMethod:
             self.target, self.tokenizer = load_target(self.target_dir, getattr(torch, recipe.target.dtype),
                                                       recipe.target.trust_remote_code)
         self.accelerator: Any = None
+
+    def captured_aux_layer_ids(self, recipe: Recipe, run_dir: Path) -> list[int]:
+        """The aux layer ids of the offline shards (their manifest; ``target.json``'s before the
+        shards exist), checked against the recipe's ``data.aux_layer_ids``.
+
+        Raises:
+            RunDirMismatchError: the recipe names other layers (one line, both values, the way out).
+        """
+        from ..data_prep.agreement import RunDirMismatchError, captured_aux_layer_ids, mismatch_message
+        from ..data_prep.shards import MANIFEST
+
+        ids = captured_aux_layer_ids(self.paths)
+        where = self.paths.hidden_states / MANIFEST
+        if ids is None:
+            ids, where = list(self.target_info["aux_layer_ids"]), self.paths.target_info
+        wanted = recipe.data.aux_layer_ids
+        if wanted and list(wanted) != ids:
+            raise RunDirMismatchError(mismatch_message(run_dir, "data.aux_layer_ids", ids, where, list(wanted)))
+        return ids
 
     def dataset(self) -> torch.utils.data.Dataset:
         if self.recipe.data.hidden_states_mode == "online":
@@ -312,9 +337,13 @@ class DataNotPreparedError(RuntimeError):
 
 
 def ensure_prepared(recipe: Recipe, run_dir: Path, recipe_arg: str, allow: bool = True, poll_s: float = 5.0,
-                    device: str | None = None) -> list[str]:
+                    device: str | None = None, checked: bool = False) -> list[str]:
     """Run the data stages whose outputs are missing from ``RUN_DIR/data``, rank-safe, before
     the accelerator exists (no training rank has touched a GPU yet).
+
+    First (unless ``checked``: the caller did) the data on disk is compared with the recipe
+    (:func:`~draftsmith.data_prep.agreement.check_run_dir`): a run directory prepared with other
+    data keys is refused before anything is written.
 
     One process: :func:`draftsmith.data_prep.prepare.prepare` in this process (its engines are
     closed before it returns). Several processes (``accelerate launch`` / torchrun): the stages
@@ -328,21 +357,25 @@ def ensure_prepared(recipe: Recipe, run_dir: Path, recipe_arg: str, allow: bool 
         The stages that were missing (``[]`` when the data was ready).
 
     Raises:
+        RunDirMismatchError: the data on disk was prepared with other recipe keys (one line).
         DataNotPreparedError: ``allow`` is False and a stage is missing; the message is one line
             naming the prepare command.
     """
     import logging
 
+    from ..data_prep.agreement import check_run_dir
     from ..data_prep.launch import launch_layout, prepare_in_children
     from ..data_prep.prepare import data_plan, missing_stages, prepare
 
     todo = missing_stages(recipe, run_dir)
+    if not checked:
+        check_run_dir(recipe, run_dir, todo if allow else [], recipe_arg)
     if not todo:
         return []
     if not allow:
         raise DataNotPreparedError(
-            f"{run_dir / 'data'} is not prepared (stages missing: {', '.join(todo)}); run: python -m "
-            f"draftsmith.data_prep.prepare {recipe_arg} --run-dir {run_dir}   (or drop --no-prepare)")
+            f"{run_dir / 'data'} is not prepared (stages missing: {', '.join(todo)}); run: draftsmith prepare "
+            f"{recipe_arg} --run-dir {run_dir}   (or drop --no-prepare)")
     lay = launch_layout()
     if lay["rank"] == 0:
         logging.getLogger("draftsmith.train").info("data stages missing in %s: %s; preparing them now",
@@ -409,12 +442,14 @@ def check_draft_vocab_size(recipe: Recipe, paths: Any) -> None:
         DataError: naming the vocab file and both sizes (data prepared for another recipe, e.g. an
             EAGLE-3 folder handed to DFlash2, which drafts over the whole target vocab).
     """
+    from ..data_prep.agreement import remedy
+
     d2t, t2d = read_vocab(paths)
     want = min(recipe.data.draft_vocab_size, t2d.shape[0])
-    if d2t.shape[0] != want:
+    if d2t.shape[0] != want:  # the fix is a new prepare whether or not --no-prepare was given
         raise DataError(f"{paths.vocab}: a draft vocab of {d2t.shape[0]} tokens, but the recipe's "
                         f"data.draft_vocab_size is {want}: the data was prepared for another recipe; "
-                        f"prepare it again with this one (drop --no-prepare)")
+                        f"{remedy(Path(paths.root).parent)}")
 
 
 def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
@@ -442,7 +477,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .distributed import build_accelerator
     from .launchers import LauncherError
     from .mask_token import MaskTokenError
-    from .trainer import fit
+    from .trainer import NonFiniteLossError, fit
     from .validation import ValidationSplitError
     from .warm_start import WarmStartError
 
@@ -470,11 +505,16 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         return 0
     run_dir = args.run_dir or Path("runs") / recipe.name
     try:
+        from ..data_prep.agreement import check_run_dir, recipe_arg
+        from ..data_prep.prepare import missing_stages
+
+        # the data on disk agrees with the recipe before anything is written (--overwrite included)
+        check_run_dir(recipe, run_dir, [] if args.no_prepare else missing_stages(recipe, run_dir), recipe_arg(args))
         if int(os.environ.get("RANK", "0")) == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             claim_run_dir(run_dir, args.resume, args.overwrite)
         # before the accelerator: the data stage's children get the GPUs while no rank holds memory
-        ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare)
+        ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare, checked=True)
         if issubclass(method_cls, DraftVocabMethod):
             check_draft_vocab_size(recipe, RunLayout(run_dir).data)
         check_online_target_fits(recipe, run_dir)
@@ -487,7 +527,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2
     except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
-            WarmStartError, PlanError, DataStageError, TimeoutError) as exc:
+            WarmStartError, PlanError, DataStageError, TimeoutError, NonFiniteLossError) as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 1
     if accelerator.is_main_process:

@@ -34,7 +34,10 @@ work while the GPU runs.
   fused AdamW as ``found_inf``, which then leaves weights and optimizer state untouched on
   every rank. Skip counters stay on the device; ``train.max_nonfinite_steps`` is checked when
   they are read, at logging and checkpoint steps. The learning-rate schedule advances on
-  skipped steps too (it follows the optimizer-step count).
+  skipped steps too (it follows the optimizer-step count). With offline shards the non-finite
+  hidden states are counted per shard on the device too (:class:`NonFiniteShards`), read with
+  those counters: a warning names each bad shard once, the stops name the first, and a run none
+  of whose steps was applied stops at its end without a checkpoint.
 - ``train.max_time_minutes`` is checked at logging steps (the clock is shared across ranks then).
 - The code that may wait for the device is marked with :func:`host_work` (logging, checkpoint,
   validation, data loading on the CPU); ``tests/integration/test_host_sync.py`` counts syncs outside it.
@@ -58,8 +61,9 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader
 
+from ..data_prep.shards import ShardReader
 from ..layout import RunLayout
-from .data import BatchCollator, collate, to_device
+from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, recompute_hint, to_device
 from ..recipe import Recipe, dump_recipe
 from .checkpoint import (
     CheckpointManager,
@@ -230,14 +234,18 @@ def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter],
     return muon, adamw
 
 
-def build_optimizers(model: torch.nn.Module, cfg: Any, device: torch.device) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: torch.nn.Module, cfg: Any, device: torch.device,
+                     ns_dtype: torch.dtype | None = None) -> list[torch.optim.Optimizer]:
     """The optimizers of ``train.optimizer``, stepped in this order every optimizer step:
     ``adamw``: ``[AdamW]`` over every trainable parameter (:func:`build_optimizer`); ``muon``:
     ``[AdamW, Muon]``: torch's ``torch.optim.Muon`` (Keller Jordan's Muon; 5 Newton-Schulz
     steps, momentum 0.95 with Nesterov, ``adjust_lr_fn="match_rms_adamw"`` so its update RMS
     matches AdamW's, Moonshot's "Muon is Scalable for LLM Training") over the 2-D hidden weight
     matrices at ``train.muon_lr`` (null: ``train.lr``) and ``train.muon_weight_decay``, AdamW
-    over the rest (:func:`split_muon_params`).
+    over the rest (:func:`split_muon_params`). Muon is :class:`draftsmith.train.optim.Muon`
+    (torch's, its ``state_dict`` too) with the Newton-Schulz iterations in ``ns_dtype`` (None:
+    :func:`~draftsmith.train.optim.newton_schulz_dtype` of ``device``: bf16 where it has fast
+    bf16, fp32 elsewhere, e.g. a CPU without AVX-512 bf16 / AMX, where torch's bf16 is 22x slower).
 
     Raises:
         RuntimeError: ``train.optimizer: muon`` on a torch without ``torch.optim.Muon`` (< 2.9).
@@ -249,8 +257,13 @@ def build_optimizers(model: torch.nn.Module, cfg: Any, device: torch.device) -> 
     muon, adamw = split_muon_params(model)
     optimizers = [build_optimizer(adamw, cfg, device)] if adamw else []
     if muon:
-        optimizers.append(torch.optim.Muon(muon, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.muon_weight_decay,
-                                           momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw"))
+        from .optim import Muon, newton_schulz_dtype
+
+        if ns_dtype is None:
+            ns_dtype, why = newton_schulz_dtype(device)
+            log.info("Muon: Newton-Schulz iterations in %s (%s)", str(ns_dtype).removeprefix("torch."), why)
+        optimizers.append(Muon(muon, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.muon_weight_decay, momentum=0.95,
+                               nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype))
     return optimizers
 
 
@@ -500,13 +513,15 @@ class NonFiniteGuard:
         self.bad.zero_()
         self.hook_ran = False
 
-    def absorb(self, values: list[float], state: "TrainState", max_in_a_row: int, last_ckpt: Any) -> None:
+    def absorb(self, values: list[float], state: "TrainState", max_in_a_row: int, last_ckpt: Any,
+               cause: str | None = None) -> None:
         """Take the counters read on the host (``values``, from :meth:`MetricWindow.read` or
         :meth:`read`) into ``state`` and restart them.
 
         Raises:
             NonFiniteLossError: ``max_in_a_row`` (``train.max_nonfinite_steps``) steps in a row
-                were skipped since the last read.
+                were skipped since the last read; ``cause`` (the first shard with non-finite
+                hidden states, :meth:`NonFiniteShards.cause`) is appended.
         """
         skipped, in_a_row, longest = (int(round(v)) for v in values)
         state.nonfinite_skipped += skipped
@@ -518,11 +533,102 @@ class NonFiniteGuard:
         if longest >= max_in_a_row:
             raise NonFiniteLossError(
                 f"{longest} optimizer steps in a row had a non-finite loss or gradient "
-                f"(train.max_nonfinite_steps={max_in_a_row}); last good checkpoint: {last_ckpt}")
+                f"(train.max_nonfinite_steps={max_in_a_row}); last good checkpoint: {last_ckpt}"
+                + (f"; {cause}" if cause else ""))
 
     def read(self) -> list[float]:
         """The counters on the host (checkpoint steps)."""
         return self.counters.tolist()
+
+
+class NonFiniteShards:
+    """Which hidden-state shards hand the trainer non-finite states, counted on the device.
+
+    The training items carry ``sequence_index`` (:class:`~draftsmith.train.data.SourceTagged`);
+    :meth:`note` (every micro-batch, before the loss) marks the real tokens whose aux or final
+    states are not finite and adds them to a per-shard count, keeping the lowest sequence index
+    per shard: a few small kernels, no host read (the guard's reason, see
+    :class:`NonFiniteGuard`). The counts ride along with the metrics read at logging and
+    checkpoint steps (:meth:`values`); :meth:`absorb` then warns once per shard, naming its file,
+    the sequence in it and its record id, and notes it in ``TrainState.nonfinite_shards`` (a
+    resumed run does not warn again). :meth:`cause` is the line the trainer's stop adds: the
+    lowest-numbered bad shard seen, over every process.
+    """
+
+    def __init__(self, reader: Any, device: torch.device):
+        self.reader, self.device = reader, torch.device(device)
+        self.files = [s["file"] for s in reader.manifest["shards"]]
+        number = {f: k for k, f in enumerate(self.files)}
+        self.start: dict[str, int] = {}  # file -> index of its first sequence
+        for g, (f, _, _) in enumerate(reader.index):
+            self.start.setdefault(f, g)
+        self.none = len(reader.index)
+        self.shard_of = torch.tensor([number[f] for f, _, _ in reader.index], dtype=torch.long).to(self.device)
+        self.counts = torch.zeros(len(self.files), dtype=torch.float32, device=self.device)
+        self.first = torch.full((len(self.files),), self.none, dtype=torch.long, device=self.device)
+        self.reported: dict[str, str] = {}  # shard file -> where in it (host), warned once
+
+    def note(self, batch: dict[str, Any], sequence: torch.Tensor) -> None:
+        """Count ``batch``'s non-finite states by shard; ``sequence (B, T)``: each token's sequence
+        index. Device work only."""
+        bad = None
+        for key in ("aux_hidden_states", "final_hidden_states"):
+            x = batch.get(key)
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                b = x.isfinite().all(-1).logical_not()
+                bad = b if bad is None else bad.logical_or(b)
+        if bad is None:
+            return
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            bad = bad.logical_and(mask.bool())
+        sequence, bad = sequence.reshape(-1), bad.reshape(-1)
+        shard = self.shard_of.index_select(0, sequence)
+        self.counts.index_add_(0, shard, bad.float())
+        self.first.scatter_reduce_(0, shard, sequence.masked_fill(bad.logical_not(), self.none), "amin")
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[counts, first]`` as one device tensor of ``dtype`` (read with the metrics)."""
+        return torch.cat([self.counts.to(dtype), self.first.to(dtype)])
+
+    def where(self, sequence: int) -> str:
+        """``file (sequence k of the shard, id 'x')`` of global sequence index ``sequence``."""
+        f = self.reader.index[sequence][0]
+        k = sequence - self.start[f]
+        ids = self.reader.manifest["shards"][self.files.index(f)].get("ids") or []
+        rid = f", id {ids[k]!r}" if k < len(ids) else ""
+        return f"{self.reader.dir / f} (sequence {k} of the shard{rid})"
+
+    def absorb(self, values: list[float], state: Any) -> None:
+        """Warn once per shard newly seen with non-finite states (``values``: :meth:`values` on
+        the host), noting it in ``state.nonfinite_shards``."""
+        n = len(self.files)
+        for k in range(n):
+            if values[k] > 0 and self.files[k] not in self.reported:
+                where = self.where(int(values[n + k]))
+                self.reported[self.files[k]] = where
+                state.nonfinite_shards[self.files[k]] = where
+                log.warning("non-finite hidden states in %s: the optimizer steps of batches holding it are skipped; "
+                            "%s", where, recompute_hint(self.reader.dir, verify=True))
+
+    def cause(self, accelerator: Any = None) -> str | None:
+        """The lowest-numbered shard with non-finite states seen (every process's, when
+        ``accelerator`` is given: a collective), as a clause naming it and the fix; None if none."""
+        counts, first = self.counts.clone(), self.first.clone()
+        if accelerator is not None and accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        host_counts, host_first = counts.tolist(), first.tolist()
+        bad = [k for k, c in enumerate(host_counts) if c > 0]
+        if bad:
+            where = self.where(int(host_first[bad[0]]))
+        elif self.reported:
+            where = self.reported[min(self.reported)]
+        else:
+            return None
+        return f"first shard with non-finite hidden states: {where}; {recompute_hint(self.reader.dir, verify=True)}"
 
 
 def init_trackers(accelerator: Any, recipe: Recipe, run_dir: Path) -> None:
@@ -648,6 +754,7 @@ class Trainer:
         self.last_ckpt: Path | None = None
         self.last: dict[str, float] = {}
         self.stop: _StopRequest | None = None
+        self.faults: NonFiniteShards | None = None  # offline shards: non-finite states counted per shard
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -683,12 +790,19 @@ class Trainer:
         loss_on_all = cfg.loss_on == "all"  # training batches only: validation measures assistant tokens
         dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan, loss_on_all)
         self.val_set = None
+        shards = isinstance(dataset, ShardReader)
+        if shards:  # the training items name their sequence, so a non-finite state names its shard
+            self.faults = NonFiniteShards(dataset, acc.device)
         if recipe.data.validation_fraction:  # held-out conversations, never packed
             train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction,
                                                        recipe.seed, where=str(self.layout.data.root))
             dataset, self.val_set = IndexedSubset(dataset, train_idx), IndexedSubset(dataset, val_idx)
+            if shards:
+                dataset = SourceTagged(dataset, train_idx)
             log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)", len(self.val_set),
                      len(dataset), recipe.data.validation_fraction)
+        elif shards:
+            dataset = SourceTagged(dataset)
         if cfg.packing:  # rows of several sequences; the sampler then batches rows
             dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
             collate_fn = BatchCollator(collate_packed, self.plan, loss_on_all)
@@ -778,6 +892,8 @@ class Trainer:
         self.window.restore(window_sums_of_rank(state.window, state.window_format, acc.process_index,
                                                 acc.num_processes, state.num_processes))
         self.guard.restore(state.nonfinite_in_a_row)
+        if self.faults is not None:
+            self.faults.reported.update(state.nonfinite_shards)  # warned before the resume
         self.t0, self.tokens_at_start, self.seconds_at_start = time.perf_counter(), state.tokens, state.train_seconds
         self.clock.start(self.t0, self.seconds_at_start)
         self.clock.synced = self.seconds_at_start  # the same on every rank until the first logging step syncs it
@@ -800,6 +916,9 @@ class Trainer:
         nothing from the device (metrics go to the window). True: an optimizer step was taken."""
         acc, cfg, state, guard, model = self.accelerator, self.cfg, self.state, self.guard, self.model
         batch = to_device(batch, acc.device)
+        sequence = batch.pop(SEQUENCE_KEY, None)
+        if sequence is not None and self.faults is not None:
+            self.faults.note(batch, sequence)  # device-side, read with the metrics
         with acc.accumulate(model):
             self.method.begin_step(state.step)
             loss, metrics = self.method.compute_loss(model, batch)
@@ -861,15 +980,15 @@ class Trainer:
         if self.stop is not None and self.stop.signum is not None:
             self.last_ckpt = self.save_checkpoint()
             log.warning("received signal %d: saved %s, exiting (resume with --resume)", self.stop.signum,
-                        self.last_ckpt)
+                        self.last_ckpt or "no checkpoint (no optimizer step applied yet)")
             raise SystemExit(128 + self.stop.signum)
         return False
 
     def log_window(self) -> dict[str, Any]:
         """The logging step's metrics line (one all-reduce, one host read), written and tracked."""
         state = self.state
-        values, counters = self.window.read(self.accelerator, extra=self.guard.counters)
-        self.guard.absorb(counters, state, self.cfg.max_nonfinite_steps, self.last_ckpt)
+        values, counters = self.window.read(self.accelerator, extra=self._counters(self.window.dtype))
+        self._absorb(counters)
         elapsed = time.perf_counter() - self.t0
         values.update(step=state.step, epoch=state.epoch, lr=self.scheduler.get_last_lr()[0],
                       tokens_per_s=(state.tokens - self.tokens_at_start) / max(elapsed, 1e-9))
@@ -909,10 +1028,38 @@ class Trainer:
             return True
         return False
 
-    def save_checkpoint(self) -> Path:
+    def _counters(self, dtype: torch.dtype) -> torch.Tensor:
+        """The guard's counters, then (offline shards) the per-shard non-finite counts: one device
+        tensor, read on the host with the metrics or at a checkpoint."""
+        if self.faults is None:
+            return self.guard.counters.to(dtype)
+        return torch.cat([self.guard.counters.to(dtype), self.faults.values(dtype)])
+
+    def _absorb(self, values: list[float]) -> None:
+        """Take the counters read on the host: warn once per shard with non-finite states
+        (:class:`NonFiniteShards`), then the guard's counts and stop (:meth:`NonFiniteGuard.absorb`,
+        naming the first such shard)."""
+        if self.faults is not None:
+            self.faults.absorb(values[3:], self.state)
+        cause = None
+        if self.faults is not None and int(round(values[2])) >= self.cfg.max_nonfinite_steps:
+            cause = self.faults.cause(self.accelerator)  # every rank stops here: the counters are all-reduced
+        self.guard.absorb(values[:3], self.state, self.cfg.max_nonfinite_steps, self.last_ckpt, cause)
+
+    def save_checkpoint(self) -> Path | None:
         state = self.state
         with host_work("checkpoint", state.step):
-            self.guard.absorb(self.guard.read(), state, self.cfg.max_nonfinite_steps, self.last_ckpt)
+            self._absorb(self._counters(self.window.dtype).tolist())
+            if state.step and state.nonfinite_skipped >= state.step:  # not one update applied
+                cause = self.faults.cause(self.accelerator) if self.faults is not None else None
+                if state.finished:
+                    raise NonFiniteLossError(
+                        f"all {state.step} optimizer steps were skipped (non-finite loss or gradient), so no "
+                        "checkpoint was written; " + (cause or "the hidden states read were finite: the loss or "
+                                                       "gradient overflowed (lower train.lr, check the recipe)"))
+                log.warning("step %d: no checkpoint written: every optimizer step so far was skipped as non-finite%s",
+                            state.step, f" ({cause})" if cause else "")
+                return self.last_ckpt
             state.window, state.window_format = window_state(self.accelerator, self.window), 2
             state.train_seconds = self.seconds_at_start + time.perf_counter() - self.t0
             return self.checkpoints.save(self.model, state)

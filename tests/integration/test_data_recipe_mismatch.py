@@ -25,10 +25,13 @@ def test_a_draft_vocab_of_another_size_than_the_recipes_is_refused_naming_the_fi
                rf"data.draft_vocab_size is {d2t.shape[0] - 1}")
     with pytest.raises(DataError, match=message):
         check_draft_vocab_size(other, paths)
-    # the training entry says it in one line and trains nothing
+    # the training entry says it in one line (the run directory's check, data/agreement.py, comes
+    # first: the key, both values, the way out) and trains nothing
     dump_recipe(other, tmp_path / "other.yaml")
     code = train_main(Eagle3Method, "train/eagle3.py", "", [str(tmp_path / "other.yaml"), "--run-dir", str(run),
                                                               "--no-prepare", "--resume"])
     err = capsys.readouterr().err
-    assert code == 1 and "train/eagle3.py: error:" in err and "a draft vocab of" in err, err
+    assert code == 1 and "train/eagle3.py: error:" in err, err
+    assert (f"data.draft_vocab_size={d2t.shape[0]} ({paths.vocab}), the recipe has {d2t.shape[0] - 1}" in err
+            and "--overwrite-data" in err), err
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
