@@ -88,21 +88,35 @@ def _stage_main(module: str) -> Callable[[list[str]], int]:
     return importlib.import_module(module).main
 
 
+TRAIN_DOC = """Train the draft of a recipe: the entry script of its draft.method (train/<method>.py; its
+flags, below, are every method's), after preparing whatever of RUN_DIR/data is missing.
+
+    draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--overwrite] [--set train.lr=3e-4 ...]
+    draftsmith train RECIPE.yaml --dry-run         size and memory estimates, no weights
+    draftsmith train RECIPE.yaml --help            the method's own description
+"""
+
+
 def train(argv: list[str]) -> int:
-    """``train/<draft.method>.py`` of the recipe given first (its own flags follow)."""
+    """``train/<draft.method>.py`` of the recipe (its own flags follow). Without a recipe first,
+    the flags every method's entry script shares are parsed here: ``--help`` prints them (exit 0),
+    no recipe at all is a usage error (exit 2)."""
     from .methods import get_method
     from .recipe import RecipeError, load_recipe
+    from .train.method_base import build_parser
 
+    parser = build_parser(TRAIN_DOC)
+    parser.prog = "draftsmith train"
     if not argv or argv[0].startswith("-"):
-        print("usage: draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--overwrite] [--set k=v ...] "
-              "(see `draftsmith train RECIPE --help`)", file=sys.stderr)
-        return 2
-    overrides = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
+        args = parser.parse_args(argv)  # --help: exit 0; no recipe: exit 2
+    else:  # `draftsmith train RECIPE --help` is the method's help: the method is needed first
+        args, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
     try:
-        method = load_recipe(argv[0], overrides).draft.method
+        method = load_recipe(args.recipe, args.overrides).draft.method
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return 2
+    sys.argv = ["draftsmith train", *argv]  # the method's parser names itself in usage lines
     return _stage_main(get_method(method).train_module)(argv)
 
 
@@ -128,6 +142,10 @@ def verify(argv: list[str]) -> int:
     from .layout import RunLayout
 
     args = build_verify_parser().parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"error: {args.run_dir}: no such directory; pass a run directory (draftsmith prepare ... --run-dir "
+              "RUN_DIR) or a shard directory holding manifest.json", file=sys.stderr)
+        return 1
     directory = args.run_dir
     if not (directory / MANIFEST).is_file() and not any(directory.glob("manifest.rank-*.json")):
         directory = RunLayout(args.run_dir).data.hidden_states

@@ -567,7 +567,7 @@ TYPED_ENGINE_KEYS = {
 
 
 class ServeConfig(_Strict):
-    """Serving benchmark (eval/serve_bench.py); its command line overrides these."""
+    """Serving benchmark (``draftsmith serve-bench``); its command line overrides these."""
 
     prompts: str = Field("builtin:eval", description="Prompt file; each concurrency level gets its own prompts.")
     concurrency: list[int] = Field([1, 2, 4, 8], min_length=1, description="Concurrency levels (--max-concurrency).")
@@ -598,7 +598,7 @@ class EvalConfig(_Strict):
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="ngram drafting: longest n-gram matched.")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="ngram drafting: shortest n-gram matched.")
     export_legacy: bool = Field(False, description="Also write the legacy LlamaForCausalLMEagle3 format.")
-    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving benchmark (eval/serve_bench.py).")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving benchmark (draftsmith serve-bench).")
 
     @model_validator(mode="after")
     def _ngram_window(self) -> "EvalConfig":
@@ -690,23 +690,52 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"{source}: no such recipe file, nor a shipped recipe (name one without .yaml: "
                               f"{', '.join(shipped_recipe_names())})")
         try:
-            tree = yaml.safe_load(found.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise RecipeError(f"{source}: cannot read recipe ({exc})") from exc
-        if not isinstance(tree, dict):
-            raise RecipeError(f"{source}: a recipe must be a YAML mapping")
+            tree = yaml.safe_load(found.read_text())
+        except OSError as exc:
+            raise RecipeError(f"{source}: cannot read recipe ({exc})") from None
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{source}: not valid YAML ({_yaml_problem(exc)}); fix the file") from None
+        if not isinstance(tree, dict) or not tree:
+            what = ("an empty recipe (no keys)" if tree is None or tree == {} else
+                    "a YAML list, not a mapping of keys" if isinstance(tree, list) else
+                    f"a single YAML value ({tree!r}), not a mapping of keys")
+            raise RecipeError(f"{source}: {what}; a recipe maps sections (target:, data:, draft:, train:, ...) "
+                              "to their keys: start from a shipped one, e.g. recipes/smollm2_135m.yaml")
+    set_keys: dict[str, str] = {}  # dotted key -> the --set argument that set it
     for item in overrides or []:
-        if "=" not in item:
-            raise RecipeError(f"--set expects key.path=value, got '{item}'")
-        key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw))
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RecipeError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"--set {item}: the value is not valid YAML ({_yaml_problem(exc)}); write it as "
+                              "YAML, e.g. --set 'data.aux_layer_ids=[1, 2, 3]' (quote the argument)") from None
+        _set_path(tree, key, value)
+        set_keys[key] = item
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        problems = [_problem(err) for err in exc.errors()]
-        if len(problems) == 1:
-            raise RecipeError(f"{source}: invalid recipe: {problems[0]}") from None
-        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(f"  {p}" for p in problems)) from None
+        located = []  # (the --set arguments the problem is under, or "" for the file's keys; problem)
+        for err in exc.errors():
+            key, text = _problem(err)
+            located.append((" ".join(f"--set {item}" for k, item in set_keys.items()
+                                     if key and (k == key or k.startswith(key + ".") or key.startswith(k + "."))),
+                            text))
+        if len(located) == 1:
+            where, text = located[0]
+            raise RecipeError(f"{where}: {text}" if where else f"{source}: invalid recipe: {text}") from None
+        head = "--set" if all(where for where, _ in located) else source
+        raise RecipeError(f"{head}: invalid recipe\n" + "\n".join(f"  {where}: {text}" if where else f"  {text}"
+                                                                  for where, text in located)) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML parse error: the problem and its line / column (1-based)."""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem}, line {mark.line + 1} column {mark.column + 1}" if mark is not None else problem
 
 
 # keys of earlier recipes -> where they are now; a recipe that still sets one is refused naming it
@@ -726,24 +755,25 @@ def _draft_owners(key: str) -> list[str]:
     return [cls.model_fields["method"].default for cls in sections if key in cls.model_fields]
 
 
-def _problem(err: dict[str, Any]) -> str:
-    """``key.path: message`` of one pydantic error; an unknown key that is one of another
-    place's (a moved key, another method's) says where it belongs."""
+def _problem(err: dict[str, Any]) -> tuple[str, str]:
+    """``(key.path, "key.path: message")`` of one pydantic error; an unknown key that is one of
+    another place's (a moved key, another method's) says where it belongs."""
     loc = [str(p) for p in err["loc"]]
     method = None
     if len(loc) >= 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
         method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
     key = ".".join(loc)
     if err["type"] != "extra_forbidden":
-        return f"{key}: {err['msg']}" if key else err["msg"]
+        return key, f"{key}: {err['msg']}" if key else err["msg"]
     if key in MOVED_KEYS:
         new = MOVED_KEYS[key]
         owners = _draft_owners(new.removeprefix("draft.")) if new.startswith("draft.") else []
-        return f"{key}: unknown key: it moved to {new}" + (f" (draft.method {' / '.join(owners)})" if owners else "")
+        return key, (f"{key}: unknown key: it moved to {new}"
+                     + (f" (draft.method {' / '.join(owners)})" if owners else ""))
     owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
     if method is not None and owners:
-        return f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
-    return f"{key}: unknown key"
+        return key, f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
+    return key, f"{key}: unknown key"
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

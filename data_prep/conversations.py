@@ -101,7 +101,9 @@ def iter_rows(path: str, split: str = "train") -> Iterable[tuple[int, Any]]:
                 try:
                     yield i, json.loads(line)
                 except json.JSONDecodeError as exc:
-                    yield i, DataError(f"{path}:{i}: malformed JSON ({exc.msg} at column {exc.colno})")
+                    # json's own text may end in " at" ("Invalid control character at"): one "at" here
+                    problem = exc.msg.removesuffix(" at")
+                    yield i, DataError(f"{path}:{i}: malformed JSON ({problem} at column {exc.colno})")
         return
     import datasets
 
@@ -118,9 +120,42 @@ def iter_rows(path: str, split: str = "train") -> Iterable[tuple[int, Any]]:
                 "with --prompts path/to/mt_bench.jsonl (FastChat's question.jsonl, rows with 'turns')"
             ) from exc
     else:
-        ds = datasets.load_dataset(path, split=split)
+        ds = _load_hub_dataset(path, split)
     for i, row in enumerate(ds, start=1):
         yield i, row
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def _load_hub_dataset(path: str, split: str) -> Any:
+    """``datasets.load_dataset(path, split=split)`` of a source that is not a local file.
+
+    Raises:
+        DataError: one line naming the source: a file name that does not exist (a path, not a
+            Hub dataset id), or a Hub dataset this machine cannot load (offline, gated, private,
+            missing, no such split), with what to do.
+    """
+    import datasets
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(path)
+        looks_like_a_file = path.lower().endswith(DATA_SUFFIXES)
+    except HFValidationError:
+        looks_like_a_file = True
+    if looks_like_a_file:
+        raise DataError(f"{path}: no such file; fix the source path (a local JSON/JSONL/Parquet/CSV file, or a Hub "
+                        "dataset id ORG/NAME)")
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as exc:  # offline, gated, private, missing, no such split: all end here
+        reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
+        raise DataError(f"{path}: cannot load the Hub dataset (split {split!r}; {type(exc).__name__}: {reason}); "
+                        f"check the id and split, or download it where the Hub is reachable (`hf download {path} "
+                        "--repo-type dataset --local-dir DIR`, after `hf auth login` for a gated one) and name its "
+                        "data file as the source path") from None
 
 
 def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ The messages are filtered (length, end of turn reached, repetition) and deduplic
 go through the normal pipeline (regeneration of the replies by the target), so a draft can
 be trained from the target alone.
 
-    python -m draftsmith.data_prep.synthesize --target embedded:SmolLM2-135M-Instruct \\
+    draftsmith synthesize --target embedded:SmolLM2-135M-Instruct \\
         --num-prompts 1000 --out runs/x/magpie.jsonl [--engine vllm|transformers] [--temperature 1.0]
 
 The vLLM engine takes its settings from the vLLM flags (``--dtype``, ``--enforce-eager``,
@@ -208,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .regenerate import vllm_available
 
-    target_dir = resolve_target(args.target)
+    try:
+        target_dir = resolve_target(args.target)
+    except FileNotFoundError as exc:  # no such directory, or a Hub id the Hub does not serve here
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     tok = AutoTokenizer.from_pretrained(target_dir)
     prefix, end = user_turn_prefix(tok)
     engine = args.engine if args.engine != "auto" else ("vllm" if vllm_available() else "transformers")

@@ -57,10 +57,18 @@ def resolve_target(name_or_path: str, trust_remote_code: bool = False) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target directory {path} has no config.json")
+            raise FileNotFoundError(f"target {name_or_path}: the directory has no config.json; name a Hugging Face "
+                                    "model folder (config.json and weights)")
         return path
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:  # a path, not a repo id: the local directory is missing
+        raise FileNotFoundError(f"target {name_or_path}: no such directory; fix the path (or name a Hub repo id, "
+                                "ORG/NAME)") from None
     try:
         return Path(
             snapshot_download(
@@ -69,10 +77,12 @@ def resolve_target(name_or_path: str, trust_remote_code: bool = False) -> Path:
             )
         )
     except Exception as exc:  # offline, gated, missing repo: all end here
+        reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
         raise FileNotFoundError(
-            f"target '{name_or_path}' is neither a local directory nor downloadable from the hub "
-            f"({type(exc).__name__}: {exc}). Use 'embedded:SmolLM2-135M-Instruct' offline."
-        ) from exc
+            f"target {name_or_path}: no such local directory, and the Hub cannot serve it here "
+            f"({type(exc).__name__}: {reason}); download it where the Hub is reachable (`hf download "
+            f"{name_or_path} --local-dir DIR`, after `hf auth login` for a gated model) and name DIR as the target"
+        ) from None
 
 
 def embedded_gguf_path(name: str) -> Path:
@@ -338,13 +348,22 @@ def load_config_json(recipe: "Recipe", target_config: Path | None) -> tuple[dict
     bundled = bundled_target_config(name)
     if bundled is not None:
         return _read_config(bundled), str(bundled)
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
     from transformers import AutoConfig
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:  # a path, not a repo id: the local directory is missing
+        raise FileNotFoundError(f"target {name}: no such directory; fix target.name_or_path (or pass "
+                                "--target-config path/to/config.json)") from None
 
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=recipe.target.trust_remote_code)
     except Exception as exc:
         raise FileNotFoundError(
-            f"cannot fetch the config of '{name}' ({type(exc).__name__}); pass --target-config path/to/config.json"
+            f"target {name}: cannot fetch its config.json from the Hub ({type(exc).__name__}); "
+            "pass --target-config path/to/config.json"
         ) from exc
     return config.to_dict(), f"hub:{name}"
 

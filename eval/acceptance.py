@@ -340,14 +340,49 @@ def format_row(name: str, r: dict[str, Any]) -> str:
             f"{r['output_tokens_per_s']:.1f} tok/s)")
 
 
+def check_target(target: Path | str) -> None:
+    """Before any engine starts: ``target`` is a local model folder (with ``config.json``), or a
+    Hub repo id whose ``config.json`` this machine can fetch (or has cached).
+
+    Raises:
+        FileNotFoundError: one line saying which: no such local directory (a path, not a repo
+            id), a folder without ``config.json``, or a repo id the Hub does not serve here
+            (offline, gated, private, missing), with what to do.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(target).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--target {target}: no config.json in this directory; pass a model folder "
+                                    "(config.json and weights) or a Hub repo id")
+        return
+    try:
+        validate_repo_id(str(target))
+    except HFValidationError:
+        raise FileNotFoundError(f"--target {target}: no such directory; pass a model folder or a Hub repo id "
+                                "(ORG/NAME)") from None
+    try:
+        hf_hub_download(str(target), "config.json")
+    except Exception as exc:  # offline, gated, private, missing: all end here
+        reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
+        raise FileNotFoundError(
+            f"--target {target}: no such local directory, and the Hub cannot serve it here "
+            f"({type(exc).__name__}: {reason}); download it where the Hub is reachable (`hf download {target} "
+            f"--local-dir DIR`, after `hf auth login` for a gated model) and pass --target DIR") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory (or a Hub id vLLM "
+                   "downloads)")
     p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
                    "(the vLLM flags below override it)")
-    p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py), any method vLLM serves")
+    p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export), any method vLLM serves")
     p.add_argument("--method", default=EXPORT_METHOD, choices=method_choices(),
                    help="draft: the method the export in --draft was exported by; a registered method: the same, "
                    "checked; ngram: vLLM's prompt lookup; none: no speculation")
@@ -380,6 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_target(args.target)
+        if args.draft is not None and not args.draft.is_dir():
+            raise FileNotFoundError(f"--draft {args.draft}: no such directory; pass the folder `draftsmith export` "
+                                    "wrote")
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
                   engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
@@ -390,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(method=m, draft=args.draft, **common)
             results[r["method"]] = r
             print(format_row(r["method"], r), flush=True)
-    except ValueError as exc:  # a DraftMismatchError, or engine settings the offline engine refuses
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError) as exc:  # a DraftMismatchError, engine settings the offline engine
+        print(f"error: {exc}", file=sys.stderr)  # refuses, or the vLLM run failed (its log tail)
         return 1
     if args.out:
         write_acceptance(args.out, {m: AcceptanceResult.model_validate(r) for m, r in results.items()})

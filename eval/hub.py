@@ -1,15 +1,15 @@
 """Hugging Face Hub export: a Hub-ready folder (vLLM-loadable draft + model card), optionally pushed.
 
-    python -m draftsmith.eval.hub DRAFT_DIR --out HUB_DIR --repo-id USER/NAME \
+    draftsmith hub DRAFT_DIR --out HUB_DIR --repo-id USER/NAME \
         [--recipe RUN/recipe.yaml] [--acceptance RUN/eval_mtbench.json] [--serve RUN/serve/results.json] \
         [--license LICENSE] [--push [--private]]
 
-``DRAFT_DIR`` is an eval/export.py output (EAGLE-3 speculators or legacy format, Medusa, MLP
+``DRAFT_DIR`` is a ``draftsmith export`` output (EAGLE-3 speculators or legacy format, Medusa, MLP
 speculator). The folder gets a copy of its files and a ``README.md`` model card: YAML front
 matter (``base_model`` = the target, ``license``, ``datasets`` = the recipe's Hub dataset
 sources, ``library_name``, ``tags``), the draft's method (any registered in :mod:`draftsmith.methods`) and its shape, the training data
-(from the run's ``recipe.yaml``), measured acceptance (eval/acceptance.py ``--out`` JSON) and
-serving speedup (eval/serve_bench.py ``results.json``) with the commands that produced them,
+(from the run's ``recipe.yaml``), measured acceptance (``draftsmith acceptance --out`` JSON) and
+serving speedup (``draftsmith serve-bench``'s ``results.json``) with the commands that produced them,
 and the ``vllm serve`` line.
 
 Pushing uses ``huggingface_hub``: ``create_repo(repo_id, private=..., exist_ok=True)`` then
@@ -125,7 +125,7 @@ def _acceptance_section(acc: dict[str, AcceptanceResult] | None, target: str) ->
         lines.append(f"| {method} | {r.num_speculative_tokens} | {r.temperature} | {r.num_prompts} "
                      f"(`{r.prompts}`) | {r.mean_acceptance_length:.2f} | {rate} | {pp} |")
         if method != "ngram" and cmd is None:
-            cmd = (f"python -m draftsmith.eval.acceptance --target {target} --draft DRAFT_DIR --method {method} "
+            cmd = (f"draftsmith acceptance --target {target} --draft DRAFT_DIR --method {method} "
                    f"--prompts {r.prompts} --k {r.num_speculative_tokens} --temperature {r.temperature}")
     lines += ["", "Acceptance length = 1 + accepted / drafts (counts the bonus token); rate = accepted / proposed.", ""]
     if cmd:
@@ -185,7 +185,7 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
     else:
         use = [f"vLLM's `{spec.vllm_method}` method loads this layout up to vLLM 0.32 "
                f"(`speculative_config` {json.dumps(serve_spec)}); draftsmith's reference decoder "
-               "(`python -m draftsmith.eval.spec_decode`) runs it with any version."]
+               "(`draftsmith spec-decode`) runs it with any version."]
     out = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
            f"# {card.title} draft for {target}", "",
            f"A speculative-decoding draft model, {card.summary}, for `{target}`, trained with draftsmith "
@@ -215,7 +215,10 @@ def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = N
         HubError: ``draft`` is not an exported draft, or an attached file is unreadable or not
             the schema of :mod:`draftsmith.eval.results`.
     """
-    cfg = _read(draft / "config.json", "draft config (run eval/export.py first)", lambda p: json.loads(p.read_text()))
+    if not Path(draft).is_dir():
+        raise HubError(f"{draft}: no such directory; pass the folder `draftsmith export` wrote")
+    cfg = _read(draft / "config.json", "draft config (run `draftsmith export` first)",
+                lambda p: json.loads(p.read_text()))
     if not (draft / "model.safetensors").is_file():
         raise HubError(f"{draft / 'model.safetensors'} missing: not an exported draft")
     rec = None
@@ -259,17 +262,24 @@ def push(folder: Path, repo_id: str, private: bool = True, commit_message: str =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("draft", type=Path, help="exported draft directory (eval/export.py)")
+    p.add_argument("draft", type=Path, help="exported draft directory (draftsmith export)")
     p.add_argument("--out", type=Path, required=True, help="Hub folder to write")
     p.add_argument("--repo-id", required=True, help="USER/NAME on the Hub (also written into the vllm serve line)")
     p.add_argument("--recipe", type=Path, help="the run's recipe.yaml (training data in the card)")
-    p.add_argument("--acceptance", type=Path, help="eval/acceptance.py --out JSON")
-    p.add_argument("--serve", type=Path, help="eval/serve_bench.py results.json")
+    p.add_argument("--acceptance", type=Path, help="draftsmith acceptance --out JSON")
+    p.add_argument("--serve", type=Path, help="draftsmith serve-bench results.json (in its --out-dir)")
     p.add_argument("--license", help="the card's license (default: the target's when its local model card "
                    "names one, else 'other')")
     p.add_argument("--push", action="store_true", help="create the repo and upload the folder")
     p.add_argument("--private", action="store_true", help="create the repo private")
     args = p.parse_args(argv)
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(args.repo_id)
+    except HFValidationError as exc:
+        p.error(f"argument --repo-id: {args.repo_id!r} is not a Hub repo id ({exc}); e.g. --repo-id USER/NAME")
     try:
         folder = prepare_folder(args.draft, args.out, args.repo_id, args.recipe, args.acceptance, args.serve,
                                 args.license)

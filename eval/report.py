@@ -1,6 +1,6 @@
 """Markdown report with plots from a serving benchmark's saved ``results.json`` alone.
 
-    python -m draftsmith.eval.report RUN/serve
+    draftsmith report RUN/serve
 
 Writes ``RUN/serve/report.md`` (answer first, then tables: summary geomeans and change vs
 baseline, cost, per level, per-position acceptance, K sweep with its recommendation,
@@ -326,7 +326,7 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     path = run_dir / "results.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: run `python -m draftsmith.eval.serve_bench --out-dir {run_dir}` first")
+        raise FileNotFoundError(f"{path} missing: run `draftsmith serve-bench ... --out-dir {run_dir}` first")
     results = ServeResults.read(path)
     plots = _plots(results, run_dir)
     report = run_dir / "report.md"

@@ -1,9 +1,9 @@
 """Serving benchmark: the target alone vs speculative configurations, behind vLLM's OpenAI server.
 
-    python -m draftsmith.eval.serve_bench --target DIR|embedded:SmolLM2-135M-Instruct --draft DRAFT_DIR \
+    draftsmith serve-bench --target DIR|embedded:SmolLM2-135M-Instruct --draft DRAFT_DIR \
         --prompts FILE|builtin:eval --concurrency 1,2,4,8 --num-prompts-per-level 8 --k 3 \
         --k-sweep 1,2,3,4 --temperatures 0,0.7 --price-per-hour 41.62 --out-dir RUN/serve
-    python -m draftsmith.eval.serve_bench --recipe RUN/recipe.yaml --draft RUN/export/eagle3 --out-dir RUN/serve
+    draftsmith serve-bench --recipe RUN/recipe.yaml --draft RUN/export/eagle3 --out-dir RUN/serve
 
 Engine settings: the vLLM flags (``--dtype``, ``--enforce-eager``, ``--gpu-memory-utilization``,
 ``--max-model-len``, ``--tensor-parallel-size``, ``--data-parallel-size``, ... see ``--help``)
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", type=Path, help="recipe YAML: target and eval.serve / vllm defaults")
     p.add_argument("--target", help="target directory, hub id or embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--draft", type=Path, help="exported draft directory (eval/export.py)")
+    p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export)")
     p.add_argument("--draft-model", type=Path, help="a smaller model of the target's family (method draft_model)")
     p.add_argument("--prompts", help="prompt file (builtin:eval, MT-bench jsonl, ShareGPT, messages)")
     p.add_argument("--concurrency", type=_ints, help="comma-separated levels, e.g. 1,2,4,8")
@@ -130,7 +130,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         server=ServerOptions(engine=engine,
                              startup_timeout_s=pick(args.startup_timeout, serve.startup_timeout_s)),
         meta={"target_name": target_name, "draft": str(args.draft) if args.draft else None, "prompts": prompts_path,
-              "command": shlex.join(["python", "-m", "draftsmith.eval.serve_bench", *argv]),
+              "command": shlex.join(["draftsmith", "serve-bench", *argv]),
               "vllm_version": _vllm_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
     )
 

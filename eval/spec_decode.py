@@ -1,7 +1,7 @@
 """Reference speculative decoder: acceptance of EAGLE-3, Medusa, MLP-speculator, DFlash and
 P-EAGLE drafts without vLLM (docs/conventions.md, "Acceptance metrics").
 
-    python -m draftsmith.eval.spec_decode --target DIR --draft DIR --prompts FILE [--k 3]
+    draftsmith spec-decode --target DIR --draft DIR --prompts FILE [--k 3]
         [--temperature 0] [--max-new-tokens N] [--max-prompts N] [--out result.json] [--compare-vllm]
         [--threads N] [--no-plain] [--draft-sampling greedy|probabilistic] [--device cuda:0]
         [--vllm-enforce-eager --vllm-gpu-memory-utilization 0.2 ...]   # --compare-vllm's engine
@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--draft", type=Path, required=True, help="exported draft directory (eval/export.py)")
+    p.add_argument("--draft", type=Path, required=True, help="exported draft directory (draftsmith export)")
     p.add_argument("--prompts", default="builtin:eval", help="prompt set: builtin:NAME or a JSONL file")
     p.add_argument("--max-prompts", type=int, help="use at most this many prompts (default: all)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
@@ -665,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at T>0: draft the argmax (vLLM's default draft_sample_method) or sample from the draft")
     p.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-decoding baseline")
     p.add_argument("--compare-vllm", action="store_true",
-                   help="also measure the EAGLE-3 draft with vLLM (eval/acceptance.py) on the same prompts")
+                   help="also measure the EAGLE-3 draft with vLLM (draftsmith acceptance) on the same prompts")
     p.add_argument("--out", type=Path, help="write the figures as JSON")
     add_vllm_arguments(p, prefix="vllm-")  # --compare-vllm's engine; its dtype defaults to --dtype
     return p
@@ -686,7 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    target_dir = resolve_target(args.target)
+    try:
+        target_dir = resolve_target(args.target)
+    except FileNotFoundError as exc:  # no such directory, or a Hub id the Hub does not serve here
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     model, tokenizer = load_target(target_dir, dtype=getattr(torch, dtype), device=device)
     try:
         proposer = load_draft(args.draft, model)

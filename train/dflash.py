@@ -3,7 +3,7 @@
     accelerate launch train/dflash.py RECIPE.yaml --run-dir runs/x [--resume] [--set draft.block_size=8]
     python train/dflash.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``, the same data as EAGLE-3): target
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``, the same data as EAGLE-3): target
 info, draft vocab, tokenised data (to check the mask token never occurs) and hidden-state
 shards. Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics to ``RUN_DIR/metrics.jsonl``.
 """

@@ -3,7 +3,7 @@
     accelerate launch train/dspark.py RECIPE.yaml --run-dir runs/x [--resume] [--set draft.markov_rank=64]
     python train/dspark.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``, the same data as EAGLE-3 and
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``, the same data as EAGLE-3 and
 DFlash). Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics to ``RUN_DIR/metrics.jsonl``.
 """
 

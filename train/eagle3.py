@@ -3,7 +3,7 @@
     accelerate launch train/eagle3.py RECIPE.yaml --run-dir runs/x [--resume] [--set train.lr=3e-4]
     python train/eagle3.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``): target info, draft vocab and
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``): target info, draft vocab and
 hidden-state shards. Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics to
 ``RUN_DIR/metrics.jsonl``.
 """

@@ -3,7 +3,7 @@
     accelerate launch train/medusa.py RECIPE.yaml --run-dir runs/x [--resume] [--set train.lr=1e-3]
     python train/medusa.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``): target info and hidden-state
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``): target info and hidden-state
 shards (only ``final_hidden_states`` is used) or, with ``data.hidden_states_mode: online``,
 token ids with the target run in the job. Head k learns x_{t+k+2} with cross-entropy
 against the (regenerated) reply tokens, weighted ``draft.head_decay**k`` (Medusa-1,

@@ -3,7 +3,7 @@
     accelerate launch train/peagle.py RECIPE.yaml --run-dir runs/x [--resume] [--set draft.num_depths=8]
     python train/peagle.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``data_prep/prepare.py``): target info, draft vocab,
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``): target info, draft vocab,
 tokenised data (to check the mask token never occurs in it) and hidden-state shards. Writes
 checkpoints under ``RUN_DIR/checkpoints`` and metrics to ``RUN_DIR/metrics.jsonl``.
 """

@@ -85,7 +85,7 @@ def llm_kwargs(engine: VllmConfig, on_gpu: bool | None = None, **fixed: Any) -> 
     if engine.data_parallel_size > 1:
         raise ValueError(f"vllm.data_parallel_size={engine.data_parallel_size}: vLLM's offline LLM runs one "
                          "replica per process; use tensor_parallel_size here (data parallelism: the OpenAI "
-                         "server, eval/serve_bench.py)")
+                         "server, draftsmith serve-bench)")
     args = _merge(engine, _on_gpu(on_gpu), fixed)
     args.pop("data_parallel_size")
     return args

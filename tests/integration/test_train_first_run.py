@@ -69,7 +69,7 @@ def test_no_prepare_names_the_prepare_command_in_one_line(tiny_target, tmp_path)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     line = done.stderr.strip().splitlines()[-1]
-    assert f"python -m draftsmith.data_prep.prepare {recipe} --run-dir runs/tiny" in line
+    assert f"run: draftsmith prepare {recipe} --run-dir runs/tiny" in line
     assert "stages missing: target, regenerate, tokenize, vocab, hidden-states" in line
     assert not (tmp_path / "runs" / "tiny" / "data" / "target.json").exists()
 

@@ -200,6 +200,8 @@ class FakeWorkerProcess:
 
 def test_measure_runs_the_methods_target_check_then_the_worker_with_its_registry_name(tmp_path, monkeypatch):
     draft, target = export_dir(tmp_path, "peagle"), tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # main checks the target exists before any engine starts
     checked = []
     spec = get_method("peagle")
     assert spec.target_check is not None  # the eval layer's parts are attached

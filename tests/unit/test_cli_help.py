@@ -155,6 +155,14 @@ def test_every_subcommand_prints_its_help_and_documents_each_flag_with_its_defau
     assert (undocumented_flags(parsers), defaults_not_shown(parsers)) == KNOWN_GAPS.get(command, ([], []))
 
 
+@pytest.mark.parametrize("command", SUBCOMMANDS + ["recipe show", "recipe validate", "recipe schema"])
+def test_every_subcommand_prints_its_help_with_no_other_argument(command):
+    # `draftsmith train --help` included: no recipe needed to learn the flags (the recipe's method
+    # adds its own description: `draftsmith train RECIPE --help`, above)
+    out, _ = run_help(lambda: main([*command.split(), "--help"]))
+    assert out.startswith("usage: ")
+
+
 @pytest.mark.parametrize("script", ENTRY_SCRIPTS)
 def test_every_training_entry_script_prints_its_help_and_documents_each_flag(script, monkeypatch):
     monkeypatch.setattr(sys, "argv", [script, "--help"])

@@ -81,7 +81,7 @@ def test_folder_holds_the_draft_and_a_card_with_front_matter_and_figures(draft, 
     assert "[2, 15, 27]" in body and "8192 of the target's 49152" in body
     assert "`runs/selfdistill/regen.jsonl` (first 1058 rows)" in body and "6 epochs" in body
     assert "| eagle3 | 3 | 0.0 | 80 (`mt_bench.jsonl`) | 1.60 | 20.1% | 0.40 / 0.15 / 0.06 |" in body
-    assert ("python -m draftsmith.eval.acceptance --target HuggingFaceTB/SmolLM2-135M-Instruct --draft DRAFT_DIR "
+    assert ("draftsmith acceptance --target HuggingFaceTB/SmolLM2-135M-Instruct --draft DRAFT_DIR "
             "--method eagle3 --prompts mt_bench.jsonl --k 3") in body
     assert "| eagle3 | 43.0 | -14.0% | c=1: 0.91x, c=8: 0.80x | 1.61 |" in body
     assert "python -m draftsmith.eval.serve_bench --target embedded:SmolLM2-135M-Instruct" in body
