@@ -317,6 +317,13 @@ def test_hub_refuses_a_repo_id_the_hub_would_refuse(tmp_path, capsys):
     assert not (tmp_path / "hub").exists()
 
 
+def test_draftsmith_train_errors_name_the_command_typed_not_the_entry_script(tmp_path, capsys):
+    code, _, err = run(capsys, "train", RECIPE, "--run-dir", str(tmp_path / "run"), "--no-prepare")
+    assert code == 1 and "Traceback" not in err
+    assert last_line(err).startswith("draftsmith train: error: ") and "train/eagle3.py" not in err, err
+    assert f"run: draftsmith prepare {RECIPE} --run-dir {tmp_path / 'run'}" in last_line(err)
+
+
 # --- help and typos -------------------------------------------------------------------------------
 
 def test_train_help_needs_no_recipe(capsys):
