@@ -88,6 +88,17 @@ def _stage_main(module: str) -> Callable[[list[str]], int]:
     return importlib.import_module(module).main
 
 
+def _run_as(prog: str, module: str, argv: list[str]) -> int:
+    """``module``'s ``main(argv)`` with ``sys.argv[0]`` set to ``prog`` while it runs (its parser
+    names itself ``prog`` in usage lines and errors), put back afterwards."""
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        return _stage_main(module)(argv)
+    finally:
+        sys.argv = saved
+
+
 TRAIN_DOC = """Train the draft of a recipe: the entry script of its draft.method (train/<method>.py; its
 flags, below, are every method's), after preparing whatever of RUN_DIR/data is missing.
 
@@ -116,8 +127,7 @@ def train(argv: list[str]) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return 2
-    sys.argv = ["draftsmith train", *argv]  # the method's parser names itself in usage lines
-    return _stage_main(get_method(method).train_module)(argv)
+    return _run_as("draftsmith train", get_method(method).train_module, argv)
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
@@ -227,8 +237,7 @@ def bench(argv: list[str]) -> int:
         return 2
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
-    sys.argv = [f"draftsmith bench {argv[0]}", *argv[1:]]
-    return _stage_main("benchmarks." + argv[0].replace("-", "_"))(argv[1:])
+    return _run_as(f"draftsmith bench {argv[0]}", "benchmarks." + argv[0].replace("-", "_"), argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in STAGES:
         print(f"draftsmith: unknown subcommand {command!r}; one of: {', '.join(commands)}", file=sys.stderr)
         return 2
-    sys.argv = [f"draftsmith {command}", *rest]  # the stage's parser names itself in usage lines
-    return _stage_main(STAGES[command][0])(rest)
+    return _run_as(f"draftsmith {command}", STAGES[command][0], rest)
 
 
 if __name__ == "__main__":

@@ -481,7 +481,7 @@ def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None =
     from .validation import ValidationSplitError
     from .warm_start import WarmStartError
 
-    if sys.argv[:1] == ["draftsmith train"]:  # run by `draftsmith train` (cli.py): errors name what was typed
+    if sys.argv[:1] == ["draftsmith train"]:  # run by `draftsmith train` (cli.py's _run_as): errors name what was typed
         script = "draftsmith train"
     args = build_parser(doc).parse_args(argv)
     setup_logging()
