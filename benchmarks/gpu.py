@@ -371,8 +371,8 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
                    warmup: int, count_executed: bool = True, seed: int = 0) -> dict[str, Any]:
     """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
     ``steps`` training steps after ``warmup`` (module docstring). Returns the row's measurements."""
-    from draftsmith.train.trainer import MetricWindow, NonFiniteGuard
-    from benchmarks.memory import OneProcess, _device_batch, offline_method, prepare_model, random_batch, random_weights
+    from benchmarks.memory import (OneProcess, _device_batch, offline_method, prepare_model, random_batch,
+                                   random_weights, trainer_step)
 
     torch.manual_seed(seed)
     cfg = recipe.train
@@ -385,24 +385,7 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
         plan = method.batch_plan() if hasattr(method, "batch_plan") else None
         batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
         flops = step_flops(method, model, batch, recipe, seed)
-        guard = NonFiniteGuard(optimizers, dev, 1)
-        window = MetricWindow(dev)
-
-        def forward_backward(i: int) -> None:  # train/trainer.py fit(), one process, no accumulation
-            method.begin_step(i)
-            loss, metrics = method.compute_loss(model, batch)
-            guard.note_loss(loss)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            guard.note_grad_norm(norm)
-            window.add({**metrics, "grad_norm": norm})
-
-        def update() -> None:
-            for opt in optimizers:  # train.optimizer: AdamW, or AdamW then Muon
-                opt.step()  # skipped on the device when not finite
-            guard.end_step()
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
+        forward_backward, update, window = trainer_step(method, model, batch, trainable, optimizers, cfg, dev)
 
         def step(i: int) -> None:
             forward_backward(i)

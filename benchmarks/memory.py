@@ -49,7 +49,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -734,6 +734,37 @@ def gc_collect() -> None:
     import gc
 
     gc.collect()
+
+
+def trainer_step(method: Any, model: torch.nn.Module, batch: dict[str, Any], trainable: list[torch.nn.Parameter],
+                 optimizers: list[torch.optim.Optimizer], cfg: Any, dev: torch.device
+                 ) -> tuple[Callable[[int], None], Callable[[], None], Any]:
+    """``(forward_backward(i), update(), window)``: train/trainer.py's step, one process, no
+    accumulation: the loss and backward of ``batch``, the clipped gradient norm and the
+    non-finite guard's notes (metrics into ``window``, a :class:`MetricWindow` read by the
+    caller), then every optimizer's step (skipped on the device when not finite) and zero_grad.
+    The benchmarks that time a step (``benchmarks.gpu``, ``benchmarks.muon``) call these two."""
+    from draftsmith.train.trainer import MetricWindow, NonFiniteGuard
+
+    guard, window = NonFiniteGuard(optimizers, dev, 1), MetricWindow(dev)
+
+    def forward_backward(i: int) -> None:
+        method.begin_step(i)
+        loss, metrics = method.compute_loss(model, batch)
+        guard.note_loss(loss)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+        guard.note_grad_norm(norm)
+        window.add({**metrics, "grad_norm": norm})
+
+    def update() -> None:
+        for opt in optimizers:  # train.optimizer: AdamW, or AdamW then Muon
+            opt.step()
+        guard.end_step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    return forward_backward, update, window
 
 
 def _device_batch(cpu_batch: dict[str, Any], plan: Any, dev: torch.device, tracker: MemoryTracker | None,

@@ -58,8 +58,7 @@ def build_step(stack: contextlib.ExitStack, recipe: Any, config_json: dict[str, 
     the optimizers, CPU seconds of this process)``, and facts about it; with ``torch_muon`` the
     Muon optimizer is replaced by ``torch.optim.Muon`` over the same parameters with the same
     settings. The method's run directory lives as long as ``stack``."""
-    from draftsmith.train.trainer import MetricWindow, NonFiniteGuard
-    from benchmarks.memory import _device_batch, offline_method, prepare_model, random_batch, random_weights
+    from benchmarks.memory import _device_batch, offline_method, prepare_model, random_batch, random_weights, trainer_step
 
     torch.manual_seed(seed)
     cfg = recipe.train
@@ -75,26 +74,15 @@ def build_step(stack: contextlib.ExitStack, recipe: Any, config_json: dict[str, 
     plan = method.batch_plan() if hasattr(method, "batch_plan") else None
     n_aux = len(method.target_info["aux_layer_ids"])
     batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
-    guard = NonFiniteGuard(optimizers, dev, 1)
-    window = MetricWindow(dev)
+    forward_backward, update, _ = trainer_step(method, model, batch, trainable, optimizers, cfg, dev)
 
     def step(i: int) -> tuple[float, float, float]:
         _sync(dev)
         t0, c0 = time.perf_counter(), time.process_time()
-        method.begin_step(i)  # train/trainer.py fit(), one process, no accumulation
-        loss, metrics = method.compute_loss(model, batch)
-        guard.note_loss(loss)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-        guard.note_grad_norm(norm)
-        window.add({**metrics, "grad_norm": norm})
+        forward_backward(i)
         _sync(dev)
         t1 = time.perf_counter()
-        for opt in optimizers:
-            opt.step()
-        guard.end_step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
+        update()
         _sync(dev)
         t2 = time.perf_counter()
         return t2 - t0, t2 - t1, time.process_time() - c0
