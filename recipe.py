@@ -420,10 +420,12 @@ class TrainConfig(_Strict):
         None, ge=1, description="Rows of logits per loss chunk (each chunk's (rows, vocab) fp32 tensors live only "
         "inside the chunk and are recomputed in backward). Default: as many as keep one fp32 (rows, vocab) "
         "tensor at 128 MiB (1048 rows at a 32k draft vocab).")
-    attention_backend: Literal["sdpa", "flex"] = Field(
-        "sdpa", description="eagle3 / dflash: attention kernel. sdpa: one scaled_dot_product_attention call per "
-        "attention over the concatenated keys (TTT steps; context + blocks) with a bool mask (memory linear in T; "
-        "CPU and CUDA). flex: torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles).")
+    attention_backend: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="eagle3 / dflash / peagle: attention kernel. auto: flex on CUDA, sdpa elsewhere. sdpa: one "
+        "scaled_dot_product_attention call per attention over the concatenated keys (TTT steps; context + blocks) "
+        "with a bool mask (memory linear in T; CPU and CUDA; on CUDA the kernel computes the masked-out tiles too). "
+        "flex: torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles; compiled once per "
+        "row length, so batches are padded to a few length buckets, docs/training.md).")
     epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     max_time_minutes: float | None = Field(

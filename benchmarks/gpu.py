@@ -26,7 +26,16 @@ afresh, for its one shape, where a run whose lengths vary compiles dynamic-shape
 between).
 The batch's host-to-device copy is not timed (the trainer overlaps it: pinned, non-blocking).
 
-Per row: ``ms_per_step``, ``tokens_per_s`` (``B * T`` positions per step), ``cuda_max_allocated`` /
+The batch timed: ``--lengths`` (:mod:`benchmarks.lengths`): by default sequence lengths drawn from a
+documented stand-in for regenerated chat conversations at the recipe's ``data.max_length`` (or a
+prepared run's own, ``--lengths RUN_DIR``), batched as the trainer batches them (packed rows of
+``train.pack_tokens`` under ``train.packing``, else length-grouped rows), the batch with the median
+useful fraction, padded as the trainer pads it (to its length bucket under flex); ``--lengths full``:
+every position real.
+
+Per row: ``ms_per_step``, ``useful_tokens_per_s`` (real, non-padding tokens per second: what a run
+buys), ``positions_per_s`` (``B * T`` per second, padding included), ``useful_fraction``,
+``documents``, ``cuda_max_allocated`` /
 ``cuda_max_reserved`` (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed
 steps, i.e. with the optimizer state; one process holding the whole training state),
 ``fake_process_peak`` / ``fake_per_gpu`` (``draftsmith bench memory``'s FakeTensorMode
@@ -43,7 +52,8 @@ step must compute, not what the kernels execute):
 - every ``nn.Linear`` of the draft over the rows it really runs on: ``2 * P * rows`` forward, plus
   ``2 * P * rows`` for the weight gradient when the weight is trained, plus ``2 * P * rows`` for
   the input gradient when the input needs one (not ``fc``, whose input is the target's states).
-  Rows: EAGLE-3 ``fc`` B*T, its layer B*T per TTT step, ``lm_head`` the M_k trained rows of each
+  Rows (N: the batch's real positions, B*T without padding; padding is computed but not credited):
+  EAGLE-3 ``fc`` N, its layer N per TTT step, ``lm_head`` the M_k trained rows of each
   step (the batch plan's counts); DFlash ``fc`` B*T, per layer ``k_proj`` / ``v_proj`` over the
   context and the blocks (B*T + B*A*Bk), ``q_proj`` / ``o_proj`` / the MLP over the blocks, the
   (frozen) ``lm_head`` over the B*A*(Bk-1) slot rows; P-EAGLE ``fc`` B*T, every layer over the B*S
@@ -51,7 +61,7 @@ step must compute, not what the kernels execute):
   and the optimizer are not counted.
 - attention at its real masked work: ``12 * nh * hd`` per allowed (query, key) pair and layer
   (QK^T and PV, ``4 * hd`` per pair and head forward, twice that backward). Allowed pairs:
-  EAGLE-3 ``K * sum T_doc (T_doc + 1) / 2 + B * T * K (K - 1) / 2`` (the causal step-0 block and one
+  EAGLE-3 ``K * sum T_doc (T_doc + 1) / 2 + N * K (K - 1) / 2`` (the causal step-0 block and one
   diagonal key per earlier step); DFlash ``sum over valid anchors Bk * (context before the anchor + Bk)``;
   P-EAGLE the pairs the COD interval rule allows between valid elements. DFlash's anchors and
   P-EAGLE's elements are drawn on the device inside the step: the count is taken on one draw of
@@ -133,10 +143,15 @@ def attention_flops(pairs: float, heads: int, head_dim: int) -> float:
 
 
 def document_lengths(document_ids: torch.Tensor | None, B: int, T: int) -> list[list[int]]:
-    """Per row, the lengths of its documents (contiguous runs of ``document_ids``); one of T without."""
+    """Per row, the lengths of its documents (contiguous runs of ``document_ids``, padding's -1
+    left out); one of T without."""
     if document_ids is None:
         return [[T]] * B
-    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids.cpu()]
+    out = []
+    for row in document_ids.cpu():
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        out.append(counts[ids >= 0].tolist())
+    return out
 
 
 def document_starts(document_ids: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
@@ -153,8 +168,8 @@ def document_starts(document_ids: torch.Tensor | None, B: int, T: int) -> torch.
 def ttt_pairs(document_ids: torch.Tensor | None, B: int, T: int, steps: int) -> int:
     """Allowed (query, key) pairs of EAGLE-3's TTT attention over ``steps`` steps: each step's
     causal step-0 block inside the documents plus one diagonal key per earlier step."""
-    causal = sum(L * (L + 1) // 2 for row in document_lengths(document_ids, B, T) for L in row)
-    return steps * causal + B * T * steps * (steps - 1) // 2
+    lengths = [L for row in document_lengths(document_ids, B, T) for L in row]
+    return steps * sum(L * (L + 1) // 2 for L in lengths) + sum(lengths) * steps * (steps - 1) // 2
 
 
 def dflash_pairs(anchors: torch.Tensor, valid: torch.Tensor, document_ids: torch.Tensor | None,
@@ -190,9 +205,12 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
     come from (``attention_pairs``, ``lm_head_rows``, ``teacher_rows``, method-specific sizes)."""
     ids = batch["input_ids"]
     B, T = ids.shape
-    n = B * T
+    real = batch["attention_mask"].cpu()
+    n = int(real.sum())  # real positions: padding is computed but not credited
     docs = batch.get("document_ids")
     docs_cpu = None if docs is None else docs.cpu()
+    # unpacked rows with padding: one document per row, padding -1 (pair counts leave it out)
+    docs_pairs = docs_cpu if docs_cpu is not None or n == B * T else torch.where(real.bool(), 0, -1)
     loss_mask = batch["loss_mask"].cpu()
     cfg = model.config
     nh, hd = cfg.num_attention_heads, cfg.head_dim
@@ -200,7 +218,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
     out: dict[str, Any] = {}
     if method.name == "eagle3":
         K = recipe.draft.ttt_steps
-        pairs = ttt_pairs(docs_cpu, B, T, K)
+        pairs = ttt_pairs(docs_pairs, B, T, K)
         lm_rows = int(sum(batch["ttt_counts_host"]))
         teacher_rows = int(batch["ttt_teacher_rows"].numel())
         linear = (linear_flops(model.fc, n, input_grad=False) + K * linear_flops(model.layers[0], n)
@@ -368,9 +386,12 @@ def load_bench_recipe(name: str, sets: list[str], args: argparse.Namespace) -> t
 
 
 def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev: torch.device, steps: int,
-                   warmup: int, count_executed: bool = True, seed: int = 0) -> dict[str, Any]:
+                   warmup: int, count_executed: bool = True, seed: int = 0,
+                   rows: list[list[int]] | None = None, length: int | None = None) -> dict[str, Any]:
     """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
-    ``steps`` training steps after ``warmup`` (module docstring). Returns the row's measurements."""
+    ``steps`` training steps after ``warmup`` (module docstring). ``rows`` / ``length``: the
+    batch's documents per row and its padded length (:func:`benchmarks.lengths.trainer_rows`);
+    None: every position real. Returns the row's measurements."""
     from benchmarks.memory import (OneProcess, _device_batch, offline_method, prepare_model, random_batch,
                                    random_weights, trainer_step)
 
@@ -383,7 +404,8 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
         n_aux = len(method.target_info["aux_layer_ids"])
         model, trainable, optimizers = prepare_model(method, recipe, precision, dev)
         plan = method.batch_plan() if hasattr(method, "batch_plan") else None
-        batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
+        batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed, rows=rows, length=length),
+                              plan, dev, None, fake=False)
         flops = step_flops(method, model, batch, recipe, seed)
         forward_backward, update, window = trainer_step(method, model, batch, trainable, optimizers, cfg, dev)
 
@@ -420,20 +442,32 @@ def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precis
 
 def training_row(name: str, recipe: Any, source: str, launch: Any, precision: Any, backend: str,
                  config_json: dict[str, Any], args: argparse.Namespace, dev: torch.device,
-                 peak: float | None, fake: dict[str, Any] | None) -> dict[str, Any]:
-    """One table row: the measurement of ``recipe`` with ``backend``, or its error."""
+                 peak: float | None, fake: dict[str, Any] | None,
+                 lengths: list[int] | None = None) -> dict[str, Any]:
+    """One table row: the measurement of ``recipe`` with ``backend`` on one batch of ``lengths``
+    as the trainer batches them (None: every position real), or its error."""
+    from benchmarks.lengths import describe, row_length, trainer_rows
+    from draftsmith.models.common import resolve_attention_backend
+
     r = recipe.model_copy(deep=True)
     r.train.attention_backend = backend
     B, T = r.train.batch_size, r.data.max_length
+    docs = None
+    if lengths is not None:
+        docs = trainer_rows(lengths, B, T, r.train.packing, r.train.pack_tokens, r.seed)
+        T = row_length(docs, T, r.train.packing, r.train.pack_tokens,
+                       bucketed=resolve_attention_backend(backend, dev) == "flex")
+    shape = describe(docs, B, T)
     row: dict[str, Any] = {
         "recipe": name, "method": r.draft.method, "target": r.target.name_or_path, "target_config": source,
         "launcher": None if launch is None else str(launch.path), "precision": precision.name,
         "attention_backend": backend, "batch_size": B, "max_length": T, "steps": args.steps, "warmup": args.warmup,
-        "error": None,
+        "lengths": args.lengths, "packing": bool(r.train.packing), **shape, "error": None,
     }
     print(f"  {name} ({r.draft.method}, {backend}, {B} x {T}) ...", file=sys.stderr, flush=True)
     try:
-        m = bench_training(r, config_json, precision, dev, args.steps, args.warmup, not args.no_flop_count)
+        m = bench_training(r, config_json, precision, dev, args.steps, args.warmup, not args.no_flop_count,
+                           rows=docs, length=T)
     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run (one booked GPU)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"    failed: {row['error']}", file=sys.stderr, flush=True)
@@ -445,7 +479,8 @@ def training_row(name: str, recipe: Any, source: str, launch: Any, precision: An
     tflops = flop / per_step / 1e12
     mem = m["memory"]
     row.update(
-        ms_per_step=1e3 * per_step, tokens_per_s=B * T / per_step,
+        ms_per_step=1e3 * per_step, positions_per_s=B * T / per_step,
+        useful_tokens_per_s=shape["useful_tokens"] / per_step,
         tflop_per_step=flop / 1e12, tflops=tflops, mfu=tflops / peak if peak else None,
         flops={k: v for k, v in m["flops"].items()},
         counted_tflop_per_step=None if m["counted_flops"] is None else m["counted_flops"] / 1e12,
@@ -460,7 +495,8 @@ def training_row(name: str, recipe: Any, source: str, launch: Any, precision: An
         row["per_gpu"] = mem["max_allocated"] - fake["process_peak"] + fake["per_gpu"]
     else:
         row["cuda_vs_fake"] = row["per_gpu"] = None
-    print(f"    {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+    print(f"    {row['useful_tokens_per_s']:,.0f} useful tok/s ({row['positions_per_s']:,.0f} positions/s), "
+          f"{row['ms_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
     return row
 
 
@@ -578,6 +614,7 @@ def _host_memory() -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure every requested recipe and backend; returns what ``--out`` stores."""
+    from benchmarks.lengths import lengths_for
     from benchmarks.memory import Precision
 
     dev = torch.device(args.device)
@@ -594,7 +631,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "environment": environment(dev),
         "settings": {"device": str(dev), "steps": args.steps, "warmup": args.warmup, "backends": backends,
                      "peak_tflops": peak, "peak_source": peak_source, "sets": list(args.set or []),
-                     "batch_size": args.batch_size, "max_length": args.max_length},
+                     "batch_size": args.batch_size, "max_length": args.max_length, "lengths": args.lengths},
         "rows": [], "capture": [],
     }
     captured: set[str] = set()
@@ -615,9 +652,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fake = fake_reference(recipe, config_json, launch, precision)
             except Exception as exc:  # noqa: BLE001 - the real rows do not need it
                 print(f"  {name}: no fake reference ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        try:
+            lengths = lengths_for(args.lengths, recipe.data.max_length, recipe.seed)
+        except FileNotFoundError as exc:
+            result["rows"].append({"recipe": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  {name}: {exc}", file=sys.stderr, flush=True)
+            continue
         for backend in backends:
             result["rows"].append(training_row(recipe_path(name).stem, recipe, source, launch, precision, backend,
-                                               config_json, args, dev, peak, fake))
+                                               config_json, args, dev, peak, fake, lengths))
     return result
 
 
@@ -632,19 +675,22 @@ def format_table(result: dict[str, Any]) -> str:
         f"no MFU: {s['peak_source']}"
     lines = [f"torch {env['torch']}, CUDA {env['cuda']}, transformers {env['transformers']}; device {env['device']}{mem}",
              f"{s['steps']} timed steps after {s['warmup']} warm-up; {peak}", "",
-             "| recipe | method | attention | B x T | precision | ms/step | tok/s | TFLOP/step | TFLOP/s | MFU "
-             "| max alloc GiB | max reserved GiB | fake GiB | alloc/fake | per GPU GiB |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"lengths: {s['lengths']} (useful = real, non-padding tokens of the batch timed)", "",
+             "| recipe | method | attention | B x T | docs | useful | precision | ms/step | useful tok/s | positions/s "
+             "| TFLOP/step | TFLOP/s | MFU | max alloc GiB | max reserved GiB | fake GiB | alloc/fake | per GPU GiB |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         if r.get("error"):
             lines.append(f"| {r['recipe']} | {r.get('method', '-')} | {r.get('attention_backend', '-')} | "
                          f"{r.get('batch_size', '-')} x {r.get('max_length', '-')} | {r.get('precision', '-')} | "
-                         f"error: {r['error']} |||||||||")
+                         f"error: {r['error']} |||||||||||||")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['cuda_vs_fake']:.2f}" if r["cuda_vs_fake"] is not None else "-"
         lines.append(f"| {r['recipe']} | {r['method']} | {r['attention_backend']} | {r['batch_size']} x {r['max_length']} "
-                     f"| {r['precision']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflop_per_step']:.3g} "
+                     f"| {r['documents']} | {100 * r['useful_fraction']:.0f}% "
+                     f"| {r['precision']} | {r['ms_per_step']:.1f} | {r['useful_tokens_per_s']:,.0f} "
+                     f"| {r['positions_per_s']:,.0f} | {r['tflop_per_step']:.3g} "
                      f"| {r['tflops']:.3g} | {mfu} | {_gib(r['cuda_max_allocated'])} | {_gib(r['cuda_max_reserved'])} "
                      f"| {_gib(r['fake_process_peak'])} | {ratio} | {_gib(r['per_gpu'])} |")
     lines += ["", "TFLOP/step credited: the draft's matmuls and attention at its masked work, the teacher head; no "
@@ -689,6 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", choices=BACKENDS,
                    help="train.attention_backend values to measure (default: sdpa flex on CUDA, sdpa on a CPU: "
                         "torch has no flex backward on a CPU)")
+    p.add_argument("--lengths", default="default", metavar="default|full|RUN_DIR",
+                   help="sequence lengths of the batch timed (benchmarks/lengths.py): default: a log-normal stand-in "
+                        "for regenerated chat conversations at each recipe's data.max_length; RUN_DIR: that run's "
+                        "prepared data; full: every position real (no padding, no packing boundaries beyond two "
+                        "documents per packed row). The batch is the trainer's (packed rows under train.packing, "
+                        "length-grouped otherwise) with the median useful fraction")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--precision", choices=["auto", "fp32", "amp-bf16", "bf16"], default="auto",
                    help="auto: the launcher's (bf16 autocast; bf16 weights under DeepSpeed; fp32 without one)")

@@ -520,21 +520,44 @@ HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
                  "float8_e4m3fn": torch.float32}  # fp8 shards are decoded to float32 by the loader
 
 
-def random_batch(recipe: Any, H: int, V: int, n_aux: int, fake: bool, seed: int = 0) -> dict[str, Any]:
-    """A batch shaped like the method's real one: every position real and trained (the memory
-    upper bound), hidden states in ``data.hidden_states_dtype`` (fake under ``fake``)."""
-    B, T = recipe.train.batch_size, recipe.data.max_length
+def random_batch(recipe: Any, H: int, V: int, n_aux: int, fake: bool, seed: int = 0,
+                 rows: list[list[int]] | None = None, length: int | None = None) -> dict[str, Any]:
+    """A batch shaped like the method's real one, hidden states in ``data.hidden_states_dtype``
+    (fake under ``fake``).
+
+    ``rows`` None: ``train.batch_size x data.max_length``, every position real and trained (the
+    memory upper bound; under ``train.packing`` two documents per row). Else the documents of each
+    row (token counts, :func:`benchmarks.lengths.trainer_rows`) right-padded to ``length``
+    positions: real tokens trained (``loss_mask`` 1), padding masked; packed rows carry
+    ``position_ids`` / ``document_ids`` as :func:`~draftsmith.train.packing.collate_packed` builds them.
+    """
+    packing = getattr(recipe.train, "packing", False)
+    B = recipe.train.batch_size if rows is None else len(rows)
+    T = recipe.data.max_length if rows is None else (length or max(sum(r) for r in rows))
     g = torch.Generator().manual_seed(seed)
-    batch: dict[str, Any] = {
-        "input_ids": torch.randint(0, V, (B, T), generator=g),
-        "loss_mask": torch.ones(B, T, dtype=torch.long),
-    }
-    if getattr(recipe.train, "packing", False):  # two documents per row
-        half = T // 2
-        pos = torch.arange(T)
-        batch["position_ids"] = torch.where(pos < half, pos, pos - half).expand(B, T).clone()
-        batch["document_ids"] = (pos >= half).long().expand(B, T).clone()
-    batch["attention_mask"] = torch.ones(B, T, dtype=torch.long)
+    batch: dict[str, Any] = {"input_ids": torch.randint(0, V, (B, T), generator=g)}
+    if rows is None:
+        batch["loss_mask"] = torch.ones(B, T, dtype=torch.long)
+        if packing:  # two documents per row
+            half = T // 2
+            pos = torch.arange(T)
+            batch["position_ids"] = torch.where(pos < half, pos, pos - half).expand(B, T).clone()
+            batch["document_ids"] = (pos >= half).long().expand(B, T).clone()
+        batch["attention_mask"] = torch.ones(B, T, dtype=torch.long)
+    else:
+        real = torch.zeros(B, T, dtype=torch.long)
+        position_ids, document_ids = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1, dtype=torch.long)
+        for b, docs in enumerate(rows):
+            start = 0
+            for j, n in enumerate(docs):
+                position_ids[b, start:start + n] = torch.arange(n)
+                document_ids[b, start:start + n] = j
+                start += n
+            real[b, :start] = 1
+        batch["loss_mask"] = real.clone()
+        if packing:
+            batch["position_ids"], batch["document_ids"] = position_ids, document_ids
+        batch["attention_mask"] = real
     dtype = HIDDEN_DTYPES[recipe.data.hidden_states_dtype]
     make = torch.empty if fake else (lambda *s, dtype: torch.randn(*s, generator=g).to(dtype))
     batch["aux_hidden_states"] = make(B, T, n_aux * H, dtype=dtype)
@@ -559,7 +582,8 @@ class Measurement:
 
 
 def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = None,
-                 precision: Precision | None = None, device: str = "fake", seed: int = 0) -> Measurement:
+                 precision: Precision | None = None, device: str = "fake", seed: int = 0,
+                 rows: list[list[int]] | None = None, length: int | None = None) -> Measurement:
     """Build the recipe's draft and run two training steps of its method on a random batch;
     the second is measured (see the module docstring).
 
@@ -568,6 +592,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         config_json: the target's ``config.json`` contents.
         launch: the validated launcher (:class:`~draftsmith.train.launchers.LauncherReport`) or None.
         device: ``"fake"`` (shapes only, see :class:`MemoryTracker`), ``"cpu"`` or ``"cuda"``.
+        rows / length: the documents per row of the batch and its padded length
+            (:func:`random_batch`); None: every position real (the upper bound).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -596,7 +622,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
             tracker.exclude(getattr(method, "heads", {}))  # host RAM in a run (moved lazily, if ever)
             model, trainable, optimizers = prepare_model(method, recipe, precision, dev, fake)
             guard = _guard(optimizers, dev)
-            cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, fake, seed)
+            cpu_batch = random_batch(recipe, geo["H"], geo["V"], n_aux, fake, seed, rows, length)
             plan = method.batch_plan() if hasattr(method, "batch_plan") else None
             if fake:
                 gc_collect()
@@ -835,6 +861,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fake: shapes only, any machine (FakeTensorMode); cpu / cuda: run the step for real")
     p.add_argument("--precision", choices=["auto", "fp32", "amp-bf16", "bf16"], default="auto",
                    help="auto: the launcher's (bf16 autocast; bf16 weights under DeepSpeed; fp32 without mixed precision)")
+    p.add_argument("--lengths", default="full", metavar="full|default|RUN_DIR",
+                   help="sequence lengths of the batch measured (benchmarks/lengths.py): full (default): every "
+                        "position real, the upper bound a recipe must fit; default: the documented stand-in for "
+                        "regenerated chat conversations; RUN_DIR: a prepared run's own. Not full: the batch the "
+                        "trainer forms (packed rows under train.packing), with its useful (non-padding) tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per sequence length")
     return p
 
@@ -860,16 +891,26 @@ def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
     launcher = args.launcher or recipe.launcher
     launch = validate_launcher(recipe, launcher, draft_model_class(recipe.draft.method)) if launcher else None
     precision = Precision.of(launch, args.precision)
+    from benchmarks.lengths import describe, lengths_for, row_length, trainer_rows
+    from draftsmith.models.common import resolve_attention_backend
+
     rows = []
     for T in lengths:
         r = bench_recipe(recipe, B, T)
-        m = measure_step(r, config_json, launch, precision, args.device)
+        docs, Tb = None, T
+        drawn = lengths_for(getattr(args, "lengths", "full"), T, recipe.seed)
+        if drawn is not None:  # the trainer's batch on the GPU (padded to its flex length bucket there)
+            docs = trainer_rows(drawn, B, T, r.train.packing, r.train.pack_tokens, recipe.seed)
+            flex = resolve_attention_backend(r.train.attention_backend, torch.device("cuda")) == "flex"
+            Tb = row_length(docs, T, r.train.packing, r.train.pack_tokens, bucketed=flex)
+        m = measure_step(r, config_json, launch, precision, args.device, rows=docs, length=Tb)
         est = memory_estimate(r, *estimate_inputs(r, config_json), launch, precision.name)
         rows.append({
             "recipe": recipe.name, "method": recipe.draft.method, "target": recipe.target.name_or_path,
             "target_config": str(source), "launcher": None if launch is None else str(launch.path),
             "precision": precision.name, "device": args.device,
-            "max_length": T, "batch_size": B,
+            "max_length": T, "batch_size": B, "lengths": getattr(args, "lengths", "full"), "row_length": Tb,
+            **describe(docs, B, Tb),
             "measured_bytes": m.per_gpu_bytes, "estimated_bytes": est["per_gpu_bytes"],
             "estimate_error": round(est["per_gpu_bytes"] / m.per_gpu_bytes - 1, 4),
             "process_peak_bytes": m.process_peak_bytes, "peak_phase": m.per_gpu_phase,
@@ -902,6 +943,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         if r["cuda_max_memory_allocated"] is not None:
             line += f"  {g(r['cuda_max_memory_allocated'])}"
         lines.append(line)
+    for r in rows:
+        if r["lengths"] != "full":
+            lines.append(f"T={r['max_length']}: batch of --lengths {r['lengths']}: {r['batch_size']} rows of "
+                         f"{r['row_length']} positions, {r['documents']} documents, {r['useful_tokens']:,} useful "
+                         f"tokens ({100 * r['useful_fraction']:.0f}% of the positions)")
     lines.append("per GPU: measured activations + frozen buffers + batch of one process, plus the trainable state "
                  "as one rank of the launcher holds it (GiB = 2^30 bytes)")
     return "\n".join(lines)

@@ -21,6 +21,24 @@ from torch import nn
 from ..layout import DraftLoadError, ExportError
 
 
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """The attention kernel ``train.attention_backend`` names on ``device``: ``auto`` is
+    ``flex`` on CUDA (a compiled ``flex_attention`` that skips fully masked tiles) and ``sdpa``
+    elsewhere (torch 2.13 has no flex backward on the CPU); ``sdpa`` / ``flex`` are themselves.
+
+    Raises:
+        ValueError: an unknown backend (the message lists :data:`ATTENTION_BACKENDS`).
+    """
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+    return backend
+
+
 def text_config(config: Any) -> Any:
     """The language-model part of a (possibly multimodal) transformers config: its
     ``text_config`` when it has one, else the config itself."""

@@ -112,3 +112,44 @@ def collate_packed(rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch
     out = collate(joined)
     out["document_ids"] = out["document_ids"].masked_fill(out["attention_mask"] == 0, -1)
     return out
+
+
+LENGTH_BUCKETS = 4  # row lengths an unpacked run pads to under flex: max_length * i / 4, i = 1..4
+BUCKET_MULTIPLE = 128  # flex_attention's default tile: a bucket is a whole number of tiles
+
+
+def length_bucket(n: int, max_length: int, packing: bool) -> int:
+    """The row length a batch whose longest row has ``n`` tokens is padded to under the flex
+    backend, so the compiled ``flex_attention`` sees a few static shapes instead of one per batch
+    (each new shape is a compilation): packed rows are padded to ``max_length`` (``train.pack_tokens``;
+    first-fit fills them to within a few tokens of it), unpacked ones to the smallest of
+    ``LENGTH_BUCKETS`` lengths ``ceil(max_length * i / LENGTH_BUCKETS)`` (rounded up to a multiple of
+    :data:`BUCKET_MULTIPLE`) that holds them. The padding is masked everywhere (``attention_mask`` 0,
+    ``loss_mask`` 0, ``document_ids`` -1), so the loss and gradients are those of the unpadded batch.
+
+    Raises:
+        ValueError: ``n`` above ``max_length``.
+    """
+    if n > max_length:
+        raise ValueError(f"a row of {n} tokens exceeds the longest row length {max_length}")
+    round_up = lambda x: -(-x // BUCKET_MULTIPLE) * BUCKET_MULTIPLE  # noqa: E731
+    if packing:
+        return round_up(max_length)
+    for i in range(1, LENGTH_BUCKETS + 1):
+        bucket = round_up(-(-max_length * i // LENGTH_BUCKETS))
+        if bucket >= n:
+            return bucket
+    return round_up(max_length)
+
+
+def pad_rows(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """``batch`` (``(B, T, ...)`` tensors from :func:`~draftsmith.train.data.collate` or
+    :func:`collate_packed`) right-padded to ``length`` positions: zeros, ``document_ids`` -1."""
+    T = batch["input_ids"].shape[1]
+    if length <= T:
+        return batch
+    out = {}
+    for key, t in batch.items():
+        pad = t.new_full((t.shape[0], length - T, *t.shape[2:]), -1 if key == "document_ids" else 0)
+        out[key] = torch.cat([t, pad], dim=1)
+    return out

@@ -46,6 +46,7 @@ work while the GPU runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -63,6 +64,7 @@ from torch.utils.data import DataLoader
 
 from ..data_prep.shards import ShardReader
 from ..layout import RunLayout
+from ..models.common import resolve_attention_backend
 from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, recompute_hint, to_device
 from ..recipe import Recipe, dump_recipe
 from .checkpoint import (
@@ -75,7 +77,7 @@ from .checkpoint import (
     truncate_metrics,
 )
 from .activation_checkpointing import apply_recipe_checkpointing
-from .packing import PackedDataset, collate_packed
+from .packing import PackedDataset, collate_packed, length_bucket
 from .run_info import run_metadata
 from .sampler import LengthGroupedBatches
 from .validation import (
@@ -86,6 +88,8 @@ from .validation import (
     split_by_conversation,
     validation_batches,
 )
+
+NO_ATTENTION_METHODS = ("medusa", "mlp_speculator")  # per-position heads: no attention backend
 
 log = logging.getLogger("draftsmith.train")
 
@@ -782,13 +786,26 @@ class Trainer:
         self._write_run_info()
         self._start_loop_state()
 
+    def _length_buckets(self) -> Callable[[int], int] | None:
+        """Under the flex backend (``train.attention_backend`` auto on CUDA, or flex) for a method
+        with attention: pad each batch to its length bucket (:func:`~draftsmith.train.packing.length_bucket`:
+        ``pack_tokens`` when packing, one of 4 lengths otherwise), so ``flex_attention`` compiles
+        once per bucket, not once per batch length. None (no padding) otherwise."""
+        cfg = self.cfg
+        if self.method.name in NO_ATTENTION_METHODS or \
+                resolve_attention_backend(cfg.attention_backend, self.accelerator.device) != "flex":
+            return None
+        longest = (cfg.pack_tokens or self.recipe.data.max_length) if cfg.packing else self.recipe.data.max_length
+        return functools.partial(length_bucket, max_length=longest, packing=cfg.packing)
+
     def _build_data(self) -> None:
         """The train (and held-out validation) datasets, the length-grouped sampler and the loader."""
         recipe, cfg, acc = self.recipe, self.cfg, self.accelerator
         plan_fn = getattr(self.method, "batch_plan", None)
         self.plan = plan_fn() if callable(plan_fn) else None  # run on CPU batches in the DataLoader workers
         loss_on_all = cfg.loss_on == "all"  # training batches only: validation measures assistant tokens
-        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan, loss_on_all)
+        pad_to = self._length_buckets()
+        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan, loss_on_all, pad_to)
         self.val_set = None
         shards = isinstance(dataset, ShardReader)
         if shards:  # the training items name their sequence, so a non-finite state names its shard
@@ -805,7 +822,7 @@ class Trainer:
             dataset = SourceTagged(dataset)
         if cfg.packing:  # rows of several sequences; the sampler then batches rows
             dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
-            collate_fn = BatchCollator(collate_packed, self.plan, loss_on_all)
+            collate_fn = BatchCollator(collate_packed, self.plan, loss_on_all, pad_to)
         # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
         # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
         # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from ..common import DistillTargets, TargetSharedDraft
+from ..common import ATTENTION_BACKENDS, DistillTargets, TargetSharedDraft, resolve_attention_backend
 from ..eagle3.model import flex_attention, sdpa_with_mask
 from .config import DFlashConfig
 
@@ -58,9 +58,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     ``cos`` / ``sin`` ``(B, S, hd)``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
-
-
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex")
 
 
 @dataclass
@@ -107,6 +104,7 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
     Bk, L = block_size, A * block_size
     ctx = ctx_allow & block_valid[..., None]  # (B, A, T)
     keep = block_valid[:, None, :, None].expand(B, 1, A, Bk).reshape(B, 1, L, 1).float()
+    backend = resolve_attention_backend(backend, ctx_allow.device)
     if backend == "sdpa":
         blk = torch.arange(L, device=ctx_allow.device) // Bk
         own = (blk[:, None] == blk[None, :]).expand(B, L, L)
@@ -254,7 +252,7 @@ class DFlashDraftModel(TargetSharedDraft):
     _no_split_modules = ["DFlashDecoderLayer"]
     decoder_layer_cls: type[DFlashDecoderLayer] = DFlashDecoderLayer
 
-    def __init__(self, config: DFlashConfig, attention_backend: str = "sdpa"):
+    def __init__(self, config: DFlashConfig, attention_backend: str = "auto"):
         super().__init__()
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
@@ -336,7 +334,8 @@ class DFlashDraftModel(TargetSharedDraft):
         if document_ids is not None:
             anchor_doc = document_ids.gather(1, anchors)  # (B, A)
             ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
-        mask = block_attention_mask(ctx_allow, anchor_valid, Bk, self.attention_backend)
+        mask = block_attention_mask(ctx_allow, anchor_valid, Bk,
+                                    resolve_attention_backend(self.attention_backend, input_ids.device))
         q_pos = position_ids.gather(1, anchors)[..., None] + torch.arange(Bk, device=input_ids.device)  # (B, A, Bk)
         context = self.context(aux_hidden_states)  # (B, T, H)
         ctx_cos, ctx_sin = self.rotary_emb(context, position_ids)  # (B, T, hd)

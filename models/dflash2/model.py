@@ -173,7 +173,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     _no_split_modules = ["DFlash2DecoderLayer"]
     decoder_layer_cls = DFlash2DecoderLayer
 
-    def __init__(self, config: DFlash2Config, attention_backend: str = "sdpa"):
+    def __init__(self, config: DFlash2Config, attention_backend: str = "auto"):
         super().__init__(config, attention_backend)
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
                                                     config.selector_top_k)

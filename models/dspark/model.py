@@ -93,7 +93,7 @@ class DSparkDraftModel(DFlashDraftModel):
     """DSpark draft: the DFlash draft (``fc``, ``hidden_norm``, layers, ``norm``, ``lm_head``) plus
     ``markov_head`` and, with ``config.confidence_head``, ``confidence_head``."""
 
-    def __init__(self, config: DSparkConfig, attention_backend: str = "sdpa"):
+    def __init__(self, config: DSparkConfig, attention_backend: str = "auto"):
         super().__init__(config, attention_backend)
         self.markov_head = DSparkMarkovHead(config)
         self.confidence_head = DSparkConfidenceHead(config) if config.confidence_head else None

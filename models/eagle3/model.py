@@ -51,7 +51,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from ..common import TargetSharedDraft, shift_left
+from ..common import TargetSharedDraft, resolve_attention_backend, shift_left
 from .config import Eagle3Config
 
 
@@ -137,15 +137,16 @@ class TTTMask:
         """Masks for ``steps`` TTT steps over ``seq_len`` positions (``document_ids (B, T)``: packed rows).
 
         Raises:
-            ValueError: unknown ``backend`` (``sdpa`` or ``flex``).
+            ValueError: unknown ``backend`` (``auto``, ``sdpa`` or ``flex``).
         """
+        backend = resolve_attention_backend(backend, device)
         if backend == "sdpa":
             mask = ttt_attention_mask(seq_len, steps - 1, device, document_ids)
             # 4-D (1|B, 1, T, K*T): a 3-D mask sends CPU SDPA to its math kernel (O(T^2) per head)
             return cls(seq_len, dense=mask[:, None] if mask.dim() == 3 else mask[None, None])
         if backend == "flex":
             return cls(seq_len, block_masks=[_ttt_block_mask(seq_len, k, device, document_ids) for k in range(steps)])
-        raise ValueError(f"unknown attention backend {backend!r}: 'sdpa' or 'flex'")
+        raise AssertionError(backend)  # resolve_attention_backend returns one of the two
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Queries ``(B, nh, T, hd)`` of step ``Tk / T - 1`` over the concatenated keys / values
@@ -170,7 +171,10 @@ def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids:
         return allowed
 
     B = None if document_ids is None else document_ids.shape[0]
-    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device)
+    # compiled on CUDA: evaluated eagerly, mask_mod is vmapped over every (b, q, kv) of the
+    # (step + 1) * T keys, a B * T * (step + 1) * T intermediate per step
+    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device,
+                             _compile=torch.device(device).type == "cuda")
 
 
 _compiled_flex: Any = None
@@ -181,9 +185,12 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     """torch's ``flex_attention`` under a ``BlockMask`` (EAGLE-3, DFlash and P-EAGLE's ``flex``
     backend): ``torch.compile``d on CUDA, the fused kernel that skips fully masked tiles and keeps
     memory linear in the key length; eager elsewhere, an unfused reference that materialises the
-    scores and has no backward on the CPU in torch 2.13 (tests only). Sequence lengths vary per
-    batch, so shapes are left to torch.compile's automatic dynamic marking (``dynamic=False`` would
-    recompile for every new length until its recompile limit, then run the unfused kernel)."""
+    scores and has no backward on the CPU in torch 2.13 (tests only). The trainer pads every
+    batch to one of a few length buckets under flex (:func:`draftsmith.train.packing.length_bucket`:
+    one with packing, four without), so EAGLE-3 sees one or a few row lengths; shapes are left to
+    torch.compile's automatic dynamic marking, so a second shape (another bucket, DFlash's anchor
+    count, P-EAGLE's element count) compiles one dynamic-shape kernel and no shape after it compiles
+    again (``dynamic=False`` would recompile for every new shape up to the recompile limit)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention as _flex
 
@@ -381,7 +388,7 @@ class Eagle3DraftModel(TargetSharedDraft):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        self.attention_backend = "sdpa"  # or "flex" (CUDA, compiled; train.attention_backend)
+        self.attention_backend = "auto"  # train.attention_backend: auto (flex on CUDA, sdpa elsewhere), sdpa, flex
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         # EAGLE-3.1 norms before fc (vLLM's names: input_norm, fc_norm.{i}); absent in EAGLE-3
@@ -576,7 +583,8 @@ class Eagle3DraftModel(TargetSharedDraft):
         base_pos = position_ids
         if base_pos is None:
             base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
-        mask = TTTMask.build(T, ttt_steps, input_ids.device, document_ids, self.attention_backend)
+        mask = TTTMask.build(T, ttt_steps, input_ids.device, document_ids,
+                             resolve_attention_backend(self.attention_backend, input_ids.device))
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         outputs = []
         for k in range(ttt_steps):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..common import DistillTargets, TargetSharedDraft, shift_left
+from ..common import ATTENTION_BACKENDS, DistillTargets, TargetSharedDraft, resolve_attention_backend, shift_left
 from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask
 from .config import PEagleConfig
 
@@ -224,9 +224,6 @@ def cod_block_mask(elements: CODElements, document_ids: torch.Tensor | None = No
                                     seq_lengths=(S, S))
 
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex")
-
-
 class CODMask:
     """Who each COD element sees, built once per forward from the elements and shared by every
     layer (and by activation-checkpoint recomputation).
@@ -242,6 +239,7 @@ class CODMask:
     def __init__(self, elements: CODElements, document_ids: torch.Tensor | None = None, backend: str = "sdpa"):
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+        backend = resolve_attention_backend(backend, elements.anchor.device)
         self.elements, self.document_ids, self.backend = elements, document_ids, backend
         self._bias: dict[torch.dtype, torch.Tensor] = {}
         self.block_mask = cod_block_mask(elements, document_ids) if backend == "flex" else None
@@ -309,7 +307,7 @@ class PEagleDraftModel(TargetSharedDraft):
 
     _no_split_modules = ["PEagleDecoderLayer"]  # FSDP unit
 
-    def __init__(self, config: PEagleConfig, attention_backend: str = "sdpa"):
+    def __init__(self, config: PEagleConfig, attention_backend: str = "auto"):
         super().__init__()
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
@@ -394,7 +392,7 @@ class PEagleDraftModel(TargetSharedDraft):
         hidden = fused.gather(1, pos.unsqueeze(-1).expand(-1, -1, fused.shape[-1]))  # (B, S, H)
         hidden = torch.where(is_mask.unsqueeze(-1), self.mask_state().to(hidden.dtype), hidden)
         rope_pos = position_ids.gather(1, a) + d
-        mask = CODMask(elements, document_ids, self.attention_backend)
+        mask = CODMask(elements, document_ids, resolve_attention_backend(self.attention_backend, input_ids.device))
         hidden = self._run_layers(ids, hidden, torch.where(v, rope_pos, torch.zeros_like(rope_pos)), mask)
         if targets is not None:
             return targets(hidden, self.compute_logits)  # the B*S elements (or targets.rows of them)

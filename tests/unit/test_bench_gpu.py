@@ -33,7 +33,7 @@ def one_thread():
 
 def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thread):
     out = tmp_path / "bench.json"
-    assert main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--lengths", "full", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     table = capsys.readouterr().out
     assert result["settings"]["backends"] == ["sdpa"] and result["settings"]["peak_tflops"] is None
@@ -43,7 +43,7 @@ def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thr
         ("smollm2_135m_peagle", "peagle", "sdpa"), ("smollm2_135m_dspark", "dspark", "sdpa")]
     for r in rows:
         assert r["error"] is None and (r["batch_size"], r["max_length"], r["precision"]) == (1, 64, "fp32")
-        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None
+        assert r["positions_per_s"] == r["useful_tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None
         assert r["cuda_max_allocated"] is None and r["per_gpu"] is None  # CUDA figures only on CUDA
         assert r["fake_process_peak"] > 0 and r["fake_per_gpu"] > 0  # bench memory's reference, one process
         assert r["trainable_parameters"] > 0 and r["final_metrics"]["loss"] > 0
@@ -78,7 +78,7 @@ def test_credited_flops_are_what_torch_counts_less_attention_plus_the_loss_recom
     which MFU does not credit. What remains must be the credited linear + teacher FLOPs."""
     out = tmp_path / "bench.json"
     assert main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-capture", "--no-fake",
-                 "--out", str(out)]) == 0
+                 "--lengths", "full", "--out", str(out)]) == 0
     recipe = load_recipe(RECIPES / "smollm2_135m.yaml")
     H, Vd = 576, recipe.data.draft_vocab_size  # SmolLM2-135M's hidden size
     for r in json.loads(out.read_text())["rows"]:
@@ -172,3 +172,36 @@ def test_default_recipes_are_the_llama_and_gpt_oss_recipes_of_the_three_methods(
     for name in bench_gpu.DEFAULT_RECIPES:
         r = load_recipe(RECIPES / f"{name}.yaml")
         assert (r.train.batch_size, r.data.max_length) in ((4, 2048), (2, 4096)), name
+
+
+def test_default_lengths_time_a_packed_batch_and_report_useful_tokens(tmp_path, one_thread):
+    """--lengths default (the documented length distribution) with train.packing: the batch timed
+    is the trainer's packed rows; useful tokens are its real positions, credited FLOPs count only them."""
+    from benchmarks.lengths import default_lengths, trainer_rows
+
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-capture", "--no-fake",
+            "--no-flop-count", "--recipes", "smollm2_135m", "--batch-size", "2", "--max-length", "256",
+            "--set", "train.packing=true", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    rows = trainer_rows(default_lengths(256), 2, 256, True, None, load_recipe(RECIPES / "smollm2_135m.yaml").seed)
+    useful = sum(map(sum, rows))
+    assert (row["useful_tokens"], row["documents"]) == (useful, sum(map(len, rows)))
+    assert row["positions"] == 2 * row["max_length"] == 2 * max(map(sum, rows))  # sdpa: padded to the longest
+    assert row["documents"] > 2 and row["lengths"] == "default" and row["packing"]
+    assert row["useful_tokens_per_s"] == pytest.approx(row["positions_per_s"] * useful / row["positions"])
+    # attention credited inside the documents only: K causal blocks per document plus the diagonals
+    K = load_recipe(RECIPES / "smollm2_135m.yaml").draft.ttt_steps
+    want = sum(K * L * (L + 1) // 2 for r in rows for L in r) + useful * K * (K - 1) // 2
+    assert row["flops"]["attention_pairs"] == want
+
+
+def test_default_length_distribution_is_the_documented_one():
+    from benchmarks.lengths import default_lengths
+
+    x = torch.tensor(default_lengths(4096, n=20000), dtype=torch.float64)
+    assert x.min() >= 32 and x.max() == 4096
+    assert 0.95 * 1024 < x.median() < 1.05 * 1024  # median 0.25 * max_length
+    assert 0.02 < (x == 4096).double().mean() < 0.06  # log-normal sigma 0.8: about 4% truncated
+    assert default_lengths(4096, n=50, seed=3) == default_lengths(4096, n=50, seed=3)

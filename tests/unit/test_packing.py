@@ -176,3 +176,59 @@ def test_packed_loader_yields_every_sequence_once_per_epoch(replicas):
     assert sorted(seen) == expected
     if replicas == 1:
         assert expected == list(range(64))
+
+
+def test_length_buckets_hand_values():
+    from draftsmith.train.packing import length_bucket
+
+    # unpacked: the smallest of 4 buckets (max_length * i / 4, rounded up to 128) that holds the row
+    assert [length_bucket(n, 4096, False) for n in (1, 1024, 1025, 2049, 3073, 4096)] == \
+        [1024, 1024, 2048, 3072, 4096, 4096]
+    assert [length_bucket(n, 1000, False) for n in (1, 250, 256, 257, 1000)] == [256, 256, 256, 512, 1024]
+    # packed: one bucket, the pack size
+    assert {length_bucket(n, 4096, True) for n in (1, 4000, 4096)} == {4096}
+    with pytest.raises(ValueError, match="exceeds the longest row length 4096"):
+        length_bucket(4097, 4096, False)
+
+
+def test_padding_to_a_length_bucket_keeps_loss_and_gradients():
+    """The flex backend's bucket padding (train.packing.pad_rows through BatchCollator) adds masked
+    positions only: the packed batch's loss and every gradient are unchanged."""
+    import functools
+    import pickle
+
+    from draftsmith.train.data import BatchCollator
+    from draftsmith.train.packing import length_bucket
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = Eagle3DraftModel(cfg)
+    model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    gen = torch.Generator().manual_seed(1)
+    rows = [[_sequence(cfg, 9, gen), _sequence(cfg, 7, gen)], [_sequence(cfg, 11, gen)]]
+    pad_to = functools.partial(length_bucket, max_length=40, packing=True)
+    collator = pickle.loads(pickle.dumps(BatchCollator(collate_packed, None, False, pad_to)))  # DataLoader workers
+    padded, plain = collator(rows), collate_packed(rows)
+    assert padded["input_ids"].shape == (2, 128) and plain["input_ids"].shape == (2, 16)
+    assert padded["document_ids"][:, 16:].eq(-1).all() and padded["attention_mask"][:, 16:].eq(0).all()
+    assert padded["num_tokens"] == int(plain["attention_mask"].sum())
+    loss_pad, m_pad = _loss(model, padded, 3)
+    grads_pad = torch.autograd.grad(loss_pad, list(model.parameters()))
+    loss, m = _loss(model, plain, 3)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert m_pad.tokens == m.tokens
+    torch.testing.assert_close(loss_pad, loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_pad, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_attention_backend_is_flex_on_cuda_and_sdpa_elsewhere():
+    from draftsmith.models.common import resolve_attention_backend
+    from draftsmith.recipe import TrainConfig
+
+    assert TrainConfig().attention_backend == "auto"
+    assert resolve_attention_backend("auto", torch.device("cuda", 0)) == "flex"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"
+    assert [resolve_attention_backend(b, torch.device("cpu")) for b in ("sdpa", "flex")] == ["sdpa", "flex"]
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers': one of auto, sdpa, flex"):
+        resolve_attention_backend("xformers", torch.device("cpu"))

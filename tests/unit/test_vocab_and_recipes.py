@@ -153,3 +153,16 @@ def test_a_resolved_recipe_dump_loads_back_equal(tmp_path):
         r = load_recipe(RECIPE_DIR / name)
         dump_recipe(r, tmp_path / name)
         assert load_recipe(tmp_path / name) == r
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_gpu_recipe_packs_and_picks_its_attention_kernel_by_device(path, shipped_recipes):
+    """A GPU recipe's regenerated chat conversations are mostly far shorter than data.max_length:
+    unpacked, most of each row would be padding the step still computes. The one exception is the
+    MLP speculator, whose stage 2 generates from one prompt per row (refused with packing above)."""
+    recipe = shipped_recipes[path.stem]
+    assert recipe.train.attention_backend == "auto"
+    if path.stem.startswith("smollm2_135m"):  # the CPU lab recipes
+        return
+    stage2 = getattr(recipe.draft, "stage2_start_step", None) is not None
+    assert recipe.train.packing is not stage2
