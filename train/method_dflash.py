@@ -2,8 +2,9 @@
 
 DFlash (z-lab, arXiv:2602.06036): block drafting from the same data EAGLE-3 trains on (aux
 hidden states at vLLM aux ids, draft vocab d2t/t2d, assistant loss masks), used *unshifted*.
-Each step samples up to ``draft.num_anchors`` anchors per sequence (fresh every step, from a
-generator on the batch's device seeded by ``seed``, the step, the micro-batch and the rank);
+Each step samples up to ``draft.num_anchors`` anchors per row (fresh every step, from a
+generator on the batch's device seeded by ``seed``, the step, the micro-batch and the rank; a
+packed row's documents share its anchors, each anchor's block staying in its document);
 block slot k of anchor a is trained towards the target's distribution ``p_{a+k-1}`` over the
 draft vocab (``draft.loss``, forward KL by default), weighted ``exp(-(k-1)/gamma)``
 (docs/parallel_drafts.md, "DFlash: anchor blocks").

@@ -9,6 +9,9 @@ elements, the divergence ``draft.loss`` (default forward KL) to the target over 
 at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
 chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
 its metrics are detached device tensors (:func:`~draftsmith.train.losses.cod_loss`).
+
+Packed rows (``train.packing``): chains, attention and labels stay in their document; the COD
+budgets (``draft.max_anchors``, the per-depth counts) are per row, shared by its documents.
 """
 
 from __future__ import annotations
