@@ -375,15 +375,18 @@ def cuda_attention_policy() -> Iterator[None]:
     """While active, the drafts' attention takes CUDA's path on any device: with a mask, CUDA's
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
     (:func:`~draftsmith.models.eagle3.model.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
-    A fake step then holds the key / value copies a GPU step holds."""
+    A fake step then holds the key / value copies a GPU step holds. The teacher logits stay in the
+    target's dtype, as on a GPU (:func:`~draftsmith.train.losses.teacher_in_target_dtype`)."""
     from draftsmith.models.eagle3 import model as eagle3
+    from draftsmith.train import losses
 
-    saved = eagle3.sdpa_supports_gqa_with_mask
+    saved = eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype
     eagle3.sdpa_supports_gqa_with_mask = lambda device: False
+    losses.teacher_in_target_dtype = lambda device: True
     try:
         yield
     finally:
-        eagle3.sdpa_supports_gqa_with_mask = saved
+        eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype = saved
 
 
 # ---------------------------------------------------------------------------------------------

@@ -404,7 +404,7 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     """EAGLE-3: K unrolled steps of the decoder layer over ``B x T`` tokens, attention over the
     concatenated step keys (SDPA with a bool mask: memory linear in T; the mask's float bias,
     ``(k + 1) T^2`` elements at step k, is kept for backward), the teacher's distribution over
-    the draft vocab once per batch (fp32 ``(B*T, Vd)``) and the chunked loss."""
+    the draft vocab once per batch (``(B*T, Vd)`` in the target's dtype on a GPU) and the chunked loss."""
     K = recipe.draft.ttt_steps
     if s.checkpointing:
         layers = K * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
@@ -415,7 +415,7 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     # SDPA keeps step k's concatenated keys / values, (k + 1) T rows, expanded to nh heads on a GPU
     steps_kept = 1 if s.checkpointing else K
     expanded = 0 if flex else _gqa_expanded_kv(s, s.E * sum(k + 1 for k in range(K - steps_kept, K)))
-    return {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * 4,
+    return {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * s.target_bytes,
             "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": _input_cast(s, s.n_aux),
             "weight_copies": _weight_copies(s, trainable)}
 
@@ -454,7 +454,7 @@ def dflash_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
         backward = {"layer_backward": layer, "weight_copies": copies // L}
     else:
         backward = {"layers": L * layer, "weight_copies": copies}
-    loss = {"teacher": s.E * s.Vd * 4, "loss_chunk": 7 * _chunk(recipe, Eb, s.Vd) * s.Vd * 4, "weight_copies": copies}
+    loss = {"teacher": s.E * s.Vd * s.target_bytes, "loss_chunk": 7 * _chunk(recipe, Eb, s.Vd) * s.Vd * 4, "weight_copies": copies}
     return {**saved, **(backward if sum(backward.values()) >= sum(loss.values()) else loss)}
 
 
@@ -502,7 +502,7 @@ def peagle_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     kept = 1 if s.checkpointing else L
     expanded = 0 if getattr(recipe.train, "attention_backend", "sdpa") == "flex" else kept * _gqa_expanded_kv(s, Es)
     return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "gqa_expanded_kv": expanded,
-            "teacher": s.E * s.Vd * 4,
+            "teacher": s.E * s.Vd * s.target_bytes,
             "loss_chunk": 7 * _chunk(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
             "input_cast": _input_cast(s, s.n_aux), "weight_copies": _weight_copies(s, trainable - embed)}
 

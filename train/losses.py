@@ -125,14 +125,21 @@ class LossSpec:
                           lk_kl_decay=self.lk_kl_decay)
 
 
+def teacher_in_target_dtype(device: torch.device) -> bool:
+    """Whether :class:`TargetDraftHead` computes the teacher logits in the target's dtype on
+    ``device``: on an accelerator (bf16 tensor cores), not on the CPU."""
+    return device.type != "cpu"
+
+
 class TargetDraftHead(nn.Module):
     """The target ``lm_head`` restricted to the draft vocab: ``weight [Vd, H]`` (frozen, kept in the
     target's dtype: bf16 for a bf16 target).
 
-    ``forward(final_hidden (..., H)) -> logits (..., Vd)`` in float32. On an accelerator a bf16
-    weight multiplies in bf16 with fp32 accumulation (the logits the served target computes: vLLM
-    runs the target's ``lm_head`` in its dtype and samples from those logits); on the CPU the
-    product is taken in float32.
+    ``forward(final_hidden (..., H)) -> logits (..., Vd)``. On an accelerator a bf16 weight
+    multiplies in bf16 with fp32 accumulation and the logits stay bf16 (the logits the served
+    target computes: vLLM runs the target's ``lm_head`` in its dtype and samples from those
+    logits; every loss reads its chunk of rows in float32, so an fp32 copy of all ``N x Vd`` would
+    hold the same values at twice the memory); on the CPU the product is taken and returned in float32.
     """
 
     def __init__(self, lm_head_draft_rows: torch.Tensor):
@@ -151,8 +158,8 @@ class TargetDraftHead(nn.Module):
     @torch.no_grad()
     def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype != torch.float32 and w.device.type != "cpu":
-            return F.linear(final_hidden.to(w.dtype), w).float()
+        if w.dtype != torch.float32 and teacher_in_target_dtype(w.device):
+            return F.linear(final_hidden.to(w.dtype), w)
         return F.linear(final_hidden.float(), w.float())
 
 

@@ -151,15 +151,15 @@ def test_dry_run_zero2_shards_optimizer_state_and_gradients_only(tmp_path):
 
 
 def test_dry_run_memory_terms_follow_their_dtypes(tmp_path):
-    """The frozen embedding and teacher head in the target's dtype, the teacher distribution in
-    fp32, the hidden states in data.hidden_states_dtype."""
+    """The frozen embedding, the teacher head and (on a GPU) the teacher logits in the target's
+    dtype, the hidden states in data.hidden_states_dtype."""
     cfg = llama_config_file(tmp_path)
     bf16 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.hidden_states_dtype=bfloat16"]), cfg)["estimate"]
     fp32 = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["target.dtype=float32",
                                                               "data.hidden_states_dtype=float32"]), cfg)["estimate"]
     assert bf16["frozen"]["frozen_embedding"] == 128256 * 4096 * 2 and fp32["frozen"]["frozen_embedding"] == 128256 * 4096 * 4
     assert bf16["frozen"]["teacher_head"] == 32000 * 4096 * 2
-    assert bf16["activations"]["teacher"] == 4 * 2048 * 32000 * 4
+    assert bf16["activations"]["teacher"] == 4 * 2048 * 32000 * 2 and fp32["activations"]["teacher"] == 4 * 2048 * 32000 * 4
     assert fp32["batch"] - bf16["batch"] == 4 * 2048 * 4 * 4096 * 2
     # longer sequences and gradient checkpointing move the estimate the way they move memory
     longer = dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.max_length=4096"]), cfg)["estimate"]

@@ -213,3 +213,29 @@ def test_chunked_ttt_loss_weights_step_k_by_gamma_to_the_k():
     steps = [m1[f"loss_{k}"] for k in range(3)]
     torch.testing.assert_close(loss_1, sum(steps))
     torch.testing.assert_close(loss_h, sum(0.5**k * s for k, s in enumerate(steps)))
+
+
+def test_teacher_logits_stay_in_the_targets_dtype_on_an_accelerator(monkeypatch):
+    """A bf16 target's teacher logits are bf16 products either way; on an accelerator they are kept
+    bf16 (half the (N, Vd) memory, no cast kernel) and every loss reads its chunk in float32, so
+    the loss and gradients equal those of the float32 copy exactly."""
+    from draftsmith.train import losses
+    from draftsmith.train.losses import LossSpec, TargetDraftHead, chunked_distill
+
+    gen = torch.Generator().manual_seed(0)
+    head = TargetDraftHead(torch.randn(40, 16, generator=gen).bfloat16())
+    final = torch.randn(12, 16, generator=gen)
+    assert head(final).dtype == torch.float32  # the CPU: fp32 product
+    monkeypatch.setattr(losses, "teacher_in_target_dtype", lambda device: True)
+    teacher = head(final)
+    assert teacher.dtype == torch.bfloat16
+    w = torch.randn(40, 8, generator=gen)
+    results = []
+    for t in (teacher, teacher.float()):
+        h = torch.randn(9, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = chunked_distill(h, lambda x: x @ w.T, t, torch.arange(9) % 12, torch.full((9,), 0.1),
+                              LossSpec("jsd"), chunk_size=4)
+        (grad,) = torch.autograd.grad(out.loss_sum, h)
+        results.append((out.loss_sum.detach(), out.row_hit, grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
