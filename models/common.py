@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..layout import DraftLoadError, ExportError
 
@@ -37,6 +39,23 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
     return backend
+
+
+class RMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm (``weight * (x / rms(x)).to(x.dtype)``, the normalisation in float32) through
+    ``torch.nn.functional.rms_norm``: on CUDA one fused kernel (``aten::_fused_rms_norm``) that
+    keeps the input and the ``(..., 1)`` float32 reciprocal RMS for backward, where the written-out
+    form launches a kernel per op and keeps float32 copies of the ``(..., H)`` input; on the CPU
+    torch decomposes it into the written-out ops. The weight multiplies after the cast to the
+    input's dtype, as in transformers' ``LlamaRMSNorm`` (same parameters, state-dict keys and
+    dtype promotion: a bf16 input with an fp32 weight gives fp32, as under autocast).
+
+    ``forward(x (..., H)) -> (..., H)``.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, self.variance_epsilon)
+        return self.weight * normed
 
 
 def text_config(config: Any) -> Any:

@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, rotate_half
 
-from ..common import ATTENTION_BACKENDS, DistillTargets, TargetSharedDraft, resolve_attention_backend
+from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend
 from ..eagle3.model import flex_attention, sdpa_with_mask
 from .config import DFlashConfig
 
@@ -168,8 +168,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
         self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=bias)
-        self.q_norm = LlamaRMSNorm(self.hd, eps=config.rms_norm_eps)
-        self.k_norm = LlamaRMSNorm(self.hd, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.hd, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, eps=config.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (B, S, H)`` -> keys ``k_norm`` + RoPE and values, each ``(B, nkv, S, hd)`` (GQA
@@ -198,9 +198,9 @@ class DFlashDecoderLayer(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config.llama_config())
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, ctx_cos: torch.Tensor, ctx_sin: torch.Tensor,
@@ -261,9 +261,9 @@ class DFlashDraftModel(TargetSharedDraft):
         H, n = config.hidden_size, len(config.aux_layer_ids)
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         self.fc = nn.Linear(n * config.target_hidden_size, H, bias=False)
-        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList([self.decoder_layer_cls(config) for _ in range(config.num_layers)])
-        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))

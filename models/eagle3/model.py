@@ -45,13 +45,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
-    LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     repeat_kv,
 )
 
-from ..common import TargetSharedDraft, resolve_attention_backend, shift_left
+from ..common import RMSNorm, TargetSharedDraft, resolve_attention_backend, shift_left
 from .config import Eagle3Config
 
 
@@ -333,9 +332,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.self_attn = Eagle3Attention(config)
         self.mlp = LlamaMLP(lc)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -392,12 +391,12 @@ class Eagle3DraftModel(TargetSharedDraft):
         H, Ht = config.hidden_size, config.target_hidden_size
         self.register_buffer("embed_tokens", torch.zeros(config.vocab_size, H), persistent=False)
         # EAGLE-3.1 norms before fc (vLLM's names: input_norm, fc_norm.{i}); absent in EAGLE-3
-        self.input_norm = LlamaRMSNorm(3 * Ht, eps=config.rms_norm_eps) if config.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList([LlamaRMSNorm(Ht, eps=config.rms_norm_eps) for _ in range(3)])
+        self.input_norm = RMSNorm(3 * Ht, eps=config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([RMSNorm(Ht, eps=config.rms_norm_eps) for _ in range(3)])
                         if config.fc_norm else None)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
-        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))

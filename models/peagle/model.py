@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..common import ATTENTION_BACKENDS, DistillTargets, TargetSharedDraft, resolve_attention_backend, shift_left
+from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend, shift_left
 from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask
 from .config import PEagleConfig
 
@@ -321,7 +321,7 @@ class PEagleDraftModel(TargetSharedDraft):
         self.fc = nn.Linear(3 * Ht, H, bias=False)
         self.mask_hidden = nn.Parameter(torch.randn(3 * Ht))
         self.layers = nn.ModuleList([PEagleDecoderLayer(config, i) for i in range(config.num_layers)])
-        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
