@@ -426,6 +426,10 @@ class TrainConfig(_Strict):
         "with a bool mask (memory linear in T; CPU and CUDA; on CUDA the kernel computes the masked-out tiles too). "
         "flex: torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles; compiled once per "
         "row length, so batches are padded to a few length buckets, docs/training.md).")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile the draft decoder layers' regions around attention (norms, q/k/v with "
+        "RoPE, output projection, residuals, MLP: eagle3, eagle3.1, peagle), fusing their elementwise chains into a "
+        "few kernels. auto: on CUDA only; true / false: always / never (the first steps then include compilation).")
     epochs: float = Field(1.0, gt=0, description="Passes over the data (fractions allowed); ignored when max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     max_time_minutes: float | None = Field(

@@ -58,6 +58,23 @@ class RMSNorm(LlamaRMSNorm):
         return self.weight * normed
 
 
+def resolve_compile(setting: str | bool, device: torch.device) -> bool:
+    """``train.compile`` on ``device``: ``auto`` compiles on CUDA only (on the CPU inductor's
+    compilation costs more than the fused kernels save on the lab's short runs)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
+
+
+def compile_regions(model: nn.Module) -> int:
+    """Call ``compile_regions()`` of every submodule of ``model`` that has one (the draft decoder
+    layers); returns how many did."""
+    layers = [m for m in model.modules() if callable(getattr(m, "compile_regions", None)) and m is not model]
+    for m in layers:
+        m.compile_regions()
+    return len(layers)
+
+
 def text_config(config: Any) -> Any:
     """The language-model part of a (possibly multimodal) transformers config: its
     ``text_config`` when it has one, else the config itself."""

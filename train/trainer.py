@@ -64,7 +64,7 @@ from torch.utils.data import DataLoader
 
 from ..data_prep.shards import ShardReader
 from ..layout import RunLayout
-from ..models.common import resolve_attention_backend
+from ..models.common import compile_regions, resolve_attention_backend, resolve_compile
 from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, recompute_hint, to_device
 from ..recipe import Recipe, dump_recipe
 from .checkpoint import (
@@ -840,6 +840,8 @@ class Trainer:
 
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
+        if resolve_compile(cfg.compile, acc.device):
+            log.info("train.compile: %d decoder layers compiled around attention", compile_regions(model))
         apply_recipe_checkpointing(model, self.recipe.draft)
         optimizers = build_optimizers(model, cfg, acc.device)
         deepspeed = acc.distributed_type.value == "DEEPSPEED"

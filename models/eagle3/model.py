@@ -336,6 +336,19 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def compile_regions(self) -> None:
+        """``torch.compile`` the layer's regions around attention (``train.compile``): the input
+        norms and concatenation, the q/k/v projections with RoPE, and the output projection,
+        residuals, post-attention norm and MLP, each one graph whose elementwise chain inductor
+        fuses into a few kernels (the matmuls stay cuBLAS calls). Attention itself is left out: the
+        flex kernel is compiled on its own, SDPA is one call. Values equal the eager regions' within
+        the fused kernels' rounding; parameters, state-dict keys and hooks are unchanged."""
+        attn = self.self_attn
+        self._input = torch.compile(self._input)
+        self._output = torch.compile(self._output)
+        attn._qkv = torch.compile(attn._qkv)
+        attn._out = torch.compile(attn._out)
+
     def forward(
         self,
         embeds: torch.Tensor,
