@@ -426,6 +426,11 @@ class TrainConfig(_Strict):
         "with a bool mask (memory linear in T; CPU and CUDA; on CUDA the kernel computes the masked-out tiles too). "
         "flex: torch.compile'd flex_attention with a BlockMask (CUDA; skips fully masked tiles; compiled once per "
         "row length, so batches are padded to a few length buckets, docs/training.md).")
+    fused_loss: Literal["auto"] | bool = Field(
+        "auto", description="The draft-vocab loss as one fused Triton kernel per chunk of rows (train/fused_loss.py: "
+        "logits matmul, divergence, accuracy and dD/dlogits in one pass; no fp32 logits, no separate argmax). auto: "
+        "on CUDA; true: asked for everywhere (one warning and the chunked torch loss where it cannot run: a CPU, no "
+        "triton); false: the chunked torch loss. Same values and gradients either way (tests/unit/test_fused_loss.py).")
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile the draft decoder layers' regions around attention (norms, q/k/v with "
         "RoPE, output projection, residuals, MLP: eagle3, eagle3.1, peagle), fusing their elementwise chains into a "

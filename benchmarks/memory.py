@@ -371,22 +371,26 @@ def cuda_autocast_policy() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_attention_policy() -> Iterator[None]:
+def cuda_attention_policy(fused_loss: bool = True) -> Iterator[None]:
     """While active, the drafts' attention takes CUDA's path on any device: with a mask, CUDA's
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
     (:func:`~draftsmith.models.eagle3.model.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
     A fake step then holds the key / value copies a GPU step holds. The teacher logits stay in the
-    target's dtype, as on a GPU (:func:`~draftsmith.train.losses.teacher_in_target_dtype`)."""
+    target's dtype, as on a GPU (:func:`~draftsmith.train.losses.teacher_in_target_dtype`), and the
+    loss takes the fused path with ``fused_loss`` (:func:`~draftsmith.train.losses.fused_device_ok`;
+    fake tensors only: under them its kernel is shape-only, and a real CPU step has no kernel to run)."""
     from draftsmith.models.eagle3 import model as eagle3
     from draftsmith.train import losses
 
-    saved = eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype
+    saved = eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok
     eagle3.sdpa_supports_gqa_with_mask = lambda device: False
     losses.teacher_in_target_dtype = lambda device: True
+    if fused_loss:  # the fused loss's buffers and gradients (fake tensors: its kernel is shape-only)
+        losses.fused_device_ok = lambda device: True
     try:
         yield
     finally:
-        eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype = saved
+        eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,7 +620,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         if fake and precision.autocast:
             ctx.enter_context(cuda_autocast_policy())
         if dev.type != "cuda":  # the GPU's attention path: grouped key/value heads expanded (models/eagle3/model.py)
-            ctx.enter_context(cuda_attention_policy())
+            ctx.enter_context(cuda_attention_policy(fused_loss=fake))
         head_dtype = getattr(torch, recipe.target.dtype)
         factory = torch.empty if fake else random_weights
         with offline_method(recipe, config_json, head_dtype, factory) as method:
@@ -705,7 +709,9 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
     measure the same temporaries whatever this CPU has; None: the trainer's detection). Returns
     ``(model, trainable, optimizers)``, the optimizers in the order the trainer steps them."""
     from draftsmith.train.activation_checkpointing import apply_recipe_checkpointing
+    from draftsmith.train.losses import set_fused_loss
 
+    set_fused_loss(recipe.train.fused_loss)  # as the trainer does
     model = apply_recipe_checkpointing(method.build_model(), recipe.draft)  # as the trainer does
     if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
         model.to(dev)

@@ -374,6 +374,23 @@ def loss_chunk_bytes(recipe: Recipe, rows_total: int, vocab: int) -> int:
     return 6 * C * vocab * 4
 
 
+def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
+                     vocab: int | None = None) -> dict[str, int] | None:
+    """The fused loss on a GPU (``train.fused_loss`` auto or true; train/fused_loss.py): one
+    ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step) the
+    gradients it computes in forward and holds to backward, ``(Vd, H)`` for ``lm_head`` and
+    ``(M, H)`` for the rows. None when ``train.fused_loss`` is false (the chunked loss)."""
+    if recipe.train.fused_loss is False:
+        return None
+    V = vocab or s.Vd
+    # fused_loss.fused_chunk_rows without importing torch / triton here: 256 MiB of (C, V) logits
+    C = min(recipe.train.loss_chunk_rows or (256 << 20) // (s.act_bytes * V), max(1, rows_total))
+    # several chunks: the lm_head gradient accumulates in fp32 (beside each chunk's bf16 product)
+    accumulate = V * s.H * (4 + (s.act_bytes if s.act_bytes != 4 else 0)) if rows_total > C else 0
+    return {"loss_chunk": C * V * s.act_bytes + accumulate,
+            "fused_loss_gradients": calls * (V * s.H + rows_total * s.H) * s.act_bytes}
+
+
 def _input_cast(s: Shapes, n_aux: int) -> int:
     """``aux.to(param.dtype)``: a copy of the ``(B, T, n*Ht)`` aux states when their dtype differs."""
     want = s.param_bytes
@@ -415,9 +432,10 @@ def eagle3_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     # SDPA keeps step k's concatenated keys / values, (k + 1) T rows, expanded to nh heads on a GPU
     steps_kept = 1 if s.checkpointing else K
     expanded = 0 if flex else _gqa_expanded_kv(s, s.E * sum(k + 1 for k in range(K - steps_kept, K)))
-    return {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * s.target_bytes,
-            "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": _input_cast(s, s.n_aux),
-            "weight_copies": _weight_copies(s, trainable)}
+    out = {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * s.target_bytes,
+           "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": _input_cast(s, s.n_aux),
+           "weight_copies": _weight_copies(s, trainable)}
+    return {**out, **(fused_loss_bytes(recipe, s, s.E, K) or {})}
 
 
 # DFlash, per layer over the B*A*Bk block tokens (A anchors of Bk slots): the layer recomputed in
@@ -530,6 +548,9 @@ def medusa_activations(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, i
     cast = s.act_bytes if s.precision == "amp-bf16" else 0
     forward = {"head_weight_copies": K * V * s.H * cast, "block_weight_copies": K * L * s.H * s.H * cast,
                "rows": M * s.H * (4 + 8 * K * L), "loss_chunk": 2 * _chunk(recipe, M, V) * V * 4}
+    fused = fused_loss_bytes(recipe, s, M, K, V)
+    if fused is not None:  # every head's gradients held from forward; its bf16 weight copy freed after its call
+        forward = {**forward, **fused, "head_weight_copies": 0}
     backward = {"head_weight_and_gradients": 3 * V * s.H * s.act_bytes, "rows": M * s.H * (4 + 8 * L)}
     return forward if sum(forward.values()) >= sum(backward.values()) else backward
 
@@ -541,7 +562,12 @@ def mlp_speculator_activations(recipe: Recipe, s: Shapes, trainable: int) -> dic
     plus the rows' stage tensors (about 22 B per unit of D)."""
     D = recipe.draft.inner_dim or s.H
     tables = 14 * s.V * D if recipe.draft.tie_weights else 6 * s.V * D
-    return {"embedding_gradients": tables, "rows": 22 * s.E * D, "input_cast": 0}
+    # the fused loss (GPU): the heads' gradients, computed in forward, are held into backward
+    fused = fused_loss_bytes(recipe, replace(s, H=D), s.E, recipe.draft.n_predict, s.V) or {}
+    held = {"fused_loss_gradients": fused["fused_loss_gradients"]} if fused else {}
+    backward = {"embedding_gradients": tables, "rows": 22 * s.E * D, "input_cast": 0, **held}
+    forward = {"rows": 22 * s.E * D, "input_cast": 0, **fused}
+    return forward if sum(forward.values()) > sum(backward.values()) else backward
 
 
 ACTIVATIONS = {"eagle3": eagle3_activations, "dflash": dflash_activations, "peagle": peagle_activations,

@@ -202,6 +202,57 @@ def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: t
     return (weight * d).sum(), d.detach(), hit.float()
 
 
+# train.fused_loss (set by the trainer, set_fused_loss): "auto" runs the fused Triton loss
+# (train/fused_loss.py) on CUDA, True asks for it everywhere (a warning where it cannot run), False never
+FUSED_LOSS: str | bool = "auto"
+_fused_warned: set[str] = set()
+
+
+def set_fused_loss(setting: str | bool) -> None:
+    """``train.fused_loss`` for every :func:`chunked_distill` of this process."""
+    global FUSED_LOSS
+    FUSED_LOSS = setting
+
+
+def fused_device_ok(device: torch.device) -> bool:
+    """Whether the fused loss's kernel runs on ``device`` (CUDA; the benchmarks' fake GPU steps
+    on a CPU say yes, :func:`benchmarks.memory.cuda_attention_policy`)."""
+    return device.type == "cuda"
+
+
+def _fused_head(logits_fn: Any) -> tuple[Any, torch.Tensor] | None:
+    """``(norm or None, weight)`` when ``logits_fn`` is a bias-free ``nn.Linear`` or a draft's
+    ``compute_logits`` marked ``fused_as = ("norm", "lm_head")`` (``lm_head(norm(h))``); else None."""
+    if isinstance(logits_fn, nn.Linear):
+        return None if logits_fn.bias is not None else (None, logits_fn.weight)
+    names, owner = getattr(logits_fn, "fused_as", None), getattr(logits_fn, "__self__", None)
+    if names is None or owner is None:
+        return None
+    norm, lm_head = (getattr(owner, n) for n in names)
+    return None if getattr(lm_head, "bias", None) is not None else (norm, lm_head.weight)
+
+
+def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: bool) -> tuple[Any, torch.Tensor] | None:
+    """The fused loss's ``(norm, weight)`` when ``train.fused_loss`` and the call allow it; warns
+    once per reason when it was asked for (``true``, or ``auto`` on CUDA) and cannot run."""
+    if FUSED_LOSS is False or (FUSED_LOSS == "auto" and not fused_device_ok(hidden.device)):
+        return None
+    from .fused_loss import fused_loss_available
+
+    head = _fused_head(logits_fn)
+    device = torch.device("cuda") if fused_device_ok(hidden.device) else hidden.device
+    ok, why = (False, "the draft's logits are not lm_head(norm(h)) with a bias-free lm_head") if head is None else \
+        fused_loss_available(device, hidden.dtype, spec, labels)
+    if ok:
+        return head
+    if why not in _fused_warned:
+        _fused_warned.add(why)
+        import warnings
+
+        warnings.warn(f"train.fused_loss: {why}; using the chunked loss", stacklevel=3)
+    return None
+
+
 def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
                     teacher: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
                     loss: LossSpec | None = None, chunk_size: int | None = None,
@@ -210,6 +261,13 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
     rows so that no ``(M, V)`` tensor exists: each chunk's logits and fp32 log-softmaxes live only
     inside the chunk and are recomputed in backward (non-reentrant activation checkpointing), so
     the memory of the loss is ``O(C * V)`` for ``C`` rows per chunk, not ``O(M * V)`` per step.
+
+    On CUDA (``train.fused_loss``, :func:`set_fused_loss`) with a ``logits_fn`` that is
+    ``lm_head(norm(h))`` (a draft's ``compute_logits`` marked ``fused_as``) or a bias-free
+    ``nn.Linear``, the same values come from the fused Triton loss instead
+    (:func:`~draftsmith.train.fused_loss.fused_linear_distill`: per chunk one logits matmul, one
+    kernel for the divergence, accuracy and ``dD/dlogits``, two gradient matmuls; no fp32 logits,
+    no separate argmax; the gradients are computed in forward and held to backward).
 
     Call it inside the draft's ``forward`` (``logits_fn`` uses the draft's ``norm`` / ``lm_head``),
     so DDP / FSDP see those weights used in forward and accelerate's fp32 output conversion
@@ -238,6 +296,13 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
     M = hidden.shape[0]
     if labels and not (chunk_size or vocab_size):
         raise ValueError("chunked_distill(labels=True) needs chunk_size or vocab_size")
+    fused = _use_fused(hidden, logits_fn, spec, labels)
+    if fused is not None:  # train/fused_loss.py: one matmul, one kernel, two matmuls per chunk; grads in forward
+        from .fused_loss import fused_linear_distill
+
+        norm, lm_weight = fused
+        return fused_linear_distill(hidden if norm is None else norm(hidden), lm_weight, teacher, teacher_index,
+                                    weight, spec, labels, chunk_size)
     rows = chunk_rows(vocab_size if labels else teacher.shape[-1], chunk_size)
     grad = torch.is_grad_enabled() and hidden.requires_grad
     sums, row_loss, row_hit = [], [], []

@@ -77,6 +77,7 @@ from .checkpoint import (
     truncate_metrics,
 )
 from .activation_checkpointing import apply_recipe_checkpointing
+from .losses import set_fused_loss
 from .packing import PackedDataset, collate_packed, length_bucket
 from .run_info import run_metadata
 from .sampler import LengthGroupedBatches
@@ -840,6 +841,7 @@ class Trainer:
 
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
+        set_fused_loss(cfg.fused_loss)
         if resolve_compile(cfg.compile, acc.device):
             log.info("train.compile: %d decoder layers compiled around attention", compile_regions(model))
         apply_recipe_checkpointing(model, self.recipe.draft)

@@ -285,6 +285,8 @@ class DFlashDraftModel(TargetSharedDraft):
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
         return self.lm_head(self.norm(hidden))
 
+    compute_logits.fused_as = ("norm", "lm_head")  # lm_head(norm(.)): the fused loss may run it (train/losses.py)
+
     def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, anchors: torch.Tensor,
                 anchor_valid: torch.Tensor, label_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,

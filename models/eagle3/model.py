@@ -549,6 +549,8 @@ class Eagle3DraftModel(TargetSharedDraft):
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
         return self.lm_head(self.norm(hidden))
 
+    compute_logits.fused_as = ("norm", "lm_head")  # lm_head(norm(.)): the fused loss may run it (train/losses.py)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -335,6 +335,8 @@ class PEagleDraftModel(TargetSharedDraft):
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
         return self.lm_head(self.norm(hidden))
 
+    compute_logits.fused_as = ("norm", "lm_head")  # lm_head(norm(.)): the fused loss may run it (train/losses.py)
+
     def _run_layers(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     mask: CODMask) -> torch.Tensor:
         embeds = F.embedding(ids, self.embed_tokens).to(hidden.dtype)

@@ -132,8 +132,14 @@ def test_dry_run_reports_the_fsdp_launcher_and_per_gpu_memory(tmp_path):
     # FSDP shards fp32 weights, gradients and AdamW state over the 8 ranks (bf16 autocast path)
     assert est["precision"] == "amp-bf16"
     assert (gpu["weights"], gpu["gradients"], gpu["optimizer_state"]) == (4 * N // 8, 4 * N // 8, 8 * N // 8)
-    # bf16 autocast keeps each of the 3 heads' bf16 lm_head copy (128256 x 4096) through forward
-    assert est["activations"]["head_weight_copies"] == 3 * 128256 * 4096 * 2
+    # the fused loss (a GPU's default) frees each head's bf16 lm_head copy after its call and holds its
+    # bf16 gradients (128256 x 4096, and the rows') to backward; the chunked loss keeps the copies instead
+    rows = 8 * 2048
+    assert est["activations"]["head_weight_copies"] == 0
+    assert est["activations"]["fused_loss_gradients"] == 3 * (128256 + rows) * 4096 * 2
+    chunked = dry_run(load_recipe(RECIPES / "llama3_1_8b_medusa.yaml", ["train.fused_loss=false"]),
+                      llama_config_file(tmp_path))["estimate"]
+    assert chunked["activations"]["head_weight_copies"] == 3 * 128256 * 4096 * 2
     assert gpu["total"] == est["per_gpu_bytes"] == max(est["forward_backward_bytes"], est["optimizer_bytes"])
     assert "FSDP2 units: MedusaBlock, root" in format_report(r)
 

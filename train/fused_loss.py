@@ -1,0 +1,407 @@
+"""A fused draft-vocab loss: lm_head matmul, divergence, accuracy and gradients without ``(M, V)`` tensors.
+
+:func:`fused_linear_distill` computes what :func:`~draftsmith.train.losses.chunked_distill` computes
+for ``logits_fn = lambda h: F.linear(h, weight)`` on already-normed rows, following the design of
+Liger-Kernel's fused linear cross-entropy: per chunk of rows the logits come from one cuBLAS matmul
+in the rows' dtype, one Triton kernel (:func:`_distill_rows_kernel`, one program per row, looping
+over the vocab in ``BLOCK_V`` tiles) reads them with the target logits and writes the row's loss,
+argmax hit and ``weight * dD/dlogits`` over the logits buffer, and two more matmuls turn that into
+the gradients of the rows and of the weight. The gradients are therefore computed in forward;
+backward only scales them by the incoming gradient. docs/fused_loss.md has the formulas.
+
+:func:`fused_loss_available` says whether the fused path applies (CUDA, Triton, a supported dtype
+and loss); the caller falls back to the chunked torch path otherwise. The kernel also runs on CPU
+tensors when Triton was imported under its interpreter (``TRITON_INTERPRET=1`` before the first
+``import triton``, :func:`interpreted`): the tests do that in a subprocess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .losses import _ALPHA_FLOOR, DistillOut, LossSpec
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # the fused path is then unavailable; the module still imports
+    triton = tl = None
+    _TRITON_ERROR = f"{type(e).__name__}: {e}"
+else:
+    _TRITON_ERROR = ""
+
+KINDS: dict[str, int] = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2, "tv": 3, "lk_alpha": 4, "lk_lambda": 5}
+_LABELS = 6  # hard labels: cross-entropy against token ids
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of the draft rows and weight
+DEFAULT_CHUNK_BYTES = 256 << 20  # one (C, V) logits buffer in the rows' dtype
+MAX_BLOCK_V = 4096  # vocab tile of the row kernel (the tests lower it to get several tiles)
+
+
+def fused_chunk_rows(vocab_size: int, dtype: torch.dtype, chunk_rows: int | None = None) -> int:
+    """Rows per chunk of :func:`fused_linear_distill`: ``chunk_rows``, or as many as keep one
+    ``(C, vocab_size)`` buffer of ``dtype`` at :data:`DEFAULT_CHUNK_BYTES` (256 MiB: 4194 rows at
+    V = 32000 in bf16, 1046 at V = 128256; half as many in fp32)."""
+    return max(1, chunk_rows or DEFAULT_CHUNK_BYTES // (dtype.itemsize * max(1, vocab_size)))
+
+
+def fused_loss_available(device: torch.device | str, dtype: torch.dtype, spec: LossSpec | None = None,
+                         labels: bool = False) -> tuple[bool, str]:
+    """Whether :func:`fused_linear_distill` applies to draft rows on ``device`` in ``dtype``.
+
+    Reads no tensor (no device work). ``spec`` None: forward KL; ignored with ``labels``.
+
+    Returns:
+        ``(True, "")``, or ``(False, reason)`` where reason is one line: not a CUDA device, Triton
+        not importable, a dtype other than bf16 / fp16 / fp32, or a loss kind it does not know.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the fused loss needs a CUDA device, got {device.type}"
+    if triton is None:
+        return False, f"triton is not importable ({_TRITON_ERROR})"
+    if dtype not in DTYPES:
+        return False, f"the fused loss supports bf16 / fp16 / fp32 rows, got {dtype}"
+    kind = (spec or LossSpec()).kind
+    if not labels and kind not in KINDS:
+        return False, f"the fused loss has no kernel for loss {kind!r} (it has {', '.join(KINDS)})"
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------
+# The row kernel: a plain function, jit-ed on first use (_kernel) in the mode Triton was imported in.
+
+
+def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_ptr, hit_ptr, V, temperature,
+                         kl_scale, kl_decay, alpha_floor, KIND: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    """Row ``r``: draft logits ``s = s_ptr[r, :V]``, target logits ``t = t_ptr[idx[r], :V] / temperature``
+    (KIND 6: the label ``t_ptr[idx[r]]``), weight ``w_ptr[r]``. Writes ``loss_ptr[r] = D`` (fp32,
+    nats), ``hit_ptr[r] = argmax s == argmax t`` (first index on ties) and, with WRITE_GRAD,
+    ``w * dD/ds`` over ``s`` in place. KIND: 0 forward_kl, 1 reverse_kl, 2 jsd, 3 tv, 4 lk_alpha,
+    5 lk_lambda, 6 hard labels."""
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * s_stride
+    t_row = t_ptr + tl.load(idx_ptr + row).to(tl.int64) * t_stride
+    w = tl.load(w_ptr + row).to(tl.float32)
+    cols = tl.arange(0, BLOCK_V)
+
+    # pass 1: online max / sum of exp (lse) and first-index argmax of s and of t / T
+    m_s = -float("inf")
+    d_s = 0.0
+    a_s = 0
+    m_t = -float("inf")
+    d_t = 0.0
+    a_t = 0
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        s = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        top, arg = tl.max(s, 0, return_indices=True)  # the first index of the tile's max
+        a_s = tl.where(top > m_s, arg + v0, a_s)  # strictly greater: earlier tiles win ties
+        m_new = tl.maximum(m_s, top)
+        d_s = d_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new), 0)
+        m_s = m_new
+        if KIND != 6:
+            t = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32) / temperature
+            top, arg = tl.max(t, 0, return_indices=True)
+            a_t = tl.where(top > m_t, arg + v0, a_t)
+            m_new = tl.maximum(m_t, top)
+            d_t = d_t * tl.exp(m_t - m_new) + tl.sum(tl.exp(t - m_new), 0)
+            m_t = m_new
+    lse_s = m_s + tl.log(d_s)
+
+    if KIND == 6:  # cross-entropy: D = lse(s) - s[y], grad q - onehot(y); a label outside [0, V) is ignored
+        label = tl.load(t_row)
+        valid = (label >= 0) & (label < V)
+        s_label = tl.load(s_row + label, mask=valid, other=0.0).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(valid, lse_s - s_label, 0.0))
+        tl.store(hit_ptr + row, (valid & (a_s == label)).to(tl.float32))
+        if WRITE_GRAD:
+            scale = tl.where(valid, w, 0.0)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                mask = offs < V
+                s = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(s - lse_s) - tl.where(offs == label, 1.0, 0.0)
+                tl.store(s_row + offs, (g * scale).to(s_ptr.dtype.element_ty), mask=mask)
+    else:
+        lse_t = m_t + tl.log(d_t)
+        # pass 2: the row sums. acc0: D (kl / jsd) or alpha = sum min(p, q) (tv, lk_*);
+        # acc1: sum q * g (jsd) or sum q * I (tv, lk_*); acc2: KL(p || q) (lk_lambda)
+        acc0 = 0.0
+        acc1 = 0.0
+        acc2 = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + cols
+            mask = offs < V
+            s = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32)
+            t = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) / temperature
+            log_q = s - lse_s
+            log_p = t - lse_t
+            q = tl.where(mask, tl.exp(log_q), 0.0)
+            p = tl.where(mask, tl.exp(log_p), 0.0)
+            if KIND == 0:
+                acc0 += tl.sum(p * (log_p - log_q), 0)
+                if WRITE_GRAD:  # dKL(p||q)/ds = q - p: written here, no third pass
+                    tl.store(s_row + offs, ((q - p) * w).to(s_ptr.dtype.element_ty), mask=mask)
+            elif KIND == 1:
+                acc0 += tl.sum(q * (log_q - log_p), 0)
+            elif KIND == 2:
+                hi = tl.maximum(log_p, log_q)
+                log_m = hi + tl.log(1.0 + tl.exp(tl.minimum(log_p, log_q) - hi)) - 0.6931471805599453
+                acc0 += tl.sum(0.5 * (p * (log_p - log_m) + q * (log_q - log_m)), 0)
+                acc1 += tl.sum(q * (0.5 * (log_q - log_m)), 0)
+            else:
+                acc0 += tl.sum(tl.minimum(p, q), 0)
+                ind = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))  # d min(p, q)/dq, ties halved as torch
+                acc1 += tl.sum(q * ind, 0)
+                if KIND == 5:
+                    acc2 += tl.sum(p * (log_p - log_q), 0)
+        # the row loss and the scalars of its gradient
+        c_alpha = 0.0  # lk_alpha: -1/alpha where alpha >= floor (clamp_min passes the gradient), else 0
+        w_kl = 0.0  # lk_lambda: the detached KL weight
+        if KIND <= 2:
+            D = acc0
+        elif KIND == 3:
+            D = 1.0 - acc0
+        elif KIND == 4:
+            D = -tl.log(tl.maximum(acc0, alpha_floor))
+            c_alpha = tl.where(acc0 >= alpha_floor, -1.0 / tl.maximum(acc0, alpha_floor), 0.0)
+        else:
+            w_kl = kl_scale * tl.exp(-kl_decay * acc0)
+            D = w_kl * acc2 + (1.0 - acc0)
+        tl.store(loss_ptr + row, D)
+        tl.store(hit_ptr + row, (a_s == a_t).to(tl.float32))
+        if WRITE_GRAD and KIND != 0:  # pass 3: w * dD/ds, dalpha/ds = q (I - sum q I)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                mask = offs < V
+                s = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32)
+                t = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) / temperature
+                log_q = s - lse_s
+                log_p = t - lse_t
+                q = tl.exp(log_q)
+                p = tl.exp(log_p)
+                if KIND == 1:
+                    g = q * (log_q - log_p - D)
+                elif KIND == 2:
+                    hi = tl.maximum(log_p, log_q)
+                    log_m = hi + tl.log(1.0 + tl.exp(tl.minimum(log_p, log_q) - hi)) - 0.6931471805599453
+                    g = q * (0.5 * (log_q - log_m) - acc1)
+                else:
+                    ind = tl.where(q < p, 1.0, tl.where(q == p, 0.5, 0.0))
+                    d_alpha = q * (ind - acc1)
+                    if KIND == 3:
+                        g = -d_alpha
+                    elif KIND == 4:
+                        g = c_alpha * d_alpha
+                    else:
+                        g = w_kl * (q - p) - d_alpha
+                tl.store(s_row + offs, (g * w).to(s_ptr.dtype.element_ty), mask=mask)
+
+
+_KERNELS: dict[bool, Any] = {}
+
+
+def interpreted() -> bool:
+    """Whether Triton was imported under its interpreter (``TRITON_INTERPRET=1`` before the first
+    ``import triton``): its language functions (``tl.sum``, ``tl.argmax``) are then interpreted and
+    kernels run on CPU tensors (CUDA tensors are copied to the host and back), never compiled."""
+    return triton is not None and not isinstance(tl.sum, triton.runtime.JITFunction)
+
+
+def _kernel() -> Any:
+    """The row kernel, ``triton.jit``-ed on first use in the mode Triton's language was imported in
+    (``TRITON_INTERPRET`` is read when a function is decorated, and may have changed since)."""
+    mode = interpreted()
+    if mode not in _KERNELS:
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = mode
+            _KERNELS[mode] = triton.jit(_distill_rows_kernel)
+    return _KERNELS[mode]
+
+
+def _launch_kernel(logits: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
+                   row_weight: torch.Tensor, row_loss: torch.Tensor, row_hit: torch.Tensor, spec: LossSpec,
+                   labels: bool, write_grad: bool, block_v: int | None = None) -> None:
+    """Run the row kernel on C rows: ``row_loss`` / ``row_hit`` ``(C,)`` fp32 are written, and with
+    ``write_grad`` ``logits (C, V)`` is overwritten by ``row_weight * dD/dlogits`` (its dtype).
+
+    ``teacher`` is ``(N, V)`` target logits (any float dtype) or with ``labels`` ``(N,)`` ids;
+    ``teacher_index (C,)`` int, ``row_weight (C,)`` fp32; every tensor's last dim contiguous. CUDA
+    tensors run the compiled kernel, or the interpreter when Triton was imported under it (then CPU
+    tensors too). ``block_v``: the vocab tile (default ``min(MAX_BLOCK_V, next_pow2(V))``).
+
+    Raises:
+        RuntimeError: Triton is not importable, or CPU tensors without Triton's interpreter.
+    """
+    if triton is None:
+        raise RuntimeError(f"the fused loss needs triton ({_TRITON_ERROR})")
+    C, V = logits.shape
+    if C == 0:
+        return
+    block = block_v or min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    kind = _LABELS if labels else KINDS[spec.kind]
+    if logits.device.type != "cuda" and not interpreted():
+        raise RuntimeError(f"the fused loss runs {logits.device.type} tensors only under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is first imported")
+    _kernel()[(C,)](
+        logits, logits.stride(0), teacher, teacher.stride(0), teacher_index, row_weight, row_loss, row_hit, V,
+        float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay), _ALPHA_FLOOR,
+        KIND=kind, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=max(4, min(16, block // 256)))
+
+
+@torch.library.custom_op("draftsmith::distill_rows", mutates_args=("logits", "row_loss", "row_hit"))
+def distill_rows(logits: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor, row_weight: torch.Tensor,
+                 row_loss: torch.Tensor, row_hit: torch.Tensor, kind: str, temperature: float, lk_kl_scale: float,
+                 lk_kl_decay: float, labels: bool, write_grad: bool) -> None:
+    """The row kernel (:func:`_launch_kernel`) as one torch operator, ``draftsmith::distill_rows``:
+    opaque to ``torch.compile``, seen as one op by dispatch modes (``draftsmith bench step`` counts
+    it as one kernel with its inputs and outputs), and shape-only under ``FakeTensorMode`` (its
+    fake implementation writes nothing), so ``bench memory`` and ``bench step`` run the fused path
+    on a CPU."""
+    _launch_kernel(logits, teacher, teacher_index, row_weight, row_loss, row_hit,
+                   LossSpec(kind, lk_kl_scale, lk_kl_decay, temperature), labels, write_grad)
+
+
+@distill_rows.register_fake
+def _distill_rows_fake(logits, teacher, teacher_index, row_weight, row_loss, row_hit, kind, temperature, lk_kl_scale,
+                       lk_kl_decay, labels, write_grad) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# The fused linear + divergence
+
+
+class _FusedLinearDistill(torch.autograd.Function):
+    """Forward computes the loss and, when asked, the gradients (kept on ``ctx``, not saved tensors:
+    an enclosing activation checkpoint neither drops nor recomputes them); backward scales them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
+                row_weight: torch.Tensor, spec: LossSpec, labels: bool, rows: int, need_x: bool,
+                need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        M, H = x.shape
+        V = weight.shape[0]
+        grad = need_x or need_w
+        row_loss = x.new_empty(M, dtype=torch.float32)
+        row_hit = x.new_empty(M, dtype=torch.float32)
+        grad_x = torch.empty(M, H, dtype=x.dtype, device=x.device) if need_x else None
+        single = M <= rows
+        grad_w = None if single or not need_w else torch.zeros(V, H, dtype=torch.float32, device=x.device)
+        buf = x.new_empty(min(rows, M), V)  # the one (C, V) logits / gradient buffer
+        for s in range(0, M, rows):
+            e = min(s + rows, M)
+            x_c, logits = x[s:e], buf[:e - s]
+            torch.mm(x_c, weight.t(), out=logits)
+            distill_rows(logits, teacher, teacher_index[s:e], row_weight[s:e], row_loss[s:e], row_hit[s:e],
+                         spec.kind, float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay),
+                         labels, grad)
+            if need_x:
+                torch.mm(logits, weight, out=grad_x[s:e])
+            if need_w:
+                if single:
+                    grad_w = logits.t() @ x_c
+                elif weight.dtype == torch.float32:
+                    grad_w.addmm_(logits.t(), x_c)
+                else:  # fp32 accumulation over chunks of a bf16 / fp16 product
+                    grad_w.add_(logits.t() @ x_c)
+        ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(row_loss, row_hit)
+        return (row_weight * row_loss).sum(), row_loss, row_hit
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_distill: backward through the same call twice (its gradients are "
+                               "freed by the first backward; retain_graph is not supported)")
+        grad_x, grad_w = ctx.grads
+        ctx.grads = None
+        grad_x = None if grad_x is None else grad_x.mul_(grad_loss)
+        grad_w = None if grad_w is None else grad_w.mul_(grad_loss)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
+def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
+                         row_weight: torch.Tensor, spec: LossSpec | None = None, labels: bool = False,
+                         chunk_rows: int | None = None) -> DistillOut:
+    """``chunked_distill(x, lambda h: F.linear(h, weight), teacher, teacher_index, row_weight, spec,
+    chunk_rows, labels)`` fused: per chunk of rows one matmul for the logits, the row kernel (loss,
+    hit, ``dD/dlogits`` in place) and, when gradients are needed, two matmuls for the gradients of
+    ``x`` and ``weight``. No ``(M, V)`` tensor exists; the largest is one ``(C, V)`` buffer.
+
+    Gradients are computed in forward and scaled in backward, so the call must not be recomputed by
+    activation checkpointing (it needs none: nothing ``(C, V)`` is kept); inside a checkpointed
+    region its gradients are kept, not recomputed. One backward per call (no ``retain_graph``).
+    Does not check the device (:func:`fused_loss_available` does): CPU tensors run when Triton was
+    imported under its interpreter (the tests). Reads no tensor on the host.
+
+    Under autocast (``x``'s device type) the matmuls run in the autocast dtype (``x`` and ``weight``
+    cast to it, differentiably); otherwise in ``x``'s dtype.
+
+    Args:
+        x: ``(M, H)`` normed draft rows (bf16 / fp16 / fp32), usually with grad.
+        weight: ``(V, H)`` the draft ``lm_head`` weight, same dtype as ``x``, with or without grad.
+        teacher: ``(N, V)`` target logits over the draft vocab (bf16 / fp16 / fp32, read in place
+            and computed in fp32; ``p = softmax(teacher / spec.target_temperature)``), or with
+            ``labels`` ``(N,)`` int token ids (ids outside ``[0, V)``, e.g. -100, are ignored:
+            loss, gradient and hit 0).
+        teacher_index: ``(M,)`` int64, the ``teacher`` row of each row of ``x``.
+        row_weight: ``(M,)`` float, the weight of each row's loss (0: not trained).
+        spec: the divergence (:class:`~draftsmith.train.losses.LossSpec`); None: forward KL.
+            Ignored with ``labels``.
+        labels: ``teacher`` holds token ids: cross-entropy.
+        chunk_rows: rows per chunk; default :func:`fused_chunk_rows` (one 256 MiB logits buffer).
+
+    Returns:
+        :class:`~draftsmith.train.losses.DistillOut`: ``loss_sum`` scalar fp32 ``sum_m w_m D_m``
+        (with grad to ``x`` / ``weight``), ``row_loss (M,)`` fp32 nats and ``row_hit (M,)`` fp32,
+        both detached. M = 0: ``loss_sum`` is ``F.linear(x, weight).sum() * 0`` (a graph to both).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, or an unknown ``spec.kind``.
+        RuntimeError: Triton is not importable, or CPU tensors without Triton's interpreter.
+    """
+    spec = spec or LossSpec()
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x (M, H) and weight (V, H) expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    M, V = x.shape[0], weight.shape[0]
+    if (teacher.dim() != 1) if labels else (teacher.dim() != 2 or teacher.shape[1] != V):
+        want = "(N,) token ids" if labels else f"(N, {V}) logits"
+        raise ValueError(f"teacher: {want} expected, got {tuple(teacher.shape)}")
+    if tuple(teacher_index.shape) != (M,) or tuple(row_weight.shape) != (M,):
+        raise ValueError(f"teacher_index and row_weight: ({M},) expected, got {tuple(teacher_index.shape)} and "
+                         f"{tuple(row_weight.shape)}")
+    if not labels and spec.kind not in KINDS:
+        raise ValueError(f"unknown loss {spec.kind!r}: one of {', '.join(KINDS)}")
+    devices = {t.device for t in (x, weight, teacher, teacher_index, row_weight)}
+    if len(devices) != 1:
+        raise ValueError(f"x, weight, teacher, teacher_index and row_weight on one device expected, got {devices}")
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        x, weight = x.to(dtype), weight.to(dtype)
+    if x.dtype != weight.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"x and weight of one dtype among bf16 / fp16 / fp32 expected, got {x.dtype} and {weight.dtype}")
+    if M == 0:  # the zero loss, whose graph reaches x and weight (DDP / FSDP see the weight used)
+        empty = x.new_zeros(0, dtype=torch.float32)
+        return DistillOut(F.linear(x, weight).float().sum() * 0.0, empty, empty)
+    grad = torch.is_grad_enabled()
+    need_x, need_w = grad and x.requires_grad, grad and weight.requires_grad
+    if teacher.stride(-1) != 1:
+        teacher = teacher.contiguous()
+    rows = fused_chunk_rows(V, x.dtype, chunk_rows)
+    with torch.autocast(kind, enabled=False):
+        loss_sum, row_loss, row_hit = _FusedLinearDistill.apply(
+            x, weight, teacher, teacher_index.contiguous(), row_weight.float().contiguous(), spec, labels, rows,
+            need_x, need_w)
+    return DistillOut(loss_sum, row_loss, row_hit)
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "KINDS", "fused_chunk_rows", "fused_linear_distill", "fused_loss_available",
+           "interpreted"]
