@@ -7,7 +7,7 @@ RECIPE ?= recipes/smollm2_135m.yaml
 RUN ?= runs/smollm2_135m
 DEMO_ARGS ?=
 
-.PHONY: install demo test test-fast bench bench-regenerate bench-gpu bench-muon clean
+.PHONY: install demo test test-fast bench bench-regenerate bench-gpu bench-muon bench-step clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,14 @@ bench-gpu:
 BENCH_MUON_ARGS ?=
 bench-muon: install
 	$(BIN)/python -m benchmarks.muon $(BENCH_MUON_ARGS)
+
+# the GPU efficiency of a recipe's training step without a GPU: its ops (kernel launches), matmul
+# FLOPs, bytes and a roofline step time on an H100 SXM / H200, counted under fake tensors
+# (docs/bench_step.md); STEP_RECIPE / BENCH_STEP_ARGS pick the recipe and e.g. --attention flex
+STEP_RECIPE ?= recipes/gptoss120b.yaml
+BENCH_STEP_ARGS ?=
+bench-step: install
+	$(BIN)/python -m benchmarks.step $(STEP_RECIPE) $(BENCH_STEP_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

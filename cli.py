@@ -216,6 +216,7 @@ def recipe_command(argv: list[str]) -> int:
 # benchmarks/ folder (outside the installed package; modules imported on use only)
 BENCHES: dict[str, str] = {
     "memory": "peak training memory of the recipe's step beside the dry run's estimate (fake tensors: any machine)",
+    "step": "ops, matmul FLOPs, bytes and an H100 / H200 roofline time of the recipe's step (fake tensors: any machine)",
     "gpu": "the real training step on a GPU: tok/s, MFU, CUDA peak memory; the target's capture",
     "hidden-states": "hidden-state capture throughput and the capture's host memory",
     "regenerate": "regeneration tok/s per engine (in-process, vLLM offline, vLLM server)",
