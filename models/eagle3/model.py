@@ -517,8 +517,12 @@ class Eagle3DraftModel(TargetSharedDraft):
         """
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        layer = self.layers[0]
-        h, kv = layer(embeds, hidden, cos, sin, tuple(cache), mask)
+        return self._step(embeds, hidden, cos, sin, cache, mask)
+
+    def _step(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cache: list[tuple[torch.Tensor, torch.Tensor]], mask: TTTMask | None) -> torch.Tensor:
+        """:meth:`step` from the step's embeddings ``(B, T, H)`` and RoPE ``cos`` / ``sin`` ``(B, T, hd)``."""
+        h, kv = self.layers[0](embeds, hidden, cos, sin, tuple(cache), mask)
         cache.append(kv)
         return h
 
@@ -599,15 +603,22 @@ class Eagle3DraftModel(TargetSharedDraft):
             base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         mask = TTTMask.build(T, ttt_steps, input_ids.device, document_ids,
                              resolve_attention_backend(self.attention_backend, input_ids.device))
+        # once per unroll, not per step: the embeddings of x_1 .. x_{T+K-1} (0 past the end, as
+        # shift_left pads) and the RoPE angles of positions p + k for every step k; step k reads
+        # views of them (fewer launches: one embedding, one cast and one RoPE table per forward)
+        ids = F.pad(input_ids[:, 1:], (0, ttt_steps))  # (B, T - 1 + K)
+        embeds_all = F.embedding(ids, self.embed_tokens).to(hidden.dtype)  # (B, T - 1 + K, H)
+        steps_pos = (base_pos.unsqueeze(1) + torch.arange(ttt_steps, device=input_ids.device)[:, None])  # (B, K, T)
+        cos_all, sin_all = self.rotary_emb(hidden, steps_pos.flatten(1))  # (B, K*T, hd)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         outputs = []
         for k in range(ttt_steps):
             # x_{t+k+1}; near a packed document's end this is the next document's token: only
             # positions whose prediction is masked out (ttt_prediction_mask) ever read it
-            ids_k = shift_left(input_ids, k + 1)
             if k > 0:
                 hidden = self.next_hidden(hidden)  # what step k reads of step k - 1's output
-            hidden = self.step(ids_k, hidden, base_pos + k, cache, mask)
+            rope = slice(k * T, (k + 1) * T)
+            hidden = self._step(embeds_all[:, k:k + T], hidden, cos_all[:, rope], sin_all[:, rope], cache, mask)
             if step_head is not None:
                 outputs.append(step_head(k, hidden, self.compute_logits))
             elif loss_mask is None:
