@@ -62,7 +62,7 @@ kernels, then ``gemm_eff`` / ``sdpa_eff`` / ``flex_eff`` so that those classes m
 :data:`H200_MEASURED` holds the wall step times measured on the H200 (torch 2.11,
 ``benchmarks.gpu``); a recipe found there at its own ``B x T`` prints its measurement beside the
 estimate when the counted step is the one measured (the chunked loss, eager layers:
-``--set train.fused_loss=false --set train.compile=false`` where the checkout has those keys).
+``--set train.fused_loss=false --set train.compile=false --set train.packing=false`` where the checkout has those keys).
 Host-side time is not modelled: the H200 step of gptoss120b was GPU-bound.
 
 The exit code is 0; 1 on a bad target config / length / launcher; 2 on a bad recipe.
@@ -123,7 +123,7 @@ class Constants:
 
 
 # from `python -m benchmarks.step --calibrate` (docs/bench_step.md, "Calibration")
-FITTED = Constants(launch_us=7.44, mem_eff=0.8, gemm_eff=0.779, sdpa_eff=0.274, flex_eff=0.061)
+FITTED = Constants(launch_us=7.76, mem_eff=0.8, gemm_eff=0.781, sdpa_eff=0.274, flex_eff=0.103)
 
 # H200, torch 2.11, benchmarks.gpu: random weights, every position real, the recipe's B x T.
 # (recipe name, attention, B, T) -> ms per step (wall, CUDA events over 10 steps)
@@ -555,6 +555,59 @@ def cuda_sdpa_policy() -> Iterator[None]:
         F.scaled_dot_product_attention = saved
 
 
+@torch.library.custom_op("draftsmith_bench::fused_rms_norm", mutates_args=())
+def _fused_rms_norm(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's ``aten::_fused_rms_norm`` (normed ``x``, fp32 ``rstd (..., 1)``) as one op a CPU
+    counts: torch's CPU build decomposes ``rms_norm`` into ~7 ops forward and ~12 backward."""
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * rstd).to(x.dtype), rstd
+
+
+@_fused_rms_norm.register_fake
+def _(x, eps):
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("draftsmith_bench::fused_rms_norm_backward", mutates_args=())
+def _fused_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """CUDA's ``aten::_fused_rms_norm_backward`` for the input (the weight is applied outside)."""
+    xf, g = x.float(), grad.float()
+    n = xf * rstd
+    return (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
+
+
+@_fused_rms_norm_backward.register_fake
+def _(grad, x, rstd):
+    return torch.empty_like(x)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+
+
+def _rms_norm_grad(ctx, grad, _grad_rstd):
+    x, rstd = ctx.saved_tensors
+    return _fused_rms_norm_backward(grad, x, rstd), None
+
+
+_fused_rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+@contextlib.contextmanager
+def cuda_rms_norm_policy() -> Iterator[None]:
+    """While active, the drafts' RMSNorm (:func:`draftsmith.models.common.rms_normalize`) is one op
+    forward and one backward, as CUDA runs ``rms_norm`` (``aten::_fused_rms_norm`` and its backward,
+    reading the input and the fp32 ``rstd``), instead of the CPU's decomposition."""
+    from draftsmith.models import common
+
+    saved = common.rms_normalize
+    common.rms_normalize = lambda x, eps: _fused_rms_norm(x, float(eps))[0]
+    try:
+        yield
+    finally:
+        common.rms_normalize = saved
+
+
 @contextlib.contextmanager
 def cuda_foreach_policy() -> Iterator[None]:
     """While active, gradient clipping takes the foreach kernels it takes on CUDA (fake tensors are
@@ -673,7 +726,8 @@ def cuda_backend(backend: str) -> str:
     return resolve_attention_backend(backend, torch.device("cuda"))
 
 
-def count_step(recipe: Any, config_json: dict[str, Any], precision: Precision, seed: int = 0) -> StepCount:
+def count_step(recipe: Any, config_json: dict[str, Any], precision: Precision, seed: int = 0,
+               fused_norm: bool = True) -> StepCount:
     """Build the recipe's method and draft under fake tensors, run two trainer steps on a random
     batch shaped like the real one and count the second (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -692,6 +746,8 @@ def count_step(recipe: Any, config_json: dict[str, Any], precision: Precision, s
         ctx.enter_context(cuda_attention_policy())
         ctx.enter_context(cuda_sdpa_policy())
         ctx.enter_context(cuda_foreach_policy())
+        if fused_norm:  # today's RMSNorm on CUDA; the H200-measured code ran transformers' written-out one
+            ctx.enter_context(cuda_rms_norm_policy())
         ctx.enter_context(fake_flex_policy(counter))
         ctx.enter_context(fused_loss_setting(recipe))
         head_dtype = getattr(torch, recipe.target.dtype)
@@ -863,7 +919,7 @@ def measure(recipe: Any, config_json: dict[str, Any], source: str, launch: Any, 
     object ``--json`` prints."""
     B, T = recipe.train.batch_size, recipe.data.max_length
     attention = getattr(recipe.train, "attention_backend", "sdpa")
-    count = count_step(recipe, config_json, precision)
+    count = count_step(recipe, config_json, precision, fused_norm=not is_as_measured(recipe))
     return report(recipe, count, attention, B, T, source, launch, precision, constants)
 
 
@@ -912,7 +968,7 @@ def report(recipe: Any, count: StepCount, attention: str, B: int, T: int, source
                                               "argmaxes per chunk of rows, recomputed in backward)")
     if H200_MEASURED.get(key) is not None and not as_measured:
         notes.append(f"the H200 measurement of this recipe ({H200_MEASURED[key]} ms) is of the chunked loss and eager "
-                     "decoder layers: count that step with --set train.fused_loss=false --set train.compile=false")
+                     "decoder layers: count that step with --set train.fused_loss=false --set train.compile=false --set train.packing=false")
     elif measured is None:
         notes.append("no H200 measurement of this recipe / attention / B x T in the table")
     regions = []
@@ -999,11 +1055,18 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def as_measured(recipe: Any) -> None:
-    """Set ``recipe`` to the step the H200 figures were measured on: the chunked torch loss and
-    eager decoder layers (``train.fused_loss`` / ``train.compile`` false, where the checkout has them)."""
-    for key in ("fused_loss", "compile"):
+    """Set ``recipe`` to the step the H200 figures were measured on: the chunked torch loss, eager
+    decoder layers and unpacked rows (``train.fused_loss`` / ``train.compile`` / ``train.packing``
+    false, where the checkout has them); :func:`count_step` then also counts RMSNorm written out
+    (``fused_norm=False``), as the measured code's transformers ``LlamaRMSNorm`` ran."""
+    for key in ("fused_loss", "compile", "packing"):
         if hasattr(recipe.train, key):
             setattr(recipe.train, key, False)
+
+
+def is_as_measured(recipe: Any) -> bool:
+    """Whether ``recipe`` asks for the measured step's loss and layers (:func:`as_measured`)."""
+    return getattr(recipe.train, "fused_loss", False) is False and getattr(recipe.train, "compile", False) is False
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
@@ -1017,7 +1080,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         recipe, config_json, source, launch = load(name, [], ns)
         as_measured(recipe)
         precision = Precision.of(launch, args.precision)
-        count = count_step(recipe, config_json, precision)
+        count = count_step(recipe, config_json, precision, fused_norm=False)
         runs.append((count, attention, H200_PROFILE[(name, attention, B, T)]))
         reports[attention] = (recipe, count, source, launch, precision)
     fitted = fit_constants(runs)

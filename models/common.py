@@ -54,8 +54,14 @@ class RMSNorm(LlamaRMSNorm):
     """
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, self.variance_epsilon)
-        return self.weight * normed
+        return self.weight * rms_normalize(hidden_states, self.variance_epsilon)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps)`` over the last dim, computed in float32, returned in ``x``'s
+    dtype (``F.rms_norm`` without a weight). A module-level function so that ``draftsmith bench
+    step`` can count CUDA's fused kernel in its place on a CPU."""
+    return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def resolve_compile(setting: str | bool, device: torch.device) -> bool:
