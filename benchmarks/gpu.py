@@ -1,7 +1,8 @@
 """GPU benchmark of the real training step of EAGLE-3 (and 3.1), DFlash, P-EAGLE and DSpark at each recipe's geometry.
 
     python -m benchmarks.gpu [--recipes R [R ...]] [--backends sdpa flex] [--steps 10]
-        [--warmup 3] [--batch-size B] [--max-length T] [--set KEY=VALUE ...] [--out bench_gpu.json]
+        [--warmup 3] [--batch-size B] [--max-length T] [--lengths default|full|RUN_DIR]
+        [--set KEY=VALUE ...] [--profile] [--out bench_gpu.json]
     python -m benchmarks.gpu --tiny --device cpu --steps 1 --warmup 0   # the same code on a CPU
 
 For every recipe (a name under ``recipes/`` or a YAML path; default: the Llama-3.1-8B
@@ -83,6 +84,11 @@ device (not gpt-oss-120b): ``target plain forward`` (logits over the full vocab)
 and ``capture`` (:func:`~draftsmith.data_prep.capture.capture_batch`: the decoder with hooks on
 the aux layers), all under ``no_grad``; FLOPs ``2 * P_decoder * B*T`` plus causal attention
 ``4 * d * T (T + 1) / 2`` per layer and row, plus ``2 * P_lm_head * B*T`` for the plain forward.
+
+``--profile``: ``--steps`` more steps under ``torch.profiler`` per row, and per step the kernel time
+and count by class (:func:`kernel_class`: gemm, attention, copy/cast, elementwise, softmax/loss,
+reductions, optimizer; CUDA kernels on a GPU, the aten ops' time on a CPU) beside the host's time
+per step: where the GPU time goes, and whether launches or Python are on the critical path.
 
 Output: a table on stdout and, with ``--out``, one JSON object (``environment``, ``settings``,
 ``rows``, ``capture``). Exit 0; 1 when a row failed (its ``error`` is recorded, the other rows
@@ -290,6 +296,61 @@ def free_memory(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+KERNEL_CLASSES = (  # (class, substrings of a kernel / op name), first match wins; the rest is elementwise
+    ("attention", ("flash", "fmha", "flex", "attention", "attn", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul", "sm90_xmma")),
+    ("softmax/loss", ("softmax", "distill_rows", "cross_entropy", "nll_loss", "logsumexp")),
+    ("reductions", ("reduce", "argmax", "argmin", "aten::sum", "aten::mean", "norm_kernel", "aten::max", "aten::min")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach", "muon")),
+    ("copy/cast", ("copy", "cast", "aten::to", "aten::cat", "catarray", "index", "gather", "scatter", "clone")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class of a profiled kernel (CUDA) or op (CPU) by its name (:data:`KERNEL_CLASSES`)."""
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "elementwise"
+
+
+def profile_steps(step: Callable[[int], Any], steps: int, dev: torch.device, first: int) -> dict[str, Any]:
+    """``steps`` more steps under ``torch.profiler``: per step, kernel time (CUDA kernels on a GPU;
+    the CPU's aten ops' self time elsewhere) and kernel count by :func:`kernel_class`, and the
+    host's total time per step. The table the H200 profile of the landed code was read from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    synchronize(dev)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(first + i)
+        synchronize(dev)
+    host = (time.perf_counter() - t0) / steps
+    classes: dict[str, dict[str, float]] = {}
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        else:
+            if not e.name.startswith("aten::") or e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
+                continue  # top-level aten ops only (their children are counted in them)
+            us = e.cpu_time_total
+        row = classes.setdefault(kernel_class(e.name), {"ms": 0.0, "kernels": 0})
+        row["ms"] += us / 1e3 / steps
+        row["kernels"] += 1 / steps
+    total = sum(r["ms"] for r in classes.values())
+    return {"device_ms_per_step": total, "host_ms_per_step": 1e3 * host,
+            "kernels_per_step": sum(r["kernels"] for r in classes.values()),
+            "classes": {k: {"ms": v["ms"], "share": v["ms"] / total if total else 0.0, "kernels": v["kernels"]}
+                        for k, v in sorted(classes.items(), key=lambda kv: -kv[1]["ms"])},
+            "what": "CUDA kernel time" if cuda else "CPU aten op time (top-level ops)"}
+
+
 def time_steps(step: Callable[[int], Any], steps: int, warmup: int, dev: torch.device, first: int = 0
                ) -> tuple[float, dict[str, int | None]]:
     """Run ``step(i)`` for ``warmup`` untimed then ``steps`` timed steps, numbered from ``first``;
@@ -387,7 +448,8 @@ def load_bench_recipe(name: str, sets: list[str], args: argparse.Namespace) -> t
 
 def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev: torch.device, steps: int,
                    warmup: int, count_executed: bool = True, seed: int = 0,
-                   rows: list[list[int]] | None = None, length: int | None = None) -> dict[str, Any]:
+                   rows: list[list[int]] | None = None, length: int | None = None,
+                   profile: bool = False) -> dict[str, Any]:
     """Build the recipe's method, draft, optimizer and a random batch on ``dev`` and time
     ``steps`` training steps after ``warmup`` (module docstring). ``rows`` / ``length``: the
     batch's documents per row and its padded length (:func:`benchmarks.lengths.trainer_rows`);
@@ -414,6 +476,7 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
             update()
 
         seconds, mem = time_steps(step, steps, warmup, dev)
+        profiled = profile_steps(step, steps, dev, warmup + steps + 1) if profile else None
         counted = None
         if count_executed and cfg.attention_backend == "sdpa":
             from torch.utils.flop_counter import FlopCounterMode
@@ -427,7 +490,7 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
         n_trainable = sum(p.numel() for p in trainable)
         values = {k: float(v) for k, v in window.read(OneProcess(dev))[0].items() if k in ("loss", "grad_norm")}
     return {"seconds": seconds, "memory": mem, "flops": flops, "counted_flops": counted,
-            "trainable_parameters": n_trainable, "metrics": values}
+            "trainable_parameters": n_trainable, "metrics": values, "profile": profiled}
 
 
 def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precision: Any) -> dict[str, Any]:
@@ -467,7 +530,7 @@ def training_row(name: str, recipe: Any, source: str, launch: Any, precision: An
     print(f"  {name} ({r.draft.method}, {backend}, {B} x {T}) ...", file=sys.stderr, flush=True)
     try:
         m = bench_training(r, config_json, precision, dev, args.steps, args.warmup, not args.no_flop_count,
-                           rows=docs, length=T)
+                           rows=docs, length=T, profile=getattr(args, "profile", False))
     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run (one booked GPU)
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"    failed: {row['error']}", file=sys.stderr, flush=True)
@@ -489,6 +552,7 @@ def training_row(name: str, recipe: Any, source: str, launch: Any, precision: An
         cuda_max_reserved=mem["max_reserved"],
         fake_process_peak=None if fake is None else fake["process_peak"],
         fake_per_gpu=None if fake is None else fake["per_gpu"],
+        profile=m["profile"],
     )
     if fake is not None and mem["max_allocated"] is not None:
         row["cuda_vs_fake"] = mem["max_allocated"] / fake["process_peak"]
@@ -696,6 +760,16 @@ def format_table(result: dict[str, Any]) -> str:
     lines += ["", "TFLOP/step credited: the draft's matmuls and attention at its masked work, the teacher head; no "
               "recomputation (module docstring). fake = bench memory's FakeTensorMode peak of the same step (SDPA, "
               "one process); per GPU = max alloc with the launcher's sharding of the trainable state applied."]
+    for r in result["rows"]:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines += ["", f"profile of {r['recipe']} ({r['attention_backend']}): {prof['what']} "
+                  f"{prof['device_ms_per_step']:.1f} ms/step over {prof['kernels_per_step']:,.0f} kernels, "
+                  f"host {prof['host_ms_per_step']:.1f} ms/step",
+                  "| class | ms/step | share | kernels/step |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['ms']:.1f} | {100 * v['share']:.1f}% | {v['kernels']:,.0f} |"
+                  for k, v in prof["classes"].items()]
     for c in result["capture"]:
         lines += ["", f"capture, target {c['target']} ({c['dtype']}, {c['batch_size']} x {c['max_length']}, "
                   f"{c.get('target_params', 0) / 1e9:.2f}B parameters)"
@@ -753,6 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip bench memory's FakeTensorMode reference (about 10 s per GPU recipe)")
     p.add_argument("--no-flop-count", action="store_true",
                    help="skip torch's FLOP counter over one extra SDPA step (counted_tflop_per_step)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, --steps more under torch.profiler: kernel time and count per step by "
+                        "class (gemm, attention, copy/cast, elementwise, softmax/loss, reductions, optimizer) and the "
+                        "host's time per step (CUDA kernels on a GPU; aten op time on a CPU)")
     p.add_argument("--out", type=Path, help="write the results as one JSON file")
     return p
 
