@@ -456,15 +456,18 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
     None: every position real. Returns the row's measurements."""
     from benchmarks.memory import (OneProcess, _device_batch, offline_method, prepare_model, random_batch,
                                    random_weights, trainer_step)
+    from draftsmith.models.common import compile_regions, resolve_compile
 
     torch.manual_seed(seed)
     cfg = recipe.train
-    if cfg.attention_backend == "flex":
-        torch._dynamo.reset()  # each row compiles its own flex kernels, for its shapes (static: one length)
+    if cfg.attention_backend == "flex" or resolve_compile(cfg.compile, dev):
+        torch._dynamo.reset()  # each row compiles its own kernels (flex, train.compile's regions) for its shapes
     with offline_method(recipe, config_json, getattr(torch, recipe.target.dtype), random_weights) as method:
         H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
         n_aux = len(method.target_info["aux_layer_ids"])
         model, trainable, optimizers = prepare_model(method, recipe, precision, dev)
+        if resolve_compile(cfg.compile, dev):  # as the trainer does (train.compile; auto: on CUDA)
+            compile_regions(model)
         plan = method.batch_plan() if hasattr(method, "batch_plan") else None
         batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed, rows=rows, length=length),
                               plan, dev, None, fake=False)
