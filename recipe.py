@@ -288,12 +288,6 @@ class MLPSpeculatorDraftConfig(_HeadsSection):
             raise ValueError("tie_weights needs n_predict >= 2")
         return self
 
-    def check_recipe(self, recipe: "Recipe") -> None:
-        if recipe.train.packing and self.stage2_start_step is not None:
-            # stage 2 continues one prompt per row; a packed row holds several
-            raise ValueError("train.packing cannot be combined with draft.stage2_start_step "
-                             "(stage 2 generates from one prompt per row); set one of them")
-
 
 class DFlashDraftConfig(_DraftVocabSection):
     """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style

@@ -57,11 +57,12 @@ class MLPSpeculatorMethod(HeadMethod):
 
     @torch.no_grad()
     def generate_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stage 2: the target continues each row's prompt; returns ``input_ids``, ``loss_mask``
-        (1 on generated tokens, up to and including end-of-sequence), ``attention_mask``
-        (right-padded, ``(B, P + N)``) and ``final_hidden_states (B, P + N, H)``."""
+        """Stage 2: the target continues each sequence's prompt (a packed row's every document:
+        :func:`sequences`); returns ``input_ids``, ``loss_mask`` (1 on generated tokens, up to and
+        including end-of-sequence), ``attention_mask`` (right-padded, ``(S, P + N)`` for S sequences)
+        and ``final_hidden_states (S, P + N, H)``: one unpacked row per sequence."""
         cfg = self.recipe.draft
-        ids, mask, att = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        ids, mask, att = sequences(batch)
         B = ids.shape[0]
         # prompt = everything before the first assistant token (rows without one: the whole row)
         has_reply = mask.bool().any(1)
@@ -111,3 +112,27 @@ class MLPSpeculatorMethod(HeadMethod):
 
     def draft_config(self) -> dict[str, Any]:
         return self.config.to_dict()
+
+
+def sequences(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, loss_mask, attention_mask)`` with one row per sequence of ``batch``: its rows,
+    or with ``document_ids`` (packed rows, ``train.packing``) each document of each row, in row
+    order, right-padded. Reads the document ids on the host (stage 2 reads its generations anyway)."""
+    docs = batch.get("document_ids")
+    ids, mask, att = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    if docs is None:
+        return ids, mask, att
+    spans = []
+    for b, row in enumerate(docs.tolist()):
+        start = 0
+        for j in range(1, len(row) + 1):
+            if j == len(row) or row[j] != row[start]:
+                if row[start] >= 0:
+                    spans.append((b, start, j))
+                start = j
+    L = max(e - s for _, s, e in spans)
+    out = [t.new_zeros((len(spans), L)) for t in (ids, mask, att)]
+    for i, (b, s, e) in enumerate(spans):
+        for o, t in zip(out, (ids, mask, att)):
+            o[i, : e - s] = t[b, s:e]
+    return out[0], out[1], out[2]

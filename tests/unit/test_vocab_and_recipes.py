@@ -113,15 +113,12 @@ def test_a_training_key_that_moved_to_the_draft_section_names_its_new_place(tmp_
 
 @pytest.mark.parametrize("recipe_file,overrides,message", [
     ("smollm2_135m_medusa.yaml", ["draft.gradient_checkpointing=true"], "draft.gradient_checkpointing.*eagle3 / dflash / peagle"),
-    ("smollm2_135m_mlp_speculator.yaml", ["train.packing=true"], "cannot be combined with draft.stage2_start_step"),
 ])
 def test_settings_that_the_method_cannot_honour_are_refused(recipe_file, overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(RECIPE_DIR / recipe_file, overrides)
-    # without the conflicting key the recipe is fine, and stage 1 alone packs
+    # without the conflicting key the recipe is fine
     load_recipe(RECIPE_DIR / recipe_file)
-    load_recipe(RECIPE_DIR / "smollm2_135m_mlp_speculator.yaml",
-                ["train.packing=true", "draft.stage2_start_step=null"])
 
 
 def test_draft_section_is_the_methods_own_keys():
@@ -158,11 +155,10 @@ def test_a_resolved_recipe_dump_loads_back_equal(tmp_path):
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_gpu_recipe_packs_and_picks_its_attention_kernel_by_device(path, shipped_recipes):
     """A GPU recipe's regenerated chat conversations are mostly far shorter than data.max_length:
-    unpacked, most of each row would be padding the step still computes. The one exception is the
-    MLP speculator, whose stage 2 generates from one prompt per row (refused with packing above)."""
+    unpacked, most of each row would be padding the step still computes (the MLP speculator's
+    stage 2 generates from each packed document's prompt)."""
     recipe = shipped_recipes[path.stem]
     assert recipe.train.attention_backend == "auto"
     if path.stem.startswith("smollm2_135m"):  # the CPU lab recipes
         return
-    stage2 = getattr(recipe.draft, "stage2_start_step", None) is not None
-    assert recipe.train.packing is not stage2
+    assert recipe.train.packing
