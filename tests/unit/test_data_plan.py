@@ -125,10 +125,10 @@ def test_prepare_dry_run_prints_the_plan(capsys, tmp_path):
 def test_online_mode_with_a_target_beside_the_draft_is_refused_with_the_figures():
     from draftsmith.train.dry_run import MemoryBudgetError, check_fits, dry_run
 
-    report = dry_run(load_recipe(RECIPES / "gptoss120b.yaml", ["data.hidden_states_mode=online"]))
+    report = dry_run(load_recipe(RECIPES / "gptoss120b.yaml", ["data.hidden_states_mode=online", "train.packing=false"]))
     with pytest.raises(MemoryBudgetError, match=r"online.*GiB of target weights.*80 GiB"):
         check_fits(report, 80)
-    check_fits(dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.hidden_states_mode=online"])), 80)
+    check_fits(dry_run(load_recipe(RECIPES / "llama3_1_8b.yaml", ["data.hidden_states_mode=online", "train.packing=false"])), 80)
 
 
 def test_each_local_rank_is_bound_to_its_own_device():
@@ -217,7 +217,7 @@ def test_an_online_run_on_a_gpu_is_refused_before_any_rank_loads_the_target(monk
     paths.target_info.write_text(json.dumps({"path": str(target)}))
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr(plan_mod, "gpu_memory_gib", lambda: 80.0)
-    online = load_recipe(RECIPES / "gptoss120b.yaml", ["data.hidden_states_mode=online"])
+    online = load_recipe(RECIPES / "gptoss120b.yaml", ["data.hidden_states_mode=online", "train.packing=false"])
     with pytest.raises(MemoryBudgetError, match=r"217\.5 GiB of target weights"):
         check_online_target_fits(online, tmp_path / "run")
     check_online_target_fits(load_recipe(RECIPES / "gptoss120b.yaml"), tmp_path / "run")  # offline: no check
