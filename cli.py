@@ -221,6 +221,7 @@ BENCHES: dict[str, str] = {
     "hidden-states": "hidden-state capture throughput and the capture's host memory",
     "regenerate": "regeneration tok/s per engine (in-process, vLLM offline, vLLM server)",
     "data-memory": "host memory of the training data loader per rank",
+    "muon": "the training step's time with Muon (its Newton-Schulz dtype) against AdamW, interleaved",
 }
 
 

@@ -6,7 +6,10 @@ installed package: they ship with the repository, not the wheel. Run them from a
 - :mod:`.gpu`: the real training step on a GPU (tok/s, MFU, CUDA peak memory) and the capture;
 - :mod:`.hidden_states`: hidden-state capture throughput and the capture's host memory;
 - :mod:`.regenerate`: regeneration tok/s per engine;
-- :mod:`.data_memory`: host memory of the training data loader per rank.
+- :mod:`.data_memory`: host memory of the training data loader per rank;
+- :mod:`.step`: ops, FLOPs, bytes and a roofline GPU time of a recipe's step (fake tensors);
+- :mod:`.lengths`: the sequence lengths the training benchmarks batch (a run's data, or a default);
+- :mod:`.muon`: the training step's time with Muon against AdamW.
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.muon", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from draftsmith.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.muon", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--recipe", default="smollm2_135m", help="a recipe name under recipes/ or a YAML path")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override (repeatable)")
     p.add_argument("--batch-size", type=int, help="micro-batch B (default: the recipe's train.batch_size)")
