@@ -551,20 +551,17 @@ def random_batch(recipe: Any, H: int, V: int, n_aux: int, fake: bool, seed: int 
             batch["position_ids"] = torch.where(pos < half, pos, pos - half).expand(B, T).clone()
             batch["document_ids"] = (pos >= half).long().expand(B, T).clone()
         batch["attention_mask"] = torch.ones(B, T, dtype=torch.long)
-    else:
-        real = torch.zeros(B, T, dtype=torch.long)
-        position_ids, document_ids = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1, dtype=torch.long)
-        for b, docs in enumerate(rows):
-            start = 0
-            for j, n in enumerate(docs):
-                position_ids[b, start:start + n] = torch.arange(n)
-                document_ids[b, start:start + n] = j
-                start += n
-            real[b, :start] = 1
-        batch["loss_mask"] = real.clone()
+    else:  # the trainer's collation of the documents' token counts (masks, positions, document ids)
+        from draftsmith.train.data import collate
+        from draftsmith.train.packing import collate_packed
+
+        docs = [[{"input_ids": torch.zeros(n, dtype=torch.long)} for n in row] for row in rows]
+        pad = lambda longest: T  # noqa: E731
+        shape = collate_packed(docs, pad) if packing else collate([row[0] for row in docs], pad)
+        batch["loss_mask"] = shape["attention_mask"].clone()
         if packing:
-            batch["position_ids"], batch["document_ids"] = position_ids, document_ids
-        batch["attention_mask"] = real
+            batch["position_ids"], batch["document_ids"] = shape["position_ids"], shape["document_ids"]
+        batch["attention_mask"] = shape["attention_mask"]
     dtype = HIDDEN_DTYPES[recipe.data.hidden_states_dtype]
     make = torch.empty if fake else (lambda *s, dtype: torch.randn(*s, generator=g).to(dtype))
     batch["aux_hidden_states"] = make(B, T, n_aux * H, dtype=dtype)

@@ -131,10 +131,15 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return {"input_ids": torch.from_numpy(ids.astype(np.int64)), "loss_mask": torch.from_numpy(mask.astype(np.int64))}
 
 
-def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def collate(batch: list[dict[str, torch.Tensor]],
+            pad_to: Callable[[int], int] | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a list of sequences into ``(B, T, ...)`` tensors (padding has loss_mask 0) and
-    add ``attention_mask (B, T)``: 1 on real tokens."""
+    add ``attention_mask (B, T)``: 1 on real tokens. T is the longest sequence, or with ``pad_to``
+    ``pad_to(longest)`` (the flex backend's length buckets,
+    :func:`~draftsmith.train.packing.length_bucket`)."""
     T = max(x["input_ids"].shape[0] for x in batch)
+    if pad_to is not None:
+        T = pad_to(T)
     out = {}
     for key in batch[0]:
         ref = batch[0][key]
@@ -163,21 +168,14 @@ class BatchCollator:
             merged into the batch; None: nothing added.
         loss_on_all: ``train.loss_on: all``: ``loss_mask`` becomes ``attention_mask`` (every real
             token is trained, not only the assistant's) before the plan reads it.
-        pad_to: longest row -> the row length to pad the batch to (the flex backend's length
-            buckets, :func:`~draftsmith.train.packing.length_bucket`); None: the longest row.
     """
 
     def __init__(self, base: Callable[[list], dict[str, torch.Tensor]],
-                 plan: Callable[[dict[str, Any]], dict[str, Any]] | None = None, loss_on_all: bool = False,
-                 pad_to: Callable[[int], int] | None = None):
-        self.base, self.plan, self.loss_on_all, self.pad_to = base, plan, loss_on_all, pad_to
+                 plan: Callable[[dict[str, Any]], dict[str, Any]] | None = None, loss_on_all: bool = False):
+        self.base, self.plan, self.loss_on_all = base, plan, loss_on_all
 
     def __call__(self, items: list) -> dict[str, Any]:
         batch: dict[str, Any] = self.base(items)
-        if self.pad_to is not None:
-            from .packing import pad_rows
-
-            batch = pad_rows(batch, self.pad_to(batch["input_ids"].shape[1]))
         if self.loss_on_all:
             batch["loss_mask"] = batch["attention_mask"].to(batch["loss_mask"].dtype)
         batch["num_tokens"] = int(batch["attention_mask"].sum())

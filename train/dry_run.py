@@ -382,9 +382,13 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
     ``(M, H)`` for the rows. None when ``train.fused_loss`` is false (the chunked loss)."""
     if recipe.train.fused_loss is False:
         return None
+    import torch
+
+    from .fused_loss import fused_chunk_rows
+
     V = vocab or s.Vd
-    # fused_loss.fused_chunk_rows without importing torch / triton here: 256 MiB of (C, V) logits
-    C = min(recipe.train.loss_chunk_rows or (256 << 20) // (s.act_bytes * V), max(1, rows_total))
+    dtype = torch.bfloat16 if s.act_bytes == 2 else torch.float32
+    C = min(fused_chunk_rows(V, dtype, recipe.train.loss_chunk_rows), max(1, rows_total))
     # several chunks: the lm_head gradient accumulates in fp32 (beside each chunk's bf16 product)
     accumulate = V * s.H * (4 + (s.act_bytes if s.act_bytes != 4 else 0)) if rows_total > C else 0
     return {"loss_chunk": C * V * s.act_bytes + accumulate,

@@ -240,9 +240,8 @@ def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: boo
     from .fused_loss import fused_loss_available
 
     head = _fused_head(logits_fn)
-    device = torch.device("cuda") if fused_device_ok(hidden.device) else hidden.device
     ok, why = (False, "the draft's logits are not lm_head(norm(h)) with a bias-free lm_head") if head is None else \
-        fused_loss_available(device, hidden.dtype, spec, labels)
+        fused_loss_available(hidden.device, hidden.dtype, spec, labels)
     if ok:
         return head
     if why not in _fused_warned:

@@ -16,7 +16,7 @@ processes, so every rank sees whole packs and the data-parallel equivalence hold
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,8 +94,9 @@ class PackedDataset(torch.utils.data.Dataset):
         return [self.dataset[j] for j in self.packs[i]]
 
 
-def collate_packed(rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Concatenate each row's documents and right-pad the rows (:func:`collate`).
+def collate_packed(rows: list[list[dict[str, torch.Tensor]]],
+                   pad_to: Callable[[int], int] | None = None) -> dict[str, torch.Tensor]:
+    """Concatenate each row's documents and right-pad the rows (:func:`collate`, ``pad_to`` as there).
 
     Returns:
         The keys of the items as ``(B, T, ...)`` tensors, ``attention_mask (B, T)``, and
@@ -109,7 +110,7 @@ def collate_packed(rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch
         row["document_ids"] = torch.cat([torch.full((d["input_ids"].shape[0],), j, dtype=torch.long)
                                          for j, d in enumerate(docs)])
         joined.append(row)
-    out = collate(joined)
+    out = collate(joined, pad_to)
     out["document_ids"] = out["document_ids"].masked_fill(out["attention_mask"] == 0, -1)
     return out
 
@@ -124,8 +125,9 @@ def length_bucket(n: int, max_length: int, packing: bool) -> int:
     (each new shape is a compilation): packed rows are padded to ``max_length`` (``train.pack_tokens``;
     first-fit fills them to within a few tokens of it), unpacked ones to the smallest of
     ``LENGTH_BUCKETS`` lengths ``ceil(max_length * i / LENGTH_BUCKETS)`` (rounded up to a multiple of
-    :data:`BUCKET_MULTIPLE`) that holds them. The padding is masked everywhere (``attention_mask`` 0,
-    ``loss_mask`` 0, ``document_ids`` -1), so the loss and gradients are those of the unpadded batch.
+    :data:`BUCKET_MULTIPLE`) that holds them (:func:`~draftsmith.train.data.collate`'s ``pad_to``).
+    The padding is masked everywhere (``attention_mask`` 0, ``loss_mask`` 0, ``document_ids`` -1), so
+    the loss and gradients are those of the unpadded batch.
 
     Raises:
         ValueError: ``n`` above ``max_length``.
@@ -141,15 +143,3 @@ def length_bucket(n: int, max_length: int, packing: bool) -> int:
             return bucket
     return round_up(max_length)
 
-
-def pad_rows(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """``batch`` (``(B, T, ...)`` tensors from :func:`~draftsmith.train.data.collate` or
-    :func:`collate_packed`) right-padded to ``length`` positions: zeros, ``document_ids`` -1."""
-    T = batch["input_ids"].shape[1]
-    if length <= T:
-        return batch
-    out = {}
-    for key, t in batch.items():
-        pad = t.new_full((t.shape[0], length - T, *t.shape[2:]), -1 if key == "document_ids" else 0)
-        out[key] = torch.cat([t, pad], dim=1)
-    return out

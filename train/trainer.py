@@ -806,7 +806,8 @@ class Trainer:
         self.plan = plan_fn() if callable(plan_fn) else None  # run on CPU batches in the DataLoader workers
         loss_on_all = cfg.loss_on == "all"  # training batches only: validation measures assistant tokens
         pad_to = self._length_buckets()
-        dataset, collate_fn = self.method.dataset(), BatchCollator(collate, self.plan, loss_on_all, pad_to)
+        base = collate if pad_to is None else functools.partial(collate, pad_to=pad_to)
+        dataset, collate_fn = self.method.dataset(), BatchCollator(base, self.plan, loss_on_all)
         self.val_set = None
         shards = isinstance(dataset, ShardReader)
         if shards:  # the training items name their sequence, so a non-finite state names its shard
@@ -823,7 +824,8 @@ class Trainer:
             dataset = SourceTagged(dataset)
         if cfg.packing:  # rows of several sequences; the sampler then batches rows
             dataset = PackedDataset(dataset, cfg.pack_tokens or recipe.data.max_length, recipe.seed)
-            collate_fn = BatchCollator(collate_packed, self.plan, loss_on_all, pad_to)
+            base = collate_packed if pad_to is None else functools.partial(collate_packed, pad_to=pad_to)
+            collate_fn = BatchCollator(base, self.plan, loss_on_all)
         # The sampler shards every global batch across ranks itself (contiguous slices, so P processes
         # with batch b train exactly like one with P*b); the DataLoader is therefore not prepared, and
         # DeepSpeed's micro-batch comes from the recipe (launchers.check_runtime).

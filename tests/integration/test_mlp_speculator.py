@@ -1,9 +1,10 @@
 """IBM MLP speculator: formula and layout, tied weights, prepare -> train (stage 1, then
-stage 2 on target generations) -> export -> reload with identical logits."""
+stage 2 on target generations, also from packed rows) -> export -> reload with identical logits."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
 from draftsmith.models.mlp_speculator.format import load_mlp_speculator
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
+from draftsmith.train.data import collate
+from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod, sequences
+from draftsmith.train.packing import collate_packed
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
@@ -31,8 +34,6 @@ def prepared(tiny_target, tmp_path_factory):
 
 @pytest.mark.integration
 def test_stage1_loss_goes_down_then_export_reproduces_logits(tiny_target, prepared, tmp_path):
-    import shutil
-
     prompts, data_run = prepared
     run = tmp_path / "run"
     shutil.copytree(data_run / "data", run / "data")
@@ -66,8 +67,6 @@ def test_stage1_loss_goes_down_then_export_reproduces_logits(tiny_target, prepar
 
 @pytest.mark.integration
 def test_stage2_trains_on_sequences_the_target_generates(tiny_target, prepared, tmp_path):
-    import shutil
-
     prompts, data_run = prepared
     run = tmp_path / "run"
     shutil.copytree(data_run / "data", run / "data")
@@ -96,8 +95,6 @@ def test_stage2_trains_on_sequences_the_target_generates(tiny_target, prepared, 
 def test_tied_weights_survive_a_resume_exactly(tiny_target, prepared, tmp_path):
     # accelerate's checkpoint stores a tied tensor once; after resuming, the stages must still
     # share one tensor and the run must end where the uninterrupted run ended.
-    import shutil
-
     prompts, prepared_run = prepared
     recipe = mlp_recipe(tiny_target, prompts, tie_weights=True)
     recipe.train.max_steps, recipe.train.checkpoint_every, recipe.train.keep_checkpoints = 6, 3, 3
@@ -134,3 +131,46 @@ def test_tied_weights_survive_a_resume_exactly(tiny_target, prepared, tmp_path):
     logged = {name: [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}  # timing differs
                      for line in (run / "metrics.jsonl").read_text().splitlines()] for name, run in runs.items()}
     assert len(logged["full"]) == 6 and logged["resumed"] == logged["full"]
+
+
+# stage 2 on packed rows (train.packing): every packed document's prompt is continued
+
+
+def test_sequences_of_packed_rows_are_their_documents():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 8, 0, 0, 0]])
+    docs = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 0, 0, -1, -1, -1]])
+    att = (docs >= 0).long()
+    got = sequences({"input_ids": ids, "loss_mask": att, "attention_mask": att, "document_ids": docs})
+    assert got[0].tolist() == [[1, 2, 0], [3, 4, 5], [6, 7, 8]]
+    assert got[2].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
+
+
+@pytest.mark.integration
+def test_stage2_generates_from_every_packed_document_as_from_the_padded_batch(tiny_target, prepared, tmp_path):
+    prompts, data_run = prepared
+    run = tmp_path / "run"
+    shutil.copytree(data_run / "data", run / "data")
+    recipe = mlp_recipe(tiny_target, prompts, stage2_start_step=0, stage2_new_tokens=6, stage2_temperature=0.0)
+    method = MLPSpeculatorMethod(recipe, run)
+    data = method.dataset()
+    items = [data[i] for i in range(3)]
+    packed = method.generate_batch(collate_packed([[items[0], items[1]], [items[2]]]))
+    padded = method.generate_batch(collate(items))
+    assert packed["input_ids"].shape[0] == 3  # one generated row per document
+    for key in ("input_ids", "loss_mask", "attention_mask"):
+        assert torch.equal(packed[key], padded[key]), key
+    torch.testing.assert_close(packed["final_hidden_states"], padded["final_hidden_states"], rtol=0, atol=0)
+    assert int(packed["loss_mask"].sum()) > 0
+
+
+@pytest.mark.integration
+def test_a_packed_run_trains_through_both_stages(tiny_target, prepared, tmp_path):
+    prompts, data_run = prepared
+    run = tmp_path / "run"
+    shutil.copytree(data_run / "data", run / "data")
+    recipe = mlp_recipe(tiny_target, prompts, stage2_start_step=2, stage2_new_tokens=8)
+    recipe.train.packing, recipe.train.max_steps = True, 4
+    fit(recipe, MLPSpeculatorMethod(recipe, run), run, progress=False)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["stage"] for m in metrics] == [1.0, 1.0, 2.0, 2.0]
+    assert all(m["stage2_generated_tokens"] > 0 for m in metrics[2:])

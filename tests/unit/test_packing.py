@@ -192,7 +192,7 @@ def test_length_buckets_hand_values():
 
 
 def test_padding_to_a_length_bucket_keeps_loss_and_gradients():
-    """The flex backend's bucket padding (train.packing.pad_rows through BatchCollator) adds masked
+    """The flex backend's bucket padding (collate_packed's pad_to, in a BatchCollator) adds masked
     positions only: the packed batch's loss and every gradient are unchanged."""
     import functools
     import pickle
@@ -207,7 +207,7 @@ def test_padding_to_a_length_bucket_keeps_loss_and_gradients():
     gen = torch.Generator().manual_seed(1)
     rows = [[_sequence(cfg, 9, gen), _sequence(cfg, 7, gen)], [_sequence(cfg, 11, gen)]]
     pad_to = functools.partial(length_bucket, max_length=40, packing=True)
-    collator = pickle.loads(pickle.dumps(BatchCollator(collate_packed, None, False, pad_to)))  # DataLoader workers
+    collator = pickle.loads(pickle.dumps(BatchCollator(functools.partial(collate_packed, pad_to=pad_to))))  # workers
     padded, plain = collator(rows), collate_packed(rows)
     assert padded["input_ids"].shape == (2, 128) and plain["input_ids"].shape == (2, 16)
     assert padded["document_ids"][:, 16:].eq(-1).all() and padded["attention_mask"][:, 16:].eq(0).all()
