@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/python -m draftsmith.demo $(RECIPE) --run-dir $(RUN) $(DEMO_ARGS)
+	$(BIN)/python -m draftsmith.cli.demo $(RECIPE) --run-dir $(RUN) $(DEMO_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -46,7 +46,8 @@ class DataPaths:
 
     @property
     def target_info(self) -> Path:
-        """``target.json``: the resolved target (path, hidden_size, vocab_size, aux_layer_ids ...)."""
+        """``target.json``: the resolved target (path, hidden_size, vocab_size, aux_layer_ids ...;
+        read and written as :class:`draftsmith.target.TargetInfo`)."""
         return self.root / "target.json"
 
     @property

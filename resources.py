@@ -5,7 +5,7 @@ repository root is the package) and in an installed wheel alike (pyproject.toml'
   (``gptoss120b``, ``gptoss120b.yaml`` or ``recipes/gptoss120b.yaml``) from any directory;
 - ``recipes/accelerate/*.yaml``: their launchers (``train/launchers.py`` resolves a recipe's
   ``launcher:`` against the package root);
-- ``recipes/targets/<hub id>/config.json``: the GPU targets' configs (``data_prep/target.py``);
+- ``recipes/targets/<hub id>/config.json``: the GPU targets' configs (``target/resolve.py``);
 - ``data_prep/prompts/*.jsonl``: the built-in prompt sets (``data_prep/conversations.py``).
 """
 

@@ -1,8 +1,30 @@
-"""The ``--dtype`` choice shared by the commands that run or write models."""
+"""What every draftsmith command line shares: its help layout (:class:`HelpFormatter`), its log
+format (:func:`setup_logging`) and the ``--dtype`` choice of the commands that run or write models."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The help layout of every draftsmith command line: the description as written (usage
+    examples keep their lines) and each flag's default appended, unless it has none (None,
+    False, ``[]``) or its help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == [] or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def setup_logging() -> None:
+    """The log format of every draftsmith command line (INFO and up, to stderr); call it once,
+    first thing in a ``main``."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
 
 # ``--dtype`` of the commands that run or write models (spec-decode, compare, export)

@@ -232,8 +232,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
     elif method.name in ("dflash", "dspark"):
-        from draftsmith.train.labels import sample_anchors
-        from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
+        from draftsmith.models.dflash.training import NUM_ANCHORS_KEY, sample_anchors
 
         Bk = cfg.block_size
         A = batch.get(NUM_ANCHORS_KEY) or min(recipe.draft.num_anchors, max(T - 1, 1))
@@ -258,7 +257,7 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         attention = attention_flops(pairs, nh, hd)
         out.update(anchors=A, valid_anchors=int(valid.sum()), block_size=Bk)
     elif method.name == "peagle":
-        from draftsmith.train.labels import cod_sample, step0_prediction_mask
+        from draftsmith.models.peagle.training import cod_sample, step0_prediction_mask
 
         d = recipe.draft
         pred = step0_prediction_mask(loss_mask, docs_cpu)
@@ -424,7 +423,7 @@ def load_bench_recipe(name: str, sets: list[str], args: argparse.Namespace) -> t
         ValueError / FileNotFoundError / RecipeError / LauncherError: one line naming the problem.
     """
     from draftsmith.recipe import load_recipe
-    from draftsmith.train.dry_run import check_lengths, load_config_json, validate_geometry
+    from draftsmith.target import check_lengths, load_config_json, validate_geometry
     from draftsmith.train.launchers import draft_model_class, validate_launcher
     from benchmarks.memory import bench_recipe
 
@@ -463,8 +462,8 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
     if cfg.attention_backend == "flex" or resolve_compile(cfg.compile, dev):
         torch._dynamo.reset()  # each row compiles its own kernels (flex, train.compile's regions) for its shapes
     with offline_method(recipe, config_json, getattr(torch, recipe.target.dtype), random_weights) as method:
-        H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
-        n_aux = len(method.target_info["aux_layer_ids"])
+        H, V = int(method.target_info.hidden_size), int(method.target_info.vocab_size)
+        n_aux = len(method.target_info.aux_layer_ids)
         model, trainable, optimizers = prepare_model(method, recipe, precision, dev)
         if resolve_compile(cfg.compile, dev):  # as the trainer does (train.compile; auto: on CUDA)
             compile_regions(model)
@@ -604,8 +603,7 @@ def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namesp
     """The target's plain forward, decoder-only forward and hidden-state capture at the recipe's
     ``B x T`` (module docstring), or why they were skipped."""
     from draftsmith.data_prep.capture import capture_batch
-    from draftsmith.data_prep.target import default_aux_layer_ids
-    from draftsmith.models.common import text_config
+    from draftsmith.target import default_aux_layer_ids, text_config
 
     B, T = recipe.train.batch_size, recipe.data.max_length
     dtype = getattr(torch, recipe.target.dtype)
@@ -793,7 +791,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``benchmarks/gpu.py``."""
-    from draftsmith.cli import HelpFormatter
+    from draftsmith.runtime import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
                                 formatter_class=HelpFormatter)

@@ -37,7 +37,7 @@ import torch
 from draftsmith.data_prep.capture import capture_batch
 from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import ShardSpec, bytes_per_token
-from draftsmith.data_prep.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
+from draftsmith.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
 from benchmarks import subprocess_env
 
 
@@ -132,7 +132,7 @@ def measure_capture_rss(tokens: int, pin_malloc: bool = True, **kwargs) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``benchmarks/hidden_states.py``."""
-    from draftsmith.cli import HelpFormatter
+    from draftsmith.runtime import HelpFormatter
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--target", default="embedded:SmolLM2-135M-Instruct",

@@ -5,7 +5,7 @@
 
 The recipe's method builds its real draft model at the target's true geometry (the target's
 ``config.json``: ``--target-config``, else the copy shipped under ``recipes/targets/``, see
-:func:`draftsmith.train.dry_run.bundled_target_config`) with random weights, and trains it on a
+:func:`draftsmith.target.bundled_target_config`) with random weights, and trains it on a
 random batch shaped like the method's real one (``input_ids``, ``loss_mask``,
 ``attention_mask``, the aux / final hidden states in ``data.hidden_states_dtype``, position /
 document ids under ``train.packing``) through its real ``compute_loss``: forward, loss,
@@ -25,7 +25,7 @@ value read from a fake tensor (a metric) reads as 1. ``--device cuda`` (or ``cpu
 the same step for real instead, and on CUDA also reports ``torch.cuda.max_memory_allocated``.
 
 Two optimizer steps run; the second is measured, so the optimizer state (AdamW's moments; Muon's
-momentum and the guard's copies, see :class:`~draftsmith.train.trainer.NonFiniteGuard`) exists as
+momentum and the guard's copies, see :class:`~draftsmith.train.components.nonfinite.NonFiniteGuard`) exists as
 it does at every step of a run. The step is measured in one process; the per-GPU figure applies the launcher's
 sharding by arithmetic (:func:`draftsmith.train.dry_run.state_bytes_per_gpu`): measured peak
 - (trainable weights + gradients + optimizer state as held by the one process) + those states
@@ -374,23 +374,23 @@ def cuda_autocast_policy() -> Iterator[None]:
 def cuda_attention_policy(fused_loss: bool = True) -> Iterator[None]:
     """While active, the drafts' attention takes CUDA's path on any device: with a mask, CUDA's
     fused SDPA kernels take no grouped key/value heads, so the heads are expanded before the call
-    (:func:`~draftsmith.models.eagle3.model.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
+    (:func:`~draftsmith.models.attention.sdpa_supports_gqa_with_mask`); the CPU passes them grouped.
     A fake step then holds the key / value copies a GPU step holds. The teacher logits stay in the
     target's dtype, as on a GPU (:func:`~draftsmith.train.losses.teacher_in_target_dtype`), and the
     loss takes the fused path with ``fused_loss`` (:func:`~draftsmith.train.losses.fused_device_ok`;
     fake tensors only: under them its kernel is shape-only, and a real CPU step has no kernel to run)."""
-    from draftsmith.models.eagle3 import model as eagle3
+    from draftsmith.models import attention
     from draftsmith.train import losses
 
-    saved = eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok
-    eagle3.sdpa_supports_gqa_with_mask = lambda device: False
+    saved = attention.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok
+    attention.sdpa_supports_gqa_with_mask = lambda device: False
     losses.teacher_in_target_dtype = lambda device: True
     if fused_loss:  # the fused loss's buffers and gradients (fake tensors: its kernel is shape-only)
         losses.fused_device_ok = lambda device: True
     try:
         yield
     finally:
-        eagle3.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok = saved
+        attention.sdpa_supports_gqa_with_mask, losses.teacher_in_target_dtype, losses.fused_device_ok = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ class OneProcess:
 
 def target_geometry(config: Any) -> dict[str, int]:
     """``hidden_size``, ``vocab_size``, ``num_hidden_layers`` of the target's text config."""
-    from draftsmith.models.common import text_config
+    from draftsmith.target import text_config
 
     text = text_config(config)
     return {"hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
@@ -432,7 +432,7 @@ def target_geometry(config: Any) -> dict[str, int]:
 @contextlib.contextmanager
 def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.dtype,
                    factory: Any = torch.empty) -> Iterator[Any]:
-    """The recipe's training method (``train/method_<name>.py``) constructed as a prepared run
+    """The recipe's training method (``models/<name>/training.py``) constructed as a prepared run
     would construct it, from a temporary run directory holding only ``target.json`` and the
     target's ``config.json``: the target's embedding / ``lm_head`` / final norm come from
     ``factory`` (shape, dtype; random or fake), the draft vocab is the first
@@ -440,9 +440,9 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
     on exit."""
     from unittest import mock
 
-    from draftsmith.data_prep.target import default_aux_layer_ids
     from draftsmith.layout import RunLayout
     from draftsmith.methods import get_method
+    from draftsmith.target import TargetInfo, default_aux_layer_ids
     from draftsmith.train import method_base
     from transformers import AutoConfig
 
@@ -457,10 +457,9 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
         data = RunLayout(tmp / "run").data
         data.root.mkdir(parents=True)
         ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(n))
-        data.target_info.write_text(json.dumps({
-            "name_or_path": recipe.target.name_or_path, "verifier": recipe.target.name_or_path,
-            "path": str(target_dir), "architectures": list(getattr(config, "architectures", None) or []),
-            "num_hidden_layers": n, "hidden_size": H, "vocab_size": V, "aux_layer_ids": ids}))
+        TargetInfo(name_or_path=recipe.target.name_or_path, verifier=recipe.target.name_or_path,
+                   path=str(target_dir), architectures=list(getattr(config, "architectures", None) or []),
+                   num_hidden_layers=n, hidden_size=H, vocab_size=V, aux_layer_ids=ids).write(data.target_info)
         Vd = min(recipe.data.draft_vocab_size, V)
         d2t = torch.zeros(Vd, dtype=torch.long)  # draft id i -> target id i
         t2d = torch.zeros(V, dtype=torch.bool)
@@ -621,8 +620,8 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
         head_dtype = getattr(torch, recipe.target.dtype)
         factory = torch.empty if fake else random_weights
         with offline_method(recipe, config_json, head_dtype, factory) as method:
-            geo = {"H": int(method.target_info["hidden_size"]), "V": int(method.target_info["vocab_size"])}
-            n_aux = len(method.target_info["aux_layer_ids"])
+            geo = {"H": int(method.target_info.hidden_size), "V": int(method.target_info.vocab_size)}
+            n_aux = len(method.target_info.aux_layer_ids)
             tracker.exclude(getattr(method, "heads", {}))  # host RAM in a run (moved lazily, if ever)
             model, trainable, optimizers = prepare_model(method, recipe, precision, dev, fake)
             guard = _guard(optimizers, dev)
@@ -734,13 +733,13 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
 
 def _optimizers(model: torch.nn.Module, params: list[torch.nn.Parameter], recipe: Any, dev: torch.device,
                 fake: bool, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[torch.optim.Optimizer]:
-    """The trainer's optimizers (:func:`draftsmith.train.trainer.build_optimizers`: AdamW, fused
+    """The trainer's optimizers (:func:`draftsmith.train.components.optimizer.build_optimizers`: AdamW, fused
     where torch has the kernel; under ``train.optimizer: muon`` also torch's Muon over the hidden
     matrices) as they are built on the GPU the step stands for (a fake step: CUDA); the
     multi-tensor AdamW, CUDA's default, where the trainer has no builder; Muon's Newton-Schulz
     iterations in ``ns_dtype`` (:func:`prepare_model`)."""
     try:
-        from draftsmith.train.trainer import build_optimizers
+        from draftsmith.train.components.optimizer import build_optimizers
     except ImportError:
         return [torch.optim.AdamW(params, lr=recipe.train.lr, betas=tuple(recipe.train.betas),
                                   weight_decay=recipe.train.weight_decay, foreach=True)]
@@ -752,11 +751,11 @@ def _optimizers(model: torch.nn.Module, params: list[torch.nn.Parameter], recipe
 
 
 def _guard(optimizers: list[torch.optim.Optimizer], dev: torch.device) -> Any:
-    """The trainer's :class:`~draftsmith.train.trainer.NonFiniteGuard` on ``optimizers`` (one
+    """The trainer's :class:`~draftsmith.train.components.nonfinite.NonFiniteGuard` on ``optimizers`` (one
     process): what it keeps across steps (a non-fused optimizer's copies) is part of the
     measured optimizer state. None where the trainer has no guard."""
     try:
-        from draftsmith.train.trainer import NonFiniteGuard
+        from draftsmith.train.components.nonfinite import NonFiniteGuard
     except ImportError:
         return None
     return NonFiniteGuard(optimizers, dev, 1)
@@ -773,10 +772,12 @@ def trainer_step(method: Any, model: torch.nn.Module, batch: dict[str, Any], tra
                  ) -> tuple[Callable[[int], None], Callable[[], None], Any]:
     """``(forward_backward(i), update(), window)``: train/trainer.py's step, one process, no
     accumulation: the loss and backward of ``batch``, the clipped gradient norm and the
-    non-finite guard's notes (metrics into ``window``, a :class:`MetricWindow` read by the
+    non-finite guard's notes (metrics into ``window``, a
+    :class:`~draftsmith.train.components.metrics.MetricWindow` read by the
     caller), then every optimizer's step (skipped on the device when not finite) and zero_grad.
     The benchmarks that time a step (``benchmarks.gpu``, ``benchmarks.muon``) call these two."""
-    from draftsmith.train.trainer import MetricWindow, NonFiniteGuard
+    from draftsmith.train.components.metrics import MetricWindow
+    from draftsmith.train.components.nonfinite import NonFiniteGuard
 
     guard, window = NonFiniteGuard(optimizers, dev, 1), MetricWindow(dev)
 
@@ -850,7 +851,8 @@ def _categories(tracker: MemoryTracker, model: torch.nn.Module, trainable: list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith.cli import HelpFormatter, add_recipe_arguments
+    from draftsmith.recipe import add_recipe_arguments
+    from draftsmith.runtime import HelpFormatter
 
     p = argparse.ArgumentParser(prog="draftsmith bench memory", description=__doc__, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
@@ -883,8 +885,8 @@ def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
         ValueError / FileNotFoundError: bad target config, length, batch size or launcher
             (one line naming the key).
     """
-    from draftsmith.train.dry_run import (check_lengths, load_config_json, memory_estimate, estimate_inputs,
-                                 validate_geometry)
+    from draftsmith.target import check_lengths, load_config_json, validate_geometry
+    from draftsmith.train.dry_run import estimate_inputs, memory_estimate
     from draftsmith.train.launchers import draft_model_class, validate_launcher
 
     config_json, source = load_config_json(recipe, args.target_config)
@@ -961,7 +963,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith bench memory``; exit 0, 1 on a bad target config / length / launcher, 2 on a bad recipe."""
-    from draftsmith.cli import recipe_from_args, setup_logging
+    from draftsmith.recipe import recipe_from_args
+    from draftsmith.runtime import setup_logging
     from draftsmith.train.launchers import LauncherError
 
     args = build_parser().parse_args(argv)

@@ -64,7 +64,7 @@ def build_step(stack: contextlib.ExitStack, recipe: Any, config_json: dict[str, 
     cfg = recipe.train
     method = stack.enter_context(offline_method(recipe, config_json, getattr(torch, recipe.target.dtype),
                                                 random_weights))
-    H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
+    H, V = int(method.target_info.hidden_size), int(method.target_info.vocab_size)
     model, trainable, optimizers = prepare_model(method, recipe, precision, dev, ns_dtype=None)  # detected
     ns = str(optimizers[-1].ns_dtype).removeprefix("torch.") if hasattr(optimizers[-1], "ns_dtype") else None
     if torch_muon:
@@ -72,7 +72,7 @@ def build_step(stack: contextlib.ExitStack, recipe: Any, config_json: dict[str, 
         optimizers[-1] = torch.optim.Muon(group["params"], **{k: v for k, v in group.items() if k != "params"})
         ns = "bfloat16"
     plan = method.batch_plan() if hasattr(method, "batch_plan") else None
-    n_aux = len(method.target_info["aux_layer_ids"])
+    n_aux = len(method.target_info.aux_layer_ids)
     batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed), plan, dev, None, fake=False)
     forward_backward, update, _ = trainer_step(method, model, batch, trainable, optimizers, cfg, dev)
 
@@ -168,7 +168,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith.cli import HelpFormatter
+    from draftsmith.runtime import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.muon", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--recipe", default="smollm2_135m", help="a recipe name under recipes/ or a YAML path")

@@ -6,9 +6,9 @@
 
 Engines (each in a fresh process, on the same prompts and settings):
 
-- ``inprocess``: :class:`~draftsmith.data_prep.regenerate.VllmChatEngine` (``vllm.LLM.chat``
+- ``inprocess``: :class:`~draftsmith.data_prep.chat_engines.VllmChatEngine` (``vllm.LLM.chat``
   in batches of ``--batch-size``), the CPU default;
-- ``server``: :class:`~draftsmith.data_prep.regenerate.ServerChatEngine`, vLLM's OpenAI server
+- ``server``: :class:`~draftsmith.data_prep.chat_engines.ServerChatEngine`, vLLM's OpenAI server
   with the async client at each of ``--concurrencies``, the GPU default;
 - ``vllm-offline``: vLLM's own ``bench throughput`` (``vllm.benchmarks.throughput``, offline
   ``LLM.generate``, ``ignore_eos``) on the same chat-templated prompts with each request's
@@ -22,7 +22,7 @@ Defaults: 48 prompts of ``builtin:train``, the embedded SmolLM2-135M-Instruct, m
 ``generate_s`` (vLLM's ``bench throughput`` times the same span); then ``vs_vllm_offline``, each
 engine's output tok/s over vLLM's.
 
-``--demo-prepare`` times ``python -m draftsmith.data_prep.prepare`` on the demo recipe
+``--demo-prepare`` times ``python -m draftsmith.cli.prepare`` on the demo recipe
 (``recipes/smollm2_135m.yaml``, all stages, a fresh run directory) with this checkout's code
 and, with ``--before-ref REF``, with the code of git ``REF`` (a temporary worktree; its own
 recipe), one after the other.
@@ -49,7 +49,8 @@ DEMO_RECIPE = "recipes/smollm2_135m.yaml"
 def _load(args):
     from transformers import AutoTokenizer
 
-    from draftsmith.data_prep import conversations as conv, target as tgt
+    from draftsmith import target as tgt
+    from draftsmith.data_prep import conversations as conv
     from draftsmith.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -67,7 +68,7 @@ def reply_tokens(tok, rows: list[dict]) -> list[int]:
 def run_engine(args) -> dict:
     """One of our engines through :func:`~draftsmith.data_prep.regenerate.regenerate`, timed
     around the engine's start and close; writes the replies to ``--replies`` when given."""
-    from draftsmith.data_prep import regenerate as regen
+    from draftsmith.data_prep import chat_engines, regenerate as regen
 
     recipe, target, records, tok = _load(args)
     marks: dict[str, float] = {}
@@ -75,10 +76,10 @@ def run_engine(args) -> dict:
     def make():
         marks["start"] = time.perf_counter()
         if args.one == "inprocess":
-            engine = regen.VllmChatEngine(target, recipe.seed, recipe.vllm)
+            engine = chat_engines.VllmChatEngine(target, recipe.seed, recipe.vllm)
         else:
-            engine = regen.ServerChatEngine(target, recipe.seed, recipe.vllm, concurrency=args.concurrency,
-                                            log_path=Path(tmp) / "server.log")
+            engine = chat_engines.ServerChatEngine(target, recipe.seed, recipe.vllm, concurrency=args.concurrency,
+                                                   log_path=Path(tmp) / "server.log")
         marks["ready"] = time.perf_counter()
         close = engine.close
 
@@ -171,7 +172,7 @@ def demo_prepare(ref: str | None) -> dict:
             log = Path(tmp) / "prepare.log"
             t0 = time.perf_counter()
             with log.open("w") as fh:
-                proc = subprocess.run([sys.executable, "-m", "draftsmith.data_prep.prepare", str(src / DEMO_RECIPE),
+                proc = subprocess.run([sys.executable, "-m", "draftsmith.cli.prepare", str(src / DEMO_RECIPE),
                                        "--run-dir", str(Path(tmp) / "run")], cwd=tmp, env=env, stdout=fh,
                                       stderr=subprocess.STDOUT)
             wall = time.perf_counter() - t0

@@ -752,8 +752,8 @@ def count_step(recipe: Any, config_json: dict[str, Any], precision: Precision, s
         ctx.enter_context(fused_loss_setting(recipe))
         head_dtype = getattr(torch, recipe.target.dtype)
         with offline_method(recipe, config_json, head_dtype, torch.empty) as method:
-            H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
-            n_aux = len(method.target_info["aux_layer_ids"])
+            H, V = int(method.target_info.hidden_size), int(method.target_info.vocab_size)
+            n_aux = len(method.target_info.aux_layer_ids)
             model, trainable, optimizers = prepare_model(method, recipe, precision, dev, fake=True)
             cpu_batch = random_batch(recipe, H, V, n_aux, fake=True, seed=seed)
             plan = method.batch_plan() if hasattr(method, "batch_plan") else None
@@ -894,7 +894,7 @@ def load(recipe_arg: str | Path, sets: list[str], args: argparse.Namespace) -> t
 
 
 def _prepare(recipe: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any], str, Any]:
-    from draftsmith.train.dry_run import check_lengths, load_config_json, validate_geometry
+    from draftsmith.target import check_lengths, load_config_json, validate_geometry
     from draftsmith.train.launchers import draft_model_class, validate_launcher
 
     config_json, source = load_config_json(recipe, getattr(args, "target_config", None))
@@ -1091,7 +1091,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith.cli import HelpFormatter
+    from draftsmith.runtime import HelpFormatter
 
     p = argparse.ArgumentParser(prog="draftsmith bench step", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("recipe", nargs="?", help="recipe YAML, or a name under recipes/ (gptoss120b)")
@@ -1115,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith bench step``; exit 0, 1 on a bad target config / length / launcher, 2 on a bad recipe."""
-    from draftsmith.cli import setup_logging
+    from draftsmith.runtime import setup_logging
     from draftsmith.recipe import RecipeError
     from draftsmith.train.launchers import LauncherError
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..layout import DataPaths, RunLayout
+from ..target import TargetInfo, default_aux_layer_ids
 from .conversations import DataError
 
 SPEC_VERSION = 1
@@ -80,7 +81,7 @@ def read_spec(paths: DataPaths) -> dict[str, dict[str, Any]]:
 def record_stage(paths: DataPaths, stage: str, values: dict[str, Any]) -> None:
     """Note in ``spec.json`` the recipe keys ``stage`` writes its output with (atomically; the
     other stages' entries are kept). Called by each stage of ``prepare`` before it writes."""
-    from .shards import atomic_write_bytes
+    from ..fileio import atomic_write_bytes
 
     spec = read_spec(paths)
     spec[stage] = values
@@ -128,16 +129,14 @@ def hidden_states_keys(recipe: Any, aux_layer_ids: list[int]) -> dict[str, Any]:
 LAYOUT_KEYS = ("data.sequences_per_shard", "data.shard_bytes")
 
 
-def wanted_aux_layer_ids(recipe: Any, info: dict | None) -> list[int] | None:
+def wanted_aux_layer_ids(recipe: Any, info: TargetInfo | None) -> list[int] | None:
     """The aux layer ids the recipe asks for: its own, else the default of the target in
     ``info`` (``target.json``; None without it)."""
-    from .target import default_aux_layer_ids
-
     if recipe.data.aux_layer_ids:
         return list(recipe.data.aux_layer_ids)
-    if info is None or info.get("num_hidden_layers") is None:
+    if info is None or info.num_hidden_layers is None:
         return None
-    return default_aux_layer_ids(int(info["num_hidden_layers"]))
+    return default_aux_layer_ids(int(info.num_hidden_layers))
 
 
 def captured_aux_layer_ids(paths: DataPaths) -> list[int] | None:
@@ -156,7 +155,7 @@ def _vocab_rows(path: Path) -> int:
         return int(fh.get_slice("d2t").get_shape()[0])
 
 
-def chat_template_of(info: dict, trust_remote_code: bool = False) -> str | None:
+def chat_template_of(info: TargetInfo, trust_remote_code: bool = False) -> str | None:
     """The sha256 of the chat template of the target in ``info`` (``target.json``); None when
     its tokenizer does not load from there (not compared then: the stages that need the target
     say so themselves)."""
@@ -165,7 +164,7 @@ def chat_template_of(info: dict, trust_remote_code: bool = False) -> str | None:
     from .regenerate import chat_template_sha256
 
     try:
-        tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - a moved or missing target is reported where it is loaded
         return None
     return chat_template_sha256(tok)
@@ -194,14 +193,14 @@ def disagreements(recipe: Any, run_dir: Path | str,
             out.append((key, on_disk, where, wanted))
 
     spec = read_spec(paths)
-    info = json.loads(paths.target_info.read_text()) if paths.target_info.is_file() else None
+    info = TargetInfo.read(paths.target_info) if paths.target_info.is_file() else None
     offline = recipe.data.hidden_states_mode == "offline"
     manifest = load_manifest(paths.hidden_states) if paths.hidden_states.is_dir() else None
     manifest_file = paths.hidden_states / MANIFEST
     same_target = True
     if info is not None:
-        compare("target.name_or_path", info.get("name_or_path"), paths.target_info, recipe.target.name_or_path)
-        same_target = info.get("name_or_path") == recipe.target.name_or_path
+        compare("target.name_or_path", info.name_or_path, paths.target_info, recipe.target.name_or_path)
+        same_target = info.name_or_path == recipe.target.name_or_path
     elif manifest is not None:
         compare("target.name_or_path", manifest.get("target"), manifest_file, recipe.target.name_or_path)
     aux = wanted_aux_layer_ids(recipe, info if same_target else None)
@@ -216,11 +215,11 @@ def disagreements(recipe: Any, run_dir: Path | str,
                     recipe.data.sequences_per_shard)
             if manifest.get("shard_bytes") != recipe.data.shard_bytes:
                 out.append(("data.shard_bytes", manifest.get("shard_bytes"), manifest_file, recipe.data.shard_bytes))
-    elif info is not None and info.get("aux_layer_ids") is not None:
-        compare("data.aux_layer_ids", list(info["aux_layer_ids"]), paths.target_info, aux)
+    elif info is not None and info.aux_layer_ids is not None:
+        compare("data.aux_layer_ids", list(info.aux_layer_ids), paths.target_info, aux)
     if info is not None and same_target and paths.vocab.is_file():
         compare("data.draft_vocab_size", _vocab_rows(paths.vocab), paths.vocab,
-                vocab_keys(recipe, info["vocab_size"])["data.draft_vocab_size"])
+                vocab_keys(recipe, info.vocab_size)["data.draft_vocab_size"])
     recorded = spec.get("tokenize")
     if recorded and paths.tokenized_done.is_file():
         want = tokenize_keys(recipe, None)

@@ -2,19 +2,18 @@
 
 Engines and hooks are in :mod:`draftsmith.data_prep.capture`, the shard format, fp8 codec and
 manifests in :mod:`draftsmith.data_prep.shards`; this module drives them shard by shard
-(resumable, several ranks without overlap) and is the shard tools' command line:
+(resumable, several ranks without overlap). The shard tools' command line is
+:mod:`draftsmith.cli.hidden_states`:
 
-    python -m draftsmith.data_prep.hidden_states convert SRC_DIR DST_DIR --dtype float8_e4m3fn
+    python -m draftsmith.cli.hidden_states convert SRC_DIR DST_DIR --dtype float8_e4m3fn
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,25 +22,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..fileio import ShardError, atomic_write_bytes, check_free_space
 from .capture import TransformersCapture
 from .shards import (
     FORMAT_VERSION,
     HEADER_KEYS,
     MANIFEST,
-    STORAGE_DTYPES,
-    ShardError,
     ShardSpec,
     ShardWriter,
-    atomic_write_bytes,
     bytes_per_token,
-    check_free_space,
     check_shard,
-    convert_shards,
     distributed_rank,
     load_manifest,
     part_manifest_name,
     shard_bounds,
-    shard_bytes_per_token,
 )
 
 log = logging.getLogger(__name__)
@@ -321,26 +315,3 @@ def _shard_records(records: Any, lo: int, hi: int) -> list[dict]:
         return [{"id": i, "input_ids": ids, "loss_mask": m}
                 for i, ids, m in zip(cols["id"], cols["input_ids"], cols["loss_mask"])]
     return records[lo:hi]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Hidden-state shard tools.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="re-encode a shard directory (e.g. bf16 -> row-scaled fp8)")
-    c.add_argument("src", type=Path)
-    c.add_argument("dst", type=Path)
-    c.add_argument("--dtype", default="float8_e4m3fn", choices=STORAGE_DTYPES)
-    args = p.parse_args(argv)
-    try:
-        m = convert_shards(args.src, args.dst, args.dtype)
-    except ShardError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps({"shards": len(m["shards"]), "tokens": m["num_tokens"], "dtype": m["dtype"],
-                      "src_bytes_per_token": round(shard_bytes_per_token(args.src), 1),
-                      "dst_bytes_per_token": round(shard_bytes_per_token(args.dst), 1)}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 ``accelerate launch train/eagle3.py RECIPE`` on a run directory without data runs the
 missing stages here, before any training rank touches a GPU, in child processes
-(``python -m draftsmith.data_prep.prepare``) that exit, and so free every byte of device
+(``python -m draftsmith.cli.prepare``) that exit, and so free every byte of device
 memory they held, before training starts:
 
 1. Global rank 0 writes ``data/.prepare-session`` (a fresh id) and the resolved recipe, and
@@ -13,7 +13,7 @@ memory they held, before training starts:
    of regeneration (vLLM's server with data parallel x tensor parallel over the node's GPUs),
    node 0's tokenize / vocab, and, with ``node`` placement (a target larger than one GPU),
    the node's shards with vLLM at tensor parallel over the node's GPUs
-   (:func:`draftsmith.data_prep.prepare.prepare_node`).
+   (:func:`draftsmith.data_prep.ranks.prepare_node`).
 3. **Capture children** (``rank`` placement, a target that fits one GPU): every rank starts
    one child with ``CUDA_VISIBLE_DEVICES`` set to its own GPU, capturing the shards
    ``i % world_size == rank``.
@@ -39,7 +39,8 @@ from pathlib import Path
 from ..layout import RunLayout
 from ..recipe import Recipe, dump_recipe
 from .plan import DataPlan, PlanError
-from .shards import MANIFEST, atomic_write_bytes, load_manifest
+from ..fileio import atomic_write_bytes
+from .shards import MANIFEST, load_manifest
 
 log = logging.getLogger("draftsmith.prepare")
 
@@ -82,7 +83,7 @@ def child_env(cuda_visible_devices: str | None = None) -> dict[str, str]:
 
 
 def run_child(args: list[str], env: dict[str, str], log_path: Path) -> None:
-    """Run ``python -m draftsmith.data_prep.prepare ARGS`` to its end, output to ``log_path``; the
+    """Run ``python -m draftsmith.cli.prepare ARGS`` to its end, output to ``log_path``; the
     child dies with this process (``PR_SET_PDEATHSIG``).
 
     Raises:
@@ -91,7 +92,7 @@ def run_child(args: list[str], env: dict[str, str], log_path: Path) -> None:
     from ..procs import bound_command
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "draftsmith.data_prep.prepare", *args]
+    cmd = [sys.executable, "-m", "draftsmith.cli.prepare", *args]
     log.info("data-stage child: %s (log %s)", " ".join(cmd), log_path)
     with log_path.open("ab") as out:
         proc = subprocess.Popen(bound_command(cmd), stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -114,7 +115,8 @@ def prepare_in_children(recipe: Recipe, run_dir: Path, stages: list[str], make_p
         DataStageError: a child this rank started failed.
         TimeoutError: waited ``timeout_s`` for another node.
     """
-    from .prepare import EARLY_DONE, STAGES, local_device, log_plan, process_record, wait_for_markers, write_marker
+    from .prepare import STAGES, log_plan, process_record
+    from .ranks import EARLY_DONE, local_device, wait_for_markers, write_marker
 
     lay = launch_layout()
     paths = RunLayout(run_dir).data
@@ -211,7 +213,7 @@ def read_session(path: Path, lay: dict[str, int], session: str | None, timeout_s
 def _wait_for_manifest(directory: Path, poll_s: float, timeout_s: float) -> None:
     """Wait until the shard manifest lists every shard (the last capturing process merges the
     parts into ``manifest.json``)."""
-    from .prepare import wait_for_markers
+    from .ranks import wait_for_markers
 
     wait_for_markers([directory / MANIFEST], None, "the complete shard manifest", poll_s, timeout_s)
     m = load_manifest(directory)  # raises ShardError when the nodes' part manifests disagree

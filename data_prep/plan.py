@@ -3,7 +3,7 @@ what the shards cost on disk and in read bandwidth; printed before the stage run
 ``draftsmith prepare --dry-run`` (and the training scripts' ``--dry-run``).
 
 The plan follows from the target's weight bytes against one device's memory
-(:func:`target_weight_bytes`, the figure the training dry run also prints):
+(:func:`draftsmith.target.target_weight_bytes`, the figure the training dry run also prints):
 
 - **tensor-parallel size**: the smallest power of two (dividing the target's attention heads
   and at most the node's GPUs) at which one GPU's share of the weights takes at most
@@ -37,12 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import Recipe
-from .target import text_json
+from ..target import target_weight_bytes, text_json
 
 WEIGHT_SHARE = 0.7  # most of vLLM's share of a GPU the weights may take; the rest is KV cache / activations
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
-MXFP4_BYTES_PER_PARAM = 4.25 / 8  # 4-bit values + one 8-bit scale per 32 (OCP microscaling)
 
 
 class PlanError(ValueError):
@@ -103,53 +101,6 @@ def gpu_memory_gib() -> float | None:
         return float(out.split()[0]) / 1024  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-
-
-def target_parameter_counts(config_json: dict[str, Any]) -> dict[str, int]:
-    """Parameters of a decoder-only target by part, from its ``config.json``: ``embedding``,
-    ``lm_head`` (0 when tied), ``attention`` (q/k/v/o projections of every layer), ``mlp``
-    (dense SwiGLU) or ``experts`` + ``router`` (mixture of experts: ``num_local_experts`` /
-    ``num_experts`` with ``moe_intermediate_size`` or ``intermediate_size``). Norms and
-    biases are left out (under 0.1% of any shipped target).
-
-    Raises:
-        KeyError: a geometry key (``hidden_size``, ``num_hidden_layers``, ``vocab_size``,
-            ``num_attention_heads``, ``intermediate_size``) is missing.
-    """
-    t = text_json(config_json)
-    H, L, V, heads = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"], t["num_attention_heads"]
-    kv = t.get("num_key_value_heads") or heads
-    hd = t.get("head_dim") or H // heads
-    counts = {"embedding": V * H, "lm_head": 0 if t.get("tie_word_embeddings") else V * H,
-              "attention": L * (2 * H * heads * hd + 2 * H * kv * hd)}
-    experts = t.get("num_local_experts") or t.get("num_experts") or 0
-    if experts:
-        inter = t.get("moe_intermediate_size") or t["intermediate_size"]
-        counts["experts"] = L * experts * 3 * H * inter
-        counts["router"] = L * H * experts
-        shared = t.get("shared_expert_intermediate_size") or 0
-        if shared:
-            counts["shared_expert"] = L * 3 * H * shared
-    else:
-        counts["mlp"] = L * 3 * H * t["intermediate_size"]
-    return counts
-
-
-def target_weight_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:
-    """Bytes of the target's weights as vLLM holds them: ``dtype`` (``target.dtype``) for
-    everything, except the experts of an MXFP4 checkpoint (gpt-oss: ``quantization_config``
-    ``quant_method: mxfp4``), held at 4.25 bits per parameter.
-
-    Returns:
-        ``{"parameters", "bytes", "quantization"}`` (``quantization`` is None or the method).
-    """
-    counts = target_parameter_counts(config_json)
-    per = DTYPE_BYTES.get(dtype, 2)
-    quant = (config_json.get("quantization_config") or {}).get("quant_method")
-    total = 0.0
-    for part, n in counts.items():
-        total += n * (MXFP4_BYTES_PER_PARAM if quant == "mxfp4" and part == "experts" else per)
-    return {"parameters": sum(counts.values()), "bytes": int(total), "quantization": quant}
 
 
 def tensor_parallel_size(weight_bytes: int, cluster: Cluster, utilization: float, heads: int) -> int:
@@ -279,7 +230,7 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
     """The data stage's plan for ``recipe`` on ``cluster`` (module docstring).
 
     Args:
-        config_json: the target's ``config.json`` (:func:`draftsmith.data_prep.target.load_config_json`).
+        config_json: the target's ``config.json`` (:func:`draftsmith.target.load_config_json`).
         run_dir: where the data lands (free space is read there).
         regenerate / capture: whether those stages are left to run (default: as the recipe says).
         tokens: tokens to capture when known (the tokenised data); else ``data.expected_tokens``.
@@ -309,7 +260,7 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
 
     regen = None
     if (d.regenerate.enabled if regenerate is None else regenerate):
-        from .regenerate import resolve_engine as resolve_regen
+        from .chat_engines import resolve_engine as resolve_regen
 
         engine = regenerate_engine or ("vllm-server" if gpus and d.regenerate.engine == "auto"
                                        else resolve_regen(d.regenerate.engine, v))

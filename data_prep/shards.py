@@ -1,4 +1,4 @@
-"""The offline hidden-state shard store: format, fp8 codec, manifests, reading and re-encoding.
+"""The offline hidden-state shard store: format, manifests, writing, reading and re-encoding.
 
 Shard layout (``<dir>/shard-00000.safetensors``), one row per token, sequences concatenated:
 ``aux_hidden_states [N, 3H]``, ``final_hidden_states [N, H]`` (storage dtype),
@@ -6,11 +6,13 @@ Shard layout (``<dir>/shard-00000.safetensors``), one row per token, sequences c
 :class:`ShardWriter` store the sequences in the order the capture engine produced them (the
 manifest's ``ids`` follow that order) and put ``aux_hidden_states`` first in the data section;
 readers go by the safetensors header, so any order of the tensors in the file reads the same.
-With ``dtype: float8_e4m3fn`` the states are stored row-scaled (see ``encode_fp8``) and two
+With ``dtype: float8_e4m3fn`` the states are stored row-scaled
+(:mod:`draftsmith.data_prep.state_codec`, ``encode_fp8``) and two
 more tensors hold the scales: ``aux_hidden_states_scale [N, 3]`` and
 ``final_hidden_states_scale [N, 1]`` (float32); the manifest's ``encoding`` names the scheme
 (absent in shards written before it existed = plain). Readers decode fp8 to float32 on the
-CPU by default, or hand out the fp8 payload and scales for :func:`decode_states` to decode
+CPU by default, or hand out the fp8 payload and scales for
+:func:`~draftsmith.data_prep.state_codec.decode_states` to decode
 on the device after the host-to-device copy (``ShardReader(decode_dtype=None)``).
 Which records go into which shard is fixed by the record lengths alone
 (:func:`shard_bounds`): at most ``sequences_per_shard`` records and, with ``shard_bytes``, at
@@ -19,8 +21,10 @@ same shards. ``manifest.json`` lists every finished shard with its sequence/toke
 ``sha256`` and ``bytes`` (file size), both computed from the bytes as they are written (no
 re-read); its header records ``shard_bytes`` and ``num_shards`` (older manifests without them
 have ``ceil(num_records / sequences_per_shard)`` shards). Shards and the manifest are written
-atomically (temp file, fsync, rename), so a killed run resumes at the first missing shard, and
-a full disk raises :class:`DiskFullError` with the temp file removed and earlier shards intact.
+atomically (temp file, fsync, rename: :mod:`draftsmith.fileio`), so a killed run resumes at the
+first missing shard, and a full disk raises :class:`~draftsmith.fileio.DiskFullError` with the
+temp file removed and earlier shards intact. A shard that disagrees with its manifest raises
+:class:`~draftsmith.fileio.ShardError`.
 
 Opening a shard directory (:class:`ShardReader`) checks every shard cheaply by default
 (``verify="header"``: the file exists, its size is the manifest's ``bytes``, and its safetensors
@@ -39,12 +43,10 @@ a killed rank resumes like a single process does.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -53,62 +55,14 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ..fileio import ShardError, atomic_write_bytes, removed_on_error, temp_path, write_all
 from ..layout import safe_path
+from .state_codec import FP8_ENCODING, SCALE_SUFFIX, STATE_KEYS, decode_fp8, encode_states
 
 MANIFEST = "manifest.json"
 PART_MANIFEST_GLOB = "manifest.rank-*-of-*.json"
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# Row-scaled fp8: measured on SmolLM2-135M shards (6k tokens), relative row error
-# |x - x'| / |x| mean 2.1% / max 3.3% on every aux layer; plain fp8 (no scale) reaches 98% on
-# rows with massive activations (|x| up to 24.8k > 448), per-row int8 3.0% / 5.3%.
-FP8_ENCODING = {
-    "name": "fp8_e4m3_row_scaled",
-    "scale": "float32 per token and per aux layer (final: per token): x = q.float() * scale, "
-             "scale = amax(|x|) / 448",
-}
-
-
-class ShardError(RuntimeError):
-    """A shard disagrees with its manifest (shape, dtype, checksum) or is unreadable."""
-
-
-class DiskFullError(ShardError):
-    """A shard or manifest did not fit on the disk; the message (one line) names the file and
-    the bytes it needs. The partial file is removed; finished shards and the manifest are
-    intact, so a rerun after freeing space resumes."""
-
-
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """True when ``exc`` or an exception in its cause / context chain is a full disk or quota:
-    an ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or a library error that wraps one in its
-    message (safetensors reports ``No space left on device`` in a ``SafetensorError``)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
-            return True
-        if any(os.strerror(e) in str(exc) for e in _DISK_FULL_ERRNOS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def check_free_space(directory: Path | str, need_bytes: int, what: str) -> None:
-    """Refuse to start writing ``what`` (``need_bytes`` bytes) into ``directory`` when its
-    file system has less free space (``shutil.disk_usage``).
-
-    Raises:
-        DiskFullError: one line naming ``directory``, ``what`` and both byte counts.
-    """
-    free = shutil.disk_usage(directory).free
-    if free < need_bytes:
-        raise DiskFullError(f"{directory}: {what} needs {need_bytes} bytes but the disk has {free} free; "
-                            "free space and rerun (finished files are kept)")
 
 
 @dataclass
@@ -124,158 +78,6 @@ class ShardSpec:
     @property
     def encoding(self) -> dict | None:
         return FP8_ENCODING if self.dtype == "float8_e4m3fn" else None
-
-
-def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-scaled float8_e4m3fn: each row's ``groups`` equal slices (the aux layers) get their
-    own scale, so a layer with massive activations does not flatten the others.
-
-    Args:
-        x: ``(N, G*D)`` any float dtype.
-        groups: G.
-
-    Returns:
-        ``(q (N, G*D) float8_e4m3fn, scale (N, G) float32)`` with ``x ~= q * scale``
-        (relative error per slice <= 2**-4 for e4m3's 3 mantissa bits).
-    """
-    N, GD = x.shape
-    xf = x.float().reshape(N, groups, GD // groups)  # (N, G, D)
-    scale = xf.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX  # (N, G)
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(N, GD), scale
-
-
-def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``encode_fp8``: ``(..., G*D)`` fp8 and ``(..., G)`` scales -> ``(..., G*D)`` in
-    ``dtype``, on ``q``'s device (the scales follow it). Any leading shape: one sequence
-    ``(N, G*D)`` or a padded batch ``(B, T, G*D)`` (padding rows have scale 0 and decode to 0).
-
-    Device-agnostic and exact everywhere: the fp8 -> fp32 conversion is exact and the product
-    with the fp32 scale is one correctly rounded IEEE multiply, so a GPU decode equals the
-    CPU one bit for bit; a narrower ``dtype`` is that fp32 value rounded once.
-    """
-    G = scale.shape[-1]
-    x = q.to(torch.float32, copy=True).unflatten(-1, (G, q.shape[-1] // G))  # (..., G, D), never q itself
-    x.mul_(scale.to(device=x.device, dtype=torch.float32).unsqueeze(-1))
-    return x.flatten(-2).to(dtype)
-
-
-STATE_KEYS = ("aux_hidden_states", "final_hidden_states")
-SCALE_SUFFIX = "_scale"  # fp8 shards: ``<state key>_scale`` holds the row scales
-
-
-def decode_states(batch: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Decode the fp8 hidden states of an item or a collated batch that a
-    :class:`ShardReader` handed out undecoded (``decode_dtype=None``): each state key with a
-    ``<key>_scale`` beside it becomes :func:`decode_fp8` of the two, in ``dtype``, on the
-    device the tensors are on, and the scale key is removed. Meant to run after the
-    host-to-device copy, which then moves 1 byte per value (plus 4 per scale) instead of 4.
-
-    Works in place and returns ``batch``; a batch without scale keys (plain shards, online
-    mode, an already decoded batch) is returned unchanged, so it is safe to call twice.
-    ``dtype=torch.float32`` gives exactly what ``ShardReader(decode_dtype=torch.float32)``
-    gives (the CPU decode), ``torch.bfloat16`` that rounded to bf16.
-    """
-    for key in STATE_KEYS:
-        scale = batch.pop(key + SCALE_SUFFIX, None)
-        if scale is not None:
-            batch[key] = decode_fp8(batch[key], scale, dtype)
-    return batch
-
-
-def encode_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """Shard tensors for ``aux (N, 3H)`` and ``final (N, H)`` in storage ``dtype`` (scales added
-    for fp8)."""
-    if dtype == "float8_e4m3fn":
-        aq, a_scale = encode_fp8(aux, 3)
-        fq, f_scale = encode_fp8(final, 1)
-        return {"aux_hidden_states": aq, "aux_hidden_states_scale": a_scale,
-                "final_hidden_states": fq, "final_hidden_states_scale": f_scale}
-    t = getattr(torch, dtype)
-    return {"aux_hidden_states": aux.to(t), "final_hidden_states": final.to(t)}
-
-
-def _temp_path(path: Path) -> Path:
-    """Where ``path`` is written before its atomic rename (one per process)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def _removed_on_error(tmp: Path, path: Path, need_bytes: int | None) -> Iterator[None]:
-    """Remove ``tmp`` when the body raises; a full disk becomes :class:`DiskFullError`
-    (``need_bytes`` None: the bytes written before the disk filled are named)."""
-    try:
-        yield
-    except BaseException as exc:
-        written = tmp.stat().st_size if tmp.exists() else 0
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(exc):
-            free = shutil.disk_usage(path.parent).free
-            need = (f"needs {need_bytes} bytes" if need_bytes is not None
-                    else f"needs more than the {written} bytes written")
-            raise DiskFullError(f"{path}: disk full: the file {need}, {free} free after removing "
-                                "its partial write; free space and rerun (finished files are kept)") from exc
-        raise
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path, need_bytes: int | None = None) -> Iterator["_FdWriter"]:
-    """Write ``path`` atomically: the body writes to the yielded binary file (a temp file beside
-    ``path``), which is then fsynced and renamed over ``path``; if the body raises, ``path`` is
-    left as it was and the temp file removed. Every file draftsmith rewrites in place goes
-    through here (manifests, markers, the regeneration cache, ``metrics.jsonl``); shards stream
-    through :class:`ShardWriter`.
-
-    Raises:
-        DiskFullError: the disk filled up (one line naming ``path`` and ``need_bytes``, or the
-            bytes written so far when not given).
-    """
-    tmp = _temp_path(path)
-    with _removed_on_error(tmp, path, need_bytes):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            fh = _FdWriter(fd)
-            yield fh
-            fh.flush()
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
-
-class _FdWriter:
-    """Binary writes to a descriptor through ``os.write``, buffered in 1 MiB pieces; nothing is
-    written after :func:`atomic_file` closes the descriptor (no flush at garbage collection)."""
-
-    BUFFER = 1 << 20
-
-    def __init__(self, fd: int):
-        self._fd, self._buf = fd, bytearray()
-
-    def write(self, data: bytes) -> int:
-        self._buf += data
-        if len(self._buf) >= self.BUFFER:
-            self.flush()
-        return len(data)
-
-    def flush(self) -> None:
-        _write_all(self._fd, memoryview(self._buf))
-        self._buf.clear()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through :func:`atomic_file`.
-
-    Raises:
-        DiskFullError: the disk filled up (``path`` is left as it was, the temp file removed).
-    """
-    with atomic_file(path, len(data)) as fh:
-        fh.write(data)
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
@@ -339,10 +141,11 @@ class ShardWriter:
     """One shard streamed to disk as its sequences arrive, without assembling it in memory.
 
     The sizes are known up front (``lengths``), so the safetensors header is written first;
-    then each :meth:`add` encodes that sequence's states (:func:`encode_states`, on the device
-    they are on), copies them to the host and appends the ``aux_hidden_states`` rows to the file
-    at once, hashing every byte as it goes out. The rest (final states, fp8 scales, ids, mask,
-    offsets; ``N * (bytes_per_token - 3H * itemsize)`` bytes) waits in preallocated host
+    then each :meth:`add` encodes that sequence's states
+    (:func:`~draftsmith.data_prep.state_codec.encode_states`, on the device they are on), copies
+    them to the host and appends the ``aux_hidden_states`` rows to the file at once, hashing
+    every byte as it goes out. The rest (final states, fp8 scales, ids, mask, offsets;
+    ``N * (bytes_per_token - 3H * itemsize)`` bytes) waits in preallocated host
     buffers until :meth:`finish` appends it, fsyncs and renames the temp file into place.
     Sequences are stored in the order they are added.
 
@@ -385,7 +188,7 @@ class ShardWriter:
         self._order = order
         self._tokens = self._sequences = 0
         self._sha = hashlib.sha256()
-        self._tmp = _temp_path(self.path)
+        self._tmp = temp_path(self.path)
         self._fd: int | None = None
         with self._guard():
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -394,7 +197,7 @@ class ShardWriter:
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
         """On error: close the file, then remove it (a full disk frees its space only then)."""
-        with _removed_on_error(self._tmp, self.path, self.size):
+        with removed_on_error(self._tmp, self.path, self.size):
             try:
                 yield
             except BaseException:
@@ -409,7 +212,7 @@ class ShardWriter:
 
     def _write(self, data: memoryview) -> None:
         self._sha.update(data)
-        _write_all(self._fd, data)
+        write_all(self._fd, data)
 
     def _write_tensor(self, t: torch.Tensor) -> None:
         host = t.detach().to("cpu").contiguous().reshape(-1)
@@ -639,8 +442,8 @@ class ShardReader:
     to ``decode_dtype`` (default float32, on the CPU). With ``decode_dtype=None`` fp8 shards
     are handed out undecoded: the states as stored (float8_e4m3fn) plus their scales,
     ``"aux_hidden_states_scale" (T, 3)`` and ``"final_hidden_states_scale" (T, 1)`` float32,
-    which collate and pack like any other key; :func:`decode_states` decodes the batch after
-    it is moved to the device (plain shards are unaffected). Shards are memory-mapped and
+    which collate and pack like any other key; :func:`~draftsmith.data_prep.state_codec.decode_states`
+    decodes the batch after it is moved to the device (plain shards are unaffected). Shards are memory-mapped and
     sliced per sequence; the manifest may be the union of per-rank parts.
 
     ``verify``: ``"header"`` (default; also ``False``) checks each shard's size against the

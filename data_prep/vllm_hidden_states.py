@@ -44,8 +44,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import target as tgt
-from ..models.common import text_config
+from .. import target as tgt
+from ..target import text_config
 from ..recipe import VllmConfig
 
 log = logging.getLogger(__name__)

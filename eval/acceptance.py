@@ -42,13 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .results import AcceptanceResult, write_acceptance
 from ..layout import DraftLoadError
 from ..methods import DraftMethodSpec, get_method, registered_methods
-from ..recipe import RecipeError, VllmConfig, load_recipe
+from ..recipe import VllmConfig
 from ..vllm_bridge import spec_config
-from ..vllm_bridge.engine import (add_vllm_arguments, configure_vllm_env, engine_env, llm_kwargs,
-                                 vllm_config_from_args)
+from ..vllm_bridge.engine import configure_vllm_env, engine_env, llm_kwargs
 from ..vllm_bridge.spec_config import served_method
 
 SPEC_COUNTERS = {
@@ -83,7 +81,8 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path, method: str | 
     """Refuse to measure or serve a draft exported for another target; returns its ``config.json``.
 
     The draft's format (:func:`draftsmith.methods.method_of_export`; a ``config.json`` no format
-    recognises is checked as the EAGLE-3 export it is meant to be) says what it must agree on
+    recognises is checked as an export of the default method, :data:`draftsmith.recipe.DEFAULT_METHOD`,
+    EAGLE-3) says what it must agree on
     with the target (:attr:`~draftsmith.models.common.DraftFormat.fit`), and
     :func:`~draftsmith.models.common.fit_problems` decides, with the length of ``t2d`` in
     ``draft_dir/model.safetensors``.
@@ -101,6 +100,7 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path, method: str | 
 
     from ..methods import UnknownMethodError, method_of_export
     from ..models.common import TargetFit, fit_problems
+    from ..recipe import DEFAULT_METHOD
 
     draft_dir = Path(draft_dir)
     config_path = draft_dir / "config.json"
@@ -108,7 +108,7 @@ def check_draft_matches_target(draft_dir: Path, target_dir: Path, method: str | 
     try:
         spec = method_of_export(cfg)
     except UnknownMethodError:
-        spec = get_method(method or "eagle3")
+        spec = get_method(method or DEFAULT_METHOD)
     if method is not None and spec.name != method:
         raise DraftMismatchError(f"{config_path}: a {spec.name} export, not a {get_method(method).format.layout} draft")
     if spec.format.fit is None:
@@ -175,8 +175,9 @@ def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: 
     return spec.name, spec_config.for_export(spec, str(draft), k)
 
 
-def _worker(args: argparse.Namespace) -> None:
-    """Runs inside the subprocess: one vLLM engine, one configuration."""
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside the subprocess (``draftsmith acceptance --worker``, :func:`measure`): one vLLM
+    engine, one configuration."""
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
@@ -271,7 +272,7 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
         method = spec.name
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "draftsmith.eval.acceptance", "--worker", "--result", str(result_path),
+        cmd = [sys.executable, "-m", "draftsmith.cli.acceptance", "--worker", "--result", str(result_path),
                "--target", str(target), "--method", method, "--prompts", str(prompts), "--k", str(k),
                "--temperature", str(temperature), "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
                "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
@@ -372,74 +373,3 @@ def check_target(target: Path | str) -> None:
             f"--target {target}: no such local directory, and the Hub cannot serve it here "
             f"({type(exc).__name__}: {reason}); download it where the Hub is reachable (`hf download {target} "
             f"--local-dir DIR`, after `hf auth login` for a gated model) and pass --target DIR") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory (or a Hub id vLLM "
-                   "downloads)")
-    p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
-                   "(the vLLM flags below override it)")
-    p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export), any method vLLM serves")
-    p.add_argument("--method", default=EXPORT_METHOD, choices=method_choices(),
-                   help="draft: the method the export in --draft was exported by; a registered method: the same, "
-                   "checked; ngram: vLLM's prompt lookup; none: no speculation")
-    p.add_argument("--compare-ngram", action="store_true", help="also measure vLLM's ngram method")
-    p.add_argument("--prompts", default="builtin:eval", help="prompt file (JSONL: prompts, MT-bench, ShareGPT, "
-                   "messages) or builtin:<name>")
-    p.add_argument("--max-prompts", type=int, help="use the first N prompts only")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    p.add_argument("--seed", type=int, default=0, help="vLLM engine seed")
-    p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest prompt lookup (tokens)")
-    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest prompt lookup (tokens)")
-    p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--engine-json", help=argparse.SUPPRESS)
-    p.add_argument("--groups-json", help=argparse.SUPPRESS)
-    add_vllm_arguments(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return 0
-    try:
-        engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        check_target(args.target)
-        if args.draft is not None and not args.draft.is_dir():
-            raise FileNotFoundError(f"--draft {args.draft}: no such directory; pass the folder `draftsmith export` "
-                                    "wrote")
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
-                  max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
-                  engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
-    methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
-    results = {}
-    try:
-        for m in methods:
-            r = measure(method=m, draft=args.draft, **common)
-            results[r["method"]] = r
-            print(format_row(r["method"], r), flush=True)
-    except (ValueError, RuntimeError) as exc:  # a DraftMismatchError, engine settings the offline engine
-        print(f"error: {exc}", file=sys.stderr)  # refuses, or the vLLM run failed (its log tail)
-        return 1
-    if args.out:
-        write_acceptance(args.out, {m: AcceptanceResult.model_validate(r) for m, r in results.items()})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

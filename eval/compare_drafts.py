@@ -26,9 +26,7 @@ speedup (batch 1, this machine).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -140,7 +138,7 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
             dtype: str = "auto", progress=print, device: str | None = None) -> dict[str, Any]:
     """Measure every run's draft at every temperature on the same prompts (module docstring).
     Target and drafts run on ``device`` (default: this process's accelerator,
-    :func:`draftsmith.data_prep.target.default_device`) in ``dtype`` (``"auto"``: bfloat16 on
+    :func:`draftsmith.target.default_device`) in ``dtype`` (``"auto"``: bfloat16 on
     CUDA, float32 on the CPU, :func:`draftsmith.runtime.resolve_dtype`).
 
     Returns:
@@ -153,7 +151,7 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
         RunError: a run without export or checkpoint (before anything is measured).
         DraftLoadError: an export that does not fit the target.
     """
-    from ..data_prep.target import default_device, load_target, resolve_target
+    from ..target import default_device, load_target, resolve_target
     from ..runtime import resolve_dtype
     from .spec_decode import Target, evaluate, load_draft, plain_generate, prompt_token_ids, stop_token_ids
 
@@ -193,54 +191,3 @@ def compare(target: str, run_dirs: list[Path], prompts: str, max_prompts: int | 
             progress(f"{name} T={t:g}: AL {r['mean_acceptance_length']:.3f} per position {pp}, "
                      f"{r['output_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x plain)")
     return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``eval/compare_drafts.py`` (``draftsmith compare``)."""
-    from ..cli import HelpFormatter
-    from ..data_prep.target import DEVICE_HELP
-    from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--run", type=Path, action="append", required=True, help="training run directory (repeat)")
-    p.add_argument("--prompts", default="builtin:eval", help="prompt set: builtin:NAME or a JSONL file")
-    p.add_argument("--max-prompts", type=int, help="use at most this many prompts (default: all)")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per round")
-    p.add_argument("--temperatures", default="0,0.7", help="comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
-                   help="how the draft picks its tokens at temperature > 0")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--device", help=DEVICE_HELP)
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype; {DTYPE_AUTO_HELP}, by --device")
-    p.add_argument("--out", type=Path, help="write the figures as JSON (and the table as .md beside it)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from .spec_decode import DraftLoadError
-
-    try:
-        temps = [float(x) for x in args.temperatures.split(",") if x.strip()]
-        results = compare(args.target, args.run, args.prompts, args.max_prompts, args.k, temps,
-                          args.max_new_tokens, args.seed, args.draft_sampling, args.dtype, device=args.device)
-    except (RunError, DraftLoadError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    table = markdown_table(results)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
-        args.out.with_suffix(".md").write_text(table + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,9 +27,7 @@ is refused (:func:`check_captured_layers`).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from .. import __version__
 from ..layout import DRAFT_CONFIG_FILE, DraftLoadError, ExportError, RunLayout, read_export_config
 from ..methods import UnknownMethodError, get_method, method_of_export
 from ..models.common import cast_floating, check_tensor_set
-from ..runtime import DTYPE_CHOICES, resolve_dtype
+from ..runtime import resolve_dtype
 from ..train.checkpoint import find_checkpoints, read_draft
 
 
@@ -97,7 +95,8 @@ def check_captured_layers(ckpt: Path, draft: Any) -> None:
         ExportError: one line naming both lists and both files.
     """
     from ..data_prep.agreement import captured_aux_layer_ids
-    from ..data_prep.shards import MANIFEST, ShardError
+    from ..data_prep.shards import MANIFEST
+    from ..fileio import ShardError
 
     ids = getattr(draft.config, "aux_layer_ids", None)
     if not ids or ckpt.resolve().parent.name != "checkpoints":
@@ -134,46 +133,6 @@ def load_export(path: Path, embed_tokens: torch.Tensor | None = None,
     return spec.format.load(path, embed_tokens, lm_head)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``eval/export.py`` (``draftsmith export``)."""
-    from ..cli import HelpFormatter
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
-    p.add_argument("out_dir", type=Path, nargs="?", help="output directory (or --out)")
-    p.add_argument("--out", type=Path, help="output directory (or OUT_DIR)")
-    p.add_argument("--legacy", action="store_true", help="EAGLE-3: legacy LlamaForCausalLMEagle3 layout")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K written as the default proposal length (EAGLE-3 default: eval.num_speculative_tokens "
-                        "of the recipe saved with the checkpoint, else 3; DFlash / P-EAGLE default: the trained K)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
-                   "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if (args.out_dir is None) == (args.out is None):
-        p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
-    if not args.checkpoint.exists():
-        print(f"error: {args.checkpoint}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step-N "
-              "or the RUN_DIR of `draftsmith train`", file=sys.stderr)
-        return 1
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint)
-        k = args.num_speculative_tokens
-        if k is None and get_method(read_draft(ckpt, weights=False).method).format.k_from_recipe:
-            k = saved_num_speculative_tokens(ckpt)
-        out = export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"exported {ckpt} -> {out}")
-    return 0
-
-
 def saved_num_speculative_tokens(ckpt: Path, default: int = 3) -> int:
     """``eval.num_speculative_tokens`` of the recipe saved in checkpoint ``ckpt``
     (``recipe.yaml``), the K the draft was trained and measured for; ``default`` without one.
@@ -202,7 +161,3 @@ def resolve_checkpoint(path: Path) -> Path:
     if not ckpts:
         raise ExportError(f"{path}: neither a checkpoint nor a run directory with checkpoints")
     return ckpts[-1]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

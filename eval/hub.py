@@ -19,11 +19,9 @@ it is passed to the client only, never printed or written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +56,7 @@ def _method(cfg: dict[str, Any]) -> DraftMethodSpec:
 def _verifier(cfg: dict[str, Any], recipe: dict[str, Any] | None) -> str | None:
     """The target the draft was trained for: the export's record of it, else the recipe's (an
     embedded target by its Hub id)."""
-    from ..data_prep.target import verifier_name
+    from ..target import verifier_name
 
     spec = cfg.get("speculators_config") or {}
     recorded = (spec.get("verifier") or {}).get("name_or_path") or (cfg.get("draftsmith") or {}).get("verifier")
@@ -258,39 +256,3 @@ def push(folder: Path, repo_id: str, private: bool = True, commit_message: str =
         raise HubError(f"pushing {folder} to {repo_id} failed: {type(exc).__name__}: "
                        f"{str(exc).replace(token, '***')}") from None
     return str(getattr(info, "commit_url", info))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("draft", type=Path, help="exported draft directory (draftsmith export)")
-    p.add_argument("--out", type=Path, required=True, help="Hub folder to write")
-    p.add_argument("--repo-id", required=True, help="USER/NAME on the Hub (also written into the vllm serve line)")
-    p.add_argument("--recipe", type=Path, help="the run's recipe.yaml (training data in the card)")
-    p.add_argument("--acceptance", type=Path, help="draftsmith acceptance --out JSON")
-    p.add_argument("--serve", type=Path, help="draftsmith serve-bench results.json (in its --out-dir)")
-    p.add_argument("--license", help="the card's license (default: the target's when its local model card "
-                   "names one, else 'other')")
-    p.add_argument("--push", action="store_true", help="create the repo and upload the folder")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    args = p.parse_args(argv)
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(args.repo_id)
-    except HFValidationError as exc:
-        p.error(f"argument --repo-id: {args.repo_id!r} is not a Hub repo id ({exc}); e.g. --repo-id USER/NAME")
-    try:
-        folder = prepare_folder(args.draft, args.out, args.repo_id, args.recipe, args.acceptance, args.serve,
-                                args.license)
-        print(f"Hub folder: {folder}")
-        if args.push:
-            print(f"pushed {args.repo_id}: {push(folder, args.repo_id, args.private)}")
-    except HubError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,8 +12,6 @@ temperature sweep, failed configurations with their log tails) and PNGs beside i
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -332,20 +330,3 @@ def write_report(run_dir: Path) -> Path:
     report = run_dir / "report.md"
     report.write_text(render_markdown(results, plots))
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path, help="the serve_bench --out-dir (holds results.json)")
-    args = p.parse_args(argv)
-    try:
-        report = write_report(args.run_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

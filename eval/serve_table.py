@@ -11,10 +11,6 @@ Metric definitions: docs/conventions.md, "Acceptance metrics". Output: a markdow
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
 from .results import AcceptanceFigures, ConfigResult, ServeResults
 
 
@@ -74,32 +70,3 @@ def serving_table(runs: dict[str, ServeResults]) -> str:
         lines += ["", "| draft | acceptance length by temperature (per position; vLLM's counters) |", "|---|---|"]
         lines += temps
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="draftsmith serve-table", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="LABEL=RESULTS_JSON",
-                   help="a label and a serve-bench results.json (repeat, one per draft)")
-    args = p.parse_args(argv)
-    runs: dict[str, ServeResults] = {}
-    for item in args.runs:
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            print(f"serve-table: {item!r}: expected LABEL=RESULTS_JSON", file=sys.stderr)
-            return 2
-        try:
-            runs[label] = ServeResults.read(Path(path))
-        except (OSError, ValueError) as exc:
-            print(f"serve-table: {path}: not a serve-bench results.json ({str(exc).splitlines()[0]})", file=sys.stderr)
-            return 2
-    try:
-        print(serving_table(runs))
-    except ValueError as exc:
-        print(f"serve-table: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

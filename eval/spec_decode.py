@@ -32,19 +32,20 @@ target's samples at T>0, whatever the draft. Counters follow vLLM's spec-decode 
 :func:`draftsmith.eval.acceptance.summarise`: acceptance rate, mean acceptance length
 ``1 + accepted / drafts`` and per-position rates.
 
-Draft proposers (one per draft type, all behind :class:`Proposer`):
+Draft proposers (one per draft type, all behind :class:`Proposer`, each in its method's package,
+``models/<name>/proposer.py``, found through :mod:`draftsmith.methods`):
 
-- EAGLE-3 (:class:`Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
+- EAGLE-3 (:class:`~draftsmith.models.eagle3.proposer.Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
   docs/conventions.md, "Aux layer ids"; captured with the same pre-hooks as training,
   :class:`draftsmith.data_prep.capture.AuxHiddenStateCapture`) and keeps its own KV
   cache: step-0 keys of committed positions persist, the keys of the chained steps are
   dropped after each proposal (vLLM overwrites those slots the same way).
-- Medusa (:class:`MedusaProposer`): head k at the last committed position t proposes
+- Medusa (:class:`~draftsmith.models.medusa.proposer.MedusaProposer`): head k at the last committed position t proposes
   ``x_{t+k+2}`` from the target's final (normed) hidden state.
-- MLP speculator (:class:`MLPSpeculatorProposer`): stage 0 reads the final hidden state at t
+- MLP speculator (:class:`~draftsmith.models.mlp_speculator.proposer.MLPSpeculatorProposer`): stage 0 reads the final hidden state at t
   and the token ``x_{t+1}``, stage i the state and token chosen at stage i-1.
-- DFlash and P-EAGLE (block drafting, their own modules :mod:`draftsmith.eval.dflash` and
-  :mod:`draftsmith.eval.peagle`): all K tokens in one draft forward over the pending token and
+- DFlash and P-EAGLE (block drafting, their own modules :mod:`draftsmith.models.dflash.proposer` and
+  :mod:`draftsmith.models.peagle.proposer`): all K tokens in one draft forward over the pending token and
   K mask slots (DFlash: bidirectional block over the cached context; P-EAGLE: causal, after
   the cached depth-0 keys), the way vLLM runs them.
 
@@ -57,9 +58,6 @@ mapped to target ids with ``d2t`` (zero outside the draft vocab).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -70,16 +68,9 @@ import torch
 import torch.nn.functional as F
 
 from ..data_prep.capture import AuxHiddenStateCapture, decoder_layers
-from ..data_prep.target import DEVICE_HELP
 from ..layout import DraftLoadError, ExportError
 from ..layout import read_export_config as _read_config
 from ..methods import UnknownMethodError, method_of_export
-from ..models.eagle3.format import load_eagle3
-from ..models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
-from ..models.medusa.format import load_medusa
-from ..models.mlp_speculator.format import load_mlp_speculator
-from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
-from ..runtime import DTYPE_AUTO_HELP, DTYPE_CHOICES, resolve_dtype
 
 # --------------------------------------------------------------------------------------
 # Token choice and verification
@@ -159,7 +150,7 @@ class Target:
     reads: the aux hidden states (EAGLE-3) or the final normed hidden state (Medusa, MLP).
 
     Args:
-        model: the target, e.g. from :func:`draftsmith.data_prep.target.load_target`.
+        model: the target, e.g. from :func:`draftsmith.target.load_target`.
         aux_layer_ids: ids whose decoder-layer *inputs* are captured (vLLM convention);
             None when the draft reads the final hidden state.
     """
@@ -281,97 +272,6 @@ def to_target_vocab(proposal: Proposal, d2t: torch.Tensor, vocab_size: int) -> P
     return proposal
 
 
-class Eagle3Proposer(Proposer):
-    """EAGLE-3 chain drafting with a draft KV cache.
-
-    The cache holds, per position, the key/value of the draft layer's step-0 input
-    ``(emb(x_{t+1}), fc(aux_t))`` at RoPE position t. A proposal after pending token ``x_m``
-    runs step 0 on the new positions (causal), then chained steps i = 1..K-1 at RoPE
-    position ``m-1+i`` with the previous step's output hidden state and the drafted token
-    ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
-    (step-0 keys causally + the same position's earlier steps, see
-    :func:`draftsmith.models.eagle3.model.ttt_attention_mask`). Chained keys are cropped after
-    the proposal. The arithmetic is the model's own
-    (:meth:`draftsmith.models.eagle3.model.Eagle3DraftModel.step_cached`).
-    """
-
-    def __init__(self, model: Eagle3DraftModel):
-        self.model = model
-        self.aux_layer_ids = list(model.config.aux_layer_ids)
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache = Eagle3KVCache()
-        self.length = 0  # committed (step-0) positions in the cache
-
-    @torch.no_grad()
-    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
-                generator: torch.Generator | None) -> Proposal:
-        m = self.model
-        dtype, device = m.fc.weight.dtype, m.fc.weight.device
-        n = states.shape[0]
-        hidden = m.fuse(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
-        positions = torch.arange(self.length, self.length + n, device=device)
-        hidden = m.step_cached(next_tokens.to(device).unsqueeze(0), hidden, positions.unsqueeze(0), self.cache)
-        hidden = hidden[:, -1:]  # (1, 1, H)
-        self.length += n
-        d2t = m.d2t
-        V = m.config.vocab_size
-
-        def logits_fn(i: int, prev: int | None) -> torch.Tensor:
-            nonlocal hidden
-            if i > 0:
-                prev_ids = (prev + d2t[prev]).view(1, 1)  # the embedding is over target ids
-                hidden = m.step_cached(prev_ids, m.next_hidden(hidden),  # post-norm with norm_output
-                                       torch.tensor([[self.length - 1 + i]], device=device), self.cache)
-            return m.compute_logits(hidden[0, -1]).float()  # (Vd,)
-
-        proposal = self._chain(logits_fn, k, temperature, generator)
-        self.cache.crop(self.length)
-        return to_target_vocab(proposal, d2t, V)
-
-
-class MedusaProposer(Proposer):
-    """Medusa-1 chain drafting: head k reads the final hidden state at the last committed
-    position t and proposes ``x_{t+k+2}`` (its top-1 at T=0, a sample at T>0)."""
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.max_k = int(model.config.num_heads)
-
-    @torch.no_grad()
-    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
-                generator: torch.Generator | None) -> Proposal:
-        weight = next(self.model.parameters())
-        h = states[-1:].to(weight.device, weight.dtype).view(1, 1, -1)  # (B=1, T=1, H)
-        logits = self.model(h)[:k, 0, 0]  # (k, V)
-        return self._chain(lambda i, prev: logits[i].float(), k, temperature, generator)
-
-
-class MLPSpeculatorProposer(Proposer):
-    """IBM MLP speculator: stage 0 reads the final hidden state at t and ``x_{t+1}``; stage
-    i > 0 its own state and the token chosen at stage i-1."""
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.max_k = int(model.config.n_predict)
-
-    @torch.no_grad()
-    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
-                generator: torch.Generator | None) -> Proposal:
-        weight = next(self.model.parameters())
-        state = states[-1:].to(weight.device, weight.dtype).view(1, 1, -1)  # (1, 1, D)
-        first = int(next_tokens[-1])
-
-        def logits_fn(i: int, prev: int | None) -> torch.Tensor:
-            nonlocal state
-            tok = torch.tensor([[first if i == 0 else prev]], device=weight.device)
-            state, logits = self.model.stage(i, state, tok)  # (1, 1, D), (1, 1, V)
-            return logits[0, 0].float()
-
-        return self._chain(logits_fn, k, temperature, generator)
-
-
 # --------------------------------------------------------------------------------------
 # Decoding loops
 
@@ -475,19 +375,6 @@ def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0
 # Loading exported drafts
 
 
-def eagle3_proposer(path: Path, target_model: Any | None = None) -> Eagle3Proposer:
-    """The proposer of an EAGLE-3 export, sharing ``target_model``'s input embedding.
-
-    Raises:
-        DraftLoadError: see :func:`~draftsmith.models.eagle3.format.load_eagle3`; aux layer ids the target does not have.
-    """
-    embed = target_model.get_input_embeddings().weight.detach() if target_model is not None else None
-    model = load_eagle3(path, embed)
-    if target_model is not None:
-        check_aux_layers(path, model.config.aux_layer_ids, target_model)
-    return Eagle3Proposer(model)
-
-
 def check_aux_layers(path: Path, aux_layer_ids: list[int], target_model: Any, lowest: int = 0) -> None:
     """Refuse a draft (export folder ``path``) reading aux layer ids the target has no decoder
     layer for (``lowest``: the smallest id the format allows).
@@ -501,29 +388,17 @@ def check_aux_layers(path: Path, aux_layer_ids: list[int], target_model: Any, lo
                              f"range for a target with {n_layers} decoder layers")
 
 
-def _head_export(loader: Any, path: Path) -> Any:
+def head_export(loader: Any, path: Path) -> Any:
+    """``loader(path)`` of a draft of heads that shares nothing with the target (Medusa, MLP
+    speculator), without gradients.
+
+    Raises:
+        DraftLoadError: the folder does not load (the loader's ExportError / KeyError).
+    """
     try:
         return loader(path).requires_grad_(False)
     except (ExportError, KeyError) as exc:
         raise DraftLoadError(f"{path}: {exc}") from exc
-
-
-def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaProposer:
-    """The proposer of a Medusa export (:func:`draftsmith.models.medusa.format.load_medusa`).
-
-    Raises:
-        DraftLoadError: the folder does not load.
-    """
-    return MedusaProposer(_head_export(load_medusa, path))
-
-
-def mlp_speculator_proposer(path: Path, target_model: Any | None = None) -> MLPSpeculatorProposer:
-    """The proposer of an MLP-speculator export (:func:`draftsmith.models.mlp_speculator.format.load_mlp_speculator`).
-
-    Raises:
-        DraftLoadError: the folder does not load.
-    """
-    return MLPSpeculatorProposer(_head_export(load_mlp_speculator, path))
 
 
 def load_draft(path: Path, target_model: Any | None = None) -> Proposer:
@@ -628,98 +503,3 @@ def evaluate(model: Any, tokenizer: Any, proposer: Proposer, prompts: list[list[
             result["speedup"] = result["output_tokens_per_s"] / result["plain_output_tokens_per_s"]
     result["outputs"] = outputs
     return result
-
-
-def _format(name: str, r: dict[str, Any]) -> str:
-    if r.get("mean_acceptance_length") is None:
-        return f"{name:<8} no drafts"
-    pp = " / ".join(f"{p:.3f}" for p in r["per_position_acceptance"])
-    line = (f"{name:<8} AL {r['mean_acceptance_length']:.3f}  acceptance rate {r['acceptance_rate']:.3f}  "
-            f"per position {pp}  ({r['num_prompts']} prompts, {r['output_tokens']} tokens, "
-            f"{r['output_tokens_per_s']:.1f} tok/s")
-    if "plain_output_tokens_per_s" in r:
-        line += (f"; plain {r['plain_output_tokens_per_s']:.1f} tok/s, speedup {r.get('speedup', 0):.2f}x, "
-                 f"identical to plain {r['identical_to_plain']}/{r['num_prompts']}")
-    return line + ")"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``eval/spec_decode.py`` (``draftsmith spec-decode``)."""
-    from ..cli import HelpFormatter
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--target", required=True, help="target dir, hub id or embedded:SmolLM2-135M-Instruct")
-    p.add_argument("--draft", type=Path, required=True, help="exported draft directory (draftsmith export)")
-    p.add_argument("--prompts", default="builtin:eval", help="prompt set: builtin:NAME or a JSONL file")
-    p.add_argument("--max-prompts", type=int, help="use at most this many prompts (default: all)")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="target sampling temperature (0: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype, also vLLM's with --compare-vllm; {DTYPE_AUTO_HELP}, by --device")
-    p.add_argument("--device", help=DEVICE_HELP)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
-                   "machine 1 thread avoids waiting for cores)")
-    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
-                   help="at T>0: draft the argmax (vLLM's default draft_sample_method) or sample from the draft")
-    p.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-decoding baseline")
-    p.add_argument("--compare-vllm", action="store_true",
-                   help="also measure the EAGLE-3 draft with vLLM (draftsmith acceptance) on the same prompts")
-    p.add_argument("--out", type=Path, help="write the figures as JSON")
-    add_vllm_arguments(p, prefix="vllm-")  # --compare-vllm's engine; its dtype defaults to --dtype
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from ..data_prep.target import default_device, load_target, resolve_target
-    from ..recipe import RecipeError, VllmConfig
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = default_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    try:
-        engine = vllm_config_from_args(args, VllmConfig(dtype=dtype)) if args.compare_vllm else None
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-    try:
-        target_dir = resolve_target(args.target)
-    except FileNotFoundError as exc:  # no such directory, or a Hub id the Hub does not serve here
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    model, tokenizer = load_target(target_dir, dtype=getattr(torch, dtype), device=device)
-    try:
-        proposer = load_draft(args.draft, model)
-    except DraftLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    proposer.model.to(model.device, getattr(torch, dtype))
-    proposer.draft_sampling = args.draft_sampling
-    prompts = prompt_token_ids(tokenizer, args.prompts, args.max_prompts)
-    results = {"reference": evaluate(model, tokenizer, proposer, prompts, args.k, args.temperature,
-                                     args.max_new_tokens, args.seed, args.plain)}
-    print(_format("reference", results["reference"]), flush=True)
-    if args.compare_vllm:
-        from .acceptance import EXPORT_METHOD, measure
-
-        # the export's own method (EAGLE-3, Medusa, DFlash, P-EAGLE), as the reference decoder loaded it
-        results["vllm"] = measure(target_dir, args.prompts, EXPORT_METHOD, args.draft, args.k, args.temperature,
-                                  args.max_new_tokens, args.max_prompts, args.seed, engine)
-        print(_format("vllm", results["vllm"]), flush=True)
-        same = sum(a == b for a, b in zip(results["reference"]["outputs"], results["vllm"]["outputs"]))
-        results["identical_outputs_reference_vs_vllm"] = same
-        print(f"identical outputs reference vs vLLM: {same}/{len(prompts)} prompts", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(
-            {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
-             for k, v in results.items()}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,14 @@
-"""What the draft models share: the target's text config, RoPE in both spellings, the
-Llama-style layer geometry of the EAGLE-3 / P-EAGLE / DFlash configs, the base of the drafts that
-embed with the target's embedding, the training step's distillation targets, ``shift_left``, and
-what every method's on-disk format (``models/<m>/format.py``) is made of: :class:`DraftFormat`,
+"""What the draft models share: RoPE in both spellings, the target's layer geometry
+(:class:`LayerGeometry`: what the dry run's estimators read), the base of the EAGLE-3 / P-EAGLE /
+DFlash configs built from it (:class:`LlamaLayerConfig`), the base of the drafts that embed with the target's
+embedding, the training step's distillation targets, ``shift_left``, and what every method's
+on-disk format (``models/<m>/format.py``) is made of: :class:`DraftFormat`,
 the one tensor-set check (:func:`check_tensor_set`) and the one "does this draft fit the target"
 rule (:func:`fit_problems`).
 
-Imports nothing from ``data_prep`` / ``train`` / ``eval`` (``models`` is the bottom room); the
-file contracts it uses (:class:`~draftsmith.layout.ExportError`) are ``layout.py``'s.
+Imports nothing from ``data_prep`` / ``train`` / ``eval`` (``models`` is below every stage);
+the target's text config (:func:`~draftsmith.target.text_config`) is ``target``'s, the file
+contracts it uses (:class:`~draftsmith.layout.ExportError`) are ``layout.py``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..layout import DraftLoadError, ExportError
+from ..target import text_config
 
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -81,12 +84,6 @@ def compile_regions(model: nn.Module) -> int:
     return len(layers)
 
 
-def text_config(config: Any) -> Any:
-    """The language-model part of a (possibly multimodal) transformers config: its
-    ``text_config`` when it has one, else the config itself."""
-    return getattr(config, "text_config", None) or config
-
-
 def rope_theta_and_scaling(rope_parameters: dict[str, Any] | None, rope_theta: float | None = None,
                            rope_scaling: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from either spelling of a Llama-style RoPE config.
@@ -107,7 +104,7 @@ def rope_theta_and_scaling(rope_parameters: dict[str, Any] | None, rope_theta: f
 
 
 
-class LayerGeometry:
+class LlamaLayerConfig:
     """Base of the draft configs built from Llama-style decoder layers (EAGLE-3, P-EAGLE,
     DFlash): the geometry they copy from the target and RoPE in transformers >= 5's spelling.
     Subclasses are dataclasses with ``rope_theta`` and ``rope_scaling`` fields."""
@@ -150,6 +147,54 @@ class LayerGeometry:
                 "rope_type", self.rope_scaling.get("type", "default")
             )
         return rope_parameters
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """The target-derived geometry of a draft's layers, built from the target's config alone
+    (:meth:`from_target`; no weights): what every method's dry-run estimators read
+    (``parameter_estimate(recipe, geometry, vocab_size)``, ``activation_estimate(recipe, shapes,
+    trainable)`` of ``models/<m>/training.py``, through :mod:`draftsmith.train.dry_run`).
+
+    Attributes:
+        hidden_size: H, the target's hidden size (the draft's, where it shares the embedding).
+        intermediate_size: the target's MLP width.
+        num_attention_heads / num_key_value_heads / head_dim: the target's attention geometry.
+        vocab_size: V, the target vocabulary.
+        target_hidden_size: Ht, width of each aux hidden state (the target's hidden size).
+        rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings: the
+            target's (:meth:`LlamaLayerConfig.target_geometry`).
+        draft_vocab_size: Vd, rows of a draft-vocab ``lm_head``.
+        aux_layer_ids: the vLLM aux layer ids the hidden states are captured at, ascending.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> LayerGeometry:
+        """The geometry of a transformers target config (Llama-like, Qwen3 or gpt-oss), with the
+        run's draft vocab size and aux layer ids."""
+        return cls(**LlamaLayerConfig.target_geometry(target_config), draft_vocab_size=int(draft_vocab_size),
+                   aux_layer_ids=tuple(aux_layer_ids))
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as keyword arguments of a draft config (``aux_layer_ids`` a list), e.g.
+        ``Eagle3Config(**geometry.fields())``."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__},
+                "aux_layer_ids": list(self.aux_layer_ids)}
 
 
 @dataclass
@@ -250,6 +295,18 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)[:, : x.shape[1]]
 
 
+def ttt_prediction_mask(
+    loss_mask: torch.Tensor, step: int, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, T)`` bool: positions t whose step-``step`` prediction, token x_{t+step+2}, is
+    trained (``loss_mask[t + step + 2] == 1``) and, with ``document_ids`` ``(B, T)`` (packed
+    rows, each document a contiguous run), in the same document as t."""
+    sel = shift_left(loss_mask, step + 2).bool()
+    if document_ids is not None:
+        sel = sel & (shift_left(document_ids, step + 2, fill=-1) == document_ids)
+    return sel
+
+
 # --------------------------------------------------------------------------------------
 # On-disk formats
 
@@ -296,6 +353,9 @@ class DraftFormat:
             ``num_speculative_tokens``, ``embed_tokens``), given to it by the exporter when set.
         k_from_recipe: without an explicit K, ``draftsmith export`` writes the saved recipe's
             ``eval.num_speculative_tokens`` (False: the format's own, trained K).
+        refines: the method whose format this one extends so that its detector accepts these
+            exports too (DSpark: ``dflash``); where both detect a config, it is this format's
+            (:func:`draftsmith.methods.method_of_export`). None: no other detector accepts them.
     """
 
     layout: str
@@ -306,6 +366,7 @@ class DraftFormat:
     fit: Callable[[dict[str, Any]], "DraftFit"] | None = None
     export_options: tuple[str, ...] = ()
     k_from_recipe: bool = False
+    refines: str | None = None
 
 
 def with_target_embedding(model: nn.Module, embed_tokens: torch.Tensor | None, where: Any) -> nn.Module:

@@ -60,7 +60,7 @@ from helpers.tiny import build_tiny_target, write_jsonl  # noqa: E402
 
 from draftsmith.recipe import Recipe, dump_recipe  # noqa: E402
 from draftsmith.train.checkpoint import find_checkpoints  # noqa: E402
-from draftsmith.train.method_eagle3 import Eagle3Method  # noqa: E402
+from draftsmith.models.eagle3.training import Eagle3Method  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,18 +104,18 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     from draftsmith.data_prep import conversations as conv
     from draftsmith.train.data import HiddenStateDataset
     from draftsmith.data_prep.prepare import DataPaths, stage_tokenize, stage_vocab
-    from draftsmith.data_prep.target import validate_aux_layer_ids
     from draftsmith.eval.acceptance import check_draft_matches_target
     from draftsmith.eval.export import export
     from draftsmith.layout import DraftCheckpointConfig, safe_path
     from draftsmith.models.eagle3.config import Eagle3Config
     from draftsmith.models.eagle3.model import Eagle3DraftModel
     from draftsmith.recipe import load_recipe
+    from draftsmith.target import TargetInfo, validate_aux_layer_ids
     from draftsmith.train.checkpoint import check_checkpoint_shapes
 
     work = work / "bad"
     work.mkdir()
-    info = json.loads((prepared / "data" / "target.json").read_text())
+    info = TargetInfo.read(prepared / "data" / "target.json")
     qa = [{"role": "user", "content": "Name a quick brown animal."}, {"role": "assistant", "content": "fox"}]
     rows: list[tuple[str, Callable[[], str | None]]] = []
 
@@ -228,10 +228,10 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
         def run() -> Any:
             d = work / f"draft-{len(list(work.glob('draft-*')))}"
             d.mkdir()
-            cfg = {"speculators_config": {"verifier": {"name_or_path": info["name_or_path"], "architectures": ["LlamaForCausalLM"]}},
-                   "draft_vocab_size": 128, "target_hidden_size": info["hidden_size"],
-                   "eagle_aux_hidden_state_layer_ids": info["aux_layer_ids"],
-                   "transformer_layer_config": {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"]}}
+            cfg = {"speculators_config": {"verifier": {"name_or_path": info.name_or_path, "architectures": ["LlamaForCausalLM"]}},
+                   "draft_vocab_size": 128, "target_hidden_size": info.hidden_size,
+                   "eagle_aux_hidden_state_layer_ids": info.aux_layer_ids,
+                   "transformer_layer_config": {"hidden_size": info.hidden_size, "vocab_size": info.vocab_size}}
             (d / "config.json").write_text(json.dumps({**cfg, **edit}))
             return check_draft_matches_target(d, target)
         return run
@@ -239,7 +239,7 @@ def bad_inputs(work: Path, recipe: Recipe, prepared: Path, target: Path) -> list
     rows.append(("exported draft, other verifier", draft_for(
         {"speculators_config": {"verifier": {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]}}})))
     rows.append(("exported draft, other vocab", draft_for(
-        {"transformer_layer_config": {"hidden_size": info["hidden_size"], "vocab_size": 640}})))
+        {"transformer_layer_config": {"hidden_size": info.hidden_size, "vocab_size": 640}})))
     rows.append(("exported draft, layer ids out of range", draft_for({"eagle_aux_hidden_state_layer_ids": [2, 3, 9]})))
     return [(name, *outcome_of(fn)) for name, fn in rows]
 
@@ -349,7 +349,7 @@ def prep_faults(work: Path, recipe: Recipe, prepared: Path) -> list[dict[str, An
         args = [str(path), "--run-dir", str(run)] + [a for o in overrides for a in ("--set", o)]
         args += [a for s in stages for a in ("--stage", s)]
         cmd = [sys.executable, str(script), kill[0], str(kill[1]), *args] if kill else \
-              [sys.executable, "-m", "draftsmith.data_prep.prepare", *args]
+              [sys.executable, "-m", "draftsmith.cli.prepare", *args]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if kill is None and done.returncode != 0:
             raise RuntimeError(f"prepare failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -33,7 +33,7 @@ def pearson(x: list[float], y: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.export import export
-    from draftsmith.eval.simulate import simulate
+    from draftsmith.models.eagle3.simulate import simulate
     from draftsmith.recipe import load_recipe
     from draftsmith.train.checkpoint import BEST_NAME, find_checkpoints
 

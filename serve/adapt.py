@@ -38,24 +38,66 @@ and its children (seconds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..data_prep.traffic import TrafficError, holdout_split, read_traffic
 from ..layout import DraftLoadError, read_export
-from ..models.eagle3.config import Eagle3Config
-from ..recipe import RecipeError, dump_recipe, load_recipe
+from ..methods import DraftMethodSpec, get_method, registered_methods
+from ..recipe import dump_recipe, load_recipe
 
 
 class AdaptError(ValueError):
     """The traffic, replay data or deployed draft cannot be adapted on; the message says why, with counts."""
+
+
+@dataclass
+class AdaptOptions:
+    """One adaptation: ``draftsmith adapt``'s flags (:mod:`draftsmith.cli.adapt`), same names and meanings.
+
+    Attributes:
+        log: the traffic log (its rotations are read too); ``deployed``: the deployed draft's
+            export folder (read only); ``recipe``: its recipe file, with ``overrides``
+            (``KEY=VALUE``); ``run_dir``: the adaptation's run directory; ``out``: where the
+            adapted draft is exported.
+        replay: conversations with target-written replies to replay (None: no forgetting guard),
+            making ``replay_share`` (in [0, 1)) of the training conversations.
+        model: the served model name the log is filtered by (None: the one most requests name).
+        holdout: share of the prompts held out; ``drop_cut_replies``: skip replies cut by
+            ``max_tokens``; ``min_conversations``: fewer usable training conversations are refused.
+        budget_minutes: wall-clock budget of preparation + training, of which
+            ``export_reserve_minutes`` are kept for the export.
+        seed: hold-out and replay sampling seed.
+        swap: a managed proxy's URL to serve the new draft (None: no swap), with ``admin_token``.
+        resume / overwrite: continue an interrupted adaptation in ``run_dir`` / start it over.
+    """
+
+    log: str
+    deployed: str
+    recipe: str
+    run_dir: Path
+    out: Path
+    overrides: list[str]
+    replay: str | None
+    replay_share: float
+    model: str | None
+    holdout: float
+    drop_cut_replies: bool
+    min_conversations: int
+    budget_minutes: float
+    export_reserve_minutes: float
+    seed: int
+    swap: str | None
+    admin_token: str | None
+    resume: bool
+    overwrite: bool
 
 
 def cpu_seconds() -> float:
@@ -91,14 +133,21 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def deployed_config(path: Path) -> Eagle3Config:
-    """The deployed draft's EAGLE-3 config (its aux layer ids fix the run's ``data.aux_layer_ids``).
+def adapted_method() -> DraftMethodSpec:
+    """The draft method ``adapt`` continues (:mod:`draftsmith.methods`): the one whose recipe ``draft``
+    section warm-starts from an export folder (``draft.init_from``), EAGLE-3."""
+    return next(get_method(m) for m in registered_methods() if "init_from" in get_method(m).recipe_config.model_fields)
+
+
+def deployed_config(path: Path) -> Any:
+    """The deployed draft's config (:func:`adapted_method`'s ``config_class``; its aux layer ids fix
+    the run's ``data.aux_layer_ids``).
 
     Raises:
-        AdaptError: ``path`` is no EAGLE-3 export folder.
+        AdaptError: ``path`` is no export folder of that method.
     """
     try:
-        config, _, _ = read_export(path, Eagle3Config.from_export)
+        config, _, _ = read_export(path, adapted_method().config_class.from_export)
     except DraftLoadError as exc:
         raise AdaptError(f"--deployed: {exc}") from None
     return config
@@ -109,7 +158,7 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def plan(args: argparse.Namespace) -> dict[str, Any]:
+def plan(args: AdaptOptions) -> dict[str, Any]:
     """Steps 1-4 (read, hold out, refuse, replay) and the adapt recipe, in memory: nothing is
     written, so a refused log leaves the run directory as it was.
 
@@ -150,8 +199,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if held:
         overrides.append(f"data.eval_prompts={json.dumps(str(tdir / 'heldout.jsonl'))}")
     recipe = load_recipe(args.recipe, overrides)
-    if recipe.draft.method != "eagle3":
-        raise AdaptError(f"{args.recipe}: draft.method is {recipe.draft.method}; adapt continues EAGLE-3 drafts")
+    method = adapted_method()
+    if recipe.draft.method != method.name:
+        raise AdaptError(f"{args.recipe}: draft.method is {recipe.draft.method}; adapt continues "
+                         f"{method.format.layout} drafts")
     return {"recipe": recipe, "files": files, "traffic": report.to_dict(),
             "conversations": {"traffic_train": len(train), "heldout": len(held), "replay": len(replay)},
             "heldout_path": str(tdir / "heldout.jsonl") if held else None, "deployed": str(deployed), "out": str(out)}
@@ -179,7 +230,7 @@ def swap(proxy_url: str, draft: Path, admin_token: str | None, timeout_s: float 
     import urllib.error
     import urllib.request
 
-    from ..vllm_bridge.server import LOOPBACK
+    from ..vllm_bridge.net import LOOPBACK
     from .proxy import ADMIN_HEADER
 
     req = urllib.request.Request(f"{proxy_url.rstrip('/')}/draftsmith/swap", method="POST",
@@ -195,16 +246,22 @@ def swap(proxy_url: str, draft: Path, admin_token: str | None, timeout_s: float 
         raise AdaptError(f"proxy {proxy_url}: {exc}") from None
 
 
-def adapt(args: argparse.Namespace) -> dict[str, Any]:
-    """All six steps; returns what ``RUN/adapt.json`` holds.
+def adapt(args: AdaptOptions) -> dict[str, Any]:
+    """All six steps; returns what ``RUN/adapt.json`` holds. The stages run in this process, as
+    ``draftsmith prepare`` and ``draftsmith train --no-prepare`` would (their summaries printed to
+    stdout, a failed stage's message to stderr).
 
     Raises:
         AdaptError, RecipeError: see :func:`plan`; a preparation or training stage that failed
             (its exit code; its own message went to stderr).
     """
-    from ..cli import train as train_main
-    from ..data_prep.prepare import main as prepare_main
+    from types import SimpleNamespace
+
+    from ..data_prep.agreement import recipe_arg
+    from ..data_prep.ranks import PREPARE_ERRORS, prepare_run
     from ..eval.export import export, resolve_checkpoint
+    from ..procs import install_child_reaper
+    from ..train.run import fit_summary, train, train_errors
 
     wall0, cpu0 = time.monotonic(), cpu_seconds()
     run = Path(args.run_dir)
@@ -223,9 +280,13 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
             elif old.exists():
                 old.unlink()
         recipe_path = write_plan(p, run)
-    rc = prepare_main([str(recipe_path), "--run-dir", str(run)])
-    if rc != 0:
-        raise AdaptError(f"preparing {run}/data failed (exit {rc}); see the error above")
+    install_child_reaper()  # engine processes die with this one, SIGKILL included
+    try:
+        summary = prepare_run(load_recipe(recipe_path), run, recipe_arg=recipe_arg(SimpleNamespace(recipe=recipe_path)))
+    except PREPARE_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise AdaptError(f"preparing {run}/data failed (exit 1); see the error above") from None
+    print(json.dumps(summary, indent=1))
     prepare_s = time.monotonic() - wall0
     left = args.budget_minutes - prepare_s / 60 - args.export_reserve_minutes
     if left <= 0.5:
@@ -233,11 +294,17 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
                          "left to train (raise --budget-minutes or shorten the log)")
     recipe = p["recipe"]
     budget = left if recipe.train.max_time_minutes is None else min(left, recipe.train.max_time_minutes)
-    train_argv = [str(recipe_path), "--run-dir", str(run), "--no-prepare",
-                  "--set", f"train.max_time_minutes={budget:.2f}", "--resume" if args.resume else "--overwrite"]
-    rc = train_main(train_argv)
-    if rc != 0:
-        raise AdaptError(f"training in {run} failed (exit {rc}); see the error above")
+    overrides = [f"train.max_time_minutes={budget:.2f}"]
+    refused, failed = train_errors()
+    try:
+        fitted = train(load_recipe(recipe_path, overrides), run, resume=args.resume, overwrite=not args.resume,
+                       prepare=False, recipe_arg=recipe_arg(SimpleNamespace(recipe=recipe_path, overrides=overrides)),
+                       recipe_file=str(recipe_path))
+    except (*refused, *failed) as exc:
+        print(f"draftsmith train: error: {exc}", file=sys.stderr)
+        raise AdaptError(f"training in {run} failed (exit {2 if isinstance(exc, refused) else 1}); "
+                         "see the error above") from None
+    print(json.dumps(fit_summary(run, fitted), indent=1))
     best = run / "checkpoints" / "best"
     ckpt = best if best.is_dir() else resolve_checkpoint(run)
     out = export(ckpt, Path(args.out), num_speculative_tokens=recipe.eval.num_speculative_tokens)
@@ -249,58 +316,3 @@ def adapt(args: argparse.Namespace) -> dict[str, Any]:
         result["swap"] = swap(args.swap, out, args.admin_token)
     (run / "adapt.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-
-    p = argparse.ArgumentParser(prog="draftsmith adapt", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--log", required=True, help="traffic log written by draftsmith proxy (rotated files are read too)")
-    p.add_argument("--deployed", required=True, help="the deployed draft's export folder (read only)")
-    p.add_argument("--recipe", required=True, help="recipe of the deployed draft (target, data, train settings)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key (repeatable)")
-    p.add_argument("--replay", help="conversations with target-written replies to replay (the base run's "
-                                    "data/regen.jsonl); without it no forgetting guard")
-    p.add_argument("--replay-share", type=float, default=0.25,
-                   help="share of the training conversations drawn from --replay")
-    p.add_argument("--run-dir", required=True, type=Path, help="adaptation run directory")
-    p.add_argument("--out", type=Path, help="where the adapted draft is exported (default: RUN_DIR/export/adapted)")
-    p.add_argument("--model", help="the deployment's served model name (default: the one most requests name)")
-    p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
-    p.add_argument("--drop-cut-replies", action="store_true",
-                   help="skip replies cut by max_tokens (default: train on them, without an end-of-turn label at the cut)")
-    p.add_argument("--min-conversations", type=int, default=64,
-                   help="refuse a log with fewer usable training conversations")
-    p.add_argument("--budget-minutes", type=float, default=30.0,
-                   help="wall-clock budget of preparation + training (training gets what preparation leaves)")
-    p.add_argument("--export-reserve-minutes", type=float, default=1.0, help="part of the budget kept for export")
-    p.add_argument("--seed", type=int, default=0, help="hold-out and replay sampling seed")
-    p.add_argument("--swap", metavar="PROXY_URL", help="then ask this managed draftsmith proxy to serve the new draft")
-    p.add_argument("--admin-token", help="the proxy's --admin-token")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue an interrupted adaptation in RUN_DIR")
-    mode.add_argument("--overwrite", action="store_true", help="start RUN_DIR over (its traffic/ and data/ too)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import setup_logging
-
-    args = build_parser().parse_args(argv)
-    if not 0 <= args.replay_share < 1:
-        print(f"error: --replay-share {args.replay_share} must be in [0, 1)", file=sys.stderr)
-        return 2
-    args.out = args.out or args.run_dir / "export" / "adapted"
-    setup_logging()
-    try:
-        result = adapt(args)
-    except (AdaptError, RecipeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(result, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

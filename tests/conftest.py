@@ -115,7 +115,7 @@ def prepared(prepared_run, tmp_path_factory):
 def medusa_trained(tiny_target, tmp_path_factory):
     """``(recipe, run dir)``: the tiny target's Medusa draft (3 heads) trained 20 steps. Read only."""
     from draftsmith.data_prep.prepare import prepare
-    from draftsmith.train.method_medusa import MedusaMethod
+    from draftsmith.models.medusa.training import MedusaMethod
     from draftsmith.train.trainer import fit
 
     run = tmp_path_factory.mktemp("medusa_run")

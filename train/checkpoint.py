@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import __version__
-from ..data_prep.shards import atomic_file, is_disk_full
+from ..fileio import atomic_file, is_disk_full
 from ..layout import (DRAFT_CONFIG_FILE, DraftCheckpoint, DraftCheckpointConfig, DraftConfigError, ExportError,
                       RunLayout, too_old_message, written_before_oldest_readable)
 from ..methods import UnknownMethodError, get_method
@@ -80,7 +80,7 @@ class TrainState:
     num_processes: int = 1
     # metrics since the last logged step, so a resumed run logs the same means: per key the
     # (sum, count) of every rank in rank order, [sum_0, count_0, sum_1, count_1, ...]
-    # (window_format 2, trainer.MetricWindow); format 1 (older checkpoints): rank 0's values
+    # (window_format 2, components.metrics.MetricWindow); format 1 (older checkpoints): rank 0's values
     window: dict[str, list[float]] = field(default_factory=dict)
     window_format: int = 1
     # validation (data.validation_fraction): the best train.best_metric so far, at which step,
@@ -89,7 +89,7 @@ class TrainState:
     best_step: int | None = None
     evals_since_best: int = 0
     # hidden-state shards found holding non-finite states: file -> where (sequence, record id),
-    # warned about once (trainer.NonFiniteShards)
+    # warned about once (components.nonfinite.NonFiniteShards)
     nonfinite_shards: dict[str, str] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:

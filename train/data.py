@@ -11,7 +11,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..data_prep.shards import ShardError, ShardReader, decode_states
+from ..data_prep.shards import ShardReader
+from ..data_prep.state_codec import decode_states
+from ..fileio import ShardError
 from ..layout import DataPaths, read_tokenized
 
 SEQUENCE_KEY = "sequence_index"  # SourceTagged: which sequence of the shards each token came from
@@ -57,7 +59,7 @@ class SourceTagged(torch.utils.data.Dataset):
     long: the index, among the sequences of the whole shard set, of the sequence every token
     came from (``indices[i]`` for item i; without ``indices``: i). It collates and packs like the
     other keys; the trainer takes it out of the batch on the device and counts non-finite hidden
-    states per shard with it (``trainer.NonFiniteShards``), without a host read."""
+    states per shard with it (``components.nonfinite.NonFiniteShards``), without a host read."""
 
     def __init__(self, dataset: Any, indices: list[int] | None = None):
         self.dataset, self.indices = dataset, indices
@@ -188,6 +190,6 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device`` (``non_blocking``: asynchronous from the pinned memory of
     a CUDA DataLoader); python values (``num_tokens``, a plan's sizes) stay as they are. fp8 hidden
     states (handed out undecoded, with their scales) are decoded there, after the copy
-    (:func:`~draftsmith.data_prep.shards.decode_states`): the copy moves 1 byte per value, not 4."""
+    (:func:`~draftsmith.data_prep.state_codec.decode_states`): the copy moves 1 byte per value, not 4."""
     moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return decode_states(moved, torch.float32)

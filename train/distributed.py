@@ -193,6 +193,17 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
     return accelerator
 
 
+def uses_deepspeed(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs under DeepSpeed, whose engine clips and steps the optimizer
+    inside ``accelerator.backward`` (the one backend the training loop branches on)."""
+    return accelerator.distributed_type.value == "DEEPSPEED"
+
+
+def full_tensor(x: Any) -> Any:
+    """A plain tensor from a grad-norm DTensor (FSDP2; a collective, not a host read)."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 def note_recipe_launcher(recipe: Recipe, accelerator: Any) -> None:
     """Log a warning when the recipe names a launcher (``launcher:``) that this run does not use,
     with the command that would: ``accelerate launch`` without ``--config_file`` reads accelerate's

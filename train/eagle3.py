@@ -1,23 +1,21 @@
-"""Train an EAGLE-3 draft with training-time test.
+"""Train an EAGLE-3 draft (the command on published model cards, kept as a file):
 
     accelerate launch train/eagle3.py RECIPE.yaml --run-dir runs/x [--resume] [--set train.lr=3e-4]
     python train/eagle3.py RECIPE.yaml --run-dir runs/x
 
-Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``): target info, draft vocab and
-hidden-state shards. Writes checkpoints under ``RUN_DIR/checkpoints`` and metrics to
-``RUN_DIR/metrics.jsonl``.
+``accelerate launch -m draftsmith.train`` for EAGLE-3 recipes (a recipe of another draft.method is
+refused); its flags and ``--help`` are those of :mod:`draftsmith.cli.train`.
 """
 
 # An entry script run as a file (`accelerate launch train/eagle3.py`), so its imports are absolute;
-# the method itself lives in train/method_eagle3.py.
+# the command line lives in cli/train.py.
 import sys
 
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_main(Eagle3Method, "train/eagle3.py", __doc__, argv)
+    return launch(argv, method="eagle3", script="train/eagle3.py")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,7 @@ the heads' forward (:func:`~draftsmith.train.losses.chunked_distill`).
 
 from __future__ import annotations
 
-import argparse
-import os
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +23,9 @@ from torch import nn
 
 from ..data_prep.capture import capture_batch
 from ..data_prep.conversations import DataError
-from ..data_prep.target import load_target, load_target_head_tensors
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
+from ..target import TargetInfo, load_target, load_target_head_tensors
 from .data import HiddenStateDataset, TokenizedDataset
 from .labels import head_targets
 from .losses import LossSpec, StepMetrics, TargetDraftHead, head_loss
@@ -40,7 +37,8 @@ class TargetDataMethod:
     """Base of the draft methods: target info, target head tensors, dataset, target states.
 
     Attributes:
-        target_info: ``RUN_DIR/data/target.json`` (path, hidden_size, vocab_size, aux ids ...);
+        target_info: ``RUN_DIR/data/target.json`` (:class:`~draftsmith.target.TargetInfo`: path,
+            hidden_size, vocab_size, aux ids ...);
             with offline shards its ``aux_layer_ids`` are the shard manifest's, the layers the
             states were captured at (what the draft is built, trained and exported with).
         heads: ``embed_tokens [V, H]``, ``lm_head [V, H]``, ``final_norm [H]`` of the target.
@@ -54,16 +52,18 @@ class TargetDataMethod:
     """
 
     name = "base"
+    help_text: str | None = None  # the `draftsmith train RECIPE --help` description; None: the generic one
+    uses_attention = True  # False: per-position heads, no attention backend (no flex length buckets)
     verify_shards = "header"  # ShardReader verify mode; "full" with --verify-shards
 
     def __init__(self, recipe: Recipe, run_dir: Path, load_target_model: bool = False):
         self.recipe, self.paths = recipe, RunLayout(run_dir).data
         if not self.paths.target_info.is_file():
             raise FileNotFoundError(f"{self.paths.target_info} missing: run `draftsmith prepare` first")
-        self.target_info = json.loads(self.paths.target_info.read_text())
+        self.target_info = TargetInfo.read(self.paths.target_info)
         if recipe.data.hidden_states_mode == "offline":
-            self.target_info["aux_layer_ids"] = self.captured_aux_layer_ids(recipe, run_dir)
-        self.target_dir = Path(self.target_info["path"])
+            self.target_info.aux_layer_ids = self.captured_aux_layer_ids(recipe, run_dir)
+        self.target_dir = Path(self.target_info.path)
         self.heads = load_target_head_tensors(self.target_dir)
         self.target, self.tokenizer = None, None
         if recipe.data.hidden_states_mode == "online" or load_target_model:
@@ -85,7 +85,7 @@ class TargetDataMethod:
         ids = captured_aux_layer_ids(self.paths)
         where = self.paths.hidden_states / MANIFEST
         if ids is None:
-            ids, where = list(self.target_info["aux_layer_ids"]), self.paths.target_info
+            ids, where = list(self.target_info.aux_layer_ids), self.paths.target_info
         wanted = recipe.data.aux_layer_ids
         if wanted and list(wanted) != ids:
             raise RunDirMismatchError(mismatch_message(run_dir, "data.aux_layer_ids", ids, where, list(wanted)))
@@ -112,7 +112,7 @@ class TargetDataMethod:
         if "aux_hidden_states" in batch:
             return batch["aux_hidden_states"], batch["final_hidden_states"]
         return capture_batch(self.target, batch["input_ids"], batch["attention_mask"],
-                             self.target_info["aux_layer_ids"])
+                             self.target_info.aux_layer_ids)
 
     def training_states(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`target_states` for a training step: ``aux (B, T, n*H)`` in the dtype of the
@@ -174,7 +174,7 @@ class TargetDataMethod:
         Raises:
             ValueError: the target checkpoint's ``lm_head`` is not ``(vocab_size, hidden_size)``.
         """
-        H, V = int(self.target_info["hidden_size"]), int(self.target_info["vocab_size"])
+        H, V = int(self.target_info.hidden_size), int(self.target_info.vocab_size)
         if tuple(self.heads["lm_head"].shape) != (V, H):
             raise ValueError(
                 f"{self.paths.target_info}: vocab_size {V} / hidden_size {H}, but the target lm_head in "
@@ -248,7 +248,7 @@ class DraftVocabMethod(TargetDataMethod):
     def checkpoint_extras(self, directory: Path, **extra: Any) -> None:
         """``draft_config.json`` (the method, ``self.config``, the target, ``extra``) and
         ``vocab.safetensors``."""
-        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info,
+        DraftCheckpointConfig(method=self.name, config=self.config.to_dict(), target=self.target_info.to_dict(),
                               **extra).write(directory)
         save_file({"d2t": self.d2t, "t2d": self.t2d}, str(directory / "vocab.safetensors"))
 
@@ -266,6 +266,7 @@ class HeadMethod(TargetDataMethod):
     """
 
     num_heads: int
+    uses_attention = False
     PLAN_KEYS = ("head_index", "head_tokens", "head_labels", "head_label_mask")
 
     def head_forward(self, model: nn.Module, final: torch.Tensor, tokens: torch.Tensor, head_fn: Any) -> list[Any]:
@@ -328,12 +329,18 @@ class HeadMethod(TargetDataMethod):
         raise NotImplementedError
 
     def checkpoint_extras(self, directory: Path) -> None:
-        DraftCheckpointConfig(method=self.name, config=self.draft_config(), target=self.target_info,
+        DraftCheckpointConfig(method=self.name, config=self.draft_config(), target=self.target_info.to_dict(),
                               head_decay=self.recipe.draft.head_decay).write(directory)
 
 
 class DataNotPreparedError(RuntimeError):
     """``--no-prepare`` and the run's data stages have not all run."""
+
+
+class MethodSetupError(ValueError):
+    """A draft method's own inputs do not fit this run (e.g. EAGLE-3's warm start,
+    ``draft.init_from``: :class:`~draftsmith.models.eagle3.warm_start.WarmStartError`): raised
+    before any step, reported in one line (the training commands exit 1)."""
 
 
 def ensure_prepared(recipe: Recipe, run_dir: Path, recipe_arg: str, allow: bool = True, poll_s: float = 5.0,
@@ -404,33 +411,8 @@ def check_online_target_fits(recipe: Recipe, run_dir: Path) -> None:
     memory = gpu_memory_gib()
     if memory is None:
         return
-    target_dir = Path(json.loads(RunLayout(run_dir).data.target_info.read_text())["path"])
+    target_dir = Path(TargetInfo.read(RunLayout(run_dir).data.target_info).path)
     check_online_fits(dry_run(recipe, target_dir / "config.json", device_memory_gib=memory), memory)
-
-
-def build_parser(doc: str) -> argparse.ArgumentParser:
-    """The command line every ``train/<method>.py`` entry script shares (``doc``: its description)."""
-    from ..cli import HelpFormatter, add_recipe_arguments
-
-    p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
-    add_recipe_arguments(p)
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start over in a RUN_DIR that holds an earlier run's checkpoints/metrics (data/ is kept)")
-    p.add_argument("--no-prepare", action="store_true",
-                   help="fail instead of running the data stages whose outputs are missing from RUN_DIR/data")
-    p.add_argument("--verify-shards", action="store_true",
-                   help="hash every hidden-state shard against its manifest sha256 before training "
-                        "(default: a size and header check only)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate the recipe (and its launcher) and print size estimates; no weights")
-    p.add_argument("--target-config", type=Path, help="with --dry-run: the target's config.json (no hub access)")
-    p.add_argument("--launcher", type=Path,
-                   help="with --dry-run: accelerate launcher YAML to validate (default: the recipe's `launcher`)")
-    p.add_argument("--device-memory-gib", type=float, default=80.0,
-                   help="with --dry-run: memory of one GPU; a per-GPU estimate above it is refused (exit 2)")
-    return p
 
 
 def check_draft_vocab_size(recipe: Recipe, paths: Any) -> None:
@@ -450,90 +432,3 @@ def check_draft_vocab_size(recipe: Recipe, paths: Any) -> None:
         raise DataError(f"{paths.vocab}: a draft vocab of {d2t.shape[0]} tokens, but the recipe's "
                         f"data.draft_vocab_size is {want}: the data was prepared for another recipe; "
                         f"{remedy(Path(paths.root).parent)}")
-
-
-def train_main(method_cls: type, script: str, doc: str, argv: list[str] | None = None) -> int:
-    """The entry script of one draft method: parse the recipe and ``--set`` overrides, then
-    ``--dry-run`` (size and launcher report) or prepare what data is missing and
-    :func:`~draftsmith.train.trainer.fit` with ``method_cls``.
-
-    The run directory defaults to ``runs/<recipe name>``, so ``accelerate launch
-    train/eagle3.py RECIPE.yaml`` alone prepares and trains.
-
-    Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
-    data, a mask token that occurs in the data); 2 (recipe invalid or for another method, run directory in use,
-    ``--dry-run`` estimate above ``--device-memory-gib``).
-    """
-    import sys
-
-    from ..data_prep.conversations import DataError
-    from ..data_prep.launch import DataStageError
-    from ..data_prep.plan import PlanError
-    from ..data_prep.shards import ShardError
-    from ..cli import recipe_from_args, setup_logging
-    from ..recipe import RecipeError, require_method
-    from .checkpoint import CheckpointError, claim_run_dir
-    from .dry_run import MemoryBudgetError
-    from .distributed import build_accelerator
-    from .launchers import LauncherError
-    from .mask_token import MaskTokenError
-    from .trainer import NonFiniteLossError, fit
-    from .validation import ValidationSplitError
-    from .warm_start import WarmStartError
-
-    if sys.argv[:1] == ["draftsmith train"]:  # run by `draftsmith train` (cli.py's _run_as): errors name what was typed
-        script = "draftsmith train"
-    args = build_parser(doc).parse_args(argv)
-    setup_logging()
-    recipe = recipe_from_args(args)
-    try:
-        require_method(recipe, method_cls.name, script)
-    except RecipeError as exc:
-        print(f"{args.recipe}: {exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        from .dry_run import check_fits, dry_run, format_report
-
-        try:
-            report = dry_run(recipe, args.target_config, args.launcher, args.device_memory_gib)
-            check_fits(report, args.device_memory_gib)
-        except MemoryBudgetError as exc:
-            print(f"{args.recipe}: {exc}", file=sys.stderr)
-            return 2
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(format_report(report))
-        return 0
-    run_dir = args.run_dir or Path("runs") / recipe.name
-    try:
-        from ..data_prep.agreement import check_run_dir, recipe_arg
-        from ..data_prep.prepare import missing_stages
-
-        # the data on disk agrees with the recipe before anything is written (--overwrite included)
-        check_run_dir(recipe, run_dir, [] if args.no_prepare else missing_stages(recipe, run_dir), recipe_arg(args))
-        if int(os.environ.get("RANK", "0")) == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            claim_run_dir(run_dir, args.resume, args.overwrite)
-        # before the accelerator: the data stage's children get the GPUs while no rank holds memory
-        ensure_prepared(recipe, run_dir, args.recipe, allow=not args.no_prepare, checked=True)
-        if issubclass(method_cls, DraftVocabMethod):
-            check_draft_vocab_size(recipe, RunLayout(run_dir).data)
-        check_online_target_fits(recipe, run_dir)
-        accelerator = build_accelerator(recipe, run_dir)
-        method = method_cls(recipe, run_dir)
-        method.verify_shards = "full" if args.verify_shards else "header"
-        result = fit(recipe, method, run_dir, resume=args.resume,
-                     argv=sys.argv if argv is None else argv, accelerator=accelerator)
-    except (CheckpointError, LauncherError, MemoryBudgetError) as exc:
-        print(f"{script}: error: {exc}", file=sys.stderr)
-        return 2
-    except (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
-            WarmStartError, PlanError, DataStageError, TimeoutError, NonFiniteLossError) as exc:
-        print(f"{script}: error: {exc}", file=sys.stderr)
-        return 1
-    if accelerator.is_main_process:
-        print(json.dumps({"run_dir": str(run_dir), "steps": result.steps, "tokens": result.tokens,
-                          "seconds": round(result.seconds, 1), "tokens_per_s": round(result.tokens_per_s, 1),
-                          "checkpoint": str(result.checkpoint), "metrics": result.last_metrics}, indent=1))
-    return 0

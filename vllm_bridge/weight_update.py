@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .server import LOOPBACK  # no HTTP proxy on loopback
+from .net import LOOPBACK  # no HTTP proxy on loopback
 
 BACKEND = "draftsmith_safetensors"
 EXTENSION = "draftsmith.vllm_bridge.weight_update.DraftWeightsExtension"

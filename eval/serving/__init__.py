@@ -1,4 +1,4 @@
-"""The serving benchmark behind ``python -m draftsmith.eval.serve_bench`` (the command line):
+"""The serving benchmark behind ``draftsmith serve-bench`` (its command line: :mod:`draftsmith.cli.serve_bench`):
 
 - :mod:`.metrics`: figures from vLLM's benchmark JSON and the server's spec-decode counters
   (docs/conventions.md, "Acceptance metrics"), summaries over concurrency levels, the K recommendation;

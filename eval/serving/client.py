@@ -77,7 +77,7 @@ def run_bench(args: list[str], result_path: Path, log_path: Path, timeout_s: flo
     Raises:
         RuntimeError: the benchmark failed or saved nothing (log tail in the message).
     """
-    cmd = [sys.executable, "-m", "draftsmith.eval.serve_bench", "--bench-worker", *args]
+    cmd = [sys.executable, "-m", "draftsmith.cli.serve_bench", "--bench-worker", *args]
     with command_log(log_path, cmd) as log_file:
         proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))

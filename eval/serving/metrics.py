@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from ..acceptance import summarise
-from ...vllm_bridge.server import LOOPBACK
+from ...vllm_bridge.net import LOOPBACK
 
 BENCH_PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 
 from transformers import LlamaConfig
 
-from ..common import LayerGeometry, rope_theta_and_scaling, text_config
+from ...target import text_config
+from ..common import LlamaLayerConfig, rope_theta_and_scaling
 
 CANDIDATE_HEAD_ARCHITECTURES: tuple[str, ...] = ("DFlash2DraftModel", "LiLiCorrDraftModel")
 """vLLM 0.32's DFlash architectures with a candidate head (``config/vllm.py``
@@ -17,7 +18,7 @@ CANDIDATE_HEAD_ARCHITECTURES: tuple[str, ...] = ("DFlash2DraftModel", "LiLiCorrD
 
 
 @dataclass
-class DFlashConfig(LayerGeometry):
+class DFlashConfig(LlamaLayerConfig):
     """Architecture of a DFlash draft for one target model.
 
     Attributes:

@@ -58,10 +58,11 @@ def expected_dflash_weights(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_dflash_export(config: dict[str, Any]) -> bool:
-    """True for the ``config.json`` of a DFlash draft (Format A or B); not a DSpark export (architecture
-    ``Qwen3DSparkModel``, which carries a ``dflash_config`` too) nor a DFlash architecture with a
-    candidate head (:data:`~draftsmith.models.dflash.config.CANDIDATE_HEAD_ARCHITECTURES`)."""
-    if set(config.get("architectures") or []) & {*CANDIDATE_HEAD_ARCHITECTURES, "Qwen3DSparkModel"}:
+    """True for the ``config.json`` of a DFlash draft (Format A or B), not a DFlash architecture with a
+    candidate head (:data:`~draftsmith.models.dflash.config.CANDIDATE_HEAD_ARCHITECTURES`). A format
+    that extends DFlash's passes this test too and says so (``DraftFormat.refines``): the registry
+    gives such a config to it (:func:`draftsmith.methods.method_of_export`)."""
+    if set(config.get("architectures") or []) & set(CANDIDATE_HEAD_ARCHITECTURES):
         return False
     return config.get("speculators_model_type") == "dflash" or "dflash_config" in config
 

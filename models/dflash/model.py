@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, rotate_half
 
+from ..attention import flex_attention, sdpa_with_mask
 from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend
-from ..eagle3.model import flex_attention, sdpa_with_mask
 from .config import DFlashConfig
 
 
@@ -296,9 +296,9 @@ class DFlashDraftModel(TargetSharedDraft):
         Args:
             input_ids: ``(B, T)`` target tokens (right-padded).
             aux_hidden_states: ``(B, T, n*Ht)`` aux states at every position, unshifted.
-            anchors: ``(B, A)`` anchor positions a (:func:`draftsmith.train.labels.sample_anchors`).
+            anchors: ``(B, A)`` anchor positions a (:func:`draftsmith.models.dflash.training.sample_anchors`).
             anchor_valid: ``(B, A)`` bool; False marks padding anchors (outputs zero, no NaN).
-            label_mask: optional ``(B, A, Bk)`` bool (:func:`draftsmith.train.labels.block_labels`): return logits only
+            label_mask: optional ``(B, A, Bk)`` bool (:func:`draftsmith.models.dflash.training.block_labels`): return logits only
                 at those slots (boolean indexing: a host sync; training passes ``targets``).
             position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per document);
                 default ``0..T-1``. Block j sits at ``position_ids[a_j] + 0..Bk-1``.

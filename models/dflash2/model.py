@@ -141,7 +141,7 @@ class CandidateSelector(nn.Module):
 class SelectorTargets:
     """The DFlash2 training targets a draft's forward computes its loss against: the DFlash
     divergence (``distill``) and the selector's K-way cross-entropy (``select``,
-    ``draftsmith.train.losses.chunked_selector``), both over the trained block slots.
+    ``draftsmith.models.dflash2.training.chunked_selector``), both over the trained block slots.
 
     Attributes:
         distill: the DFlash :class:`~draftsmith.models.common.DistillTargets`.

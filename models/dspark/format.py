@@ -127,4 +127,4 @@ DSPARK_FORMAT = DraftFormat(
     layout="DSpark", detect=is_dspark_export, export=export_dspark, load=load_dspark, fit=dspark_fit,
     card=DraftCard("DSpark", "DSpark: DFlash block drafting (arXiv:2602.06036) with a sequential Markov head",
                    dspark_card_facts, default_k),
-    export_options=("num_speculative_tokens",))
+    export_options=("num_speculative_tokens",), refines="dflash")

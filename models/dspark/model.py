@@ -73,9 +73,9 @@ class DSparkTargets:
         label_ok: ``(B, A, Bk)`` bool, the true next token is in the draft vocab (cross-entropy
             counted).
         weight: ``(B, A, Bk)`` float per-slot weight (0: not trained).
-        compute: ``train.losses.dspark_rows`` (models import nothing from ``train/``):
+        compute: ``models/dspark/training.py``'s ``dspark_rows`` (the model imports nothing from ``train/``):
             ``compute(model, hidden (M, H), markov_embed (M, r), targets) -> DSparkOut``.
-        options: the loss weights and divergence (``train.losses.DSparkLossSpec``).
+        options: the loss weights and divergence (``models/dspark/training.py``'s ``DSparkLossSpec``).
         chunk_size: rows per loss chunk (None: ``chunk_rows`` of Vd).
     """
 

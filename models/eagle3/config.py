@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-from ..common import LayerGeometry, rope_theta_and_scaling
+from ..common import LlamaLayerConfig, rope_theta_and_scaling
 
 #: The EAGLE-3.1 options: top-level ``config.json`` keys that vLLM 0.32's ``llama_eagle3`` reads
 #: (``norm_before_fc`` also from ``eagle_config``) and the speculators library writes.
@@ -17,7 +17,7 @@ EAGLE31_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass
-class Eagle3Config(LayerGeometry):
+class Eagle3Config(LlamaLayerConfig):
     """Architecture of an EAGLE-3 draft for one target model.
 
     Attributes:

@@ -43,14 +43,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    repeat_kv,
-)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..common import RMSNorm, TargetSharedDraft, resolve_attention_backend, shift_left
+from ..attention import flex_attention, sdpa_with_mask
+from ..common import RMSNorm, TargetSharedDraft, resolve_attention_backend, ttt_prediction_mask
 from .config import Eagle3Config
 
 
@@ -87,33 +83,6 @@ def ttt_attention_mask(
         causal = causal & same_document(document_ids)  # (T, T) or (B, T, T)
         diag = diag.expand_as(causal)
     return torch.cat([causal] + [diag] * step, dim=-1)
-
-
-def sdpa_supports_gqa_with_mask(device: torch.device) -> bool:
-    """Whether ``scaled_dot_product_attention(..., attn_mask=bool, enable_gqa=True)`` runs a fused
-    kernel on ``device``: yes on CPU (torch's flash kernel for CPU takes masks and GQA); on CUDA
-    a mask excludes the flash kernel and ``enable_gqa`` is not supported by the memory-efficient
-    one, so SDPA would fall back to the math kernel (``O(T^2)`` per head): there the key/value
-    heads are expanded instead (``repeat_kv``, a copy linear in T)."""
-    return device.type == "cpu"
-
-
-def sdpa_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   scale: float | None = None) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with a bool mask (True = attend) and grouped key/value
-    heads, on a kernel that keeps memory linear in the key length (see
-    :func:`sdpa_supports_gqa_with_mask`).
-
-    Args:
-        q: ``(B, nh, Tq, hd)``. k / v: ``(B, nkv, Tk, hd)`` with ``nh % nkv == 0``.
-        mask: bool (True = attend) or additive float in q's dtype, 4-D and broadcastable to
-            ``(B, nh, Tq, Tk)`` with a head dimension of 1; every query row must allow a key.
-    """
-    groups = q.shape[1] // k.shape[1]
-    native = groups > 1 and sdpa_supports_gqa_with_mask(q.device)
-    if groups > 1 and not native:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=native)
 
 
 @dataclass
@@ -174,34 +143,6 @@ def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids:
     # (step + 1) * T keys, a B * T * (step + 1) * T intermediate per step
     return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device,
                              _compile=torch.device(device).type == "cuda")
-
-
-_compiled_flex: Any = None
-
-
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None = None,
-                   enable_gqa: bool = False) -> torch.Tensor:
-    """torch's ``flex_attention`` under a ``BlockMask`` (EAGLE-3, DFlash and P-EAGLE's ``flex``
-    backend): ``torch.compile``d on CUDA, the fused kernel that skips fully masked tiles and keeps
-    memory linear in the key length; eager elsewhere, an unfused reference that materialises the
-    scores and has no backward on the CPU in torch 2.13 (tests only). The trainer pads every
-    batch to one of a few length buckets under flex (:func:`draftsmith.train.packing.length_bucket`:
-    one with packing, four without), so EAGLE-3 sees one or a few row lengths; shapes are left to
-    torch.compile's automatic dynamic marking, so a second shape (another bucket, DFlash's anchor
-    count, P-EAGLE's element count) compiles one dynamic-shape kernel and no shape after it compiles
-    again (``dynamic=False`` would recompile for every new shape up to the recompile limit)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention as _flex
-
-    if q.device.type != "cuda":
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(_flex)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def ttt_attention(
@@ -573,8 +514,8 @@ class Eagle3DraftModel(TargetSharedDraft):
             ttt_steps: K >= 1 unrolled steps.
             loss_mask: optional ``(B, T)``, 1 on trained (assistant) tokens. When given (and no
                 ``step_head``), step k computes logits only at the positions
-                :func:`ttt_prediction_mask` selects (the lm_head is the largest matmul; skipping
-                untrained positions saves it). Boolean selection reads the mask on the host:
+                :func:`~draftsmith.models.common.ttt_prediction_mask` selects (the lm_head is the
+                largest matmul; skipping untrained positions saves it). Boolean selection reads the mask on the host:
                 training passes ``step_head`` instead.
             position_ids: optional ``(B, T)`` RoPE positions of step 0; default ``0..T-1``.
                 Packed rows restart them at 0 for every document.
@@ -627,17 +568,5 @@ class Eagle3DraftModel(TargetSharedDraft):
                 sel = ttt_prediction_mask(loss_mask, k, document_ids)  # (B, T)
                 outputs.append(self.compute_logits(hidden[sel]))  # (M_k, Vd)
         return outputs
-
-
-def ttt_prediction_mask(
-    loss_mask: torch.Tensor, step: int, document_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(B, T)`` bool: positions t whose step-``step`` prediction, token x_{t+step+2}, is
-    trained (``loss_mask[t + step + 2] == 1``) and, with ``document_ids`` ``(B, T)`` (packed
-    rows, each document a contiguous run), in the same document as t."""
-    sel = shift_left(loss_mask, step + 2).bool()
-    if document_ids is not None:
-        sel = sel & (shift_left(document_ids, step + 2, fill=-1) == document_ids)
-    return sel
 
 

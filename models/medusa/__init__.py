@@ -1,10 +1,21 @@
-"""Medusa heads (arXiv:2401.10774): :mod:`.model` (config and heads) and :mod:`.format` (the
-layout vLLM <= 0.32 serves as ``{"method": "medusa"}``). Registers the method in
-:mod:`draftsmith.methods`."""
+"""Medusa heads (arXiv:2401.10774): :mod:`.model` (config and heads) and :mod:`.format` (the layout
+vLLM <= 0.32 serves as ``{"method": "medusa"}``). Also :mod:`.recipe` (its recipe ``draft``
+section), :mod:`.training` (the training method, its labels, loss and dry-run estimates) and
+:mod:`.proposer` (the reference decoder's proposer, the installed vLLM's serve check). Registers the
+method in :mod:`draftsmith.methods`, its parts imported on first use."""
 
 from ...methods import DraftMethodSpec, register
-from .format import MEDUSA_FORMAT
-from .model import MedusaConfig, MedusaModel
 
-register(DraftMethodSpec(name="medusa", vllm_method="medusa", config_class=MedusaConfig, model_class=MedusaModel,
-                         format=MEDUSA_FORMAT, servable=True))
+register(DraftMethodSpec(
+    name="medusa", package=__name__, vllm_method="medusa", servable=True,
+    parts={
+        "recipe_config": ".recipe:MedusaDraftConfig",
+        "config_class": ".model:MedusaConfig",
+        "model_class": ".model:MedusaModel",
+        "format": ".format:MEDUSA_FORMAT",
+        "training_method": ".training:MedusaMethod",
+        "parameter_estimator": ".training:parameter_estimate",
+        "activation_estimator": ".training:activation_estimate",
+        "proposer_factory": ".proposer:medusa_proposer",
+        "vllm_serve_check": ".proposer:check_vllm_serves",
+    }))

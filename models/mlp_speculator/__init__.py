@@ -1,11 +1,20 @@
 """MLP speculator (arXiv:2404.19124): :mod:`.model` (config and stages) and :mod:`.format` (IBM's
-``MLPSpeculatorPreTrainedModel`` layout, vLLM <= 0.32's ``{"method": "mlp_speculator"}``).
-Registers the method in :mod:`draftsmith.methods`."""
+``MLPSpeculatorPreTrainedModel`` layout, vLLM <= 0.32's ``{"method": "mlp_speculator"}``). Also
+:mod:`.recipe` (its recipe ``draft`` section), :mod:`.training` (the training method, its labels,
+loss and dry-run estimates) and :mod:`.proposer` (the reference decoder's proposer). Registers the
+method in :mod:`draftsmith.methods`, its parts imported on first use."""
 
 from ...methods import DraftMethodSpec, register
-from .format import MLP_SPECULATOR_FORMAT
-from .model import MLPSpeculator, MLPSpeculatorConfig
 
-register(DraftMethodSpec(name="mlp_speculator", vllm_method="mlp_speculator", config_class=MLPSpeculatorConfig,
-                         model_class=MLPSpeculator, format=MLP_SPECULATOR_FORMAT,
-                         servable=False))
+register(DraftMethodSpec(
+    name="mlp_speculator", package=__name__, vllm_method="mlp_speculator", servable=False,
+    parts={
+        "recipe_config": ".recipe:MLPSpeculatorDraftConfig",
+        "config_class": ".model:MLPSpeculatorConfig",
+        "model_class": ".model:MLPSpeculator",
+        "format": ".format:MLP_SPECULATOR_FORMAT",
+        "training_method": ".training:MLPSpeculatorMethod",
+        "parameter_estimator": ".training:parameter_estimate",
+        "activation_estimator": ".training:activation_estimate",
+        "proposer_factory": ".proposer:mlp_speculator_proposer",
+    }))

@@ -1,13 +1,23 @@
 """P-EAGLE parallel drafting (arXiv:2602.01469): :mod:`.config`, :mod:`.model` (EAGLE-3 with K
 tokens drafted in one forward) and :mod:`.format` (the speculators ``peagle`` layout vLLM 0.32
-serves as ``{"method": "eagle3", "parallel_drafting": true}``). Registers the method in
-:mod:`draftsmith.methods`."""
+serves as ``{"method": "eagle3", "parallel_drafting": true}``). Also :mod:`.recipe` (its recipe
+``draft`` section), :mod:`.training` (the training method, its labels, loss and dry-run estimates)
+and :mod:`.proposer` (the reference decoder's proposer, the check that an export fits the target).
+Registers the method in :mod:`draftsmith.methods`, its parts imported on first use."""
 
 from ...methods import DraftMethodSpec, register
-from .config import PEagleConfig
-from .format import PEAGLE_FORMAT
-from .model import PEagleDraftModel
 
-register(DraftMethodSpec(name="peagle", vllm_method="eagle3", config_class=PEagleConfig, model_class=PEagleDraftModel,
-                         format=PEAGLE_FORMAT, servable=True,
-                         vllm_extra=(("parallel_drafting", True),)))
+register(DraftMethodSpec(
+    name="peagle", package=__name__, vllm_method="eagle3", servable=True,
+    vllm_extra=(("parallel_drafting", True),),
+    parts={
+        "recipe_config": ".recipe:PEagleDraftConfig",
+        "config_class": ".config:PEagleConfig",
+        "model_class": ".model:PEagleDraftModel",
+        "format": ".format:PEAGLE_FORMAT",
+        "training_method": ".training:PEagleMethod",
+        "parameter_estimator": ".training:parameter_estimate",
+        "activation_estimator": ".training:activation_estimate",
+        "proposer_factory": ".proposer:peagle_proposer",
+        "target_check": ".proposer:target_check",
+    }))

@@ -16,7 +16,7 @@ aux states (vLLM's ``combine_hidden_states``).
 
 Training (docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
 conditional-drop (COD) sampling of (anchor, depth) elements on
-the EAGLE-shifted sequence (:func:`draftsmith.train.labels.cod_sample`, vectorised on the batch's device with a fixed
+the EAGLE-shifted sequence (:func:`draftsmith.models.peagle.training.cod_sample`, vectorised on the batch's device with a fixed
 number of slots per depth), one forward over all elements under the COD mask
 (:func:`cod_attention_mask`; :class:`CODMask` builds it once per forward from per-element
 interval keys, as an additive SDPA mask or a flex-attention block mask), the divergence to the
@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from ..attention import flex_attention, sdpa_with_mask
 from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend, shift_left
-from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache, flex_attention, sdpa_with_mask
+from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache
 from .config import PEagleConfig
 
 
@@ -362,11 +363,11 @@ class PEagleDraftModel(TargetSharedDraft):
         Args:
             input_ids: ``(B, T)`` target tokens x_0..x_{T-1}.
             aux_hidden_states: ``(B, T, 3 * Ht)`` aux states g_t.
-            elements: :func:`draftsmith.train.labels.cod_sample`'s elements (positions in the EAGLE-shifted frame).
+            elements: :func:`draftsmith.models.peagle.training.cod_sample`'s elements (positions in the EAGLE-shifted frame).
             position_ids: optional ``(B, T)`` RoPE positions (packed rows restart per
                 document); element s rotates at ``position_ids[anchor] + depth``.
             document_ids: optional ``(B, T)`` document per position (packed rows).
-            select: optional ``(B, S)`` bool (e.g. :func:`draftsmith.train.labels.cod_targets`): return the logits of
+            select: optional ``(B, S)`` bool (e.g. :func:`draftsmith.models.peagle.training.cod_targets`): return the logits of
                 these elements only (boolean indexing: reads the mask on the host; tests and
                 tools, the training step uses ``targets``).
             targets: the training step's :class:`~draftsmith.models.common.DistillTargets`: the divergence of every element

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.data_prep.shards import ShardReader, decode_states
-from draftsmith.data_prep.target import load_target
+from draftsmith.data_prep.shards import ShardReader
+from draftsmith.data_prep.state_codec import decode_states
+from draftsmith.target import load_target
 
 from helpers.tiny import write_fp8_shards
 

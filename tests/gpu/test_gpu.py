@@ -7,7 +7,7 @@ of each GPU recipe's real step against ``draftsmith bench memory``'s fake-tensor
 
 Every CUDA test is marked ``gpu`` and skipped when ``torch.cuda.is_available()`` is False, so CI
 collects and skips them. Training runs go through the real entry points in subprocesses
-(``accelerate launch --config_file ... train/<method>.py RECIPE --run-dir RUN``): accelerate keeps
+(``accelerate launch --config_file ... -m draftsmith.train RECIPE --run-dir RUN``): accelerate keeps
 one process-wide state, so an fp32 CPU run and a bf16 CUDA run cannot share a process, and the
 launchers are what is being proven. The data (tiny random target of ``conftest.py``, fp32
 shards) is prepared once and copied into every run directory.
@@ -33,15 +33,18 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 from benchmarks import gpu as bench_gpu
 from draftsmith.models.eagle3.format import expected_weight_shapes
 from draftsmith.train.checkpoint import read_draft
 from draftsmith.models.dflash.model import block_attention, block_attention_mask
 from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, ttt_attention
 from draftsmith.models.peagle.model import CODMask
-from draftsmith.train.labels import cod_sample, sample_anchors, step0_prediction_mask
-from draftsmith.recipe import DFlashDraftConfig, PEagleDraftConfig, Recipe, dump_recipe
+from draftsmith.models.dflash.training import sample_anchors
+from draftsmith.models.peagle.training import cod_sample, step0_prediction_mask
+from draftsmith.models.dflash.recipe import DFlashDraftConfig
+from draftsmith.models.peagle.recipe import PEagleDraftConfig
+from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
 
 from helpers.tiny import TINY_AUX, write_jsonl
@@ -135,16 +138,16 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def train_cmd(method: str, recipe: Path, run: Path, *extra: str) -> list[str]:
-    """``train/<method>.py RECIPE --run-dir RUN --no-prepare ...`` (the data is the fixture's: a
-    run must not prepare its own)."""
-    return [str(REPO / "train" / f"{method}.py"), str(recipe), "--run-dir", str(run), "--no-prepare", *extra]
+def train_cmd(recipe: Path, run: Path, *extra: str) -> list[str]:
+    """``-m draftsmith.train RECIPE --run-dir RUN --no-prepare ...``, the method the recipe's (the data is
+    the fixture's: a run must not prepare its own)."""
+    return ["-m", "draftsmith.train", str(recipe), "--run-dir", str(run), "--no-prepare", *extra]
 
 
-def accelerate_cmd(config: Path, method: str, recipe: Path, run: Path, *extra: str) -> list[str]:
-    """``accelerate launch --config_file CONFIG train/<method>.py RECIPE --run-dir RUN ...``."""
+def accelerate_cmd(config: Path, recipe: Path, run: Path, *extra: str) -> list[str]:
+    """``accelerate launch --config_file CONFIG -m draftsmith.train RECIPE --run-dir RUN ...``."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--main_process_port", str(free_port()), *train_cmd(method, recipe, run, *extra)]
+            "--main_process_port", str(free_port()), *train_cmd(recipe, run, *extra)]
 
 
 class Jobs:
@@ -304,9 +307,9 @@ def test_bf16_training_on_cuda_tracks_fp32_training_on_cpu(method, tiny_target, 
     dump_recipe(method_recipe(tiny_target, prompts, method), recipe)
     cuda, cpu = new_run(data, tmp_path / "cuda"), new_run(data, tmp_path / "cpu")
     with Jobs(tmp_path / "logs") as jobs:  # both at once: one uses the GPU, the other the CPU cores
-        jobs.start("cuda", accelerate_cmd(REPO / "recipes" / "accelerate" / "single_gpu.yaml", method, recipe, cuda),
+        jobs.start("cuda", accelerate_cmd(REPO / "recipes" / "accelerate" / "single_gpu.yaml", recipe, cuda),
                    child_env())
-        jobs.start("cpu", [sys.executable, *train_cmd(method, recipe, cpu)],
+        jobs.start("cpu", [sys.executable, *train_cmd(recipe, cpu)],
                    child_env(ACCELERATE_USE_CPU="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="4"))
         jobs.finish("cuda")
         jobs.finish("cpu")
@@ -329,9 +332,9 @@ def test_bf16_training_on_cuda_tracks_fp32_training_on_cuda(method, tiny_target,
     fp32_launcher = launcher_config("single_gpu_fp32", recipe, tmp_path)
     bf16, fp32 = new_run(data, tmp_path / "bf16"), new_run(data, tmp_path / "fp32")
     with Jobs(tmp_path / "logs") as jobs:  # both at once: two tiny drafts share the GPU
-        jobs.start("bf16", accelerate_cmd(REPO / "recipes" / "accelerate" / "single_gpu.yaml", method, recipe_path,
+        jobs.start("bf16", accelerate_cmd(REPO / "recipes" / "accelerate" / "single_gpu.yaml", recipe_path,
                                           bf16), child_env())
-        jobs.start("fp32", accelerate_cmd(fp32_launcher, method, recipe_path, fp32), child_env())
+        jobs.start("fp32", accelerate_cmd(fp32_launcher, recipe_path, fp32), child_env())
         jobs.finish("bf16")
         jobs.finish("fp32")
     got, want = ([m["loss"] for m in read_metrics(run)] for run in (bf16, fp32))
@@ -550,8 +553,8 @@ def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tin
     config = launcher_config(launcher, recipe, tmp_path)
     ref, run = new_run(data, tmp_path / "ref"), new_run(data, tmp_path / "run")
     with Jobs(tmp_path / "logs") as jobs:
-        jobs.start("uninterrupted", accelerate_cmd(config, "eagle3", recipe_path, ref), child_env())
-        killed = jobs.start("killed", accelerate_cmd(config, "eagle3", recipe_path, run), child_env())
+        jobs.start("uninterrupted", accelerate_cmd(config, recipe_path, ref), child_env())
+        killed = jobs.start("killed", accelerate_cmd(config, recipe_path, run), child_env())
         try:
             seen = wait_for_step(run, KILL_AFTER, killed, timeout=TIMEOUT_S)
         except (RuntimeError, TimeoutError) as exc:
@@ -560,7 +563,7 @@ def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tin
         resume_from = find_checkpoints(run / "checkpoints")[-1]
         states = [json.loads((resume_from / "train_state.json").read_text())]
         assert states[0]["step"] < LAUNCH_TRAIN["max_steps"], "the run finished before it was killed"
-        jobs.start("resumed", accelerate_cmd(config, "eagle3", recipe_path, run, "--resume"), child_env())
+        jobs.start("resumed", accelerate_cmd(config, recipe_path, run, "--resume"), child_env())
         jobs.finish("uninterrupted")
         resumed_log = jobs.finish("resumed")
     assert f"resumed from {resume_from}" in resumed_log, resumed_log[-4000:]
@@ -578,7 +581,7 @@ def test_launcher_trains_resumes_exactly_after_sigkill_and_exports(launcher, tin
     assert [m["loss"] for m in curve] == pytest.approx([m["loss"] for m in curve_ref], rel=RESUME_TOL, abs=RESUME_TOL)
 
     out = tmp_path / "export"
-    exported = subprocess.run([sys.executable, "-m", "draftsmith.eval.export", str(run), "--out", str(out)],
+    exported = subprocess.run([sys.executable, "-m", "draftsmith.cli.export", str(run), "--out", str(out)],
                               capture_output=True, text=True, env=child_env(), timeout=TIMEOUT_S)
     assert exported.returncode == 0, exported.stderr[-4000:]
     cfg = read_draft(final).config

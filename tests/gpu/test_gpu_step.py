@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from draftsmith.models.common import compile_regions
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.train import losses
 from draftsmith.train.losses import LOSSES, LossSpec, chunked_distill
 from helpers.tiny import eagle3_tiny_config
@@ -114,8 +114,8 @@ def test_a_recipe_geometry_flex_step_compiles_once_per_bucket_within_a_minute():
     precision = Precision.of(launch, "auto")
     dev = torch.device("cuda")
     with offline_method(recipe, config_json, torch.bfloat16, random_weights) as method:
-        H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
-        n_aux = len(method.target_info["aux_layer_ids"])
+        H, V = int(method.target_info.hidden_size), int(method.target_info.vocab_size)
+        n_aux = len(method.target_info.aux_layer_ids)
         model, trainable, optimizers = prepare_model(method, recipe, precision, dev)
         compile_regions(model)
         batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False), method.batch_plan(), dev, None, fake=False)

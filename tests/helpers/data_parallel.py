@@ -26,11 +26,14 @@ RTOL = 1e-4
 
 def launch(recipe_path: Path, run: Path, processes: int, batch_size: int,
            extra_env: dict[str, str] | None = None, port_base: int = 29500, extra_args: list[str] = (),
-           script: str = "eagle3.py") -> None:
-    """Train ``recipe_path`` into ``run`` with ``processes`` torchrun CPU processes (gloo)."""
+           module: bool = False) -> None:
+    """Train ``recipe_path`` into ``run`` with ``processes`` torchrun CPU processes (gloo), through
+    ``train/eagle3.py`` (an EAGLE-3 recipe) or with ``module`` the launch module of every method
+    (``torchrun -m draftsmith.train``)."""
+    entry = ["-m", "draftsmith.train"] if module else [str(REPO / "train" / "eagle3.py")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
            "--master_port", str(port_base + processes),
-           str(REPO / "train" / script), str(recipe_path), "--run-dir", str(run),
+           *entry, str(recipe_path), "--run-dir", str(run),
            "--set", f"train.batch_size={batch_size}", *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

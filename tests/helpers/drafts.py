@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.spec_decode import Eagle3Proposer, MedusaProposer, MLPSpeculatorProposer
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.eagle3.proposer import Eagle3Proposer
+from draftsmith.models.medusa.proposer import MedusaProposer
+from draftsmith.models.mlp_speculator.proposer import MLPSpeculatorProposer
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 
 
 def draft_vocab(vocab_size: int, draft_vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 
 from helpers import REPO
 
@@ -28,13 +28,14 @@ from helpers import REPO
 FAULT_TRAIN = {"max_steps": 24, "batch_size": 2, "grad_accum_steps": 2, "checkpoint_every": 3,
                "log_every": 2, "keep_checkpoints": 2, "warmup_ratio": 0.1}
 
-# Run as a script: prepare.main in a child that SIGKILLs itself at a chosen point, so a
+# Run as a script: draftsmith prepare's main in a child that SIGKILLs itself at a chosen point, so a
 # test or this report never races the target: ``shard N`` dies after the N-th hidden-state
 # shard's temp file is written and before its atomic rename; ``regenerate N`` dies when the
 # N-th regeneration batch starts (the earlier batches are flushed to the cache).
 PREP_KILLER = '''
 import os, signal, sys
-from draftsmith.data_prep import shards as hs, prepare, regenerate as rg
+from draftsmith.cli.prepare import main
+from draftsmith.data_prep import chat_engines, shards as hs
 
 where, n = sys.argv[1], int(sys.argv[2])
 calls = [0]
@@ -52,12 +53,12 @@ if where == "shard":
         rename(src, dst, *a, **k)
     hs.os.replace = maybe_die_then_rename
 else:
-    gen = rg.TransformersChatEngine.generate
+    gen = chat_engines.TransformersChatEngine.generate
     def maybe_die_then_generate(self, *a, **k):
         hit()
         return gen(self, *a, **k)
-    rg.TransformersChatEngine.generate = maybe_die_then_generate
-sys.exit(prepare.main(sys.argv[3:]))
+    chat_engines.TransformersChatEngine.generate = maybe_die_then_generate
+sys.exit(main(sys.argv[3:]))
 '''
 
 

@@ -46,7 +46,7 @@ def signal_draft(folder: Path, target: Path, token: int, seed: int, propose: boo
     zero (no attention or residual term of either sign), so id 1 wins. Served with another
     draft's ``lm_head``, MLP, ``o_proj`` or norms in place of these, the proposal is not
     ``token`` at every position."""
-    from draftsmith.data_prep.target import default_aux_layer_ids, load_target_config
+    from draftsmith.target import default_aux_layer_ids, load_target_config
     from draftsmith.eval.export import export
     from draftsmith.layout import DraftCheckpointConfig
     from draftsmith.models.eagle3.config import Eagle3Config
@@ -126,7 +126,7 @@ def greedy(base_url: str, model: str, prompt_ids: list[int], max_new: int = MAX_
 
 def plain_greedy(target: Path, prompt_ids: list[int], device: str) -> list[int]:
     """Plain decoding (transformers, fp32, no draft) of the same prompt: MAX_NEW + K tokens."""
-    from draftsmith.data_prep.target import load_target
+    from draftsmith.target import load_target
 
     model, _ = load_target(target, dtype=torch.float32, device=device)
     out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=MAX_NEW + K, do_sample=False,
@@ -161,7 +161,7 @@ def swap_scenario(tmp: Path, engine: VllmConfig, device: str) -> dict:
     through the client and straight through the RL routes."""
     from transformers import AutoTokenizer
 
-    from draftsmith.data_prep.target import resolve_target
+    from draftsmith.target import resolve_target
 
     target = resolve_target("embedded:SmolLM2-135M-Instruct")
     ids = AutoTokenizer.from_pretrained(target)(PROMPT)["input_ids"]

@@ -55,8 +55,8 @@ import os, signal, sys, time
 
 import accelerate
 
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.models.eagle3.training import Eagle3Method
 
 where, victim, n, sig, stamp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(signal, sys.argv[4]), sys.argv[5]
 calls = {"step": 0, "save": 0}
@@ -83,7 +83,7 @@ def save_state_then_maybe_die(self, *a, **k):
     return out
 accelerate.Accelerator.save_state = save_state_then_maybe_die
 
-sys.exit(train_main(Eagle3Method, "train/eagle3.py", "", sys.argv[6:]))
+sys.exit(launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=sys.argv[6:]))
 '''
 
 _ports = itertools.count(29850)

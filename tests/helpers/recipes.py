@@ -10,9 +10,13 @@ from pathlib import Path
 
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
-from draftsmith.recipe import DFlash2DraftConfig, DFlashDraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, dump_recipe, load_recipe
+from draftsmith.models.dflash.recipe import DFlashDraftConfig
+from draftsmith.models.dflash2.recipe import DFlash2DraftConfig
+from draftsmith.models.medusa.recipe import MedusaDraftConfig
+from draftsmith.models.mlp_speculator.recipe import MLPSpeculatorDraftConfig
+from draftsmith.recipe import dump_recipe, load_recipe
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 
 from helpers import REPO
@@ -134,9 +138,9 @@ def small_recipe(tiny_target: Path, tmp_path: Path):
     ])
 
 
-def train_with_entry_script(method: str, recipe_path: Path, run: Path) -> None:
-    """``python train/<method>.py RECIPE --run-dir RUN`` in a child process (the users' entry
-    script); fails the test with the end of its stderr unless it exits 0."""
-    proc = subprocess.run([sys.executable, str(REPO / "train" / f"{method}.py"), str(recipe_path), "--run-dir", str(run)],
+def train_with_launch_module(recipe_path: Path, run: Path) -> None:
+    """``python -m draftsmith.train RECIPE --run-dir RUN`` in a child process (the users' launch
+    module, the method from the recipe); fails the test with the end of its stderr unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train", str(recipe_path), "--run-dir", str(run)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models.common import shift_left
-from draftsmith.models.eagle3.model import ttt_prediction_mask
+from draftsmith.models.common import ttt_prediction_mask
 from draftsmith.train.losses import LossSpec, StepMetrics
 from draftsmith.train.validation import accepted_sums, chain_alphas
 
@@ -33,7 +33,7 @@ def ttt_loss(
 
     Args:
         step_logits: K tensors ``(M_k, Vd)``: the draft's logits at the positions
-            :func:`~draftsmith.models.eagle3.model.ttt_prediction_mask` selects for step k (what
+            :func:`~draftsmith.models.common.ttt_prediction_mask` selects for step k (what
             ``Eagle3DraftModel.forward(..., loss_mask=loss_mask)`` returns).
         target_logits: ``(B, T, Vd)`` target logits over the draft vocab; position t gives
             the target's distribution of x_{t+1}.
@@ -126,7 +126,7 @@ def simulated_chain(step_logits: list[torch.Tensor], step_masks: list[torch.Tens
     Args:
         step_logits: K tensors ``(M_k, Vd)``: draft logits of step k at the positions
             ``step_masks[k]`` selects (row-major), as the TTT forward returns them.
-        step_masks: K ``(B, T)`` bool masks (:func:`~draftsmith.models.eagle3.model.ttt_prediction_mask`).
+        step_masks: K ``(B, T)`` bool masks (:func:`~draftsmith.models.common.ttt_prediction_mask`).
         target_full_logits: ``k -> (M_k, V)`` the target's full-vocab logits of the token step k
             drafts, at the same positions.
         d2t: ``(Vd,)`` offsets, target id = draft id + ``d2t[draft id]``.

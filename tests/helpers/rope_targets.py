@@ -9,9 +9,12 @@ from transformers import GptOssConfig, LlamaConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from draftsmith.models.dflash import DFlashConfig, DFlashDraftModel
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from draftsmith.models.peagle import PEagleConfig, PEagleDraftModel
+from draftsmith.models.dflash.config import DFlashConfig
+from draftsmith.models.dflash.model import DFlashDraftModel
+from draftsmith.models.eagle3.config import Eagle3Config
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.peagle.model import PEagleDraftModel
 
 # Llama-3.1-8B-Instruct's config.json values, and gpt-oss-20b/120b's
 LLAMA31_THETA = 500000.0

@@ -129,7 +129,7 @@ def write_draft_checkpoint(model: torch.nn.Module, directory: Path, method: str,
 
 def dflash_tiny_config(**kw):
     """A tiny DFlash draft geometry (GQA, 2 layers, blocks of 4), overridden by ``kw``."""
-    from draftsmith.models.dflash import DFlashConfig
+    from draftsmith.models.dflash.config import DFlashConfig
 
     base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 3], block_size=4,
@@ -141,7 +141,7 @@ def dflash_tiny_config(**kw):
 def random_dflash_model(cfg, seed: int = 0, **model_kw):
     """A DFlash draft with random weights everywhere, norms included (ones would hide a norm applied
     in the wrong place), a random target embedding and an identity-prefix vocab map; in eval mode."""
-    from draftsmith.models.dflash import DFlashDraftModel
+    from draftsmith.models.dflash.model import DFlashDraftModel
 
     torch.manual_seed(seed)
     model = DFlashDraftModel(cfg, **model_kw)
@@ -171,7 +171,7 @@ def randomize_norms(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Modu
 def dspark_tiny_config(**kw):
     """A tiny DSpark draft geometry: :func:`dflash_tiny_config`'s plus a rank-6 Markov head and a
     confidence head over ``cat(hidden, Markov embedding)``, overridden by ``kw``."""
-    from draftsmith.models.dspark import DSparkConfig
+    from draftsmith.models.dspark.config import DSparkConfig
 
     base = dflash_tiny_config().to_dict()
     base.update(markov_rank=6, confidence_head=True, confidence_head_with_markov=True)
@@ -182,7 +182,7 @@ def dspark_tiny_config(**kw):
 def random_dspark_model(cfg, seed: int = 0):
     """A DSpark draft with random weights everywhere (:func:`random_dflash_model`'s rule; the
     zero-initialised ``markov_w2`` random too, so the Markov bias is not zero); eval mode."""
-    from draftsmith.models.dspark import DSparkDraftModel
+    from draftsmith.models.dspark.model import DSparkDraftModel
 
     torch.manual_seed(seed)
     model = DSparkDraftModel(cfg)
@@ -201,7 +201,7 @@ def random_dspark_model(cfg, seed: int = 0):
 
 def eagle3_tiny_config(**kw):
     """A tiny EAGLE-3 draft geometry (GQA, H=32, V=50 -> 20, aux layers 0-2), overridden by ``kw``."""
-    from draftsmith.models.eagle3 import Eagle3Config
+    from draftsmith.models.eagle3.config import Eagle3Config
 
     base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 vocab_size=50, draft_vocab_size=20, aux_layer_ids=[0, 1, 2], rope_theta=10000.0)

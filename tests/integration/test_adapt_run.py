@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.serve import adapt as adapt_mod
+from draftsmith.cli import adapt as adapt_cli
 from safetensors.torch import load_file
 
 from helpers import folder_digest
@@ -18,7 +18,7 @@ from helpers.fake_inputs import served, write_log
 
 @pytest.mark.integration
 def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_target, tmp_path):
-    from draftsmith.eval.spec_decode import load_eagle3
+    from draftsmith.models.eagle3.format import load_eagle3
     from draftsmith.recipe import dump_recipe
     from helpers.recipes import tiny_deployed_draft
 
@@ -35,7 +35,7 @@ def test_adapt_continues_the_deployed_draft_on_its_traffic_with_replay(tiny_targ
     rows.append(served(99, "cut", "half a", finish="length"))
     log = write_log(tmp_path / "traffic.jsonl", rows, tail='{"version": 1, "id": "trunc')
     run = tmp_path / "adapt"
-    code = adapt_mod.main(["--log", str(log), "--deployed", str(deployed), "--recipe", str(recipe_file),
+    code = adapt_cli.main(["--log", str(log), "--deployed", str(deployed), "--recipe", str(recipe_file),
                            "--replay", str(base / "data" / "regen.jsonl"), "--replay-share", "0.25",
                            "--run-dir", str(run), "--holdout", "0.2", "--min-conversations", "4",
                            "--budget-minutes", "20", "--set", "train.max_steps=4"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftsmith.train.data import BatchCollator, collate
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 
 pytestmark = pytest.mark.integration

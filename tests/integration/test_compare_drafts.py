@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.data_prep.target import load_target
-from draftsmith.eval.compare_drafts import RunError, compare, count_parameters, find_export, main, markdown_table
+from draftsmith.target import load_target
+from draftsmith.cli.compare import main
+from draftsmith.eval.compare_drafts import RunError, compare, count_parameters, find_export, markdown_table
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import prompt_token_ids
-from draftsmith.recipe import MedusaDraftConfig
-from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.method_medusa import MedusaMethod
+from draftsmith.models.medusa.recipe import MedusaDraftConfig
+from draftsmith.models.eagle3.training import Eagle3Method
+from draftsmith.models.medusa.training import MedusaMethod
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.data_prep import prepare as prepare_module
+from draftsmith.cli.prepare import main as prepare_main
 from draftsmith.data_prep.shards import load_manifest, read_safetensors_header, verify_shards
 from draftsmith.recipe import dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.models.eagle3.training import Eagle3Method
 
 pytestmark = pytest.mark.integration  # runs the prepare command and trains the tiny target
 
@@ -75,7 +75,7 @@ def test_a_truncated_shard_is_recomputed_by_prepare(run, caplog):
         fh.truncate(size - 100)
     before = {k: v for k, v in kept(run).items() if k != SHARD}
     caplog.set_level(logging.INFO)
-    code = prepare_module.main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states"])
+    code = prepare_main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states"])
     assert code == 0
     assert recomputed_lines(caplog) == [f"hidden states: {bad}: size {size - 100} bytes, manifest says {size} "
                                         "(truncated or corrupt shard): recomputing it"]
@@ -93,10 +93,10 @@ def test_a_shard_damaged_in_place_is_recomputed_with_verify_shards(run, caplog):
     want = sha256(bad)
     poison_first_sequence(bad)
     caplog.set_level(logging.INFO)
-    assert prepare_module.main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states"]) == 0
+    assert prepare_main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states"]) == 0
     assert not recomputed_lines(caplog)  # same size, same header: kept by the default check
     caplog.clear()
-    assert prepare_module.main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states",
+    assert prepare_main([str(recipe), "--run-dir", str(run), "--stage", "hidden-states",
                                 "--verify-shards"]) == 0
     assert recomputed_lines(caplog) == [f"hidden states: {bad}: checksum mismatch (corrupt or truncated shard): "
                                         "recomputing it"]
@@ -108,7 +108,7 @@ def test_training_refuses_a_truncated_shard_naming_it_and_the_fix(run, capsys):
     bad = shards(run) / SHARD
     with bad.open("r+b") as fh:
         fh.truncate(bad.stat().st_size - 100)
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(recipe), "--run-dir", str(run)])
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[str(recipe), "--run-dir", str(run)])
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert code == 1 and len(err) == 1, err
     assert f"{bad}: size " in err[0] and "(truncated or corrupt shard)" in err[0], err
@@ -121,7 +121,7 @@ def test_nonfinite_states_name_the_shard_once_per_shard(run, caplog):
     first_id = load_manifest(shards(run))["shards"][1]["ids"][0]
     caplog.set_level(logging.INFO)
     # batches of 2 of the 8 sequences: the poisoned one is in one batch per epoch (skipped), the others train
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[
         str(recipe), "--run-dir", str(run), "--set", "train.max_steps=8", "--set", "train.batch_size=2",
         "--set", "train.log_every=1"])
     assert code == 0
@@ -139,7 +139,7 @@ def test_a_run_of_only_skipped_steps_stops_naming_the_shard_and_saves_nothing(ru
     first_id = load_manifest(shards(run))["shards"][1]["ids"][0]
     caplog.set_level(logging.INFO)
     # every batch holds every sequence; 3 steps, shorter than one logging window and than max_nonfinite_steps
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[
         str(recipe), "--run-dir", str(run), "--set", "train.max_steps=3", "--set", "train.log_every=10",
         "--set", "train.checkpoint_every=2"])
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]

@@ -11,16 +11,16 @@ from draftsmith.layout import RunLayout
 def test_prepare_checks_free_space_before_capture_and_keeps_the_earlier_stages(tiny_target, tmp_path, monkeypatch):
     import collections
 
-    from draftsmith.data_prep import shards
+    from draftsmith import fileio
     from draftsmith.data_prep.prepare import prepare
-    from draftsmith.data_prep.shards import DiskFullError
+    from draftsmith.fileio import DiskFullError
 
     from helpers.recipes import small_recipe
 
     recipe = small_recipe(tiny_target, tmp_path)
     run = tmp_path / "run"
-    real = shards.shutil.disk_usage
-    monkeypatch.setattr(shards.shutil, "disk_usage",
+    real = fileio.shutil.disk_usage
+    monkeypatch.setattr(fileio.shutil, "disk_usage",
                         lambda p: collections.namedtuple("U", "total used free")(10**9, 10**9 - 1000, 1000))
     with pytest.raises(DiskFullError) as exc:
         prepare(recipe, run)
@@ -29,5 +29,5 @@ def test_prepare_checks_free_space_before_capture_and_keeps_the_earlier_stages(t
     paths = RunLayout(run).data
     assert paths.tokenized_done.is_file() and paths.vocab.is_file()  # the finished stages are kept
     assert not list(paths.hidden_states.glob("shard-*"))  # nothing was captured
-    monkeypatch.setattr(shards.shutil, "disk_usage", real)
+    monkeypatch.setattr(fileio.shutil, "disk_usage", real)
     assert prepare(recipe, run, ["hidden-states"])["hidden_states"]["tokens"] > 0  # the rerun resumes there

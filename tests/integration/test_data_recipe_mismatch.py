@@ -10,8 +10,9 @@ import pytest
 from draftsmith.data_prep.conversations import DataError
 from draftsmith.layout import RunLayout, read_vocab
 from draftsmith.recipe import dump_recipe
-from draftsmith.train.method_base import check_draft_vocab_size, train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.train.method_base import check_draft_vocab_size
+from draftsmith.models.eagle3.training import Eagle3Method
 
 
 def test_a_draft_vocab_of_another_size_than_the_recipes_is_refused_naming_the_file(prepared, tmp_path, capsys):
@@ -28,8 +29,8 @@ def test_a_draft_vocab_of_another_size_than_the_recipes_is_refused_naming_the_fi
     # the training entry says it in one line (the run directory's check, data/agreement.py, comes
     # first: the key, both values, the way out) and trains nothing
     dump_recipe(other, tmp_path / "other.yaml")
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(tmp_path / "other.yaml"), "--run-dir", str(run),
-                                                              "--no-prepare", "--resume"])
+    code = launch([str(tmp_path / "other.yaml"), "--run-dir", str(run), "--no-prepare", "--resume"],
+                  method=Eagle3Method, script="train/eagle3.py", doc="")
     err = capsys.readouterr().err
     assert code == 1 and "train/eagle3.py: error:" in err, err
     assert (f"data.draft_vocab_size={d2t.shape[0]} ({paths.vocab}), the recipe has {d2t.shape[0] - 1}" in err

@@ -1,4 +1,4 @@
-"""DFlash2 end to end on the tiny target: train/dflash2.py lowers both terms of the loss and the
+"""DFlash2 end to end on the tiny target: ``python -m draftsmith.train`` lowers both terms of the loss and the
 export decodes losslessly with the reference decoder."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from draftsmith.eval.acceptance import check_draft_matches_target
-from draftsmith.eval.dflash2 import DFlash2Proposer, dflash2_proposer
+from draftsmith.models.dflash2.proposer import DFlash2Proposer, dflash2_proposer
 from draftsmith.eval.export import export
 
-from helpers.recipes import dflash2_recipe, train_with_entry_script
+from helpers.recipes import dflash2_recipe, train_with_launch_module
 
 @pytest.fixture(scope="module")
 def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dflash2_run")
     recipe, path = dflash2_recipe(tiny_target, where)
     run = where / "run"
-    train_with_entry_script("dflash2", path, run)
+    train_with_launch_module(path, run)
     return recipe, run
 
 

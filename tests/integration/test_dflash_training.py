@@ -1,4 +1,4 @@
-"""DFlash end to end on the tiny target: the training entry script lowers the loss, the export
+"""DFlash end to end on the tiny target: the training launch module lowers the loss, the export
 decodes losslessly, and a mask token found in the data stops training at start."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from draftsmith.eval.acceptance import check_draft_matches_target
-from draftsmith.eval.dflash import dflash_proposer
+from draftsmith.models.dflash.proposer import dflash_proposer
 from draftsmith.eval.export import export
 
-from helpers.recipes import dflash_recipe, train_with_entry_script
+from helpers.recipes import dflash_recipe, train_with_launch_module
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dflash_run")
     recipe, path = dflash_recipe(tiny_target, where)
     run = where / "run"
-    train_with_entry_script("dflash", path, run)
+    train_with_launch_module(path, run)
     return recipe, run
 
 
@@ -63,7 +63,7 @@ def test_export_of_the_trained_draft_decodes_losslessly(trained, tiny_target, tm
 @pytest.mark.integration
 def test_a_mask_token_that_occurs_in_the_data_stops_training_at_start(trained):
     from draftsmith.train.mask_token import MaskTokenError
-    from draftsmith.train.method_dflash import DFlashMethod
+    from draftsmith.models.dflash.training import DFlashMethod
 
     recipe, run = trained
     from draftsmith.layout import DataPaths, read_tokenized

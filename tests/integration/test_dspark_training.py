@@ -1,4 +1,4 @@
-"""DSpark end to end on the tiny target through the training entry script (``train/dspark.py``):
+"""DSpark end to end on the tiny target through the training launch module (``python -m draftsmith.train``):
 the loss falls, the checkpoint exports to the ``Qwen3DSparkModel`` layout for this target, and the
 reference decoder's DSpark proposer decodes exactly like plain greedy decoding."""
 
@@ -11,16 +11,16 @@ import torch
 
 from draftsmith.eval.acceptance import check_draft_matches_target
 from draftsmith.eval.export import export
-from draftsmith.recipe import DSparkDraftConfig
+from draftsmith.models.dspark.recipe import DSparkDraftConfig
 
-from helpers.recipes import dflash_recipe, train_with_entry_script
+from helpers.recipes import dflash_recipe, train_with_launch_module
 
 @pytest.fixture(scope="module")
 def trained(tiny_target, tmp_path_factory):
     where = tmp_path_factory.mktemp("dspark_run")
     recipe, path = dflash_recipe(tiny_target, where, section=DSparkDraftConfig, markov_rank=8)
     run = where / "run"
-    train_with_entry_script("dspark", path, run)
+    train_with_launch_module(path, run)
     return recipe, run
 
 
@@ -37,7 +37,7 @@ def test_training_through_the_entry_script_lowers_the_loss(trained):
 
 @pytest.mark.integration
 def test_export_fits_the_target_and_decodes_like_plain_greedy(trained, tiny_target, tmp_path):
-    from draftsmith.data_prep.target import load_target
+    from draftsmith.target import load_target
     from draftsmith.eval.spec_decode import evaluate, load_draft
     from draftsmith.train.checkpoint import find_checkpoints
 

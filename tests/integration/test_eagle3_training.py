@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 
 from helpers.reference_losses import ttt_loss
 from helpers.tiny import eagle3_tiny_config as tiny_config

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.recipe import dump_recipe
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.trainer import NonFiniteLossError, fit
+from draftsmith.train.components.nonfinite import NonFiniteLossError
+from draftsmith.train.trainer import fit
 
 pytestmark = pytest.mark.integration  # trains the tiny target end to end
 

@@ -13,7 +13,7 @@ import torch
 from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import ShardSpec, convert_shards
 from draftsmith.train.data import HiddenStateDataset
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 
 from helpers.tiny import TINY_AUX
 from helpers.tiny import make_records
@@ -31,7 +31,7 @@ def test_convert_cli_reencodes_bf16_to_fp8_keeping_tokens_and_boundaries(tiny, t
     src, dst = tmp_path / "bf16", tmp_path / "fp8"
     generate_hidden_states(model, records, src, ShardSpec(model.config.hidden_size, TINY_AUX, "bfloat16"),
                            sequences_per_shard=2, progress=False)
-    out = subprocess.run([sys.executable, "-m", "draftsmith.data_prep.hidden_states", "convert", str(src), str(dst)],
+    out = subprocess.run([sys.executable, "-m", "draftsmith.cli.hidden_states", "convert", str(src), str(dst)],
                          capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["dtype"] == "float8_e4m3fn"
     a, b = HiddenStateDataset(src), HiddenStateDataset(dst)

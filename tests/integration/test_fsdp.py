@@ -58,7 +58,7 @@ def _medusa(tiny_target, prompts, **train):
 
 
 def _tied_mlp_speculator(tiny_target, prompts, **train):
-    from draftsmith.recipe import MLPSpeculatorDraftConfig
+    from draftsmith.models.mlp_speculator.recipe import MLPSpeculatorDraftConfig
     from helpers.recipes import tiny_recipe
 
     recipe = tiny_recipe(tiny_target, prompts, **train)
@@ -74,9 +74,9 @@ def test_fsdp2_trains_and_exports_the_head_methods(tiny_target, tmp_path, method
     from draftsmith.eval.export import export
 
     recipe_path = prepare_twin_runs(tiny_target, tmp_path, make_recipe)
-    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29620, script=f"{method}.py")
+    launch(recipe_path, tmp_path / "one", processes=1, batch_size=4, port_base=29620, module=True)
     two = tmp_path / "two"
-    launch(recipe_path, two, processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29620, script=f"{method}.py")
+    launch(recipe_path, two, processes=2, batch_size=2, extra_env=FSDP_ENV, port_base=29620, module=True)
     ckpt = two / "checkpoints" / "step-4"
     assert json.loads((ckpt / "train_state.json").read_text())["distributed_type"] == "FSDP"
     assert_same_losses(tmp_path / "one", two, RTOL)

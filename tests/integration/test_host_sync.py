@@ -155,7 +155,10 @@ def prepared_data(prepared_run) -> tuple[Path, Path]:
 
 
 def _method(name: str, tiny_target: Path, prompts: Path, run: Path):
-    from draftsmith.recipe import DFlashDraftConfig, MedusaDraftConfig, MLPSpeculatorDraftConfig, PEagleDraftConfig
+    from draftsmith.models.dflash.recipe import DFlashDraftConfig
+    from draftsmith.models.medusa.recipe import MedusaDraftConfig
+    from draftsmith.models.mlp_speculator.recipe import MLPSpeculatorDraftConfig
+    from draftsmith.models.peagle.recipe import PEagleDraftConfig
 
     recipe = tiny_recipe(tiny_target, prompts, **TRAIN)
     if name == "eagle3_packed":
@@ -163,21 +166,21 @@ def _method(name: str, tiny_target: Path, prompts: Path, run: Path):
     if name == "eagle3_muon":
         recipe.train.optimizer = "muon"
     if name.startswith("eagle3"):
-        from draftsmith.train.method_eagle3 import Eagle3Method as cls
+        from draftsmith.models.eagle3.training import Eagle3Method as cls
     elif name == "dflash":
-        from draftsmith.train.method_dflash import DFlashMethod as cls
+        from draftsmith.models.dflash.training import DFlashMethod as cls
 
         recipe.draft = DFlashDraftConfig(num_layers=1, block_size=4, num_anchors=16, freeze_lm_head=False)
     elif name == "peagle":
-        from draftsmith.train.method_peagle import PEagleMethod as cls
+        from draftsmith.models.peagle.training import PEagleMethod as cls
 
         recipe.draft = PEagleDraftConfig(num_layers=1, num_depths=3)
     elif name == "medusa":
-        from draftsmith.train.method_medusa import MedusaMethod as cls
+        from draftsmith.models.medusa.training import MedusaMethod as cls
 
         recipe.draft = MedusaDraftConfig(num_heads=2, num_layers=1)
     else:
-        from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod as cls
+        from draftsmith.models.mlp_speculator.training import MLPSpeculatorMethod as cls
 
         recipe.draft = MLPSpeculatorDraftConfig(n_predict=2, inner_dim=64)
     return recipe, cls(recipe, run)

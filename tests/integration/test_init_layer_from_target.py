@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from draftsmith.recipe import Recipe
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def _method(recipe: Recipe, run, **draft) -> Eagle3Method:
 def test_draft_layer_computes_the_target_layer(prepared):
     recipe, run, _ = prepared
     method = _method(recipe, run, init_layer_from_target=-1, norm_before_residual=False)
-    n = int(method.target_info["num_hidden_layers"])
+    n = int(method.target_info.num_hidden_layers)
     target = AutoModelForCausalLM.from_pretrained(method.target_dir, torch_dtype=torch.float32).eval()
     seen = {}
     target.model.layers[n - 1].register_forward_hook(
@@ -78,7 +78,7 @@ def test_copied_and_kept_parts(prepared):
 
 def test_bad_layer_index_and_two_starts_are_refused(prepared):
     recipe, run, _ = prepared
-    n = int(_method(recipe, run).target_info["num_hidden_layers"])
+    n = int(_method(recipe, run).target_info.num_hidden_layers)
     with pytest.raises(ValueError, match=rf"init_layer_from_target={n}: the target has {n} decoder layers"):
         _method(recipe, run, init_layer_from_target=n).build_model()
     with pytest.raises(ValidationError, match="set one"):

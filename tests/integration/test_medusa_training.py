@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.models.medusa.format import load_medusa, medusa_weight_shapes
-from draftsmith.models.medusa import MedusaConfig
+from draftsmith.models.medusa.model import MedusaConfig
 from draftsmith.train.checkpoint import find_checkpoints
 
 
@@ -49,7 +49,7 @@ def test_loss_goes_down_and_export_reloads(medusa_trained, tmp_path):
 @pytest.mark.integration
 def test_export_cli_dispatches_on_method(medusa_trained, tmp_path):
     _, run = medusa_trained
-    proc = subprocess.run([sys.executable, "-m", "draftsmith.eval.export", str(run), str(tmp_path / "cli")],
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli.export", str(run), str(tmp_path / "cli")],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["model_type"] == "medusa"

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
 from draftsmith.models.mlp_speculator.format import load_mlp_speculator
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.train.data import collate
-from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod, sequences
+from draftsmith.models.mlp_speculator.training import MLPSpeculatorMethod, sequences
 from draftsmith.train.packing import collate_packed
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit

@@ -1,6 +1,6 @@
 """A step whose loss or gradient is not finite never reaches the weights, under every launcher.
 
-The trainer's guard (``train/trainer.py``: ``NonFiniteGuard``) is a pre-step hook of the fused
+The trainer's guard (``train/components/nonfinite.py``: ``NonFiniteGuard``) is a pre-step hook of the fused
 AdamW: a flag made of the accumulation window's losses (noted before each backward), the gradient
 norm and, under DeepSpeed, the gradients the optimizer is about to apply, all-reduced (max) over
 ranks, becomes the optimizer's ``found_inf``; the step then leaves parameters and optimizer state
@@ -55,8 +55,8 @@ TRAIN = ["--set", "train.max_steps=3", "--set", "train.grad_accum_steps=2", "--s
 NAN_SCRIPT = '''
 import os, sys
 
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.models.eagle3.training import Eagle3Method
 
 
 class NaNLoss(Eagle3Method):
@@ -70,7 +70,7 @@ class NaNLoss(Eagle3Method):
         return loss, metrics
 
 
-sys.exit(train_main(NaNLoss, "nan_eagle3.py", "EAGLE-3 with an injected NaN loss", sys.argv[1:]))
+sys.exit(launch(method=NaNLoss, script="nan_eagle3.py", doc="EAGLE-3 with an injected NaN loss", argv=sys.argv[1:]))
 '''
 
 
@@ -143,7 +143,7 @@ def assert_same_optimizer_state(a: Path, b: Path) -> None:
 @pytest.mark.integration
 def test_one_process_skips_a_nan_loss_of_a_non_boundary_micro_batch(prepared_data, tmp_path):
     from draftsmith.recipe import load_recipe
-    from draftsmith.train.method_eagle3 import Eagle3Method
+    from draftsmith.models.eagle3.training import Eagle3Method
     from draftsmith.train.trainer import fit
 
     class NaNLoss(Eagle3Method):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import torch
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

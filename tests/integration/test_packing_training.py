@@ -7,7 +7,7 @@ import math
 
 import pytest
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.packing import PackedDataset
 from draftsmith.train.trainer import fit
 

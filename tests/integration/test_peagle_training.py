@@ -1,5 +1,5 @@
 """P-EAGLE end to end on the tiny target: the loss falls and the export decodes losslessly, a mask
-token found in the data is refused, and the entry script trains with gradient checkpointing."""
+token found in the data is refused, and the training launch module trains with gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 from draftsmith.eval.acceptance import check_draft_matches_target
-from draftsmith.eval.peagle import PEagleProposer
+from draftsmith.models.peagle.proposer import PEagleProposer
 from draftsmith.train.mask_token import MaskTokenError
 
 
 @pytest.mark.integration
 def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_target, tmp_path):
-    from draftsmith.data_prep.target import load_target
+    from draftsmith.target import load_target
     from draftsmith.eval.export import export
     from draftsmith.eval.spec_decode import SpecCounters, Target, load_draft, plain_generate, speculative_generate
     from draftsmith.train.checkpoint import find_checkpoints
-    from draftsmith.train.method_peagle import PEagleMethod
+    from draftsmith.models.peagle.training import PEagleMethod
     from draftsmith.train.trainer import fit
 
     recipe, run = peagle_run
@@ -63,7 +63,7 @@ def test_training_loss_falls_then_export_decodes_losslessly(peagle_run, tiny_tar
 @pytest.mark.integration
 def test_mask_token_that_occurs_in_the_data_is_refused_by_the_method(peagle_run):
     from draftsmith.layout import DataPaths, read_tokenized
-    from draftsmith.train.method_peagle import PEagleMethod
+    from draftsmith.models.peagle.training import PEagleMethod
 
     recipe, run = peagle_run
     ids = np.concatenate([np.asarray(r) for r in read_tokenized(DataPaths(run / "data"))["input_ids"]])
@@ -86,8 +86,7 @@ def test_entry_script_trains_with_gradient_checkpointing(peagle_run, tmp_path):
     recipe, run = peagle_run
     shutil.copytree(run / "data", tmp_path / "run" / "data")
     dump_recipe(recipe, tmp_path / "peagle.yaml")
-    script = Path(__file__).resolve().parents[2] / "train" / "peagle.py"
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "peagle.yaml"), "--run-dir", str(tmp_path / "run"),
+    done = subprocess.run([sys.executable, "-m", "draftsmith.train", str(tmp_path / "peagle.yaml"), "--run-dir", str(tmp_path / "run"),
                            "--no-prepare", "--set", "train.max_steps=2", "--set", "draft.gradient_checkpointing=true"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

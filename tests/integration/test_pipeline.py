@@ -14,8 +14,8 @@ from draftsmith.layout import ExportError
 from draftsmith.models.eagle3.format import expected_weight_shapes
 from draftsmith.train.checkpoint import read_draft
 from draftsmith.layout import DataPaths, read_tokenized
-from draftsmith.models.eagle3 import Eagle3DraftModel
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

@@ -38,7 +38,7 @@ def prepare_cmd(prepared, run: Path, *overrides: str, kill: tuple[str, int] | No
     dump_recipe(recipe, recipe_path)
     args = [str(recipe_path), "--run-dir", str(run)] + [a for o in overrides for a in ("--set", o)]
     if kill is None:
-        return [sys.executable, "-m", "draftsmith.data_prep.prepare", *args]
+        return [sys.executable, "-m", "draftsmith.cli.prepare", *args]
     script = run.parent / "killer.py"
     script.write_text(PREP_KILLER)
     return [sys.executable, str(script), kill[0], str(kill[1]), *args]

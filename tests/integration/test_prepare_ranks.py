@@ -1,4 +1,4 @@
-"""Rank-safe data preparation: ``torchrun --nproc-per-node 2 -m draftsmith.data_prep.prepare``
+"""Rank-safe data preparation: ``torchrun --nproc-per-node 2 -m draftsmith.cli.prepare``
 runs target / tokenize / vocab once (rank 0; the other rank waits) and captures the shards on
 both ranks; the data equals a one-process run's."""
 
@@ -25,9 +25,10 @@ pytestmark = pytest.mark.integration  # torchrun launch of two prepare processes
 
 REPO = Path(__file__).resolve().parents[2]
 
-# prepare.main with each early stage function counting its calls (one line per call and rank)
+# draftsmith prepare's main with each early stage function counting its calls (one line per call and rank)
 COUNTING_PREPARE = '''
 import os, sys
+from draftsmith.cli.prepare import main
 from draftsmith.data_prep import prepare
 
 counter = os.environ["STAGE_COUNTER"]
@@ -39,7 +40,7 @@ for name in ("stage_target", "stage_regenerate", "stage_tokenize", "stage_vocab"
             return fn(*a, **k)
         return counted
     setattr(prepare, name, wrap(getattr(prepare, name)))
-sys.exit(prepare.main(sys.argv[1:]))
+sys.exit(main(sys.argv[1:]))
 '''
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith import __version__
 from draftsmith.train.checkpoint import CheckpointError, find_checkpoints, truncate_metrics
 from draftsmith.train.trainer import fit

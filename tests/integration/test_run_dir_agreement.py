@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.data_prep import prepare as prepare_module
+from draftsmith.cli.prepare import main as prepare_main
 from draftsmith.data_prep.agreement import RunDirMismatchError
 from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.recipe import dump_recipe
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 
 pytestmark = pytest.mark.integration  # trains the tiny target and runs the prepare command
@@ -74,11 +74,11 @@ def test_other_aux_layer_ids_stop_train_and_prepare_without_writing_a_byte(prepa
     fix = (f"use a fresh --run-dir, or start this one's data over with: draftsmith prepare {other} --run-dir {run} "
            "--overwrite-data")
 
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(other), "--run-dir", str(run)])
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[str(other), "--run-dir", str(run)])
     assert code == 1
     assert_one_line(capsys.readouterr().err, "train/eagle3.py: error: ", message, fix)
 
-    code = prepare_module.main([str(other), "--run-dir", str(run)])
+    code = prepare_main([str(other), "--run-dir", str(run)])
     assert code == 1
     assert_one_line(capsys.readouterr().err, "error: ", message, fix)
     assert snapshot(run) == before  # target.json, tokenized/, vocab, shards, spec: same bytes, same mtimes
@@ -86,7 +86,7 @@ def test_other_aux_layer_ids_stop_train_and_prepare_without_writing_a_byte(prepa
     # training's automatic prepare of missing shards is refused as well (on target.json's layers)
     shutil.rmtree(run / "data" / "hidden_states")
     before = snapshot(run)
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(other), "--run-dir", str(run)])
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[str(other), "--run-dir", str(run)])
     assert code == 1
     assert_one_line(capsys.readouterr().err, f"data.aux_layer_ids={CAPTURED} ({run / 'data' / 'target.json'}), "
                                              f"the recipe has {OTHER}", "--overwrite-data")
@@ -102,7 +102,7 @@ def test_other_data_keys_stop_training_naming_key_values_and_file(prepared, run,
                                                                   recorded, where):
     other = other_recipe(prepared, tmp_path, **{key: value})
     before = snapshot(run)
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(other), "--run-dir", str(run)])
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[str(other), "--run-dir", str(run)])
     assert code == 1
     shown = json.dumps(value) if isinstance(value, str) else str(value)
     assert_one_line(capsys.readouterr().err, f"data.{key}={recorded} ({run / 'data' / where}), the recipe has {shown}",
@@ -112,7 +112,7 @@ def test_other_data_keys_stop_training_naming_key_values_and_file(prepared, run,
 
 def test_overwrite_data_prepares_the_run_directory_afresh(prepared, run, tmp_path, capsys):
     other = other_recipe(prepared, tmp_path, aux_layer_ids=OTHER)
-    code = prepare_module.main([str(other), "--run-dir", str(run), "--overwrite-data", "--stage", "target"])
+    code = prepare_main([str(other), "--run-dir", str(run), "--overwrite-data", "--stage", "target"])
     assert code == 0, capsys.readouterr().err
     assert json.loads((run / "data" / "target.json").read_text())["aux_layer_ids"] == OTHER
     assert not (run / "data" / "hidden_states").exists() and not (run / "data" / "vocab.safetensors").exists()
@@ -130,7 +130,7 @@ def test_the_draft_is_trained_and_exported_with_the_captured_layers(prepared, ru
                        + re.escape(f"the recipe has {OTHER}")):
         Eagle3Method(other, run)  # the method checks too (fit() callers skip train's check)
     method = Eagle3Method(recipe, run)
-    assert method.target_info["aux_layer_ids"] == CAPTURED and method.config.aux_layer_ids == CAPTURED
+    assert method.target_info.aux_layer_ids == CAPTURED and method.config.aux_layer_ids == CAPTURED
     fit(recipe, method, run, progress=False)
     ckpt = find_checkpoints(run / "checkpoints")[-1]
     assert json.loads((ckpt / "draft_config.json").read_text())["config"]["aux_layer_ids"] == CAPTURED

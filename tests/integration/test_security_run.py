@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from draftsmith.data_prep.shards import ShardError
+from draftsmith.fileio import ShardError
 from draftsmith.train.data import HiddenStateDataset
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.run_info import REDACTED
 from draftsmith.train.trainer import fit
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftsmith.data_prep.synthesize import main
+from draftsmith.cli.synthesize import main
 
 from helpers.tiny import CPU_VLLM_FLAGS
 

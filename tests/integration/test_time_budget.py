@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 
 

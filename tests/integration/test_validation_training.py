@@ -12,7 +12,7 @@ from draftsmith.eval.export import export
 from draftsmith.recipe import Recipe
 from draftsmith.train import trainer as trainer_module
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 from draftsmith.train.validation import ValidationSplitError
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.export import export
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_base import train_main
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.cli.train import launch
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
-from draftsmith.train.warm_start import WarmStartError, target_ids
+from draftsmith.models.eagle3.warm_start import WarmStartError, target_ids
 
 pytestmark = pytest.mark.integration
 
@@ -101,8 +101,8 @@ def test_a_draft_for_another_target_is_refused_before_training(trained, tmp_path
     shutil.copytree(root / "data", run / "data")
     recipe_file = run / "recipe.yaml"
     recipe_file.write_text(json.dumps(recipe.model_dump(mode="json")))
-    code = train_main(Eagle3Method, "train/eagle3.py", "", [str(recipe_file), "--run-dir", str(run), "--no-prepare",
-                                                            "--set", f"draft.init_from={bad}"])
+    code = launch([str(recipe_file), "--run-dir", str(run), "--no-prepare", "--set", f"draft.init_from={bad}"],
+                  method=Eagle3Method, script="train/eagle3.py", doc="")
     assert code == 1 and message in capsys.readouterr().err
     assert not (run / "checkpoints").exists()
 
@@ -114,7 +114,7 @@ def test_a_missing_folder_is_named(trained):
 
 
 def test_simulate_reads_exports_and_checkpoints_alike_in_the_drafts_own_vocab(trained, tmp_path):
-    from draftsmith.eval.simulate import simulate
+    from draftsmith.models.eagle3.simulate import simulate
 
     recipe, root, out = trained
     ckpt = find_checkpoints(root / "checkpoints")[-1]

@@ -64,7 +64,7 @@ site, configs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
 import draftsmith
 from draftsmith.cli import main
 from draftsmith.data_prep.conversations import BUILTIN_DIR
-from draftsmith.data_prep.target import TARGETS_DIR
+from draftsmith.target import TARGETS_DIR
 from draftsmith.methods import get_method, registered_methods
 from draftsmith.resources import shipped_recipe_names
 from draftsmith.train.launchers import resolve_launcher_path

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from draftsmith.eval import acceptance
-from draftsmith.eval.acceptance import DraftMismatchError, build_parser, draft_method, vllm_speculative_config
+from draftsmith.cli import acceptance as acceptance_cli
+from draftsmith.cli.acceptance import build_parser
+from draftsmith.eval.acceptance import DraftMismatchError, draft_method, vllm_speculative_config
 from draftsmith.methods import get_method
 
 VERIFIER = {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]}
@@ -166,7 +168,7 @@ def test_worker_starts_vllm_with_the_registrys_speculative_config(tmp_path, fake
     result = tmp_path / "result.json"
     args = build_parser().parse_args(["--worker", "--result", str(result), "--target", "tiny-target", "--draft",
                                       str(draft), "--prompts", str(prompts), "--k", "4", "--engine-json", "{}"])
-    acceptance._worker(args)
+    acceptance.worker(args)
     (kwargs,) = fake_vllm.created
     assert kwargs["speculative_config"] == {**want, "model": str(draft)}
     assert kwargs["model"] == "tiny-target" and kwargs["disable_log_stats"] is False
@@ -209,7 +211,7 @@ def test_measure_runs_the_methods_target_check_then_the_worker_with_its_registry
     FakeWorkerProcess.commands = []
     monkeypatch.setattr(subprocess, "Popen", FakeWorkerProcess)
     out = tmp_path / "acceptance.json"
-    assert acceptance.main(["--target", str(target), "--draft", str(draft), "--compare-ngram", "--out", str(out)]) == 0
+    assert acceptance_cli.main(["--target", str(target), "--draft", str(draft), "--compare-ngram", "--out", str(out)]) == 0
     assert checked == [(draft, target)]
     assert [c[c.index("--method") + 1] for c in FakeWorkerProcess.commands] == ["peagle", "ngram"]
     assert list(json.loads(out.read_text())) == ["peagle", "ngram"]

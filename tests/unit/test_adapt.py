@@ -15,7 +15,7 @@ from draftsmith.data_prep.traffic import (
     read_traffic,
     traffic_log_files,
 )
-from draftsmith.serve import adapt as adapt_mod
+from draftsmith.cli import adapt as adapt_cli
 
 from helpers import folder_digest
 from helpers.fake_inputs import MODEL, served, write_log
@@ -121,7 +121,7 @@ def test_too_little_traffic_is_refused_with_counts_and_nothing_is_touched(tmp_pa
     run = tmp_path / "adapt"
     run.mkdir()
     (run / "keep.txt").write_text("an earlier adaptation")
-    code = adapt_mod.main(["--log", str(log), "--deployed", str(deployed), "--recipe", "recipes/smollm2_135m.yaml",
+    code = adapt_cli.main(["--log", str(log), "--deployed", str(deployed), "--recipe", "recipes/smollm2_135m.yaml",
                            "--run-dir", str(run), "--overwrite", "--min-conversations", "64", "--holdout", "0"])
     err = capsys.readouterr().err
     assert code == 1
@@ -134,7 +134,7 @@ def test_too_little_traffic_is_refused_with_counts_and_nothing_is_touched(tmp_pa
 def test_the_deployed_draft_is_never_the_output(tmp_path, capsys):
     deployed = _fake_export(tmp_path / "deployed")
     log = write_log(tmp_path / "traffic.jsonl", [served(i, f"p{i}", f"r{i}") for i in range(5)])
-    code = adapt_mod.main(["--log", str(log), "--deployed", str(deployed), "--recipe", "recipes/smollm2_135m.yaml",
+    code = adapt_cli.main(["--log", str(log), "--deployed", str(deployed), "--recipe", "recipes/smollm2_135m.yaml",
                            "--run-dir", str(tmp_path / "run"), "--out", str(deployed / "v2")])
     assert code == 1 and "never overwritten" in capsys.readouterr().err
 
@@ -142,6 +142,6 @@ def test_the_deployed_draft_is_never_the_output(tmp_path, capsys):
 def test_a_folder_that_is_no_export_is_named(tmp_path, capsys):
     (tmp_path / "deployed").mkdir()
     log = write_log(tmp_path / "traffic.jsonl", [served(0, "p", "r")])
-    code = adapt_mod.main(["--log", str(log), "--deployed", str(tmp_path / "deployed"), "--recipe",
+    code = adapt_cli.main(["--log", str(log), "--deployed", str(tmp_path / "deployed"), "--recipe",
                            "recipes/smollm2_135m.yaml", "--run-dir", str(tmp_path / "run")])
     assert code == 1 and "config.json missing" in capsys.readouterr().err

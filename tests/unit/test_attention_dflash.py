@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import draftsmith.models.dflash.model as dflash
-import draftsmith.models.eagle3.model as eagle3
+import draftsmith.models.attention as attention
 from draftsmith.models.dflash.config import DFlashConfig
 from draftsmith.models.dflash.model import DFlashDraftModel, block_attention, block_attention_mask
-from draftsmith.train.labels import sample_anchors
-from draftsmith.train.losses import LossSpec, TargetDraftHead, dflash_loss, slot_weights
+from draftsmith.models.dflash.training import sample_anchors, dflash_loss, slot_weights
+from draftsmith.train.losses import LossSpec, TargetDraftHead
 
 from helpers.tiny import dflash_tiny_config, random_dflash_model
 
@@ -81,7 +81,7 @@ def random_case(B, nh, nkv, A, Bk, T, hd, packed, seed=0):
 def test_one_sdpa_call_equals_the_dense_reference_in_outputs_and_gradients(packed, nh, nkv, native_gqa, Bk,
                                                                            monkeypatch):
     if not native_gqa:  # the CUDA path: keys / values repeated per query head
-        monkeypatch.setattr(eagle3, "sdpa_supports_gqa_with_mask", lambda device: False)
+        monkeypatch.setattr(attention, "sdpa_supports_gqa_with_mask", lambda device: False)
     B, A, T, hd = 2, 5, 17, 8
     (q, kc, vc, kb, vb), allow, valid = random_case(B, nh, nkv, A, Bk, T, hd, packed)
     scale = hd ** -0.5

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3DraftModel, TTTMask, same_document, ttt_attention
-from draftsmith.train.labels import ttt_plan, ttt_prediction_masks
+from draftsmith.models.eagle3.training import ttt_plan
+from draftsmith.train.labels import ttt_prediction_masks
 from draftsmith.train.losses import LossSpec, TargetDraftHead, chunked_distill
 
 

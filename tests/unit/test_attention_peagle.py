@@ -26,9 +26,8 @@ from draftsmith.models.common import DistillTargets, shift_left
 from draftsmith.models.peagle.config import PEagleConfig
 from draftsmith.models.peagle.model import (CODElements, PEagleDraftModel, cod_attention_bias, cod_attention_mask,
                                             cod_block_mask)
-from draftsmith.train.labels import cod_budget, cod_sample, cod_targets, step0_prediction_mask
+from draftsmith.models.peagle.training import cod_budget, cod_sample, cod_targets, step0_prediction_mask, PEagleMethod
 from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead, chunked_distill
-from draftsmith.train.method_peagle import PEagleMethod
 
 V, VD = 64, 48
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.recipe import DFlashDraftConfig, Eagle3DraftConfig, PEagleDraftConfig
-from draftsmith.train.method_eagle3 import Eagle3Method
-from draftsmith.train.method_peagle import PEagleMethod
+from draftsmith.models.dflash.recipe import DFlashDraftConfig
+from draftsmith.models.eagle3.recipe import Eagle3DraftConfig
+from draftsmith.models.peagle.recipe import PEagleDraftConfig
+from draftsmith.models.eagle3.training import Eagle3Method
+from draftsmith.models.peagle.training import PEagleMethod
 
 
 class _Recipe:  # the one recipe key training_states reads

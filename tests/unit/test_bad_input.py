@@ -13,25 +13,26 @@ from safetensors.torch import save_file
 
 from draftsmith.data_prep import conversations as conv
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import ShardError, ShardSpec
+from draftsmith.data_prep.shards import ShardSpec
+from draftsmith.fileio import ShardError
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import stage_tokenize, stage_vocab
 from draftsmith.layout import DataPaths, DraftCheckpointConfig
-from draftsmith.data_prep.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import load_recipe
+from draftsmith.target import TargetInfo, load_target
 from draftsmith.train.checkpoint import check_checkpoint_shapes
 
 from helpers.tiny import TINY_AUX
 
 
-def target_info(tiny_target: Path) -> dict:
-    return {"path": str(tiny_target), "vocab_size": 512, "hidden_size": 128, "aux_layer_ids": TINY_AUX,
-            "name_or_path": str(tiny_target)}
+def target_info(tiny_target: Path) -> TargetInfo:
+    return TargetInfo(path=str(tiny_target), vocab_size=512, hidden_size=128, aux_layer_ids=TINY_AUX,
+                      name_or_path=str(tiny_target))
 
 
 def conversation(i: int, words: int) -> dict:
@@ -58,7 +59,7 @@ def test_draft_vocab_larger_than_target_vocab_is_capped_with_a_warning(tmp_path,
     recipe = load_recipe(None, ["data.draft_vocab_size=100000"])
     records = [{"id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}]
     with caplog.at_level(logging.WARNING):
-        out = stage_vocab(recipe, DataPaths(tmp_path), {"vocab_size": 512}, records)
+        out = stage_vocab(recipe, DataPaths(tmp_path), TargetInfo(vocab_size=512), records)
     assert out["draft_vocab_size"] == 512
     assert "draft_vocab_size 100000 > target vocab 512: capped at 512" in caplog.text
 

@@ -16,7 +16,8 @@ from benchmarks.gpu import cod_allowed_pairs, device_peak_tflops, dflash_pairs, 
 from draftsmith.models.dflash.model import block_attention_mask
 from draftsmith.models.eagle3.model import ttt_attention_mask
 from draftsmith.models.peagle.model import cod_attention_mask
-from draftsmith.train.labels import cod_sample, sample_anchors, step0_prediction_mask
+from draftsmith.models.dflash.training import sample_anchors
+from draftsmith.models.peagle.training import cod_sample, step0_prediction_mask
 from draftsmith.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

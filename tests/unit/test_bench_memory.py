@@ -140,7 +140,7 @@ def test_muon_step_measures_momentum_and_the_guards_copies():
     non-finite guard's copies of weights and momentum (12 B); the dry run's 12 B per trainable
     parameter bounds it, and the fake step still measures what the real one allocates."""
     from draftsmith.train.dry_run import state_bytes_per_gpu
-    from draftsmith.train.trainer import split_muon_params
+    from draftsmith.train.components.optimizer import split_muon_params
     from benchmarks.memory import offline_method, random_weights
 
     r = bench_recipe(load_recipe(RECIPES / "smollm2_135m.yaml", TINY_SETS + ["train.optimizer=muon",

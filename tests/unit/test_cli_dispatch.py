@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import STAGES, main
-from draftsmith.recipe import MedusaDraftConfig, Recipe, dump_recipe, recipe_schema
+from draftsmith.models.medusa.recipe import MedusaDraftConfig
+from draftsmith.recipe import Recipe, dump_recipe, recipe_schema
 
 from helpers.tiny import write_jsonl
 from helpers.recipes import PROMPTS, tiny_recipe

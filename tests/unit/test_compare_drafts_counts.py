@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 from draftsmith.eval.spec_decode import Proposal, Proposer, evaluate, prompt_token_ids
 from draftsmith.recipe import RecipeError, load_recipe
 

@@ -9,7 +9,7 @@ import copy
 import torch
 
 from draftsmith.models.common import compile_regions, resolve_compile
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import TrainConfig
 from helpers.tiny import eagle3_tiny_config
 

@@ -1,7 +1,7 @@
 """The data stage's plan (``data_prep/plan.py``): target sizes from config.json, the tensor-parallel
 size and capture placement that follow from them, regeneration on every GPU of a node, shards
 and disk, and the bad inputs it refuses; plus the launch helpers the orchestration builds on
-(``data_prep/launch.py``, ``prepare.bind_local_device``, node-split regeneration)."""
+(``data_prep/launch.py``, ``ranks.bind_local_device``, node-split regeneration)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,13 @@ import pytest
 
 from draftsmith.data_prep import regenerate as regen
 from draftsmith.data_prep.launch import child_env, launch_layout
-from draftsmith.data_prep.plan import (
-    Cluster,
-    PlanError,
-    build_plan,
-    target_parameter_counts,
-    target_weight_bytes,
-    tensor_parallel_size,
-)
-from draftsmith.data_prep.prepare import bind_local_device, main as prepare_main, merge_node_caches, node_cache
-from draftsmith.data_prep.target import bundled_target_config
+from draftsmith.data_prep.plan import Cluster, PlanError, build_plan, tensor_parallel_size
+from draftsmith.cli.prepare import main as prepare_main
+from draftsmith.data_prep.prepare import node_cache
+from draftsmith.data_prep.ranks import bind_local_device, merge_node_caches
 from draftsmith.layout import RunLayout
 from draftsmith.recipe import load_recipe
+from draftsmith.target import bundled_target_config, target_parameter_counts, target_weight_bytes
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

@@ -1,12 +1,12 @@
 """Where the transformers target runs: ``load_target(..., device)`` and the default device of
-a process (``data_prep.target.default_device``). CPU only; accelerators are simulated."""
+a process (``target.default_device``). CPU only; accelerators are simulated."""
 
 from __future__ import annotations
 
 import torch
 from accelerate import PartialState
 
-from draftsmith.data_prep import target as tgt
+from draftsmith import target as tgt
 
 
 def test_load_target_places_the_parameters_on_the_device(tiny_target):

@@ -15,16 +15,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.acceptance import check_draft_matches_target
-from draftsmith.eval.dflash import DFlashProposer
+from draftsmith.models.dflash.proposer import DFlashProposer
 from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.models.dflash.config import DFlashConfig
 from draftsmith.models.dflash.format import expected_dflash_weights, is_dflash_export, load_dflash
 from draftsmith.models.dflash.model import DFlashDraftModel, DFlashKVCache, block_attention, block_attention_mask
 from draftsmith.train.activation_checkpointing import apply_activation_checkpointing
-from draftsmith.train.labels import anchor_count, block_labels, sample_anchors, valid_anchor_mask
-from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead, dflash_loss, slot_weights, teacher_rows
-from draftsmith.train.method_dflash import AnchorCountPlan
+from draftsmith.models.dflash.training import anchor_count, block_labels, sample_anchors, valid_anchor_mask
+from draftsmith.models.dflash.training import dflash_loss, slot_weights, teacher_rows, AnchorCountPlan
+from draftsmith.train.losses import LOSSES, LossSpec, StepMetrics, TargetDraftHead
 
 from helpers.tiny import dflash_tiny_config, random_dflash_model, write_draft_checkpoint
 

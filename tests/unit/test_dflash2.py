@@ -1,4 +1,4 @@
-"""DFlash2 (models/dflash2, train/losses.py dflash2_loss, eval/dflash2.py): tensor shapes, the
+"""DFlash2 (models/dflash2, models/dflash2/training.py dflash2_loss, models/dflash2/proposer.py): tensor shapes, the
 grouped convolution and selector written out by hand, the loss against a hand computation, a few
 training steps, lossless speculative decoding with the reference decoder, and refused input."""
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith.data_prep.target import load_target
-from draftsmith.eval.dflash2 import DFlash2Proposer
+from draftsmith.target import load_target
+from draftsmith.models.dflash2.proposer import DFlash2Proposer
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft
 from draftsmith.layout import DraftLoadError, ExportError
@@ -24,8 +24,9 @@ from draftsmith.models.dflash.model import DFlashDraftModel, DFlashKVCache
 from draftsmith.models.dflash2.config import DFlash2Config
 from draftsmith.models.dflash2.format import expected_dflash2_weights, load_dflash2
 from draftsmith.models.dflash2.model import DFlash2DraftModel, grouped_conv
-from draftsmith.train.labels import block_labels, sample_anchors
-from draftsmith.train.losses import TargetDraftHead, dflash2_loss, dflash_loss, slot_weights
+from draftsmith.models.dflash.training import block_labels, sample_anchors, dflash_loss, slot_weights
+from draftsmith.models.dflash2.training import dflash2_loss
+from draftsmith.train.losses import TargetDraftHead
 
 from helpers.tiny import write_draft_checkpoint
 

@@ -10,7 +10,8 @@ import pytest
 
 from draftsmith.methods import registered_methods
 from draftsmith.recipe import load_recipe
-from draftsmith.train.dry_run import bundled_target_config, check_fits, dry_run, format_report
+from draftsmith.target import bundled_target_config
+from draftsmith.train.dry_run import check_fits, dry_run, format_report
 
 from helpers.recipes import RECIPES as SHIPPED
 

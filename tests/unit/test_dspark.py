@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.dspark import DSparkProposer
+from draftsmith.models.dspark.proposer import DSparkProposer
 from draftsmith.eval.export import export
 from draftsmith.layout import ExportError
 from draftsmith.methods import get_method, method_of_export
-from draftsmith.models.dflash.format import is_dflash_export
 from draftsmith.models.dflash.model import DFlashKVCache
 from draftsmith.models.dspark.config import DSparkConfig
 from draftsmith.models.dspark.format import expected_dspark_weights, load_dspark
-from draftsmith.train.labels import sample_anchors
-from draftsmith.train.losses import DSparkLossSpec, LossSpec, TargetDraftHead, dspark_loss, dspark_slot_weights
+from draftsmith.models.dflash.training import sample_anchors
+from draftsmith.models.dspark.training import DSparkLossSpec, dspark_loss, dspark_slot_weights
+from draftsmith.train.losses import LossSpec, TargetDraftHead
 
 from helpers.tiny import dspark_tiny_config, random_dspark_model, write_draft_checkpoint
 
@@ -96,15 +96,17 @@ def test_every_slot_predicts_the_next_token_with_the_markov_bias_of_the_true_pre
 
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_dry_run_parameter_estimate_counts_the_models_parameters(with_markov):
-    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.common import LayerGeometry
+    from draftsmith.models.dspark.training import parameter_estimate
     from draftsmith.recipe import load_recipe
-    from draftsmith.train.dry_run import dspark_parameter_estimate
 
     recipe = load_recipe(None, ["draft.method=dspark", "draft.markov_rank=6", "draft.num_layers=2",
                                 f"draft.confidence_head_with_markov={str(with_markov).lower()}"])
-    geometry = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], target_hidden_size=24)
-    counts, _ = dspark_parameter_estimate(recipe, geometry, 50)
+    geometry = LayerGeometry(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, vocab_size=50, target_hidden_size=24, rms_norm_eps=1e-5, hidden_act="silu",
+                             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096, draft_vocab_size=20,
+                             aux_layer_ids=(1, 2, 3))
+    counts, _ = parameter_estimate(recipe, geometry, 50)
     model = random_dspark_model(dspark_tiny_config(aux_layer_ids=[1, 2, 3], confidence_head_with_markov=with_markov))
     assert sum(v for k, v in counts.items() if not k.startswith("frozen_")) == sum(p.numel() for p in model.parameters())
     assert counts["confidence_head"] == 32 + (6 if with_markov else 0) + 1
@@ -203,7 +205,7 @@ def test_export_writes_the_tensor_set_and_config_vllm_reads(tmp_path):
     assert (config["markov_rank"], config["block_size"]) == (cfg.markov_rank, cfg.block_size)
     assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is True
     assert config["dflash_config"] == {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [0, 2], "causal": False}
-    assert method_of_export(config) is get_method("dspark") and not is_dflash_export(config)
+    assert method_of_export(config) is get_method("dspark")  # not DFlash's, whose format DSpark's refines
     loaded = load_dspark(out)
     for k, v in weights.items():
         torch.testing.assert_close(loaded.state_dict()[k], v)
@@ -286,8 +288,8 @@ def test_greedy_proposal_is_vllms_sequential_markov_sampling():
 
 @pytest.fixture(scope="module")
 def trained(prepared):
-    from draftsmith.recipe import DSparkDraftConfig
-    from draftsmith.train.method_dspark import DSparkMethod
+    from draftsmith.models.dspark.recipe import DSparkDraftConfig
+    from draftsmith.models.dspark.training import DSparkMethod
     from draftsmith.train.trainer import fit
 
     recipe, run, _ = prepared
@@ -310,7 +312,7 @@ def test_training_a_few_steps_lowers_the_loss(trained):
 
 
 def test_export_of_the_trained_draft_decodes_exactly_like_plain_greedy(trained, tiny_target, tmp_path):
-    from draftsmith.data_prep.target import load_target
+    from draftsmith.target import load_target
     from draftsmith.eval.spec_decode import SpecCounters, Target, load_draft, plain_generate, speculative_generate
     from draftsmith.train.checkpoint import find_checkpoints
 

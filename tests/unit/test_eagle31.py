@@ -13,12 +13,13 @@ import torch
 from draftsmith.eval.export import export, load_export
 from draftsmith.layout import DraftLoadError, ExportError
 from draftsmith.models.common import shift_left
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.models.eagle3.config import EAGLE31_OPTIONS
 from draftsmith.models.eagle3.format import expected_weight_shapes
 from draftsmith.recipe import RecipeError, load_recipe
-from draftsmith.train.labels import ttt_plan, ttt_prediction_masks
-from draftsmith.train.losses import TargetDraftHead, ttt_loss
+from draftsmith.models.eagle3.training import ttt_plan, ttt_loss
+from draftsmith.train.labels import ttt_prediction_masks
+from draftsmith.train.losses import TargetDraftHead
 
 from helpers.tiny import eagle3_tiny_config, randomize_norms, write_draft_checkpoint
 
@@ -170,7 +171,7 @@ def test_bad_input_names_the_option_key_or_tensor(tmp_path):
     with pytest.raises(ExportError, match="norm_input"):
         export(tmp_path / "ckpt", tmp_path / "export3")
     # P-EAGLE: vLLM 0.32's peagle reader drops fc_norm / norm_output and the draft has none of them
-    from draftsmith.models.peagle import PEagleDraftModel
+    from draftsmith.models.peagle.model import PEagleDraftModel
     from draftsmith.models.peagle.config import PEagleConfig
 
     with pytest.raises(ValueError, match="fc_norm, norm_output: EAGLE-3.1 options are for draft.method eagle3"):
@@ -185,7 +186,7 @@ def test_bad_input_names_the_option_key_or_tensor(tmp_path):
 
 
 def test_warm_start_keeps_the_exported_options_and_warns_when_the_recipe_differs(tmp_path, caplog):
-    from draftsmith.train.warm_start import load_init_weights, read_init_draft, warm_config
+    from draftsmith.models.eagle3.warm_start import load_init_weights, read_init_draft, warm_config
 
     model = draft(norm_before_fc=True, fc_norm=True, norm_output=True)
     write_draft_checkpoint(model, tmp_path / "ckpt", "eagle3", {"name_or_path": "tiny"}, ttt_steps=3)

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.models.common import shift_left
-from draftsmith.models.eagle3.model import ttt_attention, ttt_attention_mask, ttt_prediction_mask
+from draftsmith.models.common import ttt_prediction_mask
+from draftsmith.models.eagle3.model import ttt_attention, ttt_attention_mask
 from draftsmith.train.losses import TargetDraftHead
 
 from helpers.reference_losses import ttt_loss

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from draftsmith.cli import export as export_cli
 from draftsmith.eval import export as ex
 from draftsmith.recipe import dump_recipe, load_recipe
 
@@ -19,12 +20,12 @@ def test_k_comes_from_the_recipe_saved_with_the_checkpoint(tmp_path):
 
 
 def test_a_mistyped_run_directory_is_one_line(tmp_path, capsys):
-    assert ex.main([str(tmp_path / "runs" / "typo"), "--out", str(tmp_path / "out")]) == 1
+    assert export_cli.main([str(tmp_path / "runs" / "typo"), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "typo: no such checkpoint or run directory" in err
     assert not (tmp_path / "out").exists()
     # a directory that exists but holds no checkpoint
     (tmp_path / "runs" / "empty").mkdir(parents=True)
-    assert ex.main([str(tmp_path / "runs" / "empty"), "--out", str(tmp_path / "out")]) == 1
+    assert export_cli.main([str(tmp_path / "runs" / "empty"), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "neither a checkpoint nor a run directory with checkpoints" in err

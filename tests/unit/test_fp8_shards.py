@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import ShardReader, ShardSpec, decode_fp8, decode_states, encode_fp8, shard_bytes_per_token
+from draftsmith.data_prep.shards import ShardReader, ShardSpec, shard_bytes_per_token
+from draftsmith.data_prep.state_codec import decode_fp8, decode_states, encode_fp8
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.train.validation import dataset_ids
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 
 from helpers.tiny import TINY_AUX
 from helpers.tiny import make_records

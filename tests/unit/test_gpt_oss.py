@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.data_prep.regenerate import TransformersChatEngine, VllmChatEngine, draw_reasoning_effort, regenerate
+from draftsmith.data_prep.chat_engines import TransformersChatEngine, VllmChatEngine
+from draftsmith.data_prep.regenerate import draw_reasoning_effort, regenerate
 from draftsmith.recipe import load_recipe
 
 from helpers.tiny import HARMONY, build_tokenizer

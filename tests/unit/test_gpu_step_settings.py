@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import RecipeError, load_recipe
 from draftsmith.train import losses
 from draftsmith.train.losses import LossSpec, chunked_distill

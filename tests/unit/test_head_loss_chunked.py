@@ -18,8 +18,8 @@ from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorC
 from draftsmith.train.labels import head_targets
 
 from helpers.reference_losses import head_loss
-from draftsmith.train.method_medusa import MedusaMethod
-from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
+from draftsmith.models.medusa.training import MedusaMethod
+from draftsmith.models.mlp_speculator.training import MLPSpeculatorMethod
 
 H, V, K = 16, 40, 3  # H != V and D != V: only logits (and their gradients) have V as last dim
 DECAY = 0.7

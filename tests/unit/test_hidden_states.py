@@ -9,10 +9,11 @@ import torch
 
 from draftsmith.data_prep.capture import capture_batch
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import ShardError, ShardSpec
+from draftsmith.data_prep.shards import ShardSpec
+from draftsmith.fileio import ShardError
 from draftsmith.train.data import HiddenStateDataset, collate
 from draftsmith.train.validation import dataset_ids
-from draftsmith.data_prep.target import default_aux_layer_ids, load_target, validate_aux_layer_ids
+from draftsmith.target import default_aux_layer_ids, load_target, validate_aux_layer_ids
 
 from helpers.tiny import TINY_AUX, TINY_LAYERS, make_records
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.data_prep import vllm_hidden_states as vhs
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")

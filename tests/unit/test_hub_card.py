@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from draftsmith.cli import hub as hub_cli
 from draftsmith.eval import hub
 from draftsmith.eval.results import AcceptanceResult, write_acceptance
 from draftsmith.recipe import dump_recipe, load_recipe
@@ -80,7 +81,7 @@ def _card(out: Path) -> tuple[dict, str]:
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "mlp_speculator"])
 def test_readme_hub_command_writes_front_matter_for_the_target_license_datasets_and_library(tmp_path, method):
     run = _run_outputs(tmp_path, method)
-    proc = subprocess.run([sys.executable, "-m", "draftsmith.eval.hub", *_hub_argv(run, tmp_path / "hub")],
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli.hub", *_hub_argv(run, tmp_path / "hub")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     meta, _ = _card(tmp_path / "hub")
@@ -93,7 +94,7 @@ def test_readme_hub_command_writes_front_matter_for_the_target_license_datasets_
 
 def test_eagle3_card_names_the_method_serve_line_and_measured_acceptance(tmp_path):
     run = _run_outputs(tmp_path, "eagle3")
-    assert hub.main(_hub_argv(run, tmp_path / "hub")) == 0
+    assert hub_cli.main(_hub_argv(run, tmp_path / "hub")) == 0
     _, body = _card(tmp_path / "hub")
     assert body.startswith(f"\n# EAGLE-3 draft for {TARGET}")
     spec = {"method": "eagle3", "model": REPO, "num_speculative_tokens": 3}
@@ -105,7 +106,7 @@ def test_eagle3_card_names_the_method_serve_line_and_measured_acceptance(tmp_pat
 
 def test_medusa_card_describes_heads_and_serves_as_medusa(tmp_path):
     run = _run_outputs(tmp_path, "medusa")
-    assert hub.main(_hub_argv(run, tmp_path / "hub")) == 0
+    assert hub_cli.main(_hub_argv(run, tmp_path / "hub")) == 0
     _, body = _card(tmp_path / "hub")
     assert body.startswith(f"\n# Medusa draft for {TARGET}")
     assert "- method: Medusa, 4 heads" in body and "EAGLE-3" not in body
@@ -116,7 +117,7 @@ def test_medusa_card_describes_heads_and_serves_as_medusa(tmp_path):
 
 def test_mlp_speculator_card_says_vllm_serve_does_not_run_it_here(tmp_path):
     run = _run_outputs(tmp_path, "mlp_speculator")
-    assert hub.main(_hub_argv(run, tmp_path / "hub")) == 0
+    assert hub_cli.main(_hub_argv(run, tmp_path / "hub")) == 0
     _, body = _card(tmp_path / "hub")
     assert body.startswith(f"\n# MLP speculator draft for {TARGET}")
     assert "- method: MLP speculator, 2 stages" in body and "vllm serve" not in body

@@ -17,6 +17,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
 from safetensors.torch import load_file, save_file
 
+from draftsmith.cli import hub as hub_cli
 from draftsmith.eval import hub
 
 SECRET = "hf_SECRETtoken1234567890abcdef"
@@ -110,7 +111,7 @@ def test_push_creates_repo_and_uploads_with_env_token_never_shown(draft, tmp_pat
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     monkeypatch.setenv("HF_TOKEN", SECRET)
     out = tmp_path / "hub"
-    assert hub.main([str(draft), "--out", str(out), "--repo-id", REPO, "--push", "--private"]) == 0
+    assert hub_cli.main([str(draft), "--out", str(out), "--repo-id", REPO, "--push", "--private"]) == 0
     assert [(c[0], c[1]) for c in calls] == [("create_repo", REPO), ("upload_folder", REPO)]
     assert calls[0][2]["private"] is True and calls[0][2]["exist_ok"] is True
     assert Path(calls[1][2]["folder_path"]) == out
@@ -123,7 +124,7 @@ def test_push_creates_repo_and_uploads_with_env_token_never_shown(draft, tmp_pat
 def test_push_without_token_names_the_repo(draft, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "no_login"))  # no stored login either
-    assert hub.main([str(draft), "--out", str(tmp_path / "hub"), "--repo-id", REPO, "--push"]) == 1
+    assert hub_cli.main([str(draft), "--out", str(tmp_path / "hub"), "--repo-id", REPO, "--push"]) == 1
     err = capsys.readouterr().err
     assert f"no Hugging Face token to push {REPO}" in err and "HF_TOKEN" in err
 
@@ -135,7 +136,7 @@ def test_repo_error_is_reported_with_repo_and_without_token(draft, tmp_path, mon
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    assert hub.main([str(draft), "--out", str(tmp_path / "hub"), "--repo-id", REPO, "--push"]) == 1
+    assert hub_cli.main([str(draft), "--out", str(tmp_path / "hub"), "--repo-id", REPO, "--push"]) == 1
     err = capsys.readouterr().err
     assert f"to {REPO} failed: RepositoryNotFoundError" in err
     assert SECRET not in err and "***" in err

@@ -157,7 +157,7 @@ def _method_stub(kind: str, gamma: float, chunk: int | None):
     from types import SimpleNamespace
 
     from draftsmith.train.losses import TargetDraftHead
-    from draftsmith.train.method_eagle3 import Eagle3Method
+    from draftsmith.models.eagle3.training import Eagle3Method
 
     method = Eagle3Method.__new__(Eagle3Method)
     method.recipe = SimpleNamespace(train=SimpleNamespace(loss_chunk_rows=chunk),
@@ -185,7 +185,7 @@ def test_chunked_ttt_loss_inside_forward_equals_the_unchunked_loss_with_gradient
     want, m = ttt_loss(logits, method.target_head(batch["final_hidden_states"]), batch["loss_mask"], 0.7, None,
                        docs, LossSpec(kind))
     want_grads = torch.autograd.grad(want, [p for p in model.parameters() if p.requires_grad])
-    from draftsmith.train.method_eagle3 import eagle3_batch_plan
+    from draftsmith.models.eagle3.training import eagle3_batch_plan
 
     for b in (batch, eagle3_batch_plan(batch, steps=3)):  # without and with the collate's plan
         got, metrics = method.compute_loss(model, b)

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models.medusa.format import medusa_weight_shapes
-from draftsmith.models.medusa import MedusaConfig, MedusaModel
+from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
 from draftsmith.train.labels import head_targets
 
 from helpers.reference_losses import head_loss
-from draftsmith.train.medusa import main
+from draftsmith.cli.train import launch
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +84,7 @@ def test_head_loss_weights_head_k_by_decay_to_the_k():
     torch.testing.assert_close(loss2, ce0 / 2 + 0.5 * ce1 / 2)
 
 
-def test_medusa_script_refuses_an_eagle3_recipe(tmp_path, capsys):
-    assert main([str(REPO / "recipes" / "smollm2_135m.yaml"), "--run-dir", str(tmp_path)]) == 2
+def test_a_medusa_training_command_refuses_an_eagle3_recipe(tmp_path, capsys):
+    assert launch([str(REPO / "recipes" / "smollm2_135m.yaml"), "--run-dir", str(tmp_path)], method="medusa",
+                  script="medusa") == 2
     assert "draft.method is 'eagle3'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.recipe import RecipeError, load_recipe
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from draftsmith.train.checkpoint import TrainState
-from draftsmith.train.trainer import NonFiniteGuard, NonFiniteLossError
+from draftsmith.train.components.nonfinite import NonFiniteGuard, NonFiniteLossError
 
 
 def _params_and_optimizer(fused: bool) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from draftsmith.recipe import TrainConfig
 from draftsmith.train import optim as optim_module
 from draftsmith.train.optim import newton_schulz_dtype
-from draftsmith.train.trainer import NonFiniteGuard, build_optimizers, split_muon_params
+from draftsmith.train.components.nonfinite import NonFiniteGuard
+from draftsmith.train.components.optimizer import build_optimizers, split_muon_params
 
 from helpers.reference_losses import ttt_loss
 from helpers.tiny import eagle3_tiny_config
@@ -156,7 +157,7 @@ def test_dry_run_counts_muon_state_and_the_guard_copies_from_above():
     parameter) bounds what a real step leaves alive: AdamW's moments, Muon's momentum and the
     non-finite guard's copies of the Muon group's weights and momentum; AdamW's 8 B stays exact."""
     from draftsmith.train.dry_run import state_bytes_per_gpu
-    from draftsmith.train.trainer import _step_tensors
+    from draftsmith.train.components.nonfinite import _step_tensors
 
     model = _draft()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

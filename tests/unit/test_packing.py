@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from draftsmith.train.data import collate
-from draftsmith.models.eagle3 import Eagle3DraftModel
-from draftsmith.models.eagle3.model import ttt_attention, ttt_attention_mask, ttt_prediction_mask
+from draftsmith.models.eagle3.model import Eagle3DraftModel
+from draftsmith.models.common import ttt_prediction_mask
+from draftsmith.models.eagle3.model import ttt_attention, ttt_attention_mask
 from helpers.reference_losses import ttt_loss
 from draftsmith.train.packing import PackedDataset, collate_packed, first_fit_packs
-from draftsmith.train.trainer import LengthGroupedBatches
+from draftsmith.train.sampler import LengthGroupedBatches
 
 from helpers.tiny import eagle3_tiny_config as tiny_config
 

@@ -20,7 +20,7 @@ shows it for every method: the equivalence is not vacuous.
 Random sampling is taken out of the comparison, never papered over:
 
 - DFlash / DFlash2 / DSpark: ``draft.num_anchors`` (64) is above every row's number of valid
-  anchors, so :func:`~draftsmith.train.labels.sample_anchors` keeps *every* valid anchor (valid
+  anchors, so :func:`~draftsmith.models.dflash.training.sample_anchors` keeps *every* valid anchor (valid
   ones have keys in [0, 1), the rest -1, and ``topk`` over at least as many slots as valid
   positions takes them all), in both layouts; the test checks that the (document, position)
   anchor sets agree.
@@ -83,10 +83,10 @@ def sequences(vocab: int, aux_width: int, final_width: int, seed: int = 1, low: 
 def dflash_family(kind: str) -> tuple[Any, torch.nn.Module, list[dict[str, Any]]]:
     from draftsmith.models.dflash2.config import DFlash2Config
     from draftsmith.models.dflash2.model import DFlash2DraftModel
-    from draftsmith.train.losses import DSparkLossSpec, LossSpec, TargetDraftHead, dspark_slot_weights, slot_weights
-    from draftsmith.train.method_dflash import DFlashMethod
-    from draftsmith.train.method_dflash2 import DFlash2Method
-    from draftsmith.train.method_dspark import DSparkMethod
+    from draftsmith.models.dflash.training import slot_weights, DFlashMethod
+    from draftsmith.models.dspark.training import DSparkLossSpec, dspark_slot_weights, DSparkMethod
+    from draftsmith.train.losses import LossSpec, TargetDraftHead
+    from draftsmith.models.dflash2.training import DFlash2Method
 
     gamma = 4.0
     if kind == "dflash":
@@ -131,7 +131,7 @@ def peagle() -> tuple[Any, torch.nn.Module, list[dict[str, Any]]]:
     from draftsmith.models.peagle.config import PEagleConfig
     from draftsmith.models.peagle.model import PEagleDraftModel
     from draftsmith.train.losses import LossSpec, TargetDraftHead
-    from draftsmith.train.method_peagle import PEagleMethod
+    from draftsmith.models.peagle.training import PEagleMethod
 
     H, V, VD = 32, 64, 48
     torch.manual_seed(0)
@@ -158,8 +158,8 @@ def peagle() -> tuple[Any, torch.nn.Module, list[dict[str, Any]]]:
 def head_method(kind: str) -> tuple[Any, torch.nn.Module, list[dict[str, Any]]]:
     from draftsmith.models.medusa.model import MedusaConfig, MedusaModel
     from draftsmith.models.mlp_speculator.model import MLPSpeculator, MLPSpeculatorConfig
-    from draftsmith.train.method_medusa import MedusaMethod
-    from draftsmith.train.method_mlp_speculator import MLPSpeculatorMethod
+    from draftsmith.models.medusa.training import MedusaMethod
+    from draftsmith.models.mlp_speculator.training import MLPSpeculatorMethod
 
     H, V, K = 16, 40, 3
     method = object.__new__(MedusaMethod if kind == "medusa" else MLPSpeculatorMethod)
@@ -247,8 +247,7 @@ def documents(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def anchor_set(method: Any, batch: dict[str, Any]) -> list[tuple[int, int]]:
     """The (document, position in it) of every anchor compute_loss samples (DFlash family)."""
-    from draftsmith.train.labels import sample_anchors
-    from draftsmith.train.method_dflash import NUM_ANCHORS_KEY
+    from draftsmith.models.dflash.training import sample_anchors, NUM_ANCHORS_KEY
 
     reset_draws(method)
     mask, T = batch["loss_mask"], batch["loss_mask"].shape[1]
@@ -265,7 +264,7 @@ def anchor_set(method: Any, batch: dict[str, Any]) -> list[tuple[int, int]]:
 def element_set(method: Any, batch: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
     """The (document, anchor position in it, depth, trained) of every valid COD element of
     depth >= 1 (depth 0 is every position, in both layouts) that compute_loss draws (P-EAGLE)."""
-    from draftsmith.train.labels import cod_targets
+    from draftsmith.models.peagle.training import cod_targets
 
     reset_draws(method)
     pred, el = method.sample(batch)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.export import export
-from draftsmith.eval.peagle import PEagleProposer
+from draftsmith.models.peagle.proposer import PEagleProposer
 from draftsmith.layout import ExportError
 from draftsmith.methods import method_of_export
 from draftsmith.models.eagle3.config import Eagle3Config
@@ -22,7 +22,7 @@ from draftsmith.models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
 from draftsmith.models.peagle.config import PEagleConfig
 from draftsmith.models.peagle.format import expected_peagle_weights, is_peagle_export, load_peagle
 from draftsmith.models.peagle.model import CODElements, PEagleDraftModel, cod_attention_mask
-from draftsmith.train.labels import cod_sample
+from draftsmith.models.peagle.training import cod_sample
 from draftsmith.train.mask_token import MaskTokenError, resolve_mask_token_id
 
 from helpers.tiny import write_draft_checkpoint

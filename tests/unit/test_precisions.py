@@ -22,7 +22,7 @@ import torch
 from benchmarks.memory import Precision, _device_batch, bench_recipe, offline_method, prepare_model, random_batch, \
     random_weights
 from draftsmith.recipe import load_recipe
-from draftsmith.train.trainer import NonFiniteGuard
+from draftsmith.train.components.nonfinite import NonFiniteGuard
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -62,9 +62,9 @@ def one_thread():
 
 
 def test_every_registered_method_is_covered():
-    from draftsmith.methods import METHOD_PACKAGES
+    from draftsmith.methods import registered_methods
 
-    assert set(METHOD_PACKAGES) <= {name.split(".")[0] for name in METHODS}
+    assert set(registered_methods()) <= {name.split(".")[0] for name in METHODS}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -78,11 +78,11 @@ def test_one_training_step(name, precision):
     dev = torch.device("cpu")
     torch.manual_seed(0)
     with offline_method(recipe, TINY, torch.float32, random_weights) as method:
-        H, V = int(method.target_info["hidden_size"]), int(method.target_info["vocab_size"])
+        H, V = int(method.target_info.hidden_size), int(method.target_info.vocab_size)
         model, trainable, optimizers = prepare_model(method, recipe, prec, dev)
         assert all(p.dtype == prec.param_dtype for p in trainable)
         plan = method.batch_plan() if hasattr(method, "batch_plan") else None
-        batch = _device_batch(random_batch(recipe, H, V, len(method.target_info["aux_layer_ids"]), fake=False),
+        batch = _device_batch(random_batch(recipe, H, V, len(method.target_info.aux_layer_ids), fake=False),
                               plan, dev, None, fake=False)
         guard = NonFiniteGuard(optimizers, dev, 1)
         before = [p.detach().clone() for p in trainable]

@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from draftsmith.serve import managed as managed_module
-from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy, main
+from draftsmith.cli.proxy import main
+from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy
 from draftsmith.vllm_bridge.server import ServerOptions, ServerStartError, free_port
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}

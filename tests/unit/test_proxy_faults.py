@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 
 from draftsmith.serve import managed as managed_module
-from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy, main
+from draftsmith.cli.proxy import main
+from draftsmith.serve.proxy import ManagedServers, TrafficLog, TrafficProxy
 from draftsmith.vllm_bridge.server import ServerOptions
 from helpers.proxy import body, proxy_on, records, sse_events, stub
 

@@ -14,7 +14,7 @@ import pytest
 
 from helpers.tiny import write_jsonl
 from helpers.fake_inputs import MULTI
-from draftsmith.data_prep import regenerate as regen
+from draftsmith.data_prep import chat_engines, regenerate as regen
 from draftsmith.data_prep.prepare import load_sources
 from draftsmith.recipe import load_recipe
 
@@ -95,7 +95,7 @@ def test_client_retries_transient_errors_and_walks_turns(fake_server, tmp_path):
     server = fake_server(fail=lambda n: n < 3)  # the first three requests get 503
     cache = tmp_path / "regen.jsonl"
     records = MULTI + [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
-    out = regen.regenerate(records, cache, lambda: regen.ServerChatEngine(None, server_urls=[server.url],
+    out = regen.regenerate(records, cache, lambda: chat_engines.ServerChatEngine(None, server_urls=[server.url],
                                                                           concurrency=3, max_retries=5),
                            [0.0, 0.5], 16, progress=False,
                            reasoning_effort={"low": 1.0}, harmony=True)
@@ -116,15 +116,15 @@ def test_failing_server_names_its_url_and_keeps_finished_rows(fake_server, tmp_p
     server = fake_server(fail=lambda n: n >= 2)  # two requests succeed, then always 503
     cache = tmp_path / "regen.jsonl"
     records = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
-    with pytest.raises(regen.RegenerationRequestError, match=server.url.replace(".", r"\.")):
-        regen.regenerate(records, cache, lambda: regen.ServerChatEngine(None, server_urls=[server.url],
+    with pytest.raises(chat_engines.RegenerationRequestError, match=server.url.replace(".", r"\.")):
+        regen.regenerate(records, cache, lambda: chat_engines.ServerChatEngine(None, server_urls=[server.url],
                                                                         concurrency=1, max_retries=1),
                          [0.0], 8, progress=False)
     assert [r["id"] for r in cached_rows(cache)] == ["p0", "p1"]  # finished before the failure
     # the rerun (server healthy again) generates only the rest
     server.fail = lambda n: False
     before = len(server.requests)
-    out = regen.regenerate(records, cache, lambda: regen.ServerChatEngine(None, server_urls=[server.url]),
+    out = regen.regenerate(records, cache, lambda: chat_engines.ServerChatEngine(None, server_urls=[server.url]),
                            [0.0], 8, progress=False)
     assert len(server.requests) - before == 3 and [r["id"] for r in out] == [r["id"] for r in records]
 
@@ -133,9 +133,9 @@ def test_unreachable_server_is_named(tmp_path):
     from draftsmith.vllm_bridge.server import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1"
-    with pytest.raises(regen.RegenerationRequestError, match=url.replace(".", r"\.")):
-        regen.ServerChatEngine(None, server_urls=[url], max_retries=0).generate([[{"role": "user", "content": "hi"}]],
-                                                                                  [0.0], 4)
+    with pytest.raises(chat_engines.RegenerationRequestError, match=url.replace(".", r"\.")):
+        chat_engines.ServerChatEngine(None, server_urls=[url], max_retries=0).generate(
+            [[{"role": "user", "content": "hi"}]], [0.0], 4)
 
 
 # --- (c) fingerprints ------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_changed_temperature_regenerates_exactly_the_affected_rows(tmp_path, cap
                      fingerprint_base=base)
     # switching vLLM in-process <-> server keeps the cache (same engine family) ...
     regen.regenerate(records, cache, lambda: pytest.fail("engine built"), [0.0, 0.7], 8, progress=False,
-                     fingerprint_base=dict(base, engine=regen.ENGINE_FAMILY["vllm-server"]))
+                     fingerprint_base=dict(base, engine=chat_engines.ENGINE_FAMILY["vllm-server"]))
     # ... another template recomputes everything
     caplog.clear()
     third = CountingEngine()

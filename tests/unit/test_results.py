@@ -76,7 +76,7 @@ def test_acceptance_json_keeps_the_workers_keys_without_token_ids(tmp_path):
 def test_serve_table_reads_several_runs_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
     """``draftsmith serve-table``: one row per draft and level from each run's own baseline and
     draft levels, the temperature sweep below; a file that is not a results.json is named."""
-    from draftsmith.eval.serve_table import main as serve_table
+    from draftsmith.cli.serve_table import main as serve_table
 
     monkeypatch.setattr(runner, "serve_configuration", _fake_serve)
     for name in ("a", "b"):

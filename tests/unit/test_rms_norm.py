@@ -8,7 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from draftsmith.models.common import RMSNorm
-from draftsmith.models.eagle3 import Eagle3DraftModel
+from draftsmith.models.eagle3.model import Eagle3DraftModel
 from helpers.tiny import eagle3_tiny_config
 
 

@@ -97,7 +97,7 @@ def test_remote_code_runs_only_when_the_recipe_sets_trust_remote_code(remote_cod
 
     recipe.target.trust_remote_code = True
     info = stage_target(recipe, paths)
-    assert info["hidden_size"] == 128 and (tmp_path / "remote_code_ran").exists()
+    assert info.hidden_size == 128 and (tmp_path / "remote_code_ran").exists()
 
 
 def test_redact_argv_forms():

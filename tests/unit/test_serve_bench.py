@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.eval import serve_bench as sb
+from draftsmith.cli import serve_bench as sb
 from draftsmith.eval.serving import client, metrics
 from draftsmith.eval.serving import run as runner
 from draftsmith.vllm_bridge import server as srv
@@ -147,7 +147,7 @@ def test_cli_engine_flags_override_the_recipe_and_max_num_seqs_covers_every_leve
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {{name_or_path: {tiny_target}}}\nvllm: {json.dumps(CPU_VLLM)}\n")
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
-    args = sb._parser().parse_args(["--recipe", str(recipe), "--prompts", str(prompts), "--concurrency", "1,64",
+    args = sb.build_parser().parse_args(["--recipe", str(recipe), "--prompts", str(prompts), "--concurrency", "1,64",
                                     "--num-prompts-per-level", "2", "--no-enforce-eager", "--max-model-len", "512",
                                     "--out-dir", str(tmp_path / "o")])
     engine = sb.study_from_args(args, []).server.engine

@@ -15,8 +15,9 @@ import torch
 from draftsmith import cli
 from draftsmith.data_prep import shards as shards_mod
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import ShardError, ShardSpec
-from draftsmith.data_prep.target import load_target
+from draftsmith.data_prep.shards import ShardSpec
+from draftsmith.fileio import ShardError
+from draftsmith.target import load_target
 from draftsmith.train.data import HiddenStateDataset
 
 TINY_AUX = [0, 1, 2]
@@ -142,11 +143,12 @@ def test_manifest_without_bytes_falls_back_to_the_header_check(shard_dir, tmp_pa
 
 
 def test_training_takes_verify_shards_and_passes_full_to_the_dataset(shard_dir, monkeypatch):
+    from draftsmith.cli.train import build_parser
     from draftsmith.train import method_base
 
-    args = method_base.build_parser("train").parse_args(["recipe.yaml", "--verify-shards"])
+    args = build_parser("train").parse_args(["recipe.yaml", "--verify-shards"])
     assert args.verify_shards
-    assert not method_base.build_parser("train").parse_args(["recipe.yaml"]).verify_shards
+    assert not build_parser("train").parse_args(["recipe.yaml"]).verify_shards
     seen = []
     monkeypatch.setattr(method_base, "HiddenStateDataset", lambda *a, **k: seen.append(k["verify"]))
     method = method_base.TargetDataMethod.__new__(method_base.TargetDataMethod)

@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from draftsmith import fileio
 from draftsmith.data_prep import shards as shards_mod
 from draftsmith.data_prep.capture import LazyCapture
 from draftsmith.data_prep.hidden_states import generate_hidden_states
-from draftsmith.data_prep.shards import (DiskFullError, ShardError, ShardReader, ShardSpec, atomic_write_bytes,
-                                         bytes_per_token, encode_states, load_manifest, read_safetensors_header,
+from draftsmith.data_prep.shards import (ShardReader, ShardSpec, bytes_per_token, load_manifest, read_safetensors_header,
                                          shard_bounds, verify_shards)
+from draftsmith.data_prep.state_codec import encode_states
+from draftsmith.fileio import DiskFullError, ShardError, atomic_write_bytes
 from draftsmith.train.checkpoint import CheckpointError, CheckpointManager, TrainState, find_checkpoints
 
 H = 16
@@ -177,7 +179,7 @@ def test_full_disk_on_the_manifest_leaves_the_old_one(tmp_path, monkeypatch):
 
 
 def test_too_little_free_space_is_refused_before_the_shard_is_captured(tmp_path, monkeypatch):
-    monkeypatch.setattr(shards_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 100})())
+    monkeypatch.setattr(fileio.shutil, "disk_usage", lambda p: type("U", (), {"free": 100})())
     engine = Engine()
     with pytest.raises(DiskFullError, match=r"shard 0 \(2 sequences\) needs \d+ bytes but the disk has 100 free"):
         generate_hidden_states(engine, records(LENGTHS), tmp_path, ShardSpec(H, [0, 1, 2], "bfloat16"),

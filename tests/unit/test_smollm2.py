@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from draftsmith.data_prep.conversations import tokenize_conversation
-from draftsmith.data_prep.target import default_aux_layer_ids, load_target_config, resolve_target
+from draftsmith.target import default_aux_layer_ids, load_target_config, resolve_target
 
 pytestmark = [
     pytest.mark.smollm2,

@@ -10,19 +10,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 from draftsmith.eval.acceptance import summarise
+from draftsmith.cli.spec_decode import main
 from draftsmith.eval.export import export
+from draftsmith.models.eagle3.proposer import Eagle3Proposer
+from draftsmith.models.medusa.proposer import MedusaProposer
+from draftsmith.models.mlp_speculator.proposer import MLPSpeculatorProposer
 from draftsmith.eval.spec_decode import (
     DraftLoadError,
-    Eagle3Proposer,
-    MedusaProposer,
-    MLPSpeculatorProposer,
     Proposal,
     SpecCounters,
     Target,
     load_draft,
-    main,
     plain_generate,
     speculative_generate,
     stop_token_ids,

@@ -6,8 +6,9 @@ import itertools
 
 import torch
 
-from draftsmith.data_prep.synthesize import keep_prompt, main, synthesize, transformers_sampler, user_turn_prefix
-from draftsmith.data_prep.target import load_target
+from draftsmith.cli.synthesize import main
+from draftsmith.data_prep.synthesize import keep_prompt, synthesize, transformers_sampler, user_turn_prefix
+from draftsmith.target import load_target
 
 
 def test_user_turn_prefix_on_two_templates(chatml_tokenizer, zephyr_tokenizer):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from draftsmith.train.trainer import budget_lr_factor
+from draftsmith.train.components.optimizer import budget_lr_factor
 
 
 def test_budget_schedule_is_warmup_then_cosine_over_progress():

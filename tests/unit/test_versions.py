@@ -234,7 +234,7 @@ def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch):
 
 
 def test_spec_decode_compare_and_export_default_to_auto():
-    from draftsmith.eval import compare_drafts, export, spec_decode
+    from draftsmith.cli import compare as compare_drafts, export, spec_decode
 
     assert spec_decode.build_parser().parse_args(["--target", "t", "--draft", "d"]).dtype == "auto"
     assert compare_drafts.build_parser().parse_args(["--target", "t", "--run", "r"]).dtype == "auto"

@@ -16,13 +16,9 @@ from draftsmith.data_prep.vocab import (
     target_to_draft_ids,
 )
 from draftsmith.methods import registered_methods
-from draftsmith.recipe import (
-    Eagle3DraftConfig,
-    MedusaDraftConfig,
-    RecipeError,
-    dump_recipe,
-    load_recipe,
-)
+from draftsmith.models.eagle3.recipe import Eagle3DraftConfig
+from draftsmith.models.medusa.recipe import MedusaDraftConfig
+from draftsmith.recipe import RecipeError, dump_recipe, load_recipe
 
 from helpers.recipes import RECIPES
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.data_prep.regenerate import vllm_available
+from draftsmith.data_prep.chat_engines import vllm_available
 from draftsmith.data_prep.shards import MANIFEST, PART_MANIFEST_GLOB, load_manifest
 from draftsmith.recipe import dump_recipe
 

@@ -58,7 +58,7 @@ def test_sigkilled_prepare_leaves_no_vllm_engine_running(tiny_target, tmp_path):
     dump_recipe(recipe, tmp_path / "recipe.yaml")
     log = tmp_path / "prepare.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "draftsmith.data_prep.prepare", str(tmp_path / "recipe.yaml"),
+        proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli.prepare", str(tmp_path / "recipe.yaml"),
                                  "--run-dir", str(run), "--stage", "target", "--stage", "regenerate"],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
 from draftsmith.train.checkpoint import find_checkpoints
-from draftsmith.train.method_dflash import DFlashMethod
+from draftsmith.models.dflash.training import DFlashMethod
 from draftsmith.train.trainer import fit
 
 from helpers.recipes import dflash_recipe

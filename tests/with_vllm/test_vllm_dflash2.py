@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.dflash2 import DFlash2Proposer
+from draftsmith.models.dflash2.proposer import DFlash2Proposer
 from draftsmith.eval.export import export
 from draftsmith.models.dflash.model import DFlashKVCache
 from draftsmith.models.dflash2.config import DFlash2Config

@@ -27,11 +27,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.eval.dspark import DSparkProposer
 from draftsmith.eval.export import export
 from draftsmith.models.dspark.config import DSparkConfig
 from draftsmith.models.dspark.model import DSparkDraftModel
-from draftsmith.vllm_bridge.spec_config import V1_DSPARK_REFUSAL
+from draftsmith.models.dspark.proposer import V1_DSPARK_REFUSAL, DSparkProposer
 
 from helpers.tiny import random_dspark_model, write_draft_checkpoint
 from helpers.vllm_parity import HD, NH, NKV, VD, H, I, V, vllm_names

@@ -16,8 +16,8 @@ from draftsmith.data_prep import vllm_hidden_states as vhs
 from draftsmith.data_prep.capture import TransformersCapture
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.data_prep.target import load_target
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.target import load_target
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.trainer import fit
 
 from helpers.tiny import TINY_AUX, write_jsonl

@@ -25,11 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.data_prep.prepare import prepare
-from draftsmith.data_prep.target import load_target
+from draftsmith.target import load_target
 from draftsmith.eval.acceptance import DraftMismatchError, check_draft_matches_target
 from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
-from draftsmith.train.method_eagle3 import Eagle3Method
+from draftsmith.models.eagle3.training import Eagle3Method
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 

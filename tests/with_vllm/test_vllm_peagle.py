@@ -10,7 +10,7 @@
 2. The engine: a P-EAGLE draft trained on the tiny target, served by ``vllm.LLM``; vLLM must
    hold exactly the exported weights (``mask_hidden`` included; q/k/v and gate/up stacked),
    its greedy output must equal plain decoding, and its per-position acceptance must equal
-   our reference decoder's (:class:`draftsmith.eval.peagle.PEagleProposer`) at T=0.
+   our reference decoder's (:class:`draftsmith.models.peagle.proposer.PEagleProposer`) at T=0.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def served(peagle_run, tiny_target, tmp_path_factory):
-    from draftsmith.data_prep.target import load_target
+    from draftsmith.target import load_target
     from draftsmith.eval.spec_decode import evaluate, load_draft, prompt_token_ids
     from draftsmith.recipe import dump_recipe
     from draftsmith.train.checkpoint import find_checkpoints
@@ -176,8 +176,7 @@ def served(peagle_run, tiny_target, tmp_path_factory):
         # trained in its own process: the trainer ends its process group, which would pull the
         # one vllm_env set up for the layer-parity tests from under them
         dump_recipe(recipe, out / "peagle.yaml")
-        script = Path(__file__).resolve().parents[2] / "train" / "peagle.py"
-        done = subprocess.run([sys.executable, str(script), str(out / "peagle.yaml"), "--run-dir", str(run),
+        done = subprocess.run([sys.executable, "-m", "draftsmith.train", str(out / "peagle.yaml"), "--run-dir", str(run),
                                "--no-prepare"], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     draft = export(find_checkpoints(run / "checkpoints")[-1], out / "export", num_speculative_tokens=K)

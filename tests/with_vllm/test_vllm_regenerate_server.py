@@ -10,7 +10,7 @@ import pytest
 
 from helpers.tiny import CPU_VLLM
 from helpers.fake_inputs import MULTI
-from draftsmith.data_prep import regenerate as regen
+from draftsmith.data_prep import chat_engines, regenerate as regen
 from draftsmith.recipe import VllmConfig
 
 
@@ -26,7 +26,7 @@ def test_server_engine_regenerates_multi_turn_conversations_turn_by_turn(tiny_ta
 
     def make():
         engine = VllmConfig(**dict(CPU_VLLM, max_model_len=512))  # the tiny target's context is 1024
-        engines.append(regen.ServerChatEngine(tiny_target, 0, engine, concurrency=4, log_path=tmp_path / "server.log"))
+        engines.append(chat_engines.ServerChatEngine(tiny_target, 0, engine, concurrency=4, log_path=tmp_path / "server.log"))
         return engines[0]
 
     out = regen.regenerate(MULTI, cache, make, [0.0], 8, progress=False, fingerprint_base=base)
@@ -42,5 +42,5 @@ def test_server_engine_regenerates_multi_turn_conversations_turn_by_turn(tiny_ta
     assert engines[0].completion_tokens > 0
     # the server was stopped when regeneration ended
     with pytest.raises(Exception):
-        regen.ServerChatEngine(None, server_urls=[engines[0].urls[0]], max_retries=0).generate(
+        chat_engines.ServerChatEngine(None, server_urls=[engines[0].urls[0]], max_retries=0).generate(
             [[{"role": "user", "content": "hi"}]], [0.0], 4)

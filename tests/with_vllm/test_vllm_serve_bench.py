@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from draftsmith.eval import serve_bench as sb
+from draftsmith.cli import serve_bench as sb
 from draftsmith.eval.report import PLOTS
 
 from helpers.procs import group_alive

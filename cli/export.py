@@ -1,0 +1,56 @@
+"""``draftsmith export``: a checkpoint in the format vLLM loads (the command line of :mod:`draftsmith.eval.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..eval import export as ex
+from ..runtime import DTYPE_CHOICES, HelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``eval/export.py`` (``draftsmith export``)."""
+    p = argparse.ArgumentParser(description=ex.__doc__, formatter_class=HelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N, or RUN_DIR (latest checkpoint)")
+    p.add_argument("out_dir", type=Path, nargs="?", help="output directory (or --out)")
+    p.add_argument("--out", type=Path, help="output directory (or OUT_DIR)")
+    p.add_argument("--legacy", action="store_true", help="EAGLE-3: legacy LlamaForCausalLMEagle3 layout")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K written as the default proposal length (EAGLE-3 default: eval.num_speculative_tokens "
+                        "of the recipe saved with the checkpoint, else 3; DFlash / P-EAGLE default: the trained K)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
+                   "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..layout import ExportError
+    from ..methods import get_method
+    from ..train.checkpoint import read_draft
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    if (args.out_dir is None) == (args.out is None):
+        p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
+    if not args.checkpoint.exists():
+        print(f"error: {args.checkpoint}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step-N "
+              "or the RUN_DIR of `draftsmith train`", file=sys.stderr)
+        return 1
+    try:
+        ckpt = ex.resolve_checkpoint(args.checkpoint)
+        k = args.num_speculative_tokens
+        if k is None and get_method(read_draft(ckpt, weights=False).method).format.k_from_recipe:
+            k = ex.saved_num_speculative_tokens(ckpt)
+        out = ex.export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported {ckpt} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

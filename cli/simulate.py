@@ -1,0 +1,68 @@
+"""``draftsmith simulate``: simulated acceptance length without vLLM (the command line of :mod:`draftsmith.eval.simulate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..eval import simulate as sim
+from ..runtime import HelpFormatter
+
+
+def temperature_list(text: str) -> tuple[float, ...]:
+    """``--temperatures``: comma-separated numbers >= 0 (argparse reports a bad one, exit 2)."""
+    temps = []
+    for item in text.split(","):
+        try:
+            t = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} in {text!r} is not a number; give comma-separated "
+                                             "temperatures, e.g. --temperatures 0,0.7") from None
+        if not t >= 0:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} in {text!r}: a temperature must be >= 0, "
+                                             "e.g. --temperatures 0,0.7")
+        temps.append(t)
+    return tuple(temps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=sim.__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--draft", type=Path, required=True, help="EAGLE-3 export folder or draftsmith checkpoint")
+    p.add_argument("--data", type=Path, required=True, help="prepared RUN_DIR/data folder (hidden-state shards)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per chain (num_speculative_tokens)")
+    p.add_argument("--temperatures", default="0", type=temperature_list,
+                   help="comma-separated sampling temperatures simulated, each >= 0 (e.g. 0,0.7)")
+    p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "sample"],
+                   help="T > 0: greedy drafts (vLLM's EAGLE proposer) or drafts sampled from the draft")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--out", type=Path, help="write the metrics as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..fileio import ShardError
+    from ..train.method_base import MethodSetupError
+
+    args = build_parser().parse_args(argv)
+    temps = args.temperatures
+    try:
+        out = sim.simulator()(args.draft, args.data, args.k, temps, args.batch_size, args.draft_sampling)
+    except (MethodSetupError, ShardError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    rates = "/".join(f"{out[f'val_sim_rate_{k}']:.3f}" for k in range(args.k))
+    line = f"simulated AL {out['val_sim_al']:.3f} (per position {rates})"
+    for t in temps:
+        if t:
+            line += f", T={t:g}: {out[f'val_sim_al_t{t:g}']:.3f}"
+    print(f"{line}; {out['num_sequences']} sequences, {int(out['val_chains'])} chains")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The shared bases of the recipe's per-method ``draft`` sections (torch-free): each method
+package's ``recipe.py`` derives its section from one of them, and :mod:`draftsmith.recipe`
+builds the ``draft`` union from the registered sections (:mod:`draftsmith.methods`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DraftSection(_Strict):
+    """Base of the per-method ``draft`` sections. ``draft`` is a discriminated union on
+    ``method`` (:data:`draftsmith.recipe.DraftConfig`): each method's keys sit directly under ``draft``, the keys
+    of its training too (``ttt_steps``, ``loss``, ``head_decay`` ...: only where they apply)."""
+
+    method: str = Field(description="Draft architecture (draftsmith.methods).")  # each section's Literal
+
+    def check_recipe(self, recipe: "Recipe") -> None:
+        """Cross-section checks of this method (raise ValueError); the default has none."""
+
+
+# the divergences of train/losses.py (divergence()), named here so the recipe loads without torch
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk_alpha", "lk_lambda"]
+
+
+class DraftVocabSection(DraftSection):
+    """The keys shared by the drafts that predict over the draft vocab with their own
+    ``lm_head`` and are distilled from the target's distribution (eagle3, dflash, peagle): how
+    that head starts, the divergence, and gradient checkpointing of the draft's layers."""
+
+    init_lm_head_from_target: bool = Field(
+        True, description="Start lm_head from the target lm_head's draft-vocab rows and norm from its final norm.")
+    freeze_lm_head: bool = Field(
+        False, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target); "
+                           "halves the trainable parameters of a small-vocab draft, a regulariser on small data.")
+    loss: LossName = Field(
+        "forward_kl", description="Divergence between the target's distribution over the draft vocab and the "
+        "draft's (train/losses.py): forward_kl (the anchors'), reverse_kl, jsd, tv (1 - acceptance rate), "
+        "lk_alpha (-log acceptance rate) or lk_lambda (adaptive KL + (1 - acceptance)), the LK losses of "
+        "arXiv:2602.23881.")
+    lk_kl_scale: float = Field(1.0, ge=0, description="lk_lambda: KL weight at zero acceptance.")
+    lk_kl_decay: float = Field(3.0, ge=0, description="lk_lambda: KL weight decays as exp(-lk_kl_decay * acceptance).")
+    distill_temperature: float = Field(
+        1.0, gt=0, description="The target's logits are divided by this before the softmax that gives the training "
+        "distribution p (Hinton et al.'s distillation temperature, on the target side only; the draft's logits are "
+        "not scaled). Below 1 sharpens p toward the target's argmax, the token greedy (T=0) verification accepts; "
+        "1: the target's own distribution, the one vLLM samples from at T=1.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each draft decoder layer in backward (less activation memory, about one "
+        "more forward of the layers per step; eagle3: per TTT step).")
+    aux_noise_std: float = Field(
+        0.0, ge=0, description="Training only: add Gaussian noise of this standard deviation (absolute, in the "
+        "units of the target's hidden states) to the aux hidden states the draft reads, fresh every micro-batch; "
+        "the target's distribution (labels) and validation see the clean states. 0: off. A regulariser against "
+        "memorising a small set (the speculators trainer's --noise-std, there uniform in [-std, std]).")
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> "DraftVocabSection":
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("draft.freeze_lm_head needs draft.init_lm_head_from_target (a frozen random lm_head)")
+        return self
+
+
+class HeadsSection(DraftSection):
+    """The key shared by the drafts of several heads trained on hard labels (medusa,
+    mlp_speculator): the loss weight of later heads."""
+
+    head_decay: float = Field(
+        0.8, gt=0, le=1, description="Loss weight head_decay**k of head k (mlp_speculator: stage k; Medusa: 0.8).")

@@ -1,0 +1,48 @@
+"""The reference decoder's Medusa proposer (``{"method": "medusa"}`` in vLLM <= 0.32) over an
+export loaded by :mod:`draftsmith.models.medusa.format`, and the installed vLLM's serve check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...eval.spec_decode import Proposal, Proposer, head_export
+from .format import load_medusa
+
+
+class MedusaProposer(Proposer):
+    """Medusa-1 chain drafting: head k reads the final hidden state at the last committed
+    position t and proposes ``x_{t+k+2}`` (its top-1 at T=0, a sample at T>0)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.max_k = int(model.config.num_heads)
+
+    @torch.no_grad()
+    def propose(self, states: torch.Tensor, next_tokens: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        weight = next(self.model.parameters())
+        h = states[-1:].to(weight.device, weight.dtype).view(1, 1, -1)  # (B=1, T=1, H)
+        logits = self.model(h)[:k, 0, 0]  # (k, V)
+        return self._chain(lambda i, prev: logits[i].float(), k, temperature, generator)
+
+
+def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaProposer:
+    """The proposer of a Medusa export (:func:`draftsmith.models.medusa.format.load_medusa`).
+
+    Raises:
+        DraftLoadError: the folder does not load.
+    """
+    return MedusaProposer(head_export(load_medusa, path))
+
+
+def check_vllm_serves(draft: Path) -> None:
+    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    if "medusa" not in get_args(SpeculativeMethod):
+        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")

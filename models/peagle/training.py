@@ -1,0 +1,388 @@
+"""P-EAGLE's training side: the :class:`PEagleMethod` (the method's ``training_method``,
+:mod:`draftsmith.methods`), its conditional-drop (COD) elements, its loss and the dry run's
+estimates.
+
+P-EAGLE (arXiv:2602.01469; docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
+the EAGLE-3 data (aux states,
+draft vocab, loss mask) on the EAGLE-shifted sequence, conditional-drop (COD) sampling of mask
+chains re-drawn every micro-batch on the batch's device (:func:`cod_sample`,
+a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
+elements, the divergence ``draft.loss`` (default forward KL) to the target over the draft vocab
+at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
+chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
+its metrics are detached device tensors (:func:`cod_loss`).
+
+Packed rows (``train.packing``): chains, attention and labels stay in their document; the COD
+budgets (``draft.max_anchors``, the per-depth counts) are per row, shared by its documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from ...recipe import Recipe
+from ...train.dry_run import LayerBytes, Shapes, gqa_expanded_kv, input_cast, loss_chunk_rows, weight_copies
+from ...train.losses import DistillOut, chunked_distill
+from ...train.method_base import DraftVocabMethod
+from ..common import DistillTargets, LayerGeometry, ttt_prediction_mask
+from ..eagle3.config import Eagle3Config
+from ..eagle3.training import draft_parameter_count
+from .config import PEagleConfig
+from .model import CODElements, PEagleDraftModel
+
+log = logging.getLogger("draftsmith.train.peagle")
+
+
+def cod_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
+    """The COD generator seed of one micro-batch: a hash of ``(seed, step, micro_batch, rank)``
+    (63 bits), so a resumed run draws the same elements and ranks / micro-batches differ."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{micro_batch}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class CODPlan:
+    """The P-EAGLE ``batch_plan``: host-side numbers of the collated CPU batch (DataLoader
+    workers), so that the step sizes its tensors without reading the device.
+
+    Adds ``cod_seed_bound`` (python int: the most trained positions in a row, which sizes the
+    COD depth budgets, :func:`cod_budget`) and ``cod_rows0``
+    (``(N0,)`` int64 CPU tensor: ``b * T + i`` of the trained depth-0 positions, so the loss
+    projects only those depth-0 elements and every depth >= 1 slot).
+    """
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, object]:
+        pred = step0_prediction_mask(batch["loss_mask"], batch.get("document_ids"))
+        return {"cod_seed_bound": int(pred.sum(1).max()) if pred.numel() else 0,
+                "cod_rows0": torch.nonzero(pred.reshape(-1)).flatten()}
+
+
+# the `draftsmith train RECIPE --help` description of this method
+TRAIN_HELP = """Train a P-EAGLE draft (EAGLE-3 + parallel drafting, COD-sampled mask chains).
+
+    accelerate launch -m draftsmith.train RECIPE.yaml --run-dir runs/x [--resume] [--set draft.num_depths=8]
+    draftsmith train RECIPE.yaml --run-dir runs/x
+
+Reads ``RUN_DIR/data`` (written by ``draftsmith prepare``): target info, draft vocab,
+tokenised data (to check the mask token never occurs in it) and hidden-state shards. Writes
+checkpoints under ``RUN_DIR/checkpoints`` and metrics to ``RUN_DIR/metrics.jsonl``.
+"""
+
+
+class PEagleMethod(DraftVocabMethod):
+    """P-EAGLE: COD chains of mask slots on the EAGLE-3 data, forward-KL loss."""
+
+    name = "peagle"
+    help_text = TRAIN_HELP
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        from transformers import AutoConfig
+
+        super().__init__(recipe, run_dir)
+        draft = recipe.draft
+        base = Eagle3Config.from_target(
+            AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
+            draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info.aux_layer_ids,
+            norm_before_residual=draft.norm_before_residual)
+        mask_id = self.mask_token_id()
+        log.info("P-EAGLE mask token id %d (never occurs in %s)", mask_id, self.paths.tokenized)
+        self.config = PEagleConfig.from_eagle3(base, num_layers=draft.num_layers, num_depths=draft.num_depths,
+                                               mask_token_id=mask_id, train_embeddings=draft.train_embeddings)
+        self._step, self._micro = 0, 0
+
+    def build_model(self) -> PEagleDraftModel:
+        torch.manual_seed(self.recipe.seed)  # mask_hidden's randn init
+        return self.init_draft(PEagleDraftModel(self.config))  # init_draft sets train.attention_backend
+
+    def begin_step(self, step: int) -> None:
+        """COD samples are re-drawn every micro-batch from a generator on the batch's device
+        seeded with :func:`cod_seed` of ``(seed, step, micro-batch, rank)``: a resumed run draws
+        the same elements. The trainer calls this before every micro-batch: the count restarts
+        only when the step changes."""
+        if step != self._step:
+            self._step, self._micro = step, 0
+
+    def cod_generator(self, device: torch.device) -> torch.Generator:
+        """The next micro-batch's COD generator (host-side seed, no sync)."""
+        rank = getattr(self.accelerator, "process_index", 0) if self.accelerator is not None else 0
+        seed = cod_seed(self.recipe.seed, self._step, self._micro, rank)
+        self._micro += 1
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def batch_plan(self) -> CODPlan:
+        return CODPlan()
+
+    def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, CODElements]:
+        """``(prediction mask (B, T), COD elements)`` of a batch (the next micro-batch's draw);
+        the depth budgets come from the plan's ``cod_seed_bound`` when the batch has one, else T."""
+        docs = batch.get("document_ids")
+        pred = step0_prediction_mask(batch["loss_mask"], docs)  # (B, T): position i predicts x_{i+2}
+        d = self.recipe.draft
+        elements = cod_sample(pred, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min,
+                              self.cod_generator(pred.device), d.max_anchors, docs, batch.get("cod_seed_bound"))
+        return pred, elements
+
+    def denominator(self, count: torch.Tensor) -> torch.Tensor:
+        """The loss normaliser of ``count`` trained elements (0-dim device tensor): the local
+        count, or the data-parallel :meth:`global_denominators`; at least 1."""
+        den = self.global_denominators(count.view(1))
+        if den is None:
+            return count.float().clamp_min(1.0)
+        return torch.as_tensor(den, dtype=torch.float32, device=count.device).reshape(-1)[0]
+
+    def compute_loss(self, model, batch):
+        aux, final = self.training_states(model, batch)  # (B, T, 3H)
+        pred, elements = self.sample(batch)
+        sel = cod_targets(elements, pred)  # (B, S) trained elements
+        B, T = pred.shape
+        # the teacher of position i is the target's distribution of x_{i+2}: its row at i + 1,
+        # computed once at positions 1..T-1 and indexed (position T-1 is never trained)
+        shifted = final[:, 1:] if T > 1 else final  # a view
+        teacher = self.target_head(shifted).reshape(-1, self.target_head.weight.shape[0])  # (B * (T-1), Vd)
+        per_row = shifted.shape[1]
+        index = elements.pos.clamp_max(per_row - 1) + per_row * torch.arange(B, device=pred.device).unsqueeze(1)
+        weight = (sel.float() / self.denominator(sel.sum())).reshape(-1)
+        index, depth, sel = index.reshape(-1), elements.depth.reshape(-1), sel.reshape(-1)
+        train_rows = None
+        if "cod_rows0" in batch:  # the plan's trained depth-0 positions, then every deeper slot
+            S = elements.anchor.shape[1]
+            r0 = batch["cod_rows0"]
+            deeper = torch.arange(T, S, device=pred.device) + S * torch.arange(B, device=pred.device).unsqueeze(1)
+            train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
+            index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
+        out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
+                    targets=DistillTargets(teacher, index, weight, chunked_distill, self.loss, rows=train_rows))
+        return cod_loss(out, depth, sel, self.recipe.draft.num_depths)
+
+
+# --------------------------------------------------------------------------------------
+# Conditional-drop (COD) elements
+
+
+def cod_budget(seq_len: int, num_depths: int, ratio: float, ratio_min: float,
+               max_anchors: int | None = None, seed_bound: int | None = None) -> list[int]:
+    """Slots reserved for depths 1, 2, ... in a row of ``seq_len`` positions (host-side numbers).
+
+    Depth d keeps ``int(max(0, n - d) * max(ratio**d, ratio_min))`` chains for n seeds
+    (:func:`cod_sample`); with n at its largest (``seq_len``, ``max_anchors``, or
+    ``seed_bound``, a host-side bound on the trained positions per row) this is the number of
+    slots depth d may fill. The list stops before the first depth with no slot, so
+    ``seq_len + sum(cod_budget(...))`` is the element count S of :func:`cod_sample`.
+    """
+    n = min([seq_len] + [b for b in (max_anchors, seed_bound) if b is not None])
+    out = []
+    for d in range(1, num_depths):
+        k = int(max(0, n - d) * max(ratio**d, ratio_min))
+        if k == 0:
+            break
+        out.append(k)
+    return out
+
+
+def _random_keys(shape: tuple[int, ...], eligible: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """i.i.d. uniform keys in [0, 1) at eligible entries, -1 elsewhere: the ``k`` largest are a
+    uniformly random k-subset of the eligible entries (``topk``: no host sync)."""
+    keys = torch.rand(shape, generator=generator, device=eligible.device)
+    return keys.masked_fill_(~eligible, -1.0)
+
+
+def cod_sample(
+    prediction_mask: torch.Tensor,
+    num_depths: int,
+    ratio: float,
+    ratio_min: float,
+    generator: torch.Generator,
+    max_anchors: int | None = None,
+    document_ids: torch.Tensor | None = None,
+    seed_bound: int | None = None,
+) -> CODElements:
+    """Conditional-drop sampling (speculators ``peagle/data.py``; docs/parallel_drafts.md), vectorised on
+    ``prediction_mask``'s device: no tensor is read on the host.
+
+    Per row: depth 0 at every position; depth d (1 <= d < D) keeps
+    ``min(int(max(0, n - d) * max(ratio**d, ratio_min)), #eligible)`` chains, a uniformly random
+    subset of the eligible positions: those that continue a depth-(d-1) chain one step right
+    (depth 1: the seeds), that are trained (``prediction_mask``), at least d from the start, and
+    in the anchor's document. n = number of seeds (trained positions, or a random subset of
+    ``max_anchors`` of them).
+
+    Layout: ``[T depth-0 slots | K_1 depth-1 slots | ... ]`` with ``K_d`` from
+    :func:`cod_budget` (the count for n = T, or ``seed_bound``), so S is known on the host. Each depth's kept
+    elements come first in position order; the slots a row does not fill are invalid.
+
+    The subsets are drawn by ``topk`` over i.i.d. uniform keys from ``generator`` (a generator
+    of ``prediction_mask``'s device), so the same generator state gives the same sample.
+
+    Args:
+        prediction_mask: ``(B, T)`` bool, the EAGLE-3 step-0 loss mask (position i predicts
+            x_{i+2}, trained when True).
+        num_depths: D (depths 0..D-1).
+        ratio, ratio_min: r and r_min.
+        generator: RNG on ``prediction_mask``'s device, seeded for this micro-batch.
+        max_anchors: optional number of seeds (random subset of the trained positions).
+        document_ids: optional ``(B, T)`` document per position (packed rows).
+        seed_bound: optional host-side bound on the trained positions of any row (e.g. counted
+            on the CPU batch, :class:`CODPlan`): sizes the
+            depth budgets to the batch instead of T (fewer empty slots, smaller S). A row with
+            more would keep at most the budget.
+
+    Returns:
+        :class:`CODElements` on ``prediction_mask``'s device.
+    """
+    B, T = prediction_mask.shape
+    dev = prediction_mask.device
+    trained = prediction_mask.bool()
+    if max_anchors is None or max_anchors >= T:
+        seeds = trained
+    else:
+        val, pick = _random_keys((B, T), trained, generator).topk(max_anchors, dim=1)
+        seeds = torch.zeros_like(trained).scatter_(1, pick, val >= 0)
+    n = seeds.sum(1)  # (B,) seeds per row
+    anchors = [torch.arange(T, device=dev).expand(B, T)]
+    depths = [torch.zeros(B, T, dtype=torch.long, device=dev)]
+    valids = [torch.ones(B, T, dtype=torch.bool, device=dev)]
+    prev = seeds  # (B, T): positions that may take the next depth
+    for d, budget in enumerate(cod_budget(T, num_depths, ratio, ratio_min, max_anchors, seed_bound), start=1):
+        eligible = prev.clone()
+        eligible[:, :d] = False
+        if document_ids is not None:
+            eligible[:, d:] &= document_ids[:, d:] == document_ids[:, :-d]
+        # float64 as the host-side formula: int(max(0, n - d) * max(r**d, r_min)) exactly
+        size = ((n - d).clamp_min(0).double() * max(ratio**d, ratio_min)).floor().long()  # (B,)
+        val, pos = _random_keys((B, T), eligible, generator).topk(budget, dim=1)  # (B, K) by key
+        slot = torch.arange(budget, device=dev)
+        keep = (val >= 0) & (slot < size.unsqueeze(1))
+        order = torch.where(keep, pos, T + slot).argsort(dim=1)  # kept first, in position order
+        pos, keep = pos.gather(1, order), keep.gather(1, order)
+        anchors.append(torch.where(keep, pos - d, torch.zeros_like(pos)))
+        depths.append(keep.long() * d)
+        valids.append(keep)
+        chosen = torch.zeros_like(trained).scatter_(1, pos, keep)  # (B, T) positions of depth d
+        prev = torch.zeros_like(trained)
+        prev[:, 1:] = chosen[:, :-1] & trained[:, 1:]  # chains continue one step right
+    return CODElements(torch.cat(anchors, 1), torch.cat(depths, 1), torch.cat(valids, 1), num_depths)
+
+
+def step0_prediction_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The EAGLE-3 step-0 loss mask on the shifted sequence (position i predicts x_{i+2})."""
+    return ttt_prediction_mask(loss_mask, 0, document_ids)
+
+
+def cod_targets(elements: CODElements, prediction_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, S)`` bool: the elements trained on (valid, and ``prediction_mask`` at ``pos``)."""
+    return elements.valid & prediction_mask.bool().gather(1, elements.pos)
+
+
+# --------------------------------------------------------------------------------------
+# The loss: per-depth metrics of the COD elements
+
+
+def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
+             num_depths: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss and per-depth metrics from the model's divergence over the elements.
+
+    ``out`` is :meth:`PEagleDraftModel.forward` with
+    :class:`~draftsmith.models.common.DistillTargets` whose weight is ``trained / N`` (N the
+    trained count, or the data-parallel denominator), so
+    ``out.loss_sum = sum_s D(p_{pos_s + 1} || q_s) / N`` over the trained elements, D the
+    divergence ``train.loss``. Nothing is read on the host: the metrics are masked sums
+    (``index_add`` over depth).
+
+    Args:
+        out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
+            rows (``DistillTargets.rows``).
+        depth: ``(M,)`` depth of each row.
+        trained: ``(M,)`` bool, the rows trained on.
+        num_depths: D, the number of per-depth metric slots.
+
+    Returns:
+        ``(loss, metrics)``: ``loss = out.loss_sum``; metrics, detached 0-dim tensors: ``loss``,
+        per depth d ``loss_{d}`` (mean divergence), ``acc_{d}`` (draft argmax == target argmax over
+        the draft vocab), both 0 at a depth with no element, and ``expected_al``
+        (:func:`expected_acceptance_length`; 0 without a depth-0 element).
+    """
+    zero = torch.zeros_like(out.row_loss)
+    w = trained.to(out.row_loss.dtype)
+    D = num_depths
+    count = w.new_zeros(D).index_add_(0, depth, w)
+    loss_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_loss, zero)) / count.clamp_min(1.0)
+    acc_d = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_hit, zero)) / count.clamp_min(1.0)
+    metrics: dict[str, torch.Tensor] = {"loss": out.loss_sum.detach()}
+    for d in range(D):
+        metrics[f"loss_{d}"] = loss_d[d]
+        metrics[f"acc_{d}"] = acc_d[d]
+    metrics["expected_al"] = expected_acceptance_length(acc_d) * (count[0] > 0)
+    return out.loss_sum, metrics
+
+
+def expected_acceptance_length(acc: torch.Tensor | list[float]) -> torch.Tensor:
+    """``1 + sum_d prod_{j<=d} acc_j``: the acceptance length the per-depth accuracies imply
+    (a 0-dim tensor on ``acc``'s device)."""
+    acc = torch.as_tensor(acc, dtype=torch.float32)
+    return 1.0 + torch.cumprod(acc, 0).sum()
+
+
+# --------------------------------------------------------------------------------------
+# The dry run's estimates
+
+
+def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int) -> tuple[dict[str, int], int]:
+    """P-EAGLE counterpart of :func:`~draftsmith.models.eagle3.training.parameter_estimate`:
+    ``draft.num_layers`` layers (layer 0 with 2H q/k/v inputs, the rest H), ``mask_hidden``, and
+    the embedding counted as trainable under ``draft.train_embeddings``. Peak logits: COD keeps up
+    to ``sum_d max(r**d, r_min)`` elements per position over ``draft.num_depths`` depths, each
+    (Vd,) fp32 logits + softmax grads."""
+    d = recipe.draft
+    counts = draft_parameter_count(Eagle3Config(**geometry.fields()))
+    H = geometry.hidden_size
+    q = geometry.num_attention_heads * geometry.head_dim
+    kv = geometry.num_key_value_heads * geometry.head_dim
+    extra = d.num_layers - 1
+    counts["attention"] += extra * (H * (q + 2 * kv) + q * H)
+    counts["mlp"] *= d.num_layers
+    counts["norms"] += extra * 2 * H
+    counts["mask_hidden"] = 3 * geometry.target_hidden_size
+    if d.train_embeddings:
+        counts["embed_tokens"] = counts.pop("frozen_embedding")
+        counts["frozen_embedding"] = 0
+    per_position = 1 + sum(max(d.down_sample_ratio**k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
+    logits_bytes = int(per_position * recipe.train.batch_size * recipe.data.max_length * geometry.draft_vocab_size
+                       * 4 * 3)
+    return counts, logits_bytes
+
+
+# P-EAGLE, per layer over the B*S COD elements (S = T + the depths' budgets): layer 0 reads the
+# (S, 2H) concatenation of embedding and hidden state (cast once per projection under autocast).
+PEAGLE_LAYER = {"amp-bf16": LayerBytes(H=26.5, I=8, Q=4, KV=4), "bf16": LayerBytes(H=22.5, I=6.5, Q=4.5, KV=4),
+                "fp32": LayerBytes(H=53, I=16, Q=8, KV=8)}
+PEAGLE_LAYER0_INPUT = {"amp-bf16": 12, "bf16": 4, "fp32": 8}
+
+
+def cod_elements(recipe: Recipe, T: int) -> int:
+    """S, the COD elements of a row of T positions (every position trained: the upper bound)."""
+    d = recipe.draft
+    return T + sum(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))
+
+
+def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
+    """P-EAGLE: ``draft.num_layers`` layers over the ``B x S`` COD elements of one forward
+    (:func:`cod_elements`), attention with a ``(B, S, S)`` mask (its bf16 bias kept for backward),
+    the teacher's fp32 distribution at the ``B x T`` positions, the chunked loss over the
+    trained elements and their gathered rows."""
+    d = recipe.draft
+    S = cod_elements(recipe, s.T)
+    Es = s.B * S
+    L = d.num_layers
+    embed = s.V * s.H if d.train_embeddings else 0  # a lookup, never cast by autocast
+    layers = L * PEAGLE_LAYER[s.precision](s, Es) + PEAGLE_LAYER0_INPUT[s.precision] * Es * s.H
+    if s.checkpointing:  # each layer keeps its input; one layer recomputed in backward
+        layers = L * Es * s.H * (4 if s.precision != "bf16" else 2) + PEAGLE_LAYER[s.precision](s, Es)
+    kept = 1 if s.checkpointing else L
+    expanded = 0 if getattr(recipe.train, "attention_backend", "sdpa") == "flex" else kept * gqa_expanded_kv(s, Es)
+    return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "gqa_expanded_kv": expanded,
+            "teacher": s.E * s.Vd * s.target_bytes,
+            "loss_chunk": 7 * loss_chunk_rows(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
+            "input_cast": input_cast(s, s.n_aux), "weight_copies": weight_copies(s, trainable - embed)}
