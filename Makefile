@@ -7,7 +7,7 @@ RECIPE ?= recipes/smollm2_135m.yaml
 RUN ?= runs/smollm2_135m
 DEMO_ARGS ?=
 
-.PHONY: install demo test test-fast bench bench-regenerate bench-gpu bench-muon bench-step clean
+.PHONY: install demo test test-fast interop test-interop bench bench-regenerate bench-gpu bench-muon bench-step clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,7 +37,31 @@ test: install
 # training; tests/conftest.py marks every test by its folder (tests/{unit,integration,with_vllm,gpu}),
 # so the markers select the folders (the gpu tests skip without CUDA)
 test-fast: install
-	$(BIN)/python -m pytest -q tests -m "not vllm and not integration"
+	$(BIN)/python -m pytest -q tests -m "not vllm and not integration and not interop"
+
+# The interop environment (tests/interop): speculators 0.9.0 in its own venv (its pins conflict
+# with ours), and the Python sources of the vLLM 0.33.0 wheel (downloaded, never installed: it
+# needs torch 2.14 and CUDA) whose config readers the tests apply to draftsmith's exports.
+# tests/interop skip, naming this target, until it is built.
+INTEROP := .venv-interop
+VLLM_NEXT := 0.33.0
+$(INTEROP)/.installed: tests/interop/requirements.txt
+	$(PY) -m venv $(INTEROP)
+	$(INTEROP)/bin/pip install -q torch==2.13.0
+	$(INTEROP)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(INTEROP)/bin/pip install -q -r tests/interop/requirements.txt
+	$(INTEROP)/bin/pip download -q --no-deps vllm==$(VLLM_NEXT) -d $(INTEROP)/wheels
+	rm -rf $(INTEROP)/vllm-$(VLLM_NEXT)
+	cd $(INTEROP) && $(abspath $(INTEROP))/bin/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		[z.extract(n, sys.argv[2]) for n in z.namelist() if n.endswith('.py') and n.startswith(('vllm/transformers_utils/', 'vllm/model_executor/models/', 'vllm/config/', 'vllm/envs.py', 'vllm/logger.py', 'vllm/logging_utils/'))]" \
+		wheels/vllm-$(VLLM_NEXT)-*.whl vllm-$(VLLM_NEXT)
+	touch $@
+
+interop: $(INTEROP)/.installed
+
+# speculators 0.9 checkpoints both ways, XPress parity, vLLM 0.33's config readers on our exports
+test-interop: install interop
+	$(BIN)/python -m pytest -q tests/interop
 
 bench: install
 	$(BIN)/python -m benchmarks.hidden_states

@@ -66,6 +66,44 @@ class DraftVocabSection(DraftSection):
         return self
 
 
+#: the sliding window's unit (tokens): flex_attention's block size, so the windowed block mask
+#: skips whole 128 x 128 tiles (a window of any other length leaves a third partial tile per row)
+SLIDING_WINDOW_UNIT = 128
+
+
+def sliding_window_problem(window: int | None, max_positions: int | None) -> str | None:
+    """The one-line complaint about ``draft.sliding_window`` = ``window`` for a target whose
+    context window is ``max_positions`` tokens (None: unknown, not checked), or None when it is
+    fine (None = no window, every layer attends to the whole context)."""
+    if window is None:
+        return None
+    if window <= 0 or window % SLIDING_WINDOW_UNIT:
+        return (f"draft.sliding_window {window}: must be a positive multiple of {SLIDING_WINDOW_UNIT} tokens "
+                "(flex_attention's block size)")
+    if max_positions is not None and window > max_positions:
+        return (f"draft.sliding_window {window} is larger than the target's context ({max_positions} tokens, "
+                "max_position_embeddings): the window would never slide")
+    return None
+
+
+class SlidingWindowSection(BaseModel):
+    """``draft.sliding_window`` (EAGLE-3 / 3.1 and the DFlash family): every draft attention layer
+    sees only the last ``sliding_window`` positions of the context, as speculators 0.9 trains by
+    default (2048) and vLLM serves from the export's ``sliding_window`` / ``layer_types``."""
+
+    sliding_window: int | None = Field(
+        None, description="Tokens each draft attention layer looks back over (a positive multiple of 128, at most "
+        "the target's context); null: the whole context. A draft trained on short sequences then sees at long "
+        "context the distances it was trained on (draftsmith long-context measures it).")
+
+    @model_validator(mode="after")
+    def _window_is_a_multiple(self):
+        problem = sliding_window_problem(self.sliding_window, None)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
 class HeadsSection(DraftSection):
     """The key shared by the drafts of several heads trained on hard labels (medusa,
     mlp_speculator): the loss weight of later heads."""

@@ -470,7 +470,8 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
         patches = [mock.patch.object(method_base, "load_target_head_tensors", lambda path: dict(heads)),
                    mock.patch.object(method_base, "read_vocab", lambda paths: (d2t.clone(), t2d.clone()))]
         if hasattr(method_base, "DraftVocabMethod") and hasattr(method_base.DraftVocabMethod, "mask_token_id"):
-            patches.append(mock.patch.object(method_base.DraftVocabMethod, "mask_token_id", lambda self: mask_id))
+            patches.append(mock.patch.object(method_base.DraftVocabMethod, "mask_token_id",
+                                             lambda self, default=None: mask_id))
         with contextlib.ExitStack() as stack:
             for p in patches:
                 stack.enter_context(p)

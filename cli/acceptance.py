@@ -6,10 +6,13 @@ Also the worker subprocess each measurement starts (``--worker``, :func:`draftsm
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from ..eval import acceptance
+from ..eval import acceptance, profile
+from ..eval.profile import ProfileError
 from ..recipe import RecipeError, load_recipe
 from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
@@ -21,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "downloads)")
     p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
                    "(the vLLM flags below override it)")
-    p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export), any method vLLM serves")
+    p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export), any method vLLM serves; "
+                   "its measurement is written into it as speculation_profile.json")
     p.add_argument("--method", default=acceptance.EXPORT_METHOD, choices=acceptance.method_choices(),
                    help="draft: the method the export in --draft was exported by; a registered method: the same, "
                    "checked; ngram: vLLM's prompt lookup; none: no speculation")
@@ -35,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="vLLM engine seed")
     p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest prompt lookup (tokens)")
     p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest prompt lookup (tokens)")
-    p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method")
+    p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method, and "
+                   "the profile beside it (<stem>.speculation_profile.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
@@ -79,7 +84,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         write_acceptance(args.out, {m: AcceptanceResult.model_validate(r) for m, r in results.items()})
+    try:
+        for path in write_profiles(args, next(iter(results.values())), engine.model_dump()):
+            print(f"speculation profile: {path}")
+    except (ProfileError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def write_profiles(args: argparse.Namespace, result: dict[str, Any], engine: dict[str, Any]) -> list[Path]:
+    """Write the ``speculation_profile.json`` of ``--method``'s measurement into ``--draft`` (the
+    export it describes) and beside ``--out`` (``<out stem>.speculation_profile.json``); none
+    without speculation (``--method none``), none into ``--draft`` for ``ngram``.
+
+    Raises:
+        ProfileError: counters that are not vLLM's longest-prefix counts.
+        OSError: a file cannot be written.
+    """
+    if not result.get("num_speculative_tokens"):
+        return []
+    served_draft = args.draft if result["method"] not in acceptance.NO_DRAFT_METHODS else None
+    cfg = json.loads((served_draft / "config.json").read_text()) if served_draft else None
+    prof = profile.build_profile(result, args.target, served_draft, cfg, engine)
+    paths = [served_draft] if served_draft else []
+    if args.out:
+        paths.append(args.out.with_name(f"{args.out.stem}.{profile.PROFILE_FILE}"))
+    return [profile.write_profile(p, prof) for p in paths]
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
                    "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
+    p.add_argument("--vllm", metavar="VERSION",
+                   help="the vLLM release the export must load in, e.g. 0.33 or 0.32.0 (default: the installed "
+                        "vLLM, else no check); an export it cannot load is refused naming the version and the "
+                        "config key (docs/vllm_releases.md)")
     return p
 
 
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..layout import ExportError
     from ..methods import get_method
     from ..train.checkpoint import read_draft
+    from ..vllm_bridge.releases import installed_vllm_version
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         k = args.num_speculative_tokens
         if k is None and get_method(read_draft(ckpt, weights=False).method).format.k_from_recipe:
             k = ex.saved_num_speculative_tokens(ckpt)
-        out = ex.export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype)
+        vllm = args.vllm if args.vllm is not None else installed_vllm_version()
+        out = ex.export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype, vllm_version=vllm)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -11,7 +11,8 @@ from ..eval import hub
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=hub.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("draft", type=Path, help="exported draft directory (draftsmith export)")
+    p.add_argument("draft", type=Path, help="exported draft directory (draftsmith export); its "
+                   "speculation_profile.json (draftsmith acceptance) is copied, shown in the card and pushed")
     p.add_argument("--out", type=Path, required=True, help="Hub folder to write")
     p.add_argument("--repo-id", required=True, help="USER/NAME on the Hub (also written into the vllm serve line)")
     p.add_argument("--recipe", type=Path, help="the run's recipe.yaml (training data in the card)")

@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftsmith recipe", description="Inspect recipes.", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     for action, text in (("show", "print the resolved recipe (defaults filled in, --set applied)"),
-                         ("validate", "check a recipe; exit 2 naming the key when it is invalid")):
+                         ("validate", "check a recipe; exit 2 naming the key when it is invalid, or when the installed "
+                     "vLLM does not serve its draft.method")):
         add_recipe_arguments(sub.add_parser(action, help=text, description=text, formatter_class=HelpFormatter))
     text = "every recipe key with its type, default and description"
     schema = sub.add_parser("schema", help=text, description=text, formatter_class=HelpFormatter)
@@ -47,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "show":
         print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
     else:
+        from ..vllm_bridge.releases import check_vllm_serves_method, installed_vllm_version
+
+        try:
+            check_vllm_serves_method(recipe.draft.method, installed_vllm_version())
+        except ValueError as exc:
+            print(f"{args.recipe}: draft.method: {exc}", file=sys.stderr)
+            return 2
         print(f"{args.recipe}: valid ({recipe.draft.method}, target {recipe.target.name_or_path})")
     return 0
 

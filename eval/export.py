@@ -1,7 +1,7 @@
 """Export a trained draft checkpoint into a directory vLLM loads, and load exports back.
 
     draftsmith export RUN_DIR/checkpoints/step-N --out RUN_DIR/export/eagle3 [--legacy] [--dtype bfloat16]
-    draftsmith export CKPT OUT_DIR
+    draftsmith export CKPT OUT_DIR [--vllm 0.33]
 
 One exporter and one loader for every method: :func:`export` reads the checkpoint
 (:func:`draftsmith.train.checkpoint.read_draft`), asks the method's format
@@ -9,6 +9,11 @@ One exporter and one loader for every method: :func:`export` reads the checkpoin
 and ``config.json``, writes them and reads the weights back to check what vLLM will read;
 :func:`load_export` rebuilds the draft of an export folder with the format its ``config.json``
 is. The formats are described in docs/formats.md.
+
+``--vllm VERSION`` names the vLLM release the export must load in (default: the installed one, if
+any): an export that release cannot load (vLLM 0.33 no longer has Medusa; XPress drafts need 0.33)
+is refused before anything is written, naming the version and the config key
+(:mod:`draftsmith.vllm_bridge.releases`, docs/vllm_releases.md).
 
 ``--dtype auto`` (the default) writes bfloat16 weights on a machine with a CUDA GPU and
 float32 on a CPU-only one; ``--dtype float32`` / ``bfloat16`` / ``float16`` choose explicitly.
@@ -40,10 +45,11 @@ from ..methods import UnknownMethodError, get_method, method_of_export
 from ..models.common import cast_floating, check_tensor_set
 from ..runtime import resolve_dtype
 from ..train.checkpoint import find_checkpoints, read_draft
+from ..vllm_bridge.releases import check_vllm_loads
 
 
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int | None = None,
-           dtype: str = "auto", embed_tokens: torch.Tensor | None = None) -> Path:
+           dtype: str = "auto", embed_tokens: torch.Tensor | None = None, vllm_version: str | None = None) -> Path:
     """Write the vLLM-loadable draft of checkpoint ``ckpt`` to ``out`` (created) in the format of
     its method; returns ``out``.
 
@@ -56,13 +62,16 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
             process sees a CUDA GPU and float32 otherwise (:func:`draftsmith.runtime.resolve_dtype`).
         embed_tokens: EAGLE-3: also write the target embedding ``[V, H]`` (vLLM otherwise shares
             the target's).
+        vllm_version: the vLLM release the export must load in (``"0.33"``, ``"0.32.0"``); None:
+            no check (the command line passes the installed vLLM's).
 
     Options a method's format does not take (:attr:`~draftsmith.models.common.DraftFormat.export_options`)
     are not used.
 
     Raises:
         ExportError: missing files, an invalid or unregistered method, tensors that do not match
-            the layout vLLM loads, an option the format refuses, an unknown dtype.
+            the layout vLLM loads, an option the format refuses, an unknown dtype; an export
+            ``vllm_version`` cannot load (names the version and the config key), nothing written.
     """
     try:
         dtype = resolve_dtype(dtype)
@@ -74,6 +83,10 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     given = {"legacy": legacy or None, "num_speculative_tokens": num_speculative_tokens, "embed_tokens": embed_tokens}
     options = {k: v for k, v in given.items() if v is not None and k in fmt.export_options}
     tensors, config = fmt.export(draft, dtype, __version__, **options)
+    try:
+        check_vllm_loads(draft.method, config, vllm_version, ckpt)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     tensors = cast_floating(tensors, dtype)
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "model.safetensors"
@@ -82,6 +95,8 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     check_tensor_set(load_file(str(weights)), {k: tuple(v.shape) for k, v in tensors.items()}, str(weights),
                      fmt.layout)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name, extra in (fmt.sidecars(config) if fmt.sidecars else {}).items():
+        (out / name).write_text(json.dumps(extra, indent=2))
     return out
 
 

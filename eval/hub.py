@@ -8,9 +8,10 @@
 speculator). The folder gets a copy of its files and a ``README.md`` model card: YAML front
 matter (``base_model`` = the target, ``license``, ``datasets`` = the recipe's Hub dataset
 sources, ``library_name``, ``tags``), the draft's method (any registered in :mod:`draftsmith.methods`) and its shape, the training data
-(from the run's ``recipe.yaml``), measured acceptance (``draftsmith acceptance --out`` JSON) and
-serving speedup (``draftsmith serve-bench``'s ``results.json``) with the commands that produced them,
-and the ``vllm serve`` line.
+(from the run's ``recipe.yaml``), measured acceptance (``draftsmith acceptance --out`` JSON), the
+speculation profile (the ``speculation_profile.json`` ``draftsmith acceptance`` writes into
+``DRAFT_DIR``, copied into the folder and pushed with it) and serving speedup (``draftsmith
+serve-bench``'s ``results.json``) with the commands that produced them, and the ``vllm serve`` line.
 
 Pushing uses ``huggingface_hub``: ``create_repo(repo_id, private=..., exist_ok=True)`` then
 ``upload_folder``. The token comes from ``HF_TOKEN`` or the standard login (``hf auth login``);
@@ -27,11 +28,12 @@ from typing import Any, Callable
 
 import yaml
 
+from .profile import PROFILE_FILE, ProfileError, SpeculationProfile, read_profile
 from .results import AcceptanceResult, ServeResults, read_acceptance
 from ..methods import DraftMethodSpec, UnknownMethodError, method_of_export
 from ..vllm_bridge import spec_config
 
-DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json")
+DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json", "speculators_config.json")
 # Hub dataset ids look like "owner/name"; local files and builtin: sets are not listed in the card.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")
@@ -131,6 +133,31 @@ def _acceptance_section(acc: dict[str, AcceptanceResult] | None, target: str) ->
     return lines
 
 
+def _profile_section(prof: SpeculationProfile | None) -> list[str]:
+    """The measured speculation profile (``speculation_profile.json``): AL, K, temperature, vLLM,
+    conditional and marginal acceptance per position, and how many drafts accepted n tokens."""
+    if prof is None:
+        return []
+    cond = prof.measurement_conditions
+    al = "—" if prof.mean_accept_length is None else f"{prof.mean_accept_length:.3f}"
+    prompts = cond.get("prompts") or {}
+    lines = [f"### Speculation profile (`{PROFILE_FILE}`)", "",
+             f"AL {al} at K = {prof.num_speculative_tokens} (max supported K {prof.max_supported_k or '—'}), "
+             f"temperature {cond.get('temperature', '—')}, {cond.get('vllm_version') or 'vLLM'}, "
+             f"{prompts.get('count', '—')} prompts (`{prompts.get('source')}`)"
+             + ("" if prof.measured else "; no drafts were measured") + ".", "",
+             "| position | conditional | marginal | accepted / reached |", "|---|---|---|---|"]
+    counts = prof.counts
+    for i, (c, m) in enumerate(zip(prof.conditional_accept_rates, prof.marginal_accept_rates)):
+        n = f"{counts.accepted_per_position[i]} / {counts.reached_per_position[i]}" if counts else "—"
+        lines.append(f"| {i + 1} | {c:.3f} | {m:.3f} | {n} |")
+    hist = prof.acceptance_length_histogram
+    lines += ["", "Drafts by accepted tokens: " + ", ".join(f"{n - 1}: {hist.get(n, 0)}" for n in sorted(hist)) + ".",
+              "Conditional = P(position accepted | every earlier one was); marginal = P(every position up to it "
+              f"accepted); AL = 1 + accepted / drafts. Fields: the `{PROFILE_FILE}` in this repository.", ""]
+    return lines
+
+
 def _serve_section(serve: ServeResults | None) -> list[str]:
     if not serve:
         return []
@@ -155,13 +182,14 @@ def _serve_section(serve: ServeResults | None) -> list[str]:
 
 def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None = None,
                acceptance: dict[str, AcceptanceResult] | None = None, serve: ServeResults | None = None,
-               card_license: str | None = None) -> str:
+               card_license: str | None = None, profile: SpeculationProfile | None = None) -> str:
     """The ``README.md`` of the Hub folder: YAML front matter (``base_model`` = the target,
     ``license``, ``datasets``, ``library_name``, ``tags``) and Markdown for the draft's method.
 
     Args:
         card_license: the card's ``license``; default: the target's when it is a local directory whose
             model card names one, else ``other``.
+        profile: the draft's ``speculation_profile.json``, shown as a table.
 
     Raises:
         HubError: no registered method recognises ``cfg``.
@@ -191,7 +219,7 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
            "## Use with vLLM", "", *use, "",
            "## Draft", "", *card.facts(cfg), f"- target (verifier): `{target}`", "",
            "## Training data", ""] + _training_section(recipe) + [""]
-    measured = _acceptance_section(acceptance, target) + _serve_section(serve)
+    measured = _acceptance_section(acceptance, target) + _profile_section(profile) + _serve_section(serve)
     out += ["## Measured", ""] + (measured or ["No measurement was attached.", ""])
     return "\n".join(out)
 
@@ -207,11 +235,13 @@ def _read(path: Path | None, what: str, reader: Callable[[Path], Any]) -> Any:
 
 def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = None, acceptance: Path | None = None,
                    serve: Path | None = None, card_license: str | None = None) -> Path:
-    """Copy the exported draft into ``out`` and write the model card; returns ``out``.
+    """Copy the exported draft (with its ``speculation_profile.json`` when ``draftsmith
+    acceptance`` wrote one) into ``out`` and write the model card; returns ``out``.
 
     Raises:
-        HubError: ``draft`` is not an exported draft, or an attached file is unreadable or not
-            the schema of :mod:`draftsmith.eval.results`.
+        HubError: ``draft`` is not an exported draft, an attached file is unreadable or not the
+            schema of :mod:`draftsmith.eval.results`, or the draft's profile is not a valid
+            speculation profile (:func:`draftsmith.eval.profile.read_profile`).
     """
     if not Path(draft).is_dir():
         raise HubError(f"{draft}: no such directory; pass the folder `draftsmith export` wrote")
@@ -225,10 +255,16 @@ def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = N
             rec = yaml.safe_load(Path(recipe).read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise HubError(f"{recipe}: cannot read the recipe ({exc})") from exc
+    prof = None
+    if (draft / PROFILE_FILE).is_file():
+        try:
+            prof = read_profile(draft / PROFILE_FILE)
+        except ProfileError as exc:
+            raise HubError(str(exc)) from None
     card = model_card(cfg, repo_id, rec, _read(acceptance, "acceptance result", read_acceptance),
-                      _read(serve, "serving results", ServeResults.read), card_license)
+                      _read(serve, "serving results", ServeResults.read), card_license, prof)
     out.mkdir(parents=True, exist_ok=True)
-    for name in DRAFT_FILES:
+    for name in (*DRAFT_FILES, PROFILE_FILE):
         if (draft / name).is_file():
             shutil.copy2(draft / name, out / name)
     (out / "README.md").write_text(card)

@@ -61,8 +61,15 @@ class AcceptanceResult(AcceptanceFigures):
     method: str | None = Field(None, description="the draft method (a registered name: eagle3, medusa, dflash, peagle), ngram or none")
     num_speculative_tokens: int | None = Field(None, description="K (0 without speculation)")
     temperature: float | None = None
+    max_new_tokens: int | None = Field(None, description="most tokens generated per prompt")
+    seed: int | None = Field(None, description="the vLLM engine seed")
+    measured_at: str | None = Field(None, description="when generation started (ISO 8601, UTC)")
+    vllm_version: str | None = Field(None, description="the vLLM distribution and version")
+    device: str | None = Field(None, description="the device vLLM ran on")
     prompts: str | None = Field(None, description="the prompt file")
     num_prompts: int | None = None
+    prompts_sha256: str | None = Field(None, description="SHA-256 of the conversations sent (canonical JSON)")
+    prompt_tokens: dict[str, float | None] | None = Field(None, description="prompt tokens: total, min, max, mean")
     output_tokens: int | None = Field(None, description="generated tokens over all prompts")
     generate_seconds: float | None = None
     output_tokens_per_s: float | None = Field(None, description="output_tokens / generate_seconds (tok/s)")

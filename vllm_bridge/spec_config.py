@@ -7,7 +7,9 @@
   :func:`draft_model`: a smaller model of the target's family as the draft.
 
 :func:`served_method` reads an export's ``config.json`` and names the method, refusing what the
-installed vLLM does not serve.
+installed vLLM does not serve: every command that starts an engine for an export (``acceptance``,
+``serve-bench``, ``proxy``) asks it first, so the release check (:mod:`.releases`) runs before any
+engine does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..methods import DraftMethodSpec, UnknownMethodError, get_method, method_of_export, registered_methods
+from . import releases
 
 
 def served_methods() -> tuple[str, ...]:
@@ -53,8 +56,9 @@ def served_method(draft: Path) -> DraftMethodSpec:
     """The registered method of the export in ``draft``, if ``vllm serve`` serves it here.
 
     Raises:
-        ValueError: no ``config.json``, a format no servable method recognises, or one the
-            installed vLLM no longer serves (the method's serve check).
+        ValueError: no ``config.json``, a format no servable method recognises, one the
+            installed vLLM's release does not serve (:func:`~.releases.check_vllm_loads`: the method,
+            the architecture), or one it cannot run here (the method's serve check).
     """
     cfg_path = Path(draft) / "config.json"
     if not cfg_path.is_file():
@@ -68,6 +72,7 @@ def served_method(draft: Path) -> DraftMethodSpec:
         archs = set(cfg.get("architectures") or [])
         raise ValueError(f"{cfg_path}: architectures {sorted(archs)} is not a draft vLLM serves here "
                          f"({', '.join(served_methods())})")
+    releases.check_vllm_loads(spec.name, cfg, releases.installed_vllm_version(), cfg_path)
     if spec.vllm_serve_check is not None:
         spec.vllm_serve_check(Path(draft))
     return spec

@@ -18,7 +18,7 @@ context projections).
 
 Training (:meth:`DFlashDraftModel.forward`) runs many anchor blocks of one sequence at once,
 each block attending to the context strictly before its anchor (and within its document for
-packed rows) and to its own block; inference (:meth:`DFlashDraftModel.append_context` +
+packed rows; within ``sliding_window`` positions of each query if set) and to its own block; inference (:meth:`DFlashDraftModel.append_context` +
 :meth:`DFlashDraftModel.propose_block`) runs exactly what vLLM runs (docs/parallel_drafts.md, "DFlash at inference").
 
 Attention (:func:`block_attention`): the A*Bk block queries of a row attend in ONE
@@ -81,7 +81,8 @@ class DFlashAttentionMask:
 
 
 def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, block_size: int,
-                         backend: str = "sdpa") -> DFlashAttentionMask:
+                         backend: str = "sdpa", sliding_window: int | None = None,
+                         anchors: torch.Tensor | None = None) -> DFlashAttentionMask:
     """The attention mask of A anchor blocks over ``[context (T) | all block tokens (A*Bk)]``.
 
     Query slot i of block j sees context position t iff ``ctx_allow[j, t]`` (t strictly before
@@ -90,18 +91,30 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
     block: no fully masked row (SDPA would return NaN there); an invalid (padding) block sees
     only itself and its output is zeroed afterwards by ``keep`` (no host sync).
 
+    With ``sliding_window`` W, slot i of block j (at position ``anchors[j] + i``) sees context
+    position t only if ``anchors[j] + i - t < W``: vLLM's window, where a query at position p
+    sees the keys at ``p - W + 1 .. p + W - 1`` (non-causal), so slot i sees ``W - 1 - i``
+    positions of context before the anchor; the block, within ``Bk <= W`` of itself, stays whole
+    (docs/formats.md, "DFlash family: the sliding window").
+
     Args:
         ctx_allow: ``(B, A, T)`` bool.
         block_valid: ``(B, A)`` bool.
         block_size: Bk.
         backend: ``"sdpa"`` (a dense bool mask, ``A*Bk x (T + A*Bk)`` per row, no head dim) or
             ``"flex"`` (a ``flex_attention`` block mask from a ``mask_mod``).
+        sliding_window: W in tokens, or None (the whole context).
+        anchors: ``(B, A)`` long, each block's anchor on the context's axis (context key t sits
+            at t); needed with ``sliding_window``.
 
     Raises:
-        ValueError: an unknown backend.
+        ValueError: an unknown backend; ``sliding_window`` without ``anchors``, or below Bk.
     """
     B, A, T = ctx_allow.shape
     Bk, L = block_size, A * block_size
+    W = sliding_window
+    if W is not None and (anchors is None or W < Bk):
+        raise ValueError(f"sliding_window={W} needs the anchors and must be >= block_size={Bk}")
     ctx = ctx_allow & block_valid[..., None]  # (B, A, T)
     keep = block_valid[:, None, :, None].expand(B, 1, A, Bk).reshape(B, 1, L, 1).float()
     backend = resolve_attention_backend(backend, ctx_allow.device)
@@ -109,6 +122,9 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
         blk = torch.arange(L, device=ctx_allow.device) // Bk
         own = (blk[:, None] == blk[None, :]).expand(B, L, L)
         ctx = ctx[:, :, None, :].expand(B, A, Bk, T).reshape(B, L, T)
+        if W is not None:
+            q_pos = (anchors[..., None] + torch.arange(Bk, device=anchors.device)).reshape(B, L, 1)
+            ctx = ctx & (q_pos - torch.arange(T, device=anchors.device) < W)
         return DFlashAttentionMask(T, Bk, keep, allow=torch.cat([ctx, own], dim=-1)[:, None])
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -116,6 +132,8 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
         def mask_mod(b, h, q_idx, kv_idx):
             j = q_idx // Bk
             seen = ctx[b, j, kv_idx.clamp(max=T - 1)]
+            if W is not None:
+                seen = seen & (anchors[b, j] + q_idx % Bk - kv_idx < W)
             return torch.where(kv_idx < T, seen, (kv_idx - T) // Bk == j)
 
         cuda = ctx_allow.device.type == "cuda"
@@ -337,7 +355,8 @@ class DFlashDraftModel(TargetSharedDraft):
             anchor_doc = document_ids.gather(1, anchors)  # (B, A)
             ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
         mask = block_attention_mask(ctx_allow, anchor_valid, Bk,
-                                    resolve_attention_backend(self.attention_backend, input_ids.device))
+                                    resolve_attention_backend(self.attention_backend, input_ids.device),
+                                    self.config.sliding_window, anchors)
         q_pos = position_ids.gather(1, anchors)[..., None] + torch.arange(Bk, device=input_ids.device)  # (B, A, Bk)
         context = self.context(aux_hidden_states)  # (B, T, H)
         ctx_cos, ctx_sin = self.rotary_emb(context, position_ids)  # (B, T, hd)
@@ -380,7 +399,8 @@ class DFlashDraftModel(TargetSharedDraft):
     @torch.no_grad()
     def propose_hidden(self, cache: DFlashKVCache, bonus_token: int, position: int, k: int) -> torch.Tensor:
         """One draft forward: the block ``[bonus, M * k]`` at positions ``position..position+k``
-        attends to every cached context position and (non-causally) to itself.
+        attends to the cached context positions (those within ``config.sliding_window`` of each
+        query, if set) and (non-causally) to itself.
 
         Args:
             cache: context of positions ``0..position-1`` (:meth:`append_context`).
@@ -403,7 +423,8 @@ class DFlashDraftModel(TargetSharedDraft):
     @torch.no_grad()
     def run_block(self, cache: DFlashKVCache, bonus_token: int, position: int, n: int) -> torch.Tensor:
         """The draft layers over the block ``[bonus, M * (n-1)]`` at positions
-        ``position..position+n-1`` (context: every cached position; the block non-causal).
+        ``position..position+n-1`` (context: every cached position, cache index = position,
+        within ``config.sliding_window`` of each query if set; the block non-causal).
 
         Returns:
             ``(n, H)`` pre-norm hidden states, one row per block slot.
@@ -416,7 +437,8 @@ class DFlashDraftModel(TargetSharedDraft):
         cos, sin = self.rotary_emb(h, pos)
         ctx_allow = torch.ones(1, 1, len(cache), dtype=torch.bool, device=device)
         valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        mask = block_attention_mask(ctx_allow, valid, n)
+        mask = block_attention_mask(ctx_allow, valid, n, sliding_window=self.config.sliding_window,
+                                    anchors=torch.full((1, 1), position, device=device))
         for i, layer in enumerate(self.layers):
             h = layer.attend(h, cache.keys[i], cache.values[i], cos, sin, mask)
         return h[0, 0]

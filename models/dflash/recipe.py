@@ -6,15 +6,18 @@ from typing import Literal
 
 from pydantic import Field
 
-from ...draft_section import DraftVocabSection
+from ...draft_section import DraftVocabSection, SlidingWindowSection
 
 
-class DFlashDraftConfig(DraftVocabSection):
+class DFlashDraftConfig(DraftVocabSection, SlidingWindowSection):
     """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
     stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
     layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
     then ``block_size - 1`` mask tokens attended bidirectionally. Served by vLLM as
-    ``{"method": "dflash"}`` with ``num_speculative_tokens = block_size - 1``."""
+    ``{"method": "dflash"}`` with ``num_speculative_tokens = block_size - 1``. ``sliding_window``
+    (DFlash2 and DSpark too): each block query sees the context within that many positions of its
+    own (docs/formats.md, "DFlash family: the sliding window"); checked against the target's
+    context where its config is read (the dry run, the start of training)."""
 
     method: Literal["dflash"] = Field("dflash", description="Draft architecture (draftsmith.methods).")
     num_layers: int = Field(
@@ -33,3 +36,8 @@ class DFlashDraftConfig(DraftVocabSection):
     freeze_lm_head: bool = Field(
         True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
                           "anchors share it frozen).")
+    init_from: str | None = Field(
+        None, description="Warm start: an export folder of this method (draftsmith's, a speculators 0.9 checkpoint "
+        "or a z-lab / ModelOpt folder) or a draftsmith checkpoint to fine-tune; it must fit the target, this run's "
+        "aux layer ids and this section's keys (checked before training); its mask token is kept and its "
+        "draft-vocab rows move by token id (docs/speculators_interop.md).")

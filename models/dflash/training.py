@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...draft_section import sliding_window_problem
 from ...recipe import Recipe
 from ...train.dry_run import LayerBytes, Shapes, gqa_expanded_kv, input_cast, loss_chunk_rows, weight_copies
 from ...train.losses import chunk_rows, chunked_distill
@@ -34,6 +35,7 @@ from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry
 from .config import DFlashConfig
 from .model import DFlashDraftModel
+from .warm_start import load_init, read_init_from
 
 log = logging.getLogger("draftsmith.train.dflash")
 
@@ -80,7 +82,8 @@ class DFlashMethod(DraftVocabMethod):
 
     Raises (at construction, i.e. at train start):
         MaskTokenError: ``draft.mask_token_id`` occurs in ``RUN_DIR/data/tokenized`` (or none is free).
-        ValueError: aux layer ids invalid for the target; a vocab built for another target.
+        ValueError: aux layer ids invalid for the target; a vocab built for another target;
+            ``draft.sliding_window`` beyond the target's ``max_position_embeddings``.
     """
 
     name = "dflash"
@@ -92,13 +95,14 @@ class DFlashMethod(DraftVocabMethod):
         from transformers import AutoConfig
 
         super().__init__(recipe, run_dir)
-        mask_id = self.mask_token_id()
+        self.init = read_init_from(self)  # draft.init_from, checked against this run (its mask token too), or None
+        mask_id = self.mask_token_id() if self.init is None else self.init.config.mask_token_id
         draft = recipe.draft
         self.config = self.config_class.from_target(
             AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info.aux_layer_ids,
             num_layers=draft.num_layers, block_size=draft.block_size, mask_token_id=mask_id,
-            **self.config_extra())
+            sliding_window=getattr(draft, "sliding_window", None), **self.config_extra())
         self.gamma = loss_decay_gamma(draft.block_size, draft.loss_decay_gamma)
         self.weights = slot_weights(draft.block_size, self.gamma)
         self.step, self.micro = -1, 0
@@ -111,6 +115,10 @@ class DFlashMethod(DraftVocabMethod):
 
     def build_model(self) -> DFlashDraftModel:
         return self.init_draft(self.model_class(self.config))
+
+    def warm_start(self, model: DFlashDraftModel) -> DFlashDraftModel:
+        """``draft.init_from``'s weights into ``model`` (:func:`~draftsmith.models.dflash.warm_start.load_init`)."""
+        return model if self.init is None else load_init(self, model)
 
     def batch_plan(self) -> AnchorCountPlan:
         return AnchorCountPlan(self.recipe.draft.num_anchors)
@@ -359,8 +367,17 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     ``draft.num_layers`` Qwen3-style layers (q_norm / k_norm per head), ``fc`` over
     every aux state, and the peak bytes of block logits per micro-batch: up to
     ``min(num_anchors, max_length)`` blocks of ``block_size`` fp32 rows per sequence, plus their
-    softmax grads."""
+    softmax grads.
+
+    Raises:
+        ValueError: ``draft.sliding_window`` beyond the target's ``max_position_embeddings``
+            (:func:`~draftsmith.draft_section.sliding_window_problem`; the dry run's one target check
+            of the window).
+    """
     d = recipe.draft
+    problem = sliding_window_problem(getattr(d, "sliding_window", None), geometry.max_position_embeddings)
+    if problem:
+        raise ValueError(problem)
     H, Ht, I, hd = geometry.hidden_size, geometry.target_hidden_size, geometry.intermediate_size, geometry.head_dim
     q, kv = geometry.num_attention_heads * hd, geometry.num_key_value_heads * hd
     counts = {

@@ -66,10 +66,11 @@ class DFlash2Config(DFlashConfig):
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], num_layers: int,
-                    block_size: int, mask_token_id: int, **selector: int) -> DFlash2Config:
+                    block_size: int, mask_token_id: int, sliding_window: int | None = None,
+                    **selector: int) -> DFlash2Config:
         """:meth:`DFlashConfig.from_target` plus the :data:`SELECTOR_KEYS` given as keywords."""
         base = DFlashConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, num_layers, block_size,
-                                        mask_token_id)
+                                        mask_token_id, sliding_window=sliding_window)
         return cls(**base.to_dict(), **selector)
 
     def selector_fields(self) -> dict[str, int]:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..dflash.config import DFlashConfig
 
@@ -44,6 +44,10 @@ class DSparkConfig(DFlashConfig):
     confidence_head: bool = True
     confidence_head_with_markov: bool = True
 
+    speculators_type: ClassVar[str] = "dspark"  # the speculators layout's speculators_model_type
+    sample_from_anchor: ClassVar[bool] = True
+    causal_flag_on_every_layer: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.markov_rank < 1:
@@ -58,49 +62,64 @@ class DSparkConfig(DFlashConfig):
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], num_layers: int,
                     block_size: int, mask_token_id: int, markov_rank: int = 32, confidence_head: bool = True,
-                    confidence_head_with_markov: bool = True) -> DSparkConfig:
+                    confidence_head_with_markov: bool = True, sliding_window: int | None = None) -> DSparkConfig:
         """As :meth:`DFlashConfig.from_target`, with the DSpark heads."""
         base = DFlashConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, num_layers, block_size,
-                                        mask_token_id)
+                                        mask_token_id, sliding_window=sliding_window)
         return cls(**base.to_dict(), markov_rank=markov_rank, confidence_head=confidence_head,
                    confidence_head_with_markov=confidence_head_with_markov)
 
     def to_dspark(self, dtype: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
-        """The ``config.json`` of an export: the flat Qwen3 layer config with
-        ``architectures: ["Qwen3DSparkModel"]``, ``dflash_config`` (mask id, z-lab
-        ``target_layer_ids`` = aux id - 1, ``causal: false``) and the DSpark keys vLLM reads:
-        ``block_size``, ``markov_rank``, ``markov_head_type: "vanilla"``,
-        ``enable_confidence_head``, ``confidence_head_with_markov`` and ``sample_from_anchor:
-        true`` (written explicitly: it decides vLLM's query layout)."""
+        """The ``config.json`` of an export: the flat Qwen3 layer config (its sliding window
+        included, :meth:`to_layer_config`) with ``architectures: ["Qwen3DSparkModel"]``,
+        ``dflash_config`` (mask id, z-lab ``target_layer_ids`` = aux id - 1, ``causal: false``)
+        and, explicitly at defaults too, every DSpark key vLLM 0.33 reads, natively or through
+        its speculators bridge (``update_dspark``): ``block_size``, ``markov_rank``,
+        ``markov_head_type: "vanilla"``, ``enable_confidence_head``,
+        ``confidence_head_with_markov``, ``sample_from_anchor: true`` (it decides vLLM's query
+        layout), ``draft_vocab_size``, ``target_hidden_size``, ``mask_token_id``,
+        ``aux_hidden_state_layer_ids`` / ``eagle_aux_hidden_state_layer_ids`` (aux ids) and
+        ``target_layer_ids`` (aux id - 1), ``use_aux_hidden_state: true``."""
         out = self.to_native(dtype)
         out.update({
             "architectures": [DSPARK_ARCHITECTURE], "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": self.confidence_head,
             "confidence_head_with_markov": self.confidence_head_with_markov,
-            "sample_from_anchor": True, "draftsmith": dict(draftsmith),
+            "sample_from_anchor": True, "mask_token_id": self.mask_token_id,
+            "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "target_layer_ids": self.target_layer_ids, "use_aux_hidden_state": True,
+            "draftsmith": dict(draftsmith),
         })
         return out
 
     @classmethod
     def from_export(cls, config: dict[str, Any]) -> DSparkConfig:
-        """Read a DSpark ``config.json`` (:meth:`to_dspark`).
+        """Read a DSpark ``config.json``: draftsmith's flat ``Qwen3DSparkModel`` layout
+        (:meth:`to_dspark`) or the speculators layout (``speculators_model_type: "dspark"``, as
+        speculators 0.9's ``save_pretrained`` writes it), through :meth:`DFlashConfig.from_export`
+        with the heads of :meth:`export_fields`.
 
         Raises:
             KeyError: a required key is missing.
-            ValueError: not ``Qwen3DSparkModel``; ``sample_from_anchor`` false (vLLM's 1+N
-                fill-in layout, which this draft is not trained for); a Markov head type other
-                than ``vanilla``; DFlash's checks.
+            ValueError: neither layout; ``sample_from_anchor`` false (vLLM's 1+N fill-in layout,
+                which this draft is not trained for; the speculators layout's default, as vLLM
+                reads it); a Markov head type other than ``vanilla``; ``markov_rank`` 0 (no Markov
+                head); DFlash's checks.
         """
-        if DSPARK_ARCHITECTURE not in (config.get("architectures") or []):
-            raise ValueError(f"not a DSpark config: architectures {config.get('architectures')} lack "
-                             f"{DSPARK_ARCHITECTURE!r}")
-        if config.get("sample_from_anchor", True) is not True:
-            raise ValueError("sample_from_anchor is false: vLLM would run the 1+N fill-in block layout; draftsmith "
-                             "trains DSpark drafts with the anchor as the first prediction (sample_from_anchor true)")
+        if (config.get("speculators_model_type") != cls.speculators_type
+                and DSPARK_ARCHITECTURE not in (config.get("architectures") or [])):
+            raise ValueError(f"not a DSpark config: neither speculators_model_type {cls.speculators_type!r} nor "
+                             f"{DSPARK_ARCHITECTURE!r} in architectures {config.get('architectures')}")
         if config.get("markov_head_type", "vanilla") != "vanilla":
             raise ValueError(f"markov_head_type {config.get('markov_head_type')!r}: only 'vanilla' (bias from the "
                              "previous token) is supported")
-        base = DFlashConfig.from_export({k: v for k, v in config.items() if k != "architectures"})
-        return cls(**base.to_dict(), markov_rank=int(config["markov_rank"]),
-                   confidence_head=bool(config.get("enable_confidence_head", False)),
-                   confidence_head_with_markov=bool(config.get("confidence_head_with_markov", False)))
+        return super().from_export(config)
+
+    @classmethod
+    def export_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The heads of either layout: ``markov_rank``, ``enable_confidence_head`` and
+        ``confidence_head_with_markov`` (absent: false, as vLLM reads them)."""
+        return {"markov_rank": int(config["markov_rank"]),
+                "confidence_head": bool(config.get("enable_confidence_head", False)),
+                "confidence_head_with_markov": bool(config.get("confidence_head_with_markov", False))}

@@ -35,8 +35,10 @@ def expected_dspark_weights(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_dspark_export(config: dict[str, Any]) -> bool:
-    """True for the ``config.json`` of a ``Qwen3DSparkModel`` draft."""
-    return DSPARK_ARCHITECTURE in (config.get("architectures") or [])
+    """True for the ``config.json`` of a ``Qwen3DSparkModel`` draft, or of a speculators DSpark
+    checkpoint (``speculators_model_type: "dspark"``)."""
+    return (DSPARK_ARCHITECTURE in (config.get("architectures") or [])
+            or config.get("speculators_model_type") == DSparkConfig.speculators_type)
 
 
 def check_dspark_k(cfg: DSparkConfig, num_speculative_tokens: int | None) -> int:
@@ -89,16 +91,12 @@ def load_dspark(path: Path, embed_tokens: torch.Tensor | None = None,
 
 
 def dspark_fit(config: dict[str, Any]) -> DraftFit:
-    """What a DSpark export must agree on with the target (DFlash's rule: aux ids from 1).
+    """What a DSpark export (either layout) must agree on with the target (DFlash's rule: aux ids from 1).
 
     Raises:
         DraftLoadError: not a readable DSpark config.
     """
-    try:
-        DSparkConfig.from_export(config)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DraftLoadError(f"config.json: {exc}") from None
-    return dflash_fit({k: v for k, v in config.items() if k != "architectures"})
+    return dflash_fit(config, DSparkConfig)
 
 
 def dspark_card_facts(config: dict[str, Any]) -> list[str]:

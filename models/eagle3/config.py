@@ -37,7 +37,12 @@ class Eagle3Config(LlamaLayerConfig):
             ``fc``; the next draft step (TTT step, chained proposal) reads the post-norm hidden
             ``norm(h)`` instead of the pre-norm ``h``. See docs/formats.md, "EAGLE-3.1".
         rms_norm_eps, hidden_act, rope_theta, rope_scaling, max_position_embeddings:
-            as in a Llama config; copied from the target so draft RoPE matches serving.
+            as in a Llama config; copied from the target so draft RoPE matches serving
+            (``max_position_embeddings`` at least the target's, so vLLM never has to raise it).
+        sliding_window: W tokens, or None (full attention): the draft layer's query at position
+            p attends to keys at positions p' with ``p - p' < W`` only (vLLM's window, W keys
+            counting its own); written and read as the layer config's ``sliding_window`` /
+            ``layer_types`` / ``use_sliding_window`` (docs/formats.md, "EAGLE-3 sliding window").
     """
 
     hidden_size: int
@@ -60,6 +65,7 @@ class Eagle3Config(LlamaLayerConfig):
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class Eagle3Config(LlamaLayerConfig):
         for key in EAGLE31_OPTIONS:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false (an EAGLE-3.1 option), got {getattr(self, key)!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
@@ -86,22 +95,25 @@ class Eagle3Config(LlamaLayerConfig):
         draft_vocab_size: int,
         aux_layer_ids: list[int],
         norm_before_residual: bool = True,
+        sliding_window: int | None = None,
         **eagle31: bool,
     ) -> "Eagle3Config":
         """Build the draft geometry from a transformers target config (Llama-like or gpt-oss).
 
+        ``sliding_window``: the draft's attention window (tokens; None: full attention).
         ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set."""
         return cls(**cls.target_geometry(target_config), draft_vocab_size=draft_vocab_size,
-                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual, **eagle31)
+                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual,
+                   sliding_window=sliding_window, **eagle31)
 
     def eagle31_options(self) -> dict[str, bool]:
         """``{option: value}`` of the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`), in that order."""
         return {k: getattr(self, k) for k in EAGLE31_OPTIONS}
 
     def eagle31_keys(self) -> dict[str, bool]:
-        """The EAGLE-3.1 keys an export's ``config.json`` carries at its top level: all three when
-        any option is on, none for a plain EAGLE-3 draft (its ``config.json`` stays as before;
-        vLLM and the speculators library read an absent key as False)."""
+        """The EAGLE-3.1 keys a legacy export's ``config.json`` carries at its top level: all three
+        when any option is on, none for a plain EAGLE-3 draft (vLLM reads an absent key as False).
+        The speculators export writes all three always (:meth:`to_speculators`)."""
         options = self.eagle31_options()
         return options if any(options.values()) else {}
 
@@ -154,7 +166,33 @@ class Eagle3Config(LlamaLayerConfig):
             "attention_bias": self.attention_bias,
             "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": False,
+            **self.sliding_window_keys(1),
         }
+
+    def sliding_window_keys(self, num_layers: int) -> dict[str, Any]:
+        """The layer-config keys of :attr:`sliding_window` for ``num_layers`` draft layers, as the
+        speculators library writes them and vLLM's Llama / Qwen3 attention reads them (a layer is
+        windowed when its ``layer_types`` entry is ``sliding_attention``; it then takes
+        ``sliding_window``): ``layer_types``, ``use_sliding_window`` and ``sliding_window``; all
+        layers ``full_attention`` and ``sliding_window`` null without a window."""
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return {"layer_types": [kind] * num_layers, "use_sliding_window": self.sliding_window is not None,
+                "sliding_window": self.sliding_window}
+
+    @staticmethod
+    def sliding_window_of(layer: dict[str, Any]) -> int | None:
+        """Inverse of :meth:`sliding_window_keys`: the window of a layer config as vLLM's Llama
+        attention reads it (``sliding_window`` when ``layer_types`` names ``sliding_attention``,
+        else None: a ``sliding_window`` without ``layer_types`` is not applied by vLLM).
+
+        Raises:
+            ValueError: ``layer_types`` mixes windowed and full layers (draftsmith drafts use one window).
+        """
+        kinds = set(layer.get("layer_types") or [])
+        if len(kinds) > 1:
+            raise ValueError(f"transformer_layer_config.layer_types mixes {sorted(kinds)}: draftsmith drafts use "
+                             "one attention window for every layer")
+        return layer.get("sliding_window") if kinds == {"sliding_attention"} else None
 
     def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
                        version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
@@ -180,11 +218,12 @@ class Eagle3Config(LlamaLayerConfig):
                 ],
                 "verifier": verifier,
             },
+            # every key vLLM's speculators reader (update_eagle3) reads, written even at its default
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "norm_before_residual": self.norm_before_residual,
-            **self.eagle31_keys(),
+            **self.eagle31_options(),
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
             "transformer_layer_config": self.to_layer_config(),
@@ -224,7 +263,8 @@ class Eagle3Config(LlamaLayerConfig):
             rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=layer.get("max_position_embeddings", 4096),
-            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False), **eagle31,
+            attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
+            sliding_window=cls.sliding_window_of(layer), **eagle31,
         )
 
     @classmethod
@@ -234,8 +274,10 @@ class Eagle3Config(LlamaLayerConfig):
 
         Raises:
             KeyError: a required key is missing.
-            ValueError: no aux layer ids, or an inconsistent geometry.
+            ValueError: no aux layer ids, an inconsistent geometry, or a draft draftsmith's
+                EAGLE-3 layer cannot hold (:func:`refuse_foreign_speculators`).
         """
+        refuse_foreign_speculators(config, "eagle3", num_layers=1)
         facts = Eagle3ExportFacts.read(config, "speculators")
         if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
@@ -339,3 +381,33 @@ class Eagle3ExportFacts:
                    num_speculative_tokens=k, verifier=dict(spec.get("verifier") or {}), eagle31=eagle31)
 
 
+
+
+def refuse_foreign_speculators(config: dict[str, Any], model_type: str, num_layers: int | None = None) -> None:
+    """Refuse a speculators ``config.json`` (a speculators 0.9 checkpoint or a draftsmith export)
+    whose draft the ``model_type`` reader would read as something else: another
+    ``speculators_model_type``, a ``transformer_layer_config`` of another layer kind than Llama's
+    (the speculators library and vLLM also build Qwen3 layers, with ``q_norm`` / ``k_norm``), another
+    number of decoder layers (``num_layers``; None: any), or a partial rotary embedding
+    (``partial_rotary_factor`` below 1). docs/speculators_interop.md lists what is read and what is refused.
+
+    Raises:
+        ValueError: one line naming the key and its value.
+    """
+    kind = config.get("speculators_model_type")
+    if kind != model_type:
+        raise ValueError(f"speculators_model_type {kind!r}: not a speculators {model_type!r} draft")
+    layer = config.get("transformer_layer_config") or {}
+    layer_type = layer.get("model_type", "llama")  # vLLM's default when absent
+    if layer_type != "llama":
+        raise ValueError(f"transformer_layer_config.model_type {layer_type!r}: draftsmith's {model_type} draft "
+                         "is built from Llama decoder layers")
+    layers = layer.get("num_hidden_layers", 1)
+    if num_layers is not None and layers != num_layers:
+        raise ValueError(f"transformer_layer_config.num_hidden_layers {layers!r}: draftsmith's {model_type} draft "
+                         f"has {num_layers} decoder layer{'s' if num_layers > 1 else ''}")
+    for where, values in (("", layer), ("rope_parameters.", layer.get("rope_parameters") or {})):
+        factor = values.get("partial_rotary_factor")
+        if factor not in (None, 1, 1.0):
+            raise ValueError(f"transformer_layer_config.{where}partial_rotary_factor {factor!r}: draftsmith's "
+                             f"{model_type} draft rotates every channel of a head")

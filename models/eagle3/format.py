@@ -13,6 +13,11 @@
 - legacy (``legacy=True``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
   ``eagle_config``, weights under ``midlayer.*``.
 
+The speculators library's own ``eagle3`` checkpoints are the speculators format too, read by the
+same loader (docs/speculators_interop.md): they also ship ``embed_tokens.weight`` (used when
+present), and no ``d2t`` / ``t2d`` when the draft vocab is the whole target vocab (read as the
+identity mapping, :func:`with_identity_vocab`).
+
 The ``config.json`` mappings are :class:`~draftsmith.models.eagle3.config.Eagle3Config`'s
 (``to_speculators`` / ``to_legacy`` / ``from_export``); this module holds the tensor set, the
 detector, the exporter and the loader :data:`EAGLE3_FORMAT` gives the registry.
@@ -125,6 +130,7 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None,
             missing / unexpected / mis-shaped tensors, or no embedding anywhere.
     """
     config, state, weights = read_export(Path(path), Eagle3Config.from_export)
+    with_identity_vocab(state, config)
     embed = state.pop("embed_tokens.weight", embed_tokens)
     if embed is None:
         raise DraftLoadError(f"{weights}: no embed_tokens.weight and no target embedding given")
@@ -137,6 +143,16 @@ def load_eagle3(path: Path, embed_tokens: torch.Tensor | None = None,
         raise DraftLoadError(f"{weights}: missing tensors {result.missing_keys}, "
                              f"unexpected tensors {result.unexpected_keys}")
     return with_target_embedding(model, embed, path)
+
+
+def with_identity_vocab(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[str, torch.Tensor]:
+    """``state`` with the identity vocab mapping (``d2t`` zeros ``[V]``, ``t2d`` all True ``[V]``)
+    when the draft predicts over the whole target vocab and ships none: the speculators library
+    saves no ``d2t`` / ``t2d`` then, and vLLM maps no ids. Any other ``state`` is returned as is."""
+    if cfg.draft_vocab_size == cfg.vocab_size and "d2t" not in state and "t2d" not in state:
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return state
 
 
 def eagle3_fit(config: dict[str, Any]) -> DraftFit:

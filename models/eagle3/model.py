@@ -30,6 +30,13 @@ Packed rows (several documents in one row, ``train.packing``) pass per-document
 ``position_ids`` and ``document_ids``: attention and predictions then stay inside each
 document, so the row computes what its documents compute one by one.
 
+A sliding window W (``Eagle3Config.sliding_window``) limits attention as vLLM serves it: a query
+at position p sees keys at positions p' with ``p - p' < W`` (W keys, its own included; vLLM's
+FlashAttention ``window_size=(W - 1, 0)``, transformers' ``sliding_window_overlay``). The query of
+TTT step k at row t stands at position t + k (the k-th chained token in vLLM), so it sees the
+step-0 keys of rows ``t - W + k < j <= t`` and, as without a window, the diagonal keys of steps
+1..k (positions t + 1 .. t + k, within the window since k < W).
+
 Shapes: B batch, T sequence length (tokens), H hidden size, Vd draft vocab size,
 nh / nkv query / key-value heads, hd head dim.
 """
@@ -56,7 +63,8 @@ def same_document(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def ttt_attention_mask(
-    seq_len: int, step: int, device: torch.device | None = None, document_ids: torch.Tensor | None = None
+    seq_len: int, step: int, device: torch.device | None = None, document_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The TTT attention mask for queries of step ``step`` over the step-major concatenated keys.
 
@@ -66,6 +74,8 @@ def ttt_attention_mask(
     With ``document_ids`` (packed rows, see :mod:`draftsmith.train.packing`) the causal part
     is further restricted to keys of the query's own document; the diagonal is the query's
     own position, so it is always in the same document (no row is ever fully masked).
+    With ``sliding_window`` W the causal part keeps the step-0 keys j with ``t - j < W - step``
+    (the query stands at position t + step, see the module docstring); W > ``step``.
 
     The mask is bool and has no head dimension: ``(step + 1) * T^2`` bytes per row, shared by
     every head (the attention kernels never expand it to ``B * nh``).
@@ -78,6 +88,8 @@ def ttt_attention_mask(
         ``document_ids``); True = may attend.
     """
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if sliding_window is not None:  # drop the keys W - step or more rows back
+        causal &= ~torch.ones_like(causal).tril(step - sliding_window)
     diag = torch.eye(seq_len, dtype=torch.bool, device=device)
     if document_ids is not None:
         causal = causal & same_document(document_ids)  # (T, T) or (B, T, T)
@@ -90,30 +102,42 @@ class TTTMask:
     """The attention masks of one TTT unroll, built once per forward and shared by its steps.
 
     ``dense``: bool ``(1 | B, 1, T, K * T)`` (:func:`ttt_attention_mask` for the last step, a head
-    dimension of 1); step k reads the first ``(k + 1) * T`` key columns. ``block_masks``: with the
-    ``flex`` backend, one ``BlockMask`` per step (tiles that are fully masked are skipped, so the
-    diagonal steps cost ``O(T)`` instead of ``O(T^2)``).
+    dimension of 1); step k reads the first ``(k + 1) * T`` key columns. With a sliding window the
+    step-0 part narrows with the step, so ``dense`` is instead one such mask per step, step k's
+    ``(1 | B, 1, T, (k + 1) * T)``. ``block_masks``: with the ``flex`` backend, one ``BlockMask`` per
+    step (tiles that are fully masked are skipped, so the diagonal steps cost ``O(T)`` instead of
+    ``O(T^2)``, and a window W ``O(T * W)``).
     """
 
     seq_len: int
-    dense: torch.Tensor | None = None
+    dense: torch.Tensor | list[torch.Tensor] | None = None
     block_masks: list[Any] | None = None
 
     @classmethod
     def build(cls, seq_len: int, steps: int, device: torch.device, document_ids: torch.Tensor | None = None,
-              backend: str = "sdpa") -> "TTTMask":
-        """Masks for ``steps`` TTT steps over ``seq_len`` positions (``document_ids (B, T)``: packed rows).
+              backend: str = "sdpa", sliding_window: int | None = None) -> "TTTMask":
+        """Masks for ``steps`` TTT steps over ``seq_len`` positions (``document_ids (B, T)``: packed
+        rows; ``sliding_window``: W tokens, None for full attention, see :func:`ttt_attention_mask`).
 
         Raises:
-            ValueError: unknown ``backend`` (``auto``, ``sdpa`` or ``flex``).
+            ValueError: unknown ``backend`` (``auto``, ``sdpa`` or ``flex``); a window shorter than
+                ``steps`` tokens (the last step's query would see no step-0 key).
         """
+        if sliding_window is not None and sliding_window < steps:
+            raise ValueError(f"sliding_window={sliding_window} is shorter than the TTT steps ({steps})")
         backend = resolve_attention_backend(backend, device)
         if backend == "sdpa":
-            mask = ttt_attention_mask(seq_len, steps - 1, device, document_ids)
             # 4-D (1|B, 1, T, K*T): a 3-D mask sends CPU SDPA to its math kernel (O(T^2) per head)
-            return cls(seq_len, dense=mask[:, None] if mask.dim() == 3 else mask[None, None])
+            def four_d(mask: torch.Tensor) -> torch.Tensor:
+                return mask[:, None] if mask.dim() == 3 else mask[None, None]
+
+            if sliding_window is None:
+                return cls(seq_len, dense=four_d(ttt_attention_mask(seq_len, steps - 1, device, document_ids)))
+            return cls(seq_len, dense=[four_d(ttt_attention_mask(seq_len, k, device, document_ids, sliding_window))
+                                       for k in range(steps)])
         if backend == "flex":
-            return cls(seq_len, block_masks=[_ttt_block_mask(seq_len, k, device, document_ids) for k in range(steps)])
+            return cls(seq_len, block_masks=[_ttt_block_mask(seq_len, k, device, document_ids, sliding_window)
+                                             for k in range(steps)])
         raise AssertionError(backend)  # resolve_attention_backend returns one of the two
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -122,10 +146,12 @@ class TTTMask:
         step = k.shape[2] // self.seq_len - 1
         if self.block_masks is not None:
             return flex_attention(q, k, v, self.block_masks[step], scale, enable_gqa=q.shape[1] != k.shape[1])
-        return sdpa_with_mask(q, k, v, self.dense[..., : k.shape[2]], scale)
+        mask = self.dense[step] if isinstance(self.dense, list) else self.dense[..., : k.shape[2]]
+        return sdpa_with_mask(q, k, v, mask, scale)
 
 
-def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids: torch.Tensor | None):
+def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids: torch.Tensor | None,
+                    sliding_window: int | None = None):
     """flex-attention ``BlockMask`` of :func:`ttt_attention_mask` (same rule, evaluated per tile)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -133,7 +159,10 @@ def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids:
 
     def mask_mod(b, h, q_idx, kv_idx):
         pos = kv_idx % T
-        allowed = torch.where(kv_idx < T, pos <= q_idx, pos == q_idx)
+        causal = pos <= q_idx
+        if sliding_window is not None:
+            causal = causal & (q_idx - pos < sliding_window - step)
+        allowed = torch.where(kv_idx < T, causal, pos == q_idx)
         if document_ids is not None:
             allowed = allowed & (document_ids[b, pos] == document_ids[b, q_idx])
         return allowed
@@ -181,7 +210,9 @@ class Eagle3Attention(nn.Module):
     """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H); queries of TTT step k
     attend the keys/values of steps 0..k (``past`` plus this step's own).
 
-    ``input_size`` defaults to 2H (the EAGLE-3 layer); P-EAGLE's layers >= 1 read H."""
+    ``input_size`` defaults to 2H (the EAGLE-3 layer); P-EAGLE's layers >= 1 read H. The config's
+    ``sliding_window`` applies at inference (:meth:`forward_cached`); in training the unroll's
+    :class:`TTTMask` carries it."""
 
     def __init__(self, config: Eagle3Config, input_size: int | None = None):
         super().__init__()
@@ -194,6 +225,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
         self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, config.hidden_size, bias=bias)
+        self.sliding_window = config.sliding_window
 
     def forward(
         self,
@@ -216,11 +248,15 @@ class Eagle3Attention(nn.Module):
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: "Eagle3KVCache") -> torch.Tensor:
         """Inference: ``x (B, T, 2H)`` new positions appended to ``cache``; new query j
-        sees every earlier cached key and the new ones causally. -> ``(B, T, H)``."""
+        sees every earlier cached key and the new ones causally (cache index = position, as in
+        vLLM's KV cache), with a sliding window W only the keys less than W positions back.
+        -> ``(B, T, H)``."""
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k, v)  # (B, nkv, L, hd)
         T, L = x.shape[1], keys.shape[2]
         mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
+        if self.sliding_window is not None:  # query j is at position L - T + j
+            mask &= ~torch.ones_like(mask).tril(diagonal=L - T - self.sliding_window)
         return self._out(sdpa_with_mask(q, keys, values, mask))
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -543,7 +579,8 @@ class Eagle3DraftModel(TargetSharedDraft):
         if base_pos is None:
             base_pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         mask = TTTMask.build(T, ttt_steps, input_ids.device, document_ids,
-                             resolve_attention_backend(self.attention_backend, input_ids.device))
+                             resolve_attention_backend(self.attention_backend, input_ids.device),
+                             self.config.sliding_window)
         # once per unroll, not per step: the embeddings of x_1 .. x_{T+K-1} (0 past the end, as
         # shift_left pads) and the RoPE angles of positions p + k for every step k; step k reads
         # views of them (fewer launches: one embedding, one cast and one RoPE table per forward)

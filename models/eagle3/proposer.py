@@ -22,8 +22,9 @@ class Eagle3Proposer(Proposer):
     ``(emb(x_{t+1}), fc(aux_t))`` at RoPE position t. A proposal after pending token ``x_m``
     runs step 0 on the new positions (causal), then chained steps i = 1..K-1 at RoPE
     position ``m-1+i`` with the previous step's output hidden state and the drafted token
-    ``d_i``; each attends to every cached key, which is exactly the TTT mask of training
-    (step-0 keys causally + the same position's earlier steps, see
+    ``d_i``; each attends to every cached key (with ``sliding_window`` W, those less than W
+    positions back: the cache is indexed by position, as vLLM's), which is exactly the TTT mask
+    of training (step-0 keys causally + the same position's earlier steps, see
     :func:`draftsmith.models.eagle3.model.ttt_attention_mask`). Chained keys are cropped after
     the proposal. The arithmetic is the model's own
     (:meth:`draftsmith.models.eagle3.model.Eagle3DraftModel.step_cached`).

@@ -6,12 +6,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from ...draft_section import DraftVocabSection
+from ...draft_section import DraftVocabSection, SlidingWindowSection
 
 
-class Eagle3DraftConfig(DraftVocabSection):
+class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection):
     """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
-    low/mid/high aux hidden states, trained with training-time test."""
+    low/mid/high aux hidden states, trained with training-time test. ``draft.sliding_window``
+    (:class:`~draftsmith.draft_section.SlidingWindowSection`) limits its attention to the last
+    positions as vLLM serves it (docs/formats.md, "EAGLE-3 sliding window"); it is checked against
+    the target's context where the target's config is read (the dry run, the training setup)."""
 
     method: Literal["eagle3"] = Field("eagle3", description="Draft architecture (draftsmith.methods); train it with draftsmith train or accelerate launch -m draftsmith.train.")
     norm_before_residual: bool = Field(

@@ -9,6 +9,7 @@ by default) against the target's distribution over the draft vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from ...draft_section import sliding_window_problem
 from ...recipe import Recipe
+from ...target import text_config
 from ...train.dry_run import (
     LayerBytes,
     Shapes,
@@ -68,6 +71,7 @@ class Eagle3Method(DraftVocabMethod):
         instead of the data's (evaluating a finished draft on other data, ``draftsmith simulate``).
 
         Raises:
+            ValueError: ``draft.sliding_window`` larger than the target's context (one line).
             WarmStartError: ``draft.init_from`` unreadable or not fitting this run (before any step).
         """
         from transformers import AutoConfig
@@ -78,11 +82,17 @@ class Eagle3Method(DraftVocabMethod):
             self.init = read_init_draft(recipe.draft.init_from)
             if vocab_from_init and "d2t" in self.init.tensors and "t2d" in self.init.tensors:
                 self.use_vocab(self.init.tensors["d2t"].long(), self.init.tensors["t2d"].bool())
+        target_config = AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code)
+        problem = sliding_window_problem(recipe.draft.sliding_window,
+                                         getattr(text_config(target_config), "max_position_embeddings", None))
+        if problem:
+            raise ValueError(f"{problem} ({self.target_dir})")
         self.config = Eagle3Config.from_target(
-            AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
+            target_config,
             draft_vocab_size=int(self.d2t.shape[0]),
             aux_layer_ids=self.target_info.aux_layer_ids,
             norm_before_residual=recipe.draft.norm_before_residual,
+            sliding_window=recipe.draft.sliding_window,
             **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS},
         )
         if self.init is not None:
@@ -90,7 +100,11 @@ class Eagle3Method(DraftVocabMethod):
             if problems:
                 raise WarmStartError(f"draft.init_from={recipe.draft.init_from} does not fit this run "
                                      f"(target {self.target_info.name_or_path}): " + "; ".join(problems))
-            self.config = warm_config(self.init, self.config)
+            # the init draft's geometry and window (warm_config), but at least the target's context: a
+            # draft published for a shorter one would otherwise be exported below the target's
+            warm = warm_config(self.init, self.config)
+            self.config = dataclasses.replace(warm, max_position_embeddings=max(
+                warm.max_position_embeddings, self.config.max_position_embeddings))
 
     def build_model(self) -> Eagle3DraftModel:
         model = self.init_draft(Eagle3DraftModel(self.config))

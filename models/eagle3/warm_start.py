@@ -1,18 +1,20 @@
 """Warm start (``draft.init_from``): fine-tune an existing EAGLE-3 draft instead of starting
-from scratch.
+from scratch (P-EAGLE's, :mod:`draftsmith.models.peagle.warm_start`, builds on this one).
 
 The draft to start from is an export folder (``config.json`` + ``model.safetensors``, the
-speculators format vLLM loads, written by draftsmith or any public speculators-format EAGLE-3
-checkpoint; the legacy ``LlamaForCausalLMEagle3`` layout too) or a draftsmith training
-checkpoint (``checkpoints/step-N`` or ``checkpoints/best``).
+speculators format vLLM loads, written by draftsmith or by the speculators library, whose
+checkpoints use the same tensor names; the legacy ``LlamaForCausalLMEagle3`` layout too) or a
+draftsmith training checkpoint (``checkpoints/step-N`` or ``checkpoints/best``). A draft of
+another method, of a kind draftsmith does not train, or with an option it does not train is
+refused in one line naming the file (docs/speculators_interop.md).
 
 Before anything is trained it must fit this run: its hidden size, aux-state width and vocab
 size must be the target's, its aux layer ids the ones this run's hidden states were captured
 at (``RUN_DIR/data/target.json``), its verifier architecture (when recorded) the target's, and
 its draft vocab must share tokens with this run's. The draft keeps its own layer geometry
-(intermediate size, heads), ``norm_before_residual`` and EAGLE-3.1 options; its ``lm_head`` rows
-are carried over by target token id into this run's draft vocab (``d2t``), rows of tokens it did
-not have keep the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
+(intermediate size, heads, attention window), ``norm_before_residual`` and EAGLE-3.1 options; its
+``lm_head`` rows are carried over by target token id into this run's draft vocab (``d2t``), rows of
+tokens it did not have keep the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,7 +33,6 @@ from ...train.method_base import MethodSetupError
 from ..common import DraftFit, TargetFit
 from ..common import fit_problems as common_fit_problems
 from .config import EAGLE31_OPTIONS, Eagle3Config
-from .model import Eagle3DraftModel
 
 log = logging.getLogger("draftsmith.train")
 
@@ -39,7 +40,8 @@ _NOT_LOADED = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")  # remappe
 
 
 class WarmStartError(MethodSetupError):
-    """``draft.init_from`` names no readable EAGLE-3 draft, or one that does not fit this run."""
+    """``draft.init_from`` names no readable draft of the run's method (EAGLE-3, P-EAGLE), one with
+    an option draftsmith does not train, or one that does not fit this run."""
 
 
 @dataclasses.dataclass
@@ -52,21 +54,34 @@ class InitDraft:
     verifier: dict[str, Any]
 
 
-def read_init_draft(path: str | Path) -> InitDraft:
-    """Read ``draft.init_from``: an export folder or a draftsmith training checkpoint.
+def read_init_draft(path: str | Path, method: str = "eagle3",
+                    parse: Callable[[dict[str, Any]], Eagle3Config] | None = None) -> InitDraft:
+    """Read ``draft.init_from``: an export folder or a draftsmith training checkpoint of ``method``.
+
+    An export folder is draftsmith's or the speculators library's (docs/speculators_interop.md):
+    its ``config.json`` must be a ``method`` draft (:func:`refuse_other_method`) that ``parse``
+    reads; its tensors keep their names (legacy ``midlayer.*`` read as ``layers.0.*``).
+
+    Args:
+        method: the run's ``draft.method`` (``eagle3``; ``peagle`` through
+            :mod:`draftsmith.models.peagle.warm_start`).
+        parse: the ``config.json`` reader (default :func:`eagle3_init_config`).
 
     Raises:
-        WarmStartError: naming the path, for a missing folder, no EAGLE-3 config, or unreadable weights.
+        WarmStartError: naming the path (and the file), for a missing folder, a draft of another
+            method or of one draftsmith does not train, an option draftsmith does not train, or
+            unreadable weights.
     """
     from safetensors import SafetensorError
 
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise WarmStartError(f"draft.init_from={str(path)!r}: no such folder (an EAGLE-3 export or checkpoint)")
+        raise WarmStartError(f"draft.init_from={str(path)!r}: no such folder (a {method} export or checkpoint)")
+    parse = parse or eagle3_init_config
     try:
         if (path / DRAFT_CONFIG_FILE).is_file():  # our training checkpoint
             try:
-                ckpt = read_draft(path, "eagle3")
+                ckpt = read_draft(path, method)
             except ExportError as exc:
                 raise DraftLoadError(str(exc)) from None
             config = ckpt.config
@@ -76,15 +91,51 @@ def read_init_draft(path: str | Path) -> InitDraft:
         else:
             raw_config: dict[str, Any] = {}
 
-            def parse(raw: dict[str, Any]) -> Eagle3Config:
+            def checked(raw: dict[str, Any]) -> Eagle3Config:
                 raw_config.update(raw)
-                return Eagle3Config.from_export(raw)
+                refuse_other_method(raw, method)
+                return parse(raw)
 
-            config, tensors, _ = read_export(path, parse)
+            config, tensors, _ = read_export(path, checked)
             verifier = Eagle3Config.export_facts(raw_config).verifier
     except (DraftLoadError, SafetensorError) as exc:
         raise WarmStartError(f"draft.init_from: {exc}") from None
     return InitDraft(config, tensors, path, verifier)
+
+
+def refuse_other_method(config: dict[str, Any], method: str) -> None:
+    """Refuse an export ``config.json`` that is no ``method`` draft: one of another registered
+    method (:func:`draftsmith.methods.method_of_export`), or of a kind draftsmith does not train
+    (a speculators ``mtp`` draft, an unknown ``speculators_model_type``).
+
+    Raises:
+        ValueError: one line naming the ``speculators_model_type`` (or ``architectures``) and ``method``.
+    """
+    from ...methods import UnknownMethodError, method_of_export
+
+    kind = config.get("speculators_model_type")
+    what = f"speculators_model_type {kind!r}" if kind else f"architectures {config.get('architectures') or []}"
+    try:
+        found = method_of_export(config).name
+    except UnknownMethodError:
+        raise ValueError(f"{what}: draftsmith trains no such draft (draft.method {method} starts from {method} "
+                         "drafts only)") from None
+    if found != method:
+        raise ValueError(f"{what}: its method is {found}, and draft.method {method} starts from {method} drafts only")
+
+
+def eagle3_init_config(raw: dict[str, Any]) -> Eagle3Config:
+    """The :class:`Eagle3Config` of an EAGLE-3 export to warm-start from (either format), refusing a
+    speculators ``embed_requires_grad: true``: that draft trained its own embedding, and an EAGLE-3
+    run trains with the target's (the checkpoint's ``embed_tokens.weight`` is not loaded).
+
+    Raises:
+        KeyError / ValueError: as :meth:`Eagle3Config.from_export`; the embedding option, named.
+    """
+    if raw.get("embed_requires_grad"):
+        raise ValueError("embed_requires_grad true: the draft trained its own embedding, and draft.method eagle3 "
+                         "trains with the target's embedding")
+    return Eagle3Config.from_export(raw)
 
 
 def fit_problems(init: InitDraft, target_info: TargetInfo, d2t: torch.Tensor) -> list[str]:
@@ -119,9 +170,9 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
-    """The config to train: the init draft's geometry, residual norm and EAGLE-3.1 options, this
-    run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
-    for key in ("norm_before_residual", *EAGLE31_OPTIONS):
+    """The config to train: the init draft's geometry, residual norm, EAGLE-3.1 options and attention
+    window, this run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
+    for key in ("norm_before_residual", *EAGLE31_OPTIONS, "sliding_window"):
         if getattr(init.config, key) != getattr(run_config, key):
             log.warning("draft.init_from: %s=%s as the draft was trained (the recipe says %s)",
                         key, getattr(init.config, key), getattr(run_config, key))
@@ -130,9 +181,14 @@ def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
 
 
 @torch.no_grad()
-def load_init_weights(model: Eagle3DraftModel, init: InitDraft) -> dict[str, int]:
+def load_init_weights(model: torch.nn.Module, init: InitDraft, keep: tuple[str, ...] = ()) -> dict[str, int]:
     """Copy ``init``'s weights into ``model`` (built with :func:`warm_config`, target embedding and
-    vocab mapping installed): every layer tensor as is, ``lm_head`` rows by target token id.
+    vocab mapping installed): every other tensor of ``model.state_dict()`` under its own name, as
+    is, ``lm_head`` rows by target token id.
+
+    Args:
+        keep: ``model`` tensors kept as they are when ``init`` has none (P-EAGLE's trained
+            embedding, which then starts as the target's).
 
     Returns:
         ``{"tensors": copied, "lm_head_rows": carried over, "lm_head_rows_new": kept from the target}``.
@@ -141,7 +197,7 @@ def load_init_weights(model: Eagle3DraftModel, init: InitDraft) -> dict[str, int
         WarmStartError: a tensor the model needs is missing or has another shape.
     """
     own = model.state_dict()
-    wanted = [k for k in own if k not in _NOT_LOADED]
+    wanted = [k for k in own if k not in _NOT_LOADED and (k in init.tensors or k not in keep)]
     missing = [k for k in wanted if k not in init.tensors]
     if missing:
         raise WarmStartError(f"draft.init_from={init.path}: missing tensors {missing}")

@@ -1,7 +1,7 @@
 """Medusa heads (arXiv:2401.10774): :mod:`.model` (config and heads) and :mod:`.format` (the layout
 vLLM <= 0.32 serves as ``{"method": "medusa"}``). Also :mod:`.recipe` (its recipe ``draft``
 section), :mod:`.training` (the training method, its labels, loss and dry-run estimates) and
-:mod:`.proposer` (the reference decoder's proposer, the installed vLLM's serve check). Registers the
+:mod:`.proposer` (the reference decoder's proposer). Registers the
 method in :mod:`draftsmith.methods`, its parts imported on first use."""
 
 from ...methods import DraftMethodSpec, register
@@ -17,5 +17,4 @@ register(DraftMethodSpec(
         "parameter_estimator": ".training:parameter_estimate",
         "activation_estimator": ".training:activation_estimate",
         "proposer_factory": ".proposer:medusa_proposer",
-        "vllm_serve_check": ".proposer:check_vllm_serves",
     }))

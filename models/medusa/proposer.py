@@ -1,5 +1,7 @@
 """The reference decoder's Medusa proposer (``{"method": "medusa"}`` in vLLM <= 0.32) over an
-export loaded by :mod:`draftsmith.models.medusa.format`, and the installed vLLM's serve check."""
+export loaded by :mod:`draftsmith.models.medusa.format`. That vLLM 0.33 no longer serves Medusa
+drafts is the release table's (:mod:`draftsmith.vllm_bridge.releases`), checked for every method
+before an engine starts."""
 
 from __future__ import annotations
 
@@ -37,12 +39,3 @@ def medusa_proposer(path: Path, target_model: Any | None = None) -> MedusaPropos
     """
     return MedusaProposer(head_export(load_medusa, path))
 
-
-def check_vllm_serves(draft: Path) -> None:
-    """Raises ValueError when the installed vLLM no longer serves Medusa drafts (removed in 0.33)."""
-    from typing import get_args
-
-    from vllm.config.speculative import SpeculativeMethod
-
-    if "medusa" not in get_args(SpeculativeMethod):
-        raise ValueError(f"{draft}: the installed vLLM no longer serves Medusa drafts (removed in 0.33)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..eagle3.config import Eagle3Config
+from ..eagle3.config import Eagle3Config, refuse_foreign_speculators
 
 
 @dataclass
@@ -49,13 +49,15 @@ class PEagleConfig(Eagle3Config):
     def to_layer_config(self) -> dict[str, Any]:
         out = super().to_layer_config()
         out["num_hidden_layers"] = self.num_layers
+        out.update(self.sliding_window_keys(self.num_layers))
         return out
 
     def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
                        version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
         """``config.json`` of the speculators ``peagle`` format (vLLM's ``update_peagle`` hook):
-        the EAGLE-3 file with the type switched, ``mask_token_id`` and ``norm_before_fc``;
-        ``norm_before_residual`` is always written (absent means False for peagle).
+        the EAGLE-3 file with the type switched, ``mask_token_id`` and ``norm_before_fc``, without
+        the EAGLE-3.1 keys ``update_peagle`` does not read (``fc_norm``, ``norm_output``); every key
+        it reads is written, ``norm_before_residual`` too (absent means False for peagle, True for eagle3).
 
         Raises:
             ValueError: ``num_speculative_tokens`` outside ``[1, num_depths]``.
@@ -68,28 +70,43 @@ class PEagleConfig(Eagle3Config):
         out["speculators_model_type"] = "peagle"
         out["speculators_config"]["algorithm"] = "peagle"
         out["norm_before_fc"] = False
+        for key in ("fc_norm", "norm_output"):
+            out.pop(key)
         out["mask_token_id"] = self.mask_token_id
+        out["embed_requires_grad"] = self.train_embeddings  # the speculators library's key (its default: True)
         out["tie_word_embeddings"] = False
         return out
 
     @classmethod
     def from_speculators(cls, config: dict[str, Any]) -> "PEagleConfig":
-        """Inverse of :meth:`to_speculators`; ``norm_before_residual`` defaults to False (vLLM's
-        peagle hook). ``num_depths`` is read back from ``draftsmith.num_depths`` (else K).
+        """Inverse of :meth:`to_speculators`, and the reader of the speculators library's ``peagle``
+        checkpoints (docs/speculators_interop.md). ``norm_before_residual`` defaults to False
+        (vLLM's peagle hook); ``num_depths`` is ``draftsmith.num_depths``, else K;
+        ``train_embeddings`` is ``draftsmith.train_embeddings``, else the library's
+        ``embed_requires_grad`` (a trained embedding, shipped as ``embed_tokens.weight``).
+        ``norm_before_fc`` and ``fc_norm`` are read and refused when on (this draft has neither
+        norm); ``norm_output`` is not read: vLLM's peagle hook drops it and a parallel draft never
+        feeds a hidden state back.
 
         Raises:
             KeyError: a required key (``transformer_layer_config``, ``draft_vocab_size``,
                 ``mask_token_id``, ``eagle_aux_hidden_state_layer_ids``) is missing.
-            ValueError: an inconsistent geometry.
+            ValueError: an inconsistent geometry, a ``mask_token_id`` that is no token id, an
+                EAGLE-3.1 norm, or a draft of another kind (:func:`refuse_foreign_speculators`).
         """
+        refuse_foreign_speculators(config, "peagle")
         layer = config["transformer_layer_config"]
         base = Eagle3Config.from_layer_config(layer, config["draft_vocab_size"],
                                               config["eagle_aux_hidden_state_layer_ids"],
                                               config.get("target_hidden_size"),
                                               bool(config.get("norm_before_residual", False)))
+        mask = config["mask_token_id"]
+        if not isinstance(mask, int) or isinstance(mask, bool):
+            raise ValueError(f"mask_token_id {mask!r}: vLLM's pard_token must be a token id")
         facts = Eagle3Config.export_facts(config)
         extra = config.get("draftsmith") or {}
         depths = extra.get("num_depths") or facts.num_speculative_tokens or 1
+        embeddings = extra.get("train_embeddings", config.get("embed_requires_grad", False))
         return cls.from_eagle3(base, num_layers=int(layer.get("num_hidden_layers", 1)), num_depths=int(depths),
-                               mask_token_id=int(config["mask_token_id"]),
-                               train_embeddings=bool(extra.get("train_embeddings", False)))
+                               mask_token_id=mask, train_embeddings=bool(embeddings),
+                               norm_before_fc=facts.eagle31["norm_before_fc"], fc_norm=facts.eagle31["fc_norm"])

@@ -22,7 +22,7 @@ import torch
 
 from ...layout import DraftCheckpoint, DraftLoadError, ExportError, read_export
 from ..common import SPECULATORS_VERSION, DraftCard, DraftFit, DraftFormat, check_tensor_set, verifier_of, with_target_embedding
-from ..eagle3.format import expected_weight_shapes
+from ..eagle3.format import expected_weight_shapes, with_identity_vocab
 from .config import PEagleConfig
 from .model import PEagleDraftModel
 
@@ -117,6 +117,7 @@ def load_peagle(export_dir: Path, embed_tokens: torch.Tensor | None = None,
             :func:`expected_peagle_weights`, or no embedding anywhere.
     """
     cfg, state, weights = read_export(Path(export_dir), peagle_config)
+    with_identity_vocab(state, cfg)
     cfg.train_embeddings = False  # loaded for inference: the embedding is a buffer either way
     want = expected_peagle_weights(cfg)
     want.pop("embed_tokens.weight", None)

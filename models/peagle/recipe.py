@@ -28,3 +28,8 @@ class PEagleDraftConfig(DraftVocabSection):
     train_embeddings: bool = Field(
         False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "
         "embedding, frozen, and only mask_hidden adapts the mask slots.")
+    init_from: str | None = Field(
+        None, description="Warm start: a P-EAGLE export folder (speculators format: draftsmith's or a speculators "
+        "library peagle checkpoint) or a draftsmith checkpoint (checkpoints/best) to fine-tune; it must fit the "
+        "target and this run's aux layer ids (checked before training). Its geometry, layer count and trained "
+        "embedding are kept, its mask token unless draft.mask_token_id is set; lm_head rows move by token id.")

@@ -1,6 +1,6 @@
 """P-EAGLE's training side: the :class:`PEagleMethod` (the method's ``training_method``,
 :mod:`draftsmith.methods`), its conditional-drop (COD) elements, its loss and the dry run's
-estimates.
+estimates; its warm start (``draft.init_from``) is :mod:`draftsmith.models.peagle.warm_start`.
 
 P-EAGLE (arXiv:2602.01469; docs/parallel_drafts.md, "P-EAGLE: conditional-drop (COD) elements"):
 the EAGLE-3 data (aux states,
@@ -31,8 +31,10 @@ from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry, ttt_prediction_mask
 from ..eagle3.config import Eagle3Config
 from ..eagle3.training import draft_parameter_count
+from ..eagle3.warm_start import WarmStartError, fit_problems
 from .config import PEagleConfig
 from .model import CODElements, PEagleDraftModel
+from .warm_start import load_init_weights, read_init_peagle, warm_config
 
 log = logging.getLogger("draftsmith.train.peagle")
 
@@ -87,15 +89,29 @@ class PEagleMethod(DraftVocabMethod):
             AutoConfig.from_pretrained(self.target_dir, trust_remote_code=recipe.target.trust_remote_code),
             draft_vocab_size=int(self.d2t.shape[0]), aux_layer_ids=self.target_info.aux_layer_ids,
             norm_before_residual=draft.norm_before_residual)
-        mask_id = self.mask_token_id()
+        self.init = read_init_peagle(draft.init_from) if draft.init_from else None  # checked before any step
+        mask_id = self.mask_token_id(self.init.config.mask_token_id if self.init is not None else None)
         log.info("P-EAGLE mask token id %d (never occurs in %s)", mask_id, self.paths.tokenized)
         self.config = PEagleConfig.from_eagle3(base, num_layers=draft.num_layers, num_depths=draft.num_depths,
                                                mask_token_id=mask_id, train_embeddings=draft.train_embeddings)
+        if self.init is not None:
+            problems = fit_problems(self.init, self.target_info, self.d2t)
+            if problems:
+                raise WarmStartError(f"draft.init_from={draft.init_from} does not fit this run "
+                                     f"(target {self.target_info.name_or_path}): " + "; ".join(problems))
+            self.config = warm_config(self.init, self.config)
         self._step, self._micro = 0, 0
 
     def build_model(self) -> PEagleDraftModel:
         torch.manual_seed(self.recipe.seed)  # mask_hidden's randn init
         return self.init_draft(PEagleDraftModel(self.config))  # init_draft sets train.attention_backend
+
+    def warm_start(self, model: PEagleDraftModel) -> PEagleDraftModel:
+        """``draft.init_from``'s weights into ``model``
+        (:func:`~draftsmith.models.peagle.warm_start.load_init_weights`)."""
+        if self.init is not None:
+            load_init_weights(model, self.init)
+        return model
 
     def begin_step(self, step: int) -> None:
         """COD samples are re-drawn every micro-batch from a generator on the batch's device

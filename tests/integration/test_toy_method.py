@@ -224,7 +224,8 @@ def test_a_method_from_outside_trains_exports_and_loads_back(tiny_target, tmp_pa
     proc = python(packages, str(tmp_path / "run.py"), str(tiny_target), str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"methods": ["eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2", "toy"],
+    assert got == {"methods": ["eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2",
+                               "xpress", "toy"],
                    "steps": 4, "type": "ToyDraftConfig", "export_method": "toy", "model": "ToyModel",
                    "proposer": "ToyProposer", "max_k": 2}
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "toy_heads"
@@ -256,4 +257,4 @@ def test_a_recipe_naming_a_method_not_installed_lists_the_installed_ones(tmp_pat
         load_recipe(tmp_path / "recipe.yaml")
     assert str(exc.value) == (f"{tmp_path / 'recipe.yaml'}: invalid recipe: draft: Input tag 'toy' found using "
                               "'method' does not match any of the expected tags: 'eagle3', 'medusa', "
-                              "'mlp_speculator', 'dflash', 'peagle', 'dspark', 'dflash2'")
+                              "'mlp_speculator', 'dflash', 'peagle', 'dspark', 'dflash2', 'xpress'")

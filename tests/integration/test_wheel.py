@@ -52,6 +52,9 @@ TINY_CONFIGS = {
     "dflash2": dict(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     head_dim=16, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3], block_size=4,
                     mask_token_id=5, num_target_layers=6, conv_group_size=8, selector_rank=4, selector_top_k=3),
+    "xpress": dict(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=16, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3], block_size=4,
+                   mask_token_id=5, num_target_layers=6, xpress_rank=4, xpress_topc=8),
 }
 
 # run by the installed code: where it was imported from, every shipped recipe by name, the

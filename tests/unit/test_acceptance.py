@@ -5,6 +5,7 @@ worker runs with a stand-in ``vllm.LLM``, the parent with a stand-in worker proc
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -16,6 +17,7 @@ from draftsmith.eval import acceptance
 from draftsmith.cli import acceptance as acceptance_cli
 from draftsmith.cli.acceptance import build_parser
 from draftsmith.eval.acceptance import DraftMismatchError, draft_method, vllm_speculative_config
+from draftsmith.eval.profile import read_profile
 from draftsmith.methods import get_method
 
 VERIFIER = {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]}
@@ -116,7 +118,8 @@ def test_cli_method_defaults_to_the_exports_own_and_lists_every_served_method():
     assert p.parse_args(["--target", "t"]).method == "draft"
     assert p.parse_args(["--target", "t", "--method", "eagle3"]).method == "eagle3"
     choices = next(a for a in p._actions if a.dest == "method").choices
-    assert choices == ["draft", "eagle3", "medusa", "dflash", "peagle", "dspark", "dflash2", "ngram", "none"]  # mlp_speculator: not served
+    assert choices == ["draft", "eagle3", "medusa", "dflash", "peagle", "dspark", "dflash2", "xpress", "ngram",
+                       "none"]  # mlp_speculator: not served
     undocumented = [a.option_strings[0] for a in p._actions if a.option_strings and not (a.help and a.help.strip())]
     assert undocumented == []
 
@@ -176,6 +179,10 @@ def test_worker_starts_vllm_with_the_registrys_speculative_config(tmp_path, fake
     assert r["method"] == name and r["num_speculative_tokens"] == 4 and r["num_prompts"] == 2
     assert r["mean_acceptance_length"] == pytest.approx(1 + 3 / 4)
     assert r["per_position_acceptance"] == [0.5, 0.25, 0.0, 0.0]
+    # what the speculation profile records of the measurement
+    assert r["max_new_tokens"] == 256 and r["seed"] == 0 and r["measured_at"].endswith("+00:00")
+    assert r["prompt_tokens"] == {"total": 6, "min": 3, "max": 3, "mean": 3.0}  # 2 prompts of 3 tokens
+    assert re.fullmatch(r"[0-9a-f]{64}", r["prompts_sha256"])
 
 
 class FakeWorkerProcess:
@@ -188,10 +195,11 @@ class FakeWorkerProcess:
         FakeWorkerProcess.commands.append(cmd)
         self.args, self.returncode = cmd, 0
         method = cmd[cmd.index("--method") + 1]
+        counters = {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 3, "per_pos": [2, 1, 0]}
         Path(cmd[cmd.index("--result") + 1]).write_text(json.dumps(
-            {"method": method, "num_speculative_tokens": 3, "num_prompts": 1, "output_tokens": 2,
-             "generate_seconds": 1.0, "output_tokens_per_s": 2.0, "mean_acceptance_length": 1.5,
-             "acceptance_rate": 0.25, "per_position_acceptance": [0.5, 0.0, 0.0], "outputs": [[5, 6]]}))
+            {"method": method, "num_speculative_tokens": 3, "temperature": 0.0, "prompts": "builtin:eval",
+             "num_prompts": 1, "output_tokens": 2, "generate_seconds": 1.0, "output_tokens_per_s": 2.0,
+             "counters": counters, **acceptance.summarise(counters, 3), "outputs": [[5, 6]]}))
 
     def poll(self):
         return self.returncode
@@ -215,6 +223,24 @@ def test_measure_runs_the_methods_target_check_then_the_worker_with_its_registry
     assert checked == [(draft, target)]
     assert [c[c.index("--method") + 1] for c in FakeWorkerProcess.commands] == ["peagle", "ngram"]
     assert list(json.loads(out.read_text())) == ["peagle", "ngram"]
+    # the draft's measurement (not ngram's) goes into the export and beside --out
+    prof = read_profile(draft / "speculation_profile.json")
+    assert prof.method == "peagle" and prof.num_speculative_tokens == 3 and prof.max_supported_k == 4
+    assert prof.counts.accepted_per_position == [2, 1, 0] and prof.mean_accept_length == pytest.approx(1.75)
+    assert prof.measurement_conditions["temperature"] == 0.0
+    assert read_profile(tmp_path / "acceptance.speculation_profile.json") == prof
+
+
+def test_ngram_writes_its_profile_beside_out_not_into_the_draft(tmp_path, monkeypatch):
+    draft, target = export_dir(tmp_path, "eagle3"), tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    monkeypatch.setattr(subprocess, "Popen", FakeWorkerProcess)
+    out = tmp_path / "ngram.json"
+    assert acceptance_cli.main(["--target", str(target), "--draft", str(draft), "--method", "ngram",
+                                "--out", str(out)]) == 0
+    assert not (draft / "speculation_profile.json").exists()
+    assert read_profile(tmp_path / "ngram.speculation_profile.json").method == "ngram"
 
 
 def test_measure_refuses_a_draft_its_target_check_rejects_before_starting_vllm(tmp_path, monkeypatch):

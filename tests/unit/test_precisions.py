@@ -45,6 +45,8 @@ METHODS = {
     "dflash2": ("smollm2_135m_dflash2", BLOCKS + ["data.draft_vocab_size=512", "draft.conv_group_size=16",
                                                   "draft.selector_rank=8", "draft.selector_top_k=4"]),
     "dspark": ("smollm2_135m_dspark", BLOCKS),
+    "xpress": ("smollm2_135m_xpress", BLOCKS + ["data.draft_vocab_size=512", "draft.xpress_rank=8",
+                                                "draft.consistency_passes=2"]),
     "peagle": ("smollm2_135m_peagle", ["draft.num_layers=1", "draft.num_depths=3"]),
     "medusa": ("smollm2_135m_medusa", ["draft.num_heads=2"]),
     "mlp_speculator": ("smollm2_135m_mlp_speculator", ["draft.n_predict=2", "draft.inner_dim=64"]),

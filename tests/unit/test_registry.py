@@ -18,6 +18,7 @@ from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.medusa.model import MedusaConfig
 from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
 from draftsmith.models.peagle.config import PEagleConfig
+from draftsmith.models.xpress.config import XPressConfig
 from draftsmith.eval.export import export, load_export
 from draftsmith.recipe import draft_sections, load_recipe
 
@@ -43,9 +44,13 @@ TINY_CONFIGS = {
     "dspark": DSparkConfig(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=VD,
                            aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6, markov_rank=8),
+    "xpress": XPressConfig(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=V,
+                           aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6,
+                           xpress_rank=4, xpress_topc=8),
 }
 # the methods whose drafts share the target's embedding (the loader takes it as its second argument)
-SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark", "dflash2"}
+SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark", "dflash2", "xpress"}
 
 
 def test_every_method_has_a_tiny_config_here():

@@ -18,7 +18,8 @@ from draftsmith.train.run_info import REDACTED, redact_argv
 from helpers.fake_inputs import FAKE
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = [p for p in REPO.rglob("*.py") if not {".venv", "tests", "build", "runs"} & set(p.relative_to(REPO).parts)]
+SOURCES = [p for p in REPO.rglob("*.py") if not {".venv", "tests", "build", "runs"} & set(p.relative_to(REPO).parts)
+           and not p.relative_to(REPO).parts[0].startswith(".")]  # .venv-interop, .git
 
 
 def calls(name: str):

