@@ -53,7 +53,7 @@ $(INTEROP)/.installed: tests/interop/requirements.txt
 	$(INTEROP)/bin/pip download -q --no-deps vllm==$(VLLM_NEXT) -d $(INTEROP)/wheels
 	rm -rf $(INTEROP)/vllm-$(VLLM_NEXT)
 	cd $(INTEROP) && $(abspath $(INTEROP))/bin/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
-		[z.extract(n, sys.argv[2]) for n in z.namelist() if n.endswith('.py') and n.startswith(('vllm/transformers_utils/', 'vllm/model_executor/models/', 'vllm/config/', 'vllm/envs.py', 'vllm/logger.py', 'vllm/logging_utils/'))]" \
+		[z.extract(n, sys.argv[2]) for n in z.namelist() if n.endswith('.py') and n.startswith(('vllm/transformers_utils/', 'vllm/model_executor/models/', 'vllm/config/', 'vllm/envs.py', 'vllm/logger.py', 'vllm/logging_utils/', 'vllm/v1/worker/gpu/spec_decode/'))]" \
 		wheels/vllm-$(VLLM_NEXT)-*.whl vllm-$(VLLM_NEXT)
 	touch $@
 
