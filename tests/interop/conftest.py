@@ -12,6 +12,7 @@ source tree.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +65,26 @@ def run_speculators(python: Path, script: str, *args: str, timeout: int = 600) -
     return proc.stdout
 
 
+def both_sides(run, script: str, build_args: list[str], kinds, export, inputs: dict, root: Path) -> dict:
+    """speculators' checkpoints of ``kinds`` (``script build *build_args KINDS root/speculators``)
+    beside draftsmith's exports (``export(kind, root/draftsmith/kind)``), then the library's
+    outputs on each for the same ``inputs`` (``script run JOBS inputs``; one JSON config line per
+    job): ``{"root", "configs": {(side, kind): dict}, (side, kind): folder}``, side ``speculators``
+    or ``draftsmith``. ``run`` is :func:`in_speculators` (the :func:`two_sided` fixture binds it);
+    two interop runs in all."""
+    from safetensors.torch import save_file
+
+    run(script, "build", *build_args, json.dumps(kinds), str(root / "speculators"))
+    folders = {("speculators", k): root / "speculators" / k for k in kinds}
+    folders.update({("draftsmith", k): export(k, root / "draftsmith" / k) for k in kinds})
+    save_file(inputs, str(root / "inputs.safetensors"))
+    jobs = [(k, str(f), str(root / f"out_{side}_{k}.safetensors")) for (side, k), f in folders.items()]
+    printed = run(script, "run", json.dumps(jobs), str(root / "inputs.safetensors"))
+    configs = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert len(configs) == len(jobs), printed
+    return {"root": root, "configs": dict(zip(folders, configs)), **folders}
+
+
 @pytest.fixture(scope="session")
 def in_speculators(speculators_python):
     """``in_speculators(script, *args)``: :func:`run_speculators` in the interop interpreter."""
@@ -72,4 +93,9 @@ def in_speculators(speculators_python):
     return run
 
 
-
+@pytest.fixture(scope="session")
+def two_sided(in_speculators):
+    """:func:`both_sides` in the interop interpreter."""
+    def run(*args):
+        return both_sides(in_speculators, *args)
+    return run

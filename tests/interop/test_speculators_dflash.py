@@ -233,23 +233,16 @@ def draftsmith_outputs(kind: str, model, inputs) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def interop(prepared, tiny_target, tmp_path_factory, in_speculators):
+def interop(prepared, tiny_target, tmp_path_factory, two_sided):
     """The speculators checkpoints (built over the prepared run's draft vocab), the draftsmith
     exports, and the library's outputs on each: ``{"root", "run", "recipe", "configs": {(side,
     kind): dict}, (side, kind): folder}`` (two interop runs in all)."""
     recipe, run, _ = prepared
-    root = tmp_path_factory.mktemp("speculators_dflash")
-    vocab = RunLayout(run).data.vocab
-    in_speculators(SPECULATORS, "build", str(tiny_target), str(vocab), json.dumps(KINDS), str(root / "speculators"))
-    folders = {("speculators", k): root / "speculators" / k for k in KINDS}
-    folders.update({("draftsmith", k): draftsmith_export(k, tiny_target, root / "draftsmith" / k) for k in KINDS})
     c = json.loads((tiny_target / "config.json").read_text())
-    save_file(shared_inputs(c["vocab_size"], c["hidden_size"]), str(root / "inputs.safetensors"))
-    jobs = [(k, str(f), str(root / f"out_{side}_{k}.safetensors")) for (side, k), f in folders.items()]
-    printed = in_speculators(SPECULATORS, "run", json.dumps(jobs), str(root / "inputs.safetensors"))
-    configs = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
-    assert len(configs) == len(jobs), printed
-    return {"root": root, "run": run, "recipe": recipe, "configs": dict(zip(folders, configs)), **folders}
+    sides = two_sided(SPECULATORS, [str(tiny_target), str(RunLayout(run).data.vocab)], KINDS,
+                      lambda kind, out: draftsmith_export(kind, tiny_target, out),
+                      shared_inputs(c["vocab_size"], c["hidden_size"]), tmp_path_factory.mktemp("speculators_dflash"))
+    return {"run": run, "recipe": recipe, **sides}
 
 
 def target_info(target) -> TargetInfo:

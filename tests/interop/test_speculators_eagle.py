@@ -195,21 +195,14 @@ def draftsmith_outputs(kind: str, folder, target, inputs) -> dict[str, torch.Ten
 
 
 @pytest.fixture(scope="module")
-def interop(tiny_target, tmp_path_factory, in_speculators):
+def interop(tiny_target, tmp_path_factory, two_sided):
     """Both sides' folders, the speculators library's outputs on each (``root/out_{side}_{kind}``)
     and its config as its own classes read it: ``{"root", "configs": {(side, kind): dict},
     (side, kind): folder}``, side ``speculators`` or ``draftsmith`` (two interop runs in all)."""
-    root = tmp_path_factory.mktemp("speculators_interop")
-    in_speculators(SPECULATORS, "build", str(tiny_target), json.dumps(KINDS), str(root / "speculators"))
-    folders = {("speculators", k): root / "speculators" / k for k in KINDS}
-    folders.update({("draftsmith", k): draftsmith_export(k, tiny_target, root / "draftsmith" / k) for k in KINDS})
     c = json.loads((tiny_target / "config.json").read_text())
-    save_file(shared_inputs(c["vocab_size"], c["hidden_size"]), str(root / "inputs.safetensors"))
-    jobs = [(k, str(f), str(root / f"out_{side}_{k}.safetensors")) for (side, k), f in folders.items()]
-    printed = in_speculators(SPECULATORS, "run", json.dumps(jobs), str(root / "inputs.safetensors"))
-    configs = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
-    assert len(configs) == len(jobs), printed
-    return {"root": root, "configs": dict(zip(folders, configs)), **folders}
+    return two_sided(SPECULATORS, [str(tiny_target)], KINDS,
+                     lambda kind, out: draftsmith_export(kind, tiny_target, out),
+                     shared_inputs(c["vocab_size"], c["hidden_size"]), tmp_path_factory.mktemp("speculators_interop"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
