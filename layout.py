@@ -292,7 +292,7 @@ class DraftCheckpointConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str = Field(description="draft method (draftsmith.methods name): eagle3, medusa, mlp_speculator")
+    method: str = Field(description="draft method: a name registered in draftsmith.methods (draftsmith.methods.registered_methods())")
     config: dict[str, Any] = Field(description="the draft model config's fields (its to_dict())")
     target: dict[str, Any] = Field(description="RUN_DIR/data/target.json of the run (name_or_path, "
                                                "verifier, path, architectures, hidden_size, vocab_size ...)")

@@ -27,6 +27,13 @@ Discovery: :data:`METHOD_PACKAGES` lists the built-in method packages, in regist
 the entry-point group :data:`ENTRY_POINT_GROUP` (value: the package module, e.g.
 ``toy = toy_draft``) and registered after the built-ins.
 
+A plug-in fails alone: one whose import fails (a missing module, an error in it, a name another
+package registered first, registering twice) is left out with one logged warning naming its
+entry point and distribution (:func:`plugin_load_failure`), every other method keeps working, and
+asking for it (:func:`get_method` with the entry point's name) is an :class:`UnknownMethodError`
+naming the plug-in and why it was not loaded. Two built-in packages registering one name stay a
+programming error (ValueError).
+
     spec = get_method(recipe.draft.method)
     model = spec.model_class(config)
     spec.format.export(...)   # through draftsmith.eval.export.export(ckpt, out)
@@ -35,8 +42,11 @@ the entry-point group :data:`ENTRY_POINT_GROUP` (value: the package module, e.g.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 METHOD_PACKAGES: tuple[str, ...] = (
     "draftsmith.models.eagle3",
@@ -171,6 +181,11 @@ class DraftMethodSpec:
 
 _REGISTRY: dict[str, DraftMethodSpec] = {}
 _STATE = {"loaded": False, "loading": False}
+_NOT_LOADED: dict[str, str] = {}  # entry-point name -> why that method plug-in was not loaded (one line)
+
+
+def _builtin(package: str) -> bool:
+    return package in METHOD_PACKAGES
 
 
 def register(spec: DraftMethodSpec) -> DraftMethodSpec:
@@ -179,11 +194,19 @@ def register(spec: DraftMethodSpec) -> DraftMethodSpec:
     Raises:
         ValueError: a method of that name is registered already (one line naming both
             packages), its package registered another method already, or ``spec.parts``
-            names a part not in :data:`PARTS`.
+            names a part not in :data:`PARTS`. Raised inside a plug-in's import, the registry
+            leaves that plug-in out with one warning (:func:`registered_methods`); a built-in
+            method whose name a plug-in imported earlier took replaces it, with a warning.
     """
     have = _REGISTRY.get(spec.name)
     if have is not None and have.package == spec.package:
         raise ValueError(f"draft method {spec.name!r} is registered twice by {spec.package}")
+    if have is not None and _builtin(spec.package) and not _builtin(have.package):
+        # a plug-in imported before the registry loaded took a built-in name: the built-in is kept
+        log.warning("draft method %r is registered by both %s and %s: %s's is dropped", spec.name, have.package,
+                    spec.package, have.package)
+        del _REGISTRY[spec.name]
+        have = None
     if have is not None:
         raise ValueError(f"draft method {spec.name!r} is registered by both {have.package} and {spec.package}")
     other = next((s.name for s in _REGISTRY.values() if s.package == spec.package), None)
@@ -198,23 +221,74 @@ def register(spec: DraftMethodSpec) -> DraftMethodSpec:
     return spec
 
 
-def _entry_point_packages() -> list[str]:
-    """The package modules of the installed :data:`ENTRY_POINT_GROUP` entry points, each once."""
+def _entry_points() -> list[Any]:
+    """The installed :data:`ENTRY_POINT_GROUP` entry points, the first of each package module."""
     from importlib.metadata import entry_points
 
-    return list(dict.fromkeys(ep.module for ep in entry_points(group=ENTRY_POINT_GROUP)))
+    try:
+        found = entry_points(group=ENTRY_POINT_GROUP)
+    except Exception as exc:  # unreadable metadata of some installed distribution
+        log.warning("method plug-ins (entry points %s) were not loaded: cannot read the installed packages' entry "
+                    "points: %s", ENTRY_POINT_GROUP, _one_line(exc))
+        return []
+    first: dict[str, Any] = {}
+    for ep in found:
+        first.setdefault(ep.module, ep)
+    return list(first.values())
+
+
+def _one_line(exc: BaseException) -> str:
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _describe(ep: Any) -> str:
+    """``method plug-in 'toy' (entry point draftsmith.methods: toy = toy_draft from distribution toy-draft 0.1)``."""
+    source = ""
+    dist = getattr(ep, "dist", None)
+    if dist is not None:
+        try:
+            source = f" from distribution {dist.metadata['Name']} {dist.version}"
+        except Exception:  # metadata without a name or version: the entry point says enough
+            pass
+    return f"method plug-in {ep.name!r} (entry point {ENTRY_POINT_GROUP}: {ep.name} = {ep.value}{source})"
+
+
+def _load_plugin(ep: Any) -> None:
+    """Import the package of entry point ``ep`` (it registers its method); a failure leaves it out,
+    whatever it registered before failing, with one warning and a note for :func:`get_method`."""
+    before = set(_REGISTRY)
+    try:
+        importlib.import_module(ep.module)
+        why = None
+        if not any(s.package == ep.module or s.package.startswith(ep.module + ".")
+                   or ep.module.startswith(s.package + ".") for s in _REGISTRY.values()):
+            why = (f"importing {ep.module} registered no draft method (its package calls "
+                   "draftsmith.methods.register(DraftMethodSpec(...)))")
+    except Exception as exc:
+        why = _one_line(exc)
+    if why is None:
+        return
+    for name in set(_REGISTRY) - before:
+        del _REGISTRY[name]
+    _NOT_LOADED[ep.name] = f"{_describe(ep)} was not loaded: {why}"
+    log.warning("%s", _NOT_LOADED[ep.name])
 
 
 def _load() -> None:
-    """Import the built-in method packages, then the entry points' (each registers its method),
-    and order the registry as they are listed, whatever imported a package first."""
+    """Import the built-in method packages, then the entry points' (each registers its method;
+    one that fails is left out with a warning, once per process), and order the registry as they
+    are listed, whatever imported a package first."""
     if _STATE["loaded"] or _STATE["loading"]:
         return
     _STATE["loading"] = True
     try:
-        packages = [*METHOD_PACKAGES, *_entry_point_packages()]
-        for module in packages:
+        for module in METHOD_PACKAGES:
             importlib.import_module(module)
+        plugins = _entry_points()
+        for ep in plugins:
+            _load_plugin(ep)
+        packages = [*METHOD_PACKAGES, *(ep.module for ep in plugins)]
         rank = {package: i for i, package in enumerate(packages)}
         ordered = sorted(_REGISTRY.values(), key=lambda spec: rank.get(spec.package, len(rank)))
         _REGISTRY.clear()
@@ -232,15 +306,32 @@ def registered_methods() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def plugin_load_failure(name: str) -> str | None:
+    """Why the method plug-in of entry point ``name`` (the method it would register, by
+    convention) was not loaded, in one line naming the entry point and its distribution; None
+    when no such plug-in failed."""
+    _load()
+    return _NOT_LOADED.get(name)
+
+
+def _not_loaded_note() -> str:
+    return f"; method plug-ins not loaded: {', '.join(map(repr, _NOT_LOADED))}" if _NOT_LOADED else ""
+
+
 def get_method(name: str) -> DraftMethodSpec:
     """The registered method ``name``.
 
     Raises:
-        UnknownMethodError: no method of that name (the message lists the registered ones).
+        UnknownMethodError: no method of that name (the message lists the registered ones), or
+            the plug-in of that name failed to load (the message says why).
     """
     _load()
     if name not in _REGISTRY:
-        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(_REGISTRY)}")
+        if name in _NOT_LOADED:
+            raise UnknownMethodError(f"draft method {name!r} is not available: {_NOT_LOADED[name]}; fix or "
+                                     f"uninstall that plug-in (registered: {', '.join(_REGISTRY)})")
+        raise UnknownMethodError(f"unknown draft method {name!r}; registered: {', '.join(_REGISTRY)}"
+                                 + _not_loaded_note())
     return _REGISTRY[name]
 
 
@@ -261,4 +352,4 @@ def method_of_export(config: dict[str, Any]) -> DraftMethodSpec:
             return spec
     raise UnknownMethodError(f"architectures {config.get('architectures') or []}, model_type "
                              f"{config.get('model_type')!r} is no registered draft format "
-                             f"({', '.join(registered_methods())})")
+                             f"({', '.join(registered_methods())}{_not_loaded_note()})")

@@ -540,6 +540,13 @@ def _problem(err: dict[str, Any]) -> tuple[str, str]:
     if len(loc) >= 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
         method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
     key = ".".join(loc)
+    if err["type"] == "union_tag_invalid" and loc == ["draft"]:  # a method plug-in that did not load says why
+        from .methods import plugin_load_failure
+
+        tag = (err.get("ctx") or {}).get("tag")
+        failure = plugin_load_failure(tag) if isinstance(tag, str) else None
+        if failure:
+            return "draft.method", f"draft.method: {tag!r} is not available: {failure}"
     if err["type"] != "extra_forbidden":
         return key, f"{key}: {err['msg']}" if key else err["msg"]
     if key in MOVED_KEYS:

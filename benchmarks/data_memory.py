@@ -119,7 +119,9 @@ def measure(data_dir: Path, ranks: int = 2, mode: str = "arrow", port: int = 297
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from draftsmith.runtime import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[100_000, 1_000_000], help="corpus sizes")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512, help="ids are drawn below this")

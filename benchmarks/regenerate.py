@@ -187,7 +187,9 @@ def demo_prepare(ref: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from draftsmith.runtime import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--one", choices=["inprocess", "server", "vllm-offline"], help="run one engine in this process")
     p.add_argument("--concurrency", type=int, default=16, help="server: requests in flight")
     p.add_argument("--concurrencies", default="16,48", help="server concurrencies to run (all engines)")

@@ -7,6 +7,7 @@
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
     draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
     draftsmith bench memory RECIPE                   training memory of one step: measured (fake tensors) beside the dry run's estimate
+    draftsmith --version                             the installed draftsmith's version
 
 Each subcommand is the stage's own command line (``draftsmith SUBCOMMAND --help``).
 """
@@ -67,8 +68,17 @@ def main(argv: list[str] | None = None) -> int:
                 "verify": "hash every hidden-state shard of a run against its manifest",
                 "bench": "benchmarks of draftsmith itself (checkout only): bench {" + ",".join(BENCHES) + "} ..."}
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
+        from ..runtime import plain_text
+
+        options = {"-h, --help": "show this help and exit", "-V, --version": "print draftsmith's version and exit"}
+        print(plain_text(__doc__.strip()) + "\n\noptions:\n" + "\n".join(f"  {k:14s} {v}" for k, v in options.items())
+              + "\n\nsubcommands:\n" + "\n".join(f"  {k:12s} {v}" for k, v in commands.items()))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from .. import __version__
+
+        print(f"draftsmith {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         from .train import main as train

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..eval import acceptance, profile
 from ..eval.profile import ProfileError
@@ -18,8 +19,30 @@ from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 
 
+def at_least(low: float, kind: type, what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: a ``kind`` number of at least ``low`` (finite), else a usage error
+    (exit 2) saying ``what`` the flag takes, e.g. ``an integer >= 1, e.g. --k 3``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
+        if value < low or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {what}")
+        return value
+
+    return parse
+
+
+def description() -> str:
+    """The help's description: :mod:`draftsmith.eval.acceptance`'s docstring, with the usage
+    line's ``--method METHOD`` spelled out from the registry (:func:`~draftsmith.eval.acceptance.method_choices`)."""
+    return acceptance.__doc__.replace("[--method METHOD]", f"[--method {'|'.join(acceptance.method_choices())}]")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=acceptance.__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=description(), formatter_class=HelpFormatter)
     p.add_argument("--target", type=Path, required=True, help="target checkpoint directory (or a Hub id vLLM "
                    "downloads)")
     p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
@@ -32,15 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-ngram", action="store_true", help="also measure vLLM's ngram method")
     p.add_argument("--prompts", default="builtin:eval", help="prompt file (JSONL: prompts, MT-bench, ShareGPT, "
                    "messages) or builtin:<name>")
-    p.add_argument("--max-prompts", type=int, help="use the first N prompts only")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    p.add_argument("--max-prompts", type=at_least(1, int, "N >= 1, the number of prompts (leave it out for all)"),
+                   metavar="N", help="use the first N prompts only")
+    p.add_argument("--k", type=at_least(1, int, "an integer >= 1, the draft tokens per step, e.g. --k 3"),
+                   default=3, help="num_speculative_tokens")
+    p.add_argument("--temperature", type=at_least(0, float, "0 (greedy) or a positive temperature, e.g. "
+                   "--temperature 0.7"), default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--max-new-tokens", type=at_least(1, int, "an integer >= 1, e.g. --max-new-tokens 256"),
+                   default=256, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=0, help="vLLM engine seed")
-    p.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest prompt lookup (tokens)")
-    p.add_argument("--ngram-max", type=int, default=4, help="ngram: longest prompt lookup (tokens)")
+    p.add_argument("--ngram-min", type=at_least(1, int, "an integer >= 1"), default=2,
+                   help="ngram: shortest prompt lookup (tokens)")
+    p.add_argument("--ngram-max", type=at_least(1, int, "an integer >= 1"), default=4,
+                   help="ngram: longest prompt lookup (tokens)")
     p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method, and "
                    "the profile beside it (<stem>.speculation_profile.json)")
+    p.add_argument("--log", type=Path, help="keep the vLLM worker's log of --method here (--compare-ngram's "
+                   "beside it, <stem>.ngram<suffix>); default: beside --out (<out stem>.vllm.log), else a "
+                   "temporary file kept only when the run fails (the error names it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
@@ -52,11 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ..eval.results import AcceptanceResult, write_acceptance
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker:
         acceptance.worker(args)
         return 0
-    try:
+    if args.ngram_min > args.ngram_max:
+        parser.error(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}; give a lookup range "
+                     "with --ngram-min <= --ngram-max")
+    try:  # everything below is checked before any engine starts
         engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -66,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft is not None and not args.draft.is_dir():
             raise FileNotFoundError(f"--draft {args.draft}: no such directory; pass the folder `draftsmith export` "
                                     "wrote")
-    except FileNotFoundError as exc:
+        acceptance.check_prompts(args.prompts, args.max_prompts)
+        from_flag = args.vllm_max_model_len is not None
+        acceptance.check_max_model_len(engine, args.target, "--max-model-len" if from_flag else "vllm.max_model_len",
+                                       None if from_flag else str(args.recipe))
+    except acceptance.UnknownPromptSetError as exc:
+        parser.error(str(exc))
+    except (FileNotFoundError, ValueError) as exc:  # a PromptsError, a max_model_len beyond the target's
         print(f"error: {exc}", file=sys.stderr)
         return 1
     common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
@@ -75,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
     results = {}
     try:
-        for m in methods:
-            r = acceptance.measure(method=m, draft=args.draft, **common)
+        for i, m in enumerate(methods):
+            r = acceptance.measure(method=m, draft=args.draft, log_path=log_path(args, None if i == 0 else m),
+                                   **common)
             results[r["method"]] = r
             print(acceptance.format_row(r["method"], r), flush=True)
     except (ValueError, RuntimeError) as exc:  # a DraftMismatchError, engine settings the offline engine
-        print(f"error: {exc}", file=sys.stderr)  # refuses, or the vLLM run failed (its log tail)
+        print(f"error: {exc}", file=sys.stderr)  # refuses, or the vLLM run failed (its root cause and log)
         return 1
     if args.out:
         write_acceptance(args.out, {m: AcceptanceResult.model_validate(r) for m, r in results.items()})
@@ -91,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def log_path(args: argparse.Namespace, method: str | None) -> Path | None:
+    """Where the vLLM worker's log of ``--method``'s run (``method`` None) or of another method's
+    (``ngram``: ``<stem>.ngram<suffix>``) is kept: ``--log``, else beside ``--out``
+    (``<out stem>.vllm.log``); None: a temporary file, kept only when the run fails."""
+    base = args.log or (args.out.with_name(f"{args.out.stem}.vllm.log") if args.out else None)
+    if base is None or method is None:
+        return base
+    return base.with_name(f"{base.stem}.{method}{base.suffix}")
 
 
 def write_profiles(args: argparse.Namespace, result: dict[str, Any], engine: dict[str, Any]) -> list[Path]:

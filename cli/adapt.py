@@ -53,8 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out = args.out or args.run_dir / "export" / "adapted"
     setup_logging()
+    from ..run_lock import RunDirLockedError, command_line, run_dir_lock
+
     try:
-        result = ad.adapt(ad.AdaptOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ad.AdaptOptions)}))
+        with run_dir_lock(args.run_dir, command_line(argv, "draftsmith adapt")):  # one writer per run directory
+            result = ad.adapt(ad.AdaptOptions(**{f.name: getattr(args, f.name)
+                                                 for f in dataclasses.fields(ad.AdaptOptions)}))
+    except RunDirLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (ad.AdaptError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -24,9 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
                    "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
     p.add_argument("--vllm", metavar="VERSION",
-                   help="the vLLM release the export must load in, e.g. 0.33 or 0.32.0 (default: the installed "
-                        "vLLM, else no check); an export it cannot load is refused naming the version and the "
-                        "config key (docs/vllm_releases.md)")
+                   help="the vLLM release the export must load in, one draftsmith has checked: 0.32 or 0.33 "
+                        "(0.32.0, 0.33.1 name the same lines; default: the installed vLLM, else no check); an "
+                        "export it cannot load is refused naming the version and the config key "
+                        "(docs/vllm_releases.md)")
     return p
 
 
@@ -34,12 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     from ..layout import ExportError
     from ..methods import get_method
     from ..train.checkpoint import read_draft
-    from ..vllm_bridge.releases import installed_vllm_version
+    from ..run_lock import RunDirLockedError, command_line, run_dir_lock
+    from ..vllm_bridge.releases import installed_vllm_version, known_release
 
     p = build_parser()
     args = p.parse_args(argv)
     if (args.out_dir is None) == (args.out is None):
         p.error("give the output directory once: OUT_DIR or --out OUT_DIR")
+    if args.vllm is not None:
+        try:  # exit 1, as every --vllm refusal of export (an export that release cannot load) does
+            known_release(args.vllm)
+        except ValueError as exc:
+            print(f"error: --vllm {args.vllm}: {exc}", file=sys.stderr)
+            return 1
     if not args.checkpoint.exists():
         print(f"error: {args.checkpoint}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step-N "
               "or the RUN_DIR of `draftsmith train`", file=sys.stderr)
@@ -50,12 +59,28 @@ def main(argv: list[str] | None = None) -> int:
         if k is None and get_method(read_draft(ckpt, weights=False).method).format.k_from_recipe:
             k = ex.saved_num_speculative_tokens(ckpt)
         vllm = args.vllm if args.vllm is not None else installed_vllm_version()
-        out = ex.export(ckpt, args.out or args.out_dir, args.legacy, k, args.dtype, vllm_version=vllm)
+        out_dir = args.out or args.out_dir
+        with run_dir_lock(run, command_line(argv, "draftsmith export")) if (run := run_of(ckpt, out_dir)) \
+                else contextlib.nullcontext():  # an export into its run directory is one of the run's writers
+            out = ex.export(ckpt, out_dir, args.legacy, k, args.dtype, vllm_version=vllm)
+    except RunDirLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"exported {ckpt} -> {out}")
     return 0
+
+
+def run_of(checkpoint: Path, out: Path) -> Path | None:
+    """The run directory of ``checkpoint`` (``RUN/checkpoints/step-N``) when ``out`` lies inside it
+    (an export into the run takes the run's lock), else None."""
+    ckpt = Path(checkpoint).resolve()
+    if ckpt.parent.name != "checkpoints":
+        return None
+    run = ckpt.parent.parent
+    return run if Path(out).resolve().is_relative_to(run) else None
 
 
 if __name__ == "__main__":

@@ -12,15 +12,17 @@ from pathlib import Path
 
 from ..data_prep.shards import STORAGE_DTYPES, convert_shards, shard_bytes_per_token
 from ..fileio import ShardError
+from ..runtime import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Hidden-state shard tools.")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="re-encode a shard directory (e.g. bf16 -> row-scaled fp8)")
-    c.add_argument("src", type=Path)
-    c.add_argument("dst", type=Path)
-    c.add_argument("--dtype", default="float8_e4m3fn", choices=STORAGE_DTYPES)
+    c = sub.add_parser("convert", help="re-encode a shard directory (e.g. bf16 -> row-scaled fp8)",
+                       formatter_class=HelpFormatter)
+    c.add_argument("src", type=Path, help="the shard directory to read (holding manifest.json)")
+    c.add_argument("dst", type=Path, help="the shard directory to write")
+    c.add_argument("--dtype", default="float8_e4m3fn", choices=STORAGE_DTYPES, help="storage dtype of the new shards")
     args = p.parse_args(argv)
     try:
         m = convert_shards(args.src, args.dst, args.dtype)

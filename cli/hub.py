@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 from ..eval import hub
+from ..runtime import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=hub.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=hub.__doc__, formatter_class=HelpFormatter)
     p.add_argument("draft", type=Path, help="exported draft directory (draftsmith export); its "
-                   "speculation_profile.json (draftsmith acceptance) is copied, shown in the card and pushed")
+                   "speculation_profile.json (draftsmith acceptance) is copied, shown in the card and pushed, "
+                   "and refused when it records other weights (sha256) or another method than the export's")
     p.add_argument("--out", type=Path, required=True, help="Hub folder to write")
     p.add_argument("--repo-id", required=True, help="USER/NAME on the Hub (also written into the vllm serve line)")
     p.add_argument("--recipe", type=Path, help="the run's recipe.yaml (training data in the card)")

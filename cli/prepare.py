@@ -7,6 +7,7 @@ data-stage children :mod:`draftsmith.data_prep.launch` start (``--node`` / ``--c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -43,34 +44,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash the hidden-state shards already on disk against their manifest sha256 before keeping "
                         "them (default: their size and safetensors header are checked); a bad one is recomputed")
     p.add_argument("--overwrite-data", action="store_true",
-                   help="delete RUN_DIR/data first and prepare it afresh (a run directory whose data was prepared "
-                        "with other recipe keys is otherwise refused before anything is written)")
+                   help="delete what draftsmith wrote under RUN_DIR/data first and prepare it afresh (refused when "
+                        "data/ holds anything else; with --dry-run: what it would delete). A run directory whose data "
+                        "was prepared with other recipe keys is otherwise refused before anything is written")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``draftsmith prepare``: exit 0; 1 when a check or a stage fails (one line); 2 when the run
+    directory is in use by another command (its lock names the holder)."""
     from ..data_prep.ranks import PREPARE_ERRORS, bind_local_device, prepare_node, prepare_run
 
     bind_local_device()  # before anything can initialise CUDA or import vLLM
     args = build_parser().parse_args(argv)
     setup_logging()
     recipe = recipe_from_args(args)
-    from ..data_prep.agreement import check_run_dir, recipe_arg, remove_data
-    from ..data_prep.plan import Cluster, parse_share
+    from ..data_prep.agreement import check_run_dir, recipe_arg
+    from ..data_prep.plan import parse_share
     from ..data_prep.shards import distributed_rank
     from ..layout import RunLayout
     from ..procs import install_child_reaper
+    from ..run_lock import RunDirLockedError, command_line, run_dir_lock
 
     try:
         if args.dry_run:
-            cluster = Cluster.detect(args.nodes, args.gpus_per_node, args.device_memory_gib)
-            print(prep.data_plan(recipe, args.run_dir, None, args.stage, cluster).format())
+            print(dry_run_report(recipe, args))
             return 0
         install_child_reaper()  # engine processes die with this one, SIGKILL included
         child = bool(args.node or args.capture_share)  # the launching ranks checked the run directory
-        if args.overwrite_data and not child and distributed_rank()[0] == 0:
-            if remove_data(args.run_dir):
-                log.warning("--overwrite-data: removed %s; preparing it afresh", RunLayout(args.run_dir).data.root)
         if child:
             if not args.overwrite_data:
                 # before this process writes anything (its record, any stage)
@@ -88,14 +89,64 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 summary = prep.prepare(recipe, args.run_dir, stages, args.device, capture_share=share, record=record)
         else:
-            summary = prepare_run(recipe, args.run_dir, args.stage, args.device, verify_shards=args.verify_shards,
-                                  recipe_arg=recipe_arg(args), check=not args.overwrite_data)
+            main_rank = distributed_rank()[0] == 0
+            # one writer per run directory: rank 0 of the job holds the lock (the other ranks and the
+            # data-stage children are the same command)
+            with run_dir_lock(args.run_dir, command_line(argv, "draftsmith prepare")) if main_rank \
+                    else contextlib.nullcontext():
+                # every check the dry run makes, before any stage works
+                prep.preflight_run(recipe, args.stage or prep.STAGES)
+                if args.overwrite_data and main_rank:
+                    from ..data_prep.agreement import remove_data
+
+                    removed = remove_data(recipe, args.run_dir)
+                    if removed:
+                        log.warning("--overwrite-data: removed %d entries draftsmith wrote under %s; preparing it "
+                                    "afresh", len(removed), RunLayout(args.run_dir).data.root)
+                summary = prepare_run(recipe, args.run_dir, args.stage, args.device, verify_shards=args.verify_shards,
+                                      recipe_arg=recipe_arg(args), check=not args.overwrite_data)
+    except RunDirLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except PREPARE_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if distributed_rank()[0] == 0:
         print(json.dumps(summary, indent=1))
     return 0
+
+
+def dry_run_report(recipe, args: argparse.Namespace) -> str:
+    """What ``prepare --dry-run`` prints: the data plan, then what the real run would refuse (the
+    recipe against its target, the run directory's data against the recipe) and, with
+    ``--overwrite-data``, what it would delete. Writes nothing."""
+    from ..data_prep.agreement import ForeignDataError, disagreements, mismatch_message, overwrite_plan, recipe_arg
+    from ..data_prep.agreement import tree_bytes
+    from ..data_prep.plan import Cluster, human_bytes
+    from ..layout import RunLayout
+
+    cluster = Cluster.detect(args.nodes, args.gpus_per_node, args.device_memory_gib)
+    lines = [prep.data_plan(recipe, args.run_dir, None, args.stage, cluster).format()]
+    try:
+        prep.preflight_run(recipe, args.stage or prep.STAGES)
+    except (ValueError, FileNotFoundError) as exc:
+        lines.append(f"the real run refuses the recipe: {exc}")
+    if args.overwrite_data:
+        try:
+            doomed = overwrite_plan(recipe, args.run_dir)
+            root = RunLayout(args.run_dir).data.root
+            names = [p.relative_to(root).as_posix() + ("/" if p.is_dir() else "") for p in doomed]
+            shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+            lines.append(f"--overwrite-data would delete {len(doomed)} entries ({human_bytes(tree_bytes(doomed))}) "
+                         f"draftsmith wrote under {root}: {shown}" if doomed else "--overwrite-data: nothing to delete")
+        except ForeignDataError as exc:
+            lines.append(f"the real run refuses: {exc}")
+    else:
+        stages = [s for s in prep.STAGES if s in (args.stage or prep.STAGES)]
+        for key, on_disk, where, wanted in disagreements(recipe, args.run_dir, stages):
+            lines.append("the real run refuses: " + mismatch_message(args.run_dir, key, on_disk, where, wanted,
+                                                                     recipe_arg(args)))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 from ..eval import report as rep
+from ..runtime import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=rep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=rep.__doc__, formatter_class=HelpFormatter)
     p.add_argument("run_dir", type=Path, help="the serve_bench --out-dir (holds results.json)")
     args = p.parse_args(argv)
     try:

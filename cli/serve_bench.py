@@ -10,8 +10,8 @@ Engine settings: the vLLM flags (``--dtype``, ``--enforce-eager``, ``--gpu-memor
 over ``--recipe``'s ``vllm`` over :class:`draftsmith.recipe.VllmConfig`'s defaults (GPU
 values; on CPU use a CPU recipe or the flags); ``max_num_seqs`` is raised to the highest level.
 
-For every configuration (no speculation; the trained draft (eagle3, or medusa where the
-installed vLLM routes it); ``ngram``; ``suffix`` when ``arctic_inference`` is importable;
+For every configuration (no speculation; the trained draft (any method the
+installed vLLM serves); ``ngram``; ``suffix`` when ``arctic_inference`` is importable;
 ``draft_model`` when ``--draft-model`` names a smaller model of the target's family) it:
 
 1. starts the OpenAI server on loopback (``vllm serve`` where the ``vllm`` console command
@@ -56,6 +56,7 @@ from typing import Any
 from ..eval.serving.client import bench_worker, load_prompt_texts, split_prompts
 from ..eval.serving.run import Study, configurations, run_study
 from ..vllm_bridge.spec_config import served_method
+from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..vllm_bridge.server import ServerOptions
 
@@ -70,7 +71,7 @@ def _floats(s: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``draftsmith serve-bench``."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--recipe", type=Path, help="recipe YAML: target and eval.serve / vllm defaults")
     p.add_argument("--target", help="target directory, hub id or embedded:SmolLM2-135M-Instruct")
     p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export)")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from ..eval import serve_table
 from ..eval.results import ServeResults
+from ..runtime import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="draftsmith serve-table", description=serve_table.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("runs", nargs="+", metavar="LABEL=RESULTS_JSON",
                    help="a label and a serve-bench results.json (repeat, one per draft)")
     args = p.parse_args(argv)

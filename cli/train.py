@@ -23,7 +23,7 @@ from ..runtime import HelpFormatter, setup_logging
 TRAIN_DOC = """Train the draft of a recipe with the training method of its draft.method (its flags, below,
 are every method's), after preparing whatever of RUN_DIR/data is missing.
 
-    draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--overwrite] [--set train.lr=3e-4 ...]
+    draftsmith train RECIPE.yaml [--run-dir DIR] [--resume|--resume-from step-N|--overwrite] [--set train.lr=3e-4 ...]
     draftsmith train RECIPE.yaml --dry-run         size and memory estimates, no weights
     draftsmith train RECIPE.yaml --help            the method's own description
 """
@@ -36,7 +36,13 @@ def build_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter)
     add_recipe_arguments(p)
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN_DIR")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in RUN_DIR; recipe keys changed since are applied (lr, "
+                        "schedule, loss weights: one note) or refused (method, draft geometry, optimizer, data: one "
+                        "line naming them); with training output but no checkpoint, trains from step 0")
+    p.add_argument("--resume-from", metavar="CHECKPOINT",
+                   help="continue from this checkpoint of RUN_DIR instead of the last: step-N or its path (implies "
+                        "--resume); the later checkpoints are moved to RUN_DIR/checkpoints/abandoned-step-M")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a RUN_DIR that holds an earlier run's checkpoints/metrics (data/ is kept)")
     p.add_argument("--no-prepare", action="store_true",
@@ -93,7 +99,8 @@ def launch(argv: list[str] | None = None, *, method: str | type, script: str, pr
 
     Returns the exit code: 0; 1 (dry run failed, data not prepared with ``--no-prepare``, bad
     data, a mask token that occurs in the data); 2 (recipe invalid or for another method, run directory in use,
-    ``--dry-run`` estimate above ``--device-memory-gib``).
+    ``--dry-run`` estimate above ``--device-memory-gib``, a resume that refuses the recipe or a damaged
+    checkpoint: :mod:`draftsmith.train.resume`).
     """
     from ..methods import get_method
     from ..recipe import RecipeError, require_method
@@ -128,9 +135,10 @@ def launch(argv: list[str] | None = None, *, method: str | type, script: str, pr
     try:
         from ..data_prep.agreement import recipe_arg
 
-        result = train(recipe, run_dir, method=method_cls, resume=args.resume, overwrite=args.overwrite,
-                       prepare=not args.no_prepare, verify_shards=args.verify_shards, recipe_arg=recipe_arg(args),
-                       recipe_file=args.recipe, argv=sys.argv if argv is None else argv)
+        result = train(recipe, run_dir, method=method_cls, resume=args.resume or args.resume_from is not None,
+                       overwrite=args.overwrite, prepare=not args.no_prepare, verify_shards=args.verify_shards,
+                       recipe_arg=recipe_arg(args), recipe_file=args.recipe, argv=sys.argv if argv is None else argv,
+                       resume_from=args.resume_from)
     except refused as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ from typing import Any
 from ..layout import DataPaths, RunLayout
 from ..target import TargetInfo, default_aux_layer_ids
 from .conversations import DataError
+from .fingerprint import describe_change, fingerprint, normalised_source
 
 SPEC_VERSION = 1
 
@@ -60,7 +61,11 @@ def recipe_arg(args: Any) -> str:
 
 def mismatch_message(run_dir: Path | str, key: str, on_disk: Any, where: Path | str, wanted: Any,
                      recipe_arg: str | None = None) -> str:
-    """The one line of :class:`RunDirMismatchError`."""
+    """The one line of :class:`RunDirMismatchError` (a changed source's content: what changed)."""
+    if key.startswith(f"{CONTENT_KEY}:"):
+        return (f"{wanted['path']} changed since {Path(run_dir) / 'data'} was tokenised from it "
+                f"({describe_change(on_disk, wanted)}; recorded in {where}); nothing was written: "
+                f"{remedy(run_dir, recipe_arg)}")
     return (f"{Path(run_dir) / 'data'} was prepared with {key}={_show(on_disk)} ({where}), the recipe has "
             f"{_show(wanted)}; nothing was written: {remedy(run_dir, recipe_arg)}")
 
@@ -100,7 +105,8 @@ def tokenize_keys(recipe: Any, chat_template_sha256: str | None) -> dict[str, An
     (its engine, batching and servers excepted: the regeneration cache keeps its own
     fingerprints), the length and over-long policy, the harmony channels and the chat template."""
     d, r = recipe.data, recipe.data.regenerate
-    keys = {"data.sources": [s.model_dump(mode="json") for s in d.sources], "data.max_samples": d.max_samples,
+    keys = {"data.sources": [normalised_source(s.model_dump(mode="json")) for s in d.sources],
+            "data.max_samples": d.max_samples,
             "data.max_length": d.max_length, "data.overlong": d.overlong,
             "data.harmony_channels": list(d.harmony_channels), "data.regenerate.enabled": r.enabled,
             "chat_template_sha256": chat_template_sha256}
@@ -110,6 +116,15 @@ def tokenize_keys(recipe: Any, chat_template_sha256: str | None) -> dict[str, An
                      "data.regenerate.samples_per_prompt": r.samples_per_prompt,
                      "data.regenerate.reasoning_effort": r.reasoning_effort})
     return keys
+
+
+def source_contents(recipe: Any, recorded: list[Any] | None = None) -> list[dict[str, Any] | None]:
+    """Per ``data.sources`` entry, its :func:`~draftsmith.data_prep.fingerprint.fingerprint` (None
+    for a hub dataset or builtin set); ``recorded``: the fingerprints ``spec.json`` holds, whose
+    sha256 is reused for a file of the same size and mtime (read once)."""
+    recorded = recorded if isinstance(recorded, list) else []
+    return [fingerprint(s.path, recorded[i] if i < len(recorded) and isinstance(recorded[i], dict) else None)
+            for i, s in enumerate(recipe.data.sources)]
 
 
 def vocab_keys(recipe: Any, target_vocab_size: int) -> dict[str, Any]:
@@ -127,6 +142,7 @@ def hidden_states_keys(recipe: Any, aux_layer_ids: list[int]) -> dict[str, Any]:
 
 
 LAYOUT_KEYS = ("data.sequences_per_shard", "data.shard_bytes")
+CONTENT_KEY = "data.sources.content"  # spec.json's tokenize entry: the sources' fingerprints
 
 
 def wanted_aux_layer_ids(recipe: Any, info: TargetInfo | None) -> list[int] | None:
@@ -225,8 +241,16 @@ def disagreements(recipe: Any, run_dir: Path | str,
         want = tokenize_keys(recipe, None)
         for key, value in want.items():
             if key in recorded and key != "chat_template_sha256":
-                if recorded[key] != value:
+                on_disk = recorded[key]
+                if key == "data.sources" and isinstance(on_disk, list):  # the same file by another path
+                    on_disk = [normalised_source(x) if isinstance(x, dict) else x for x in on_disk]
+                if on_disk != value:
                     out.append((key, recorded[key], paths.spec, value))
+        contents = recorded.get(CONTENT_KEY)
+        if not out and isinstance(contents, list):  # a source edited in place: same path, other bytes
+            for src, old, new in zip(recipe.data.sources, contents, source_contents(recipe, contents)):
+                if isinstance(old, dict) and new is not None and old.get("sha256") != new["sha256"]:
+                    out.append((f"{CONTENT_KEY}:{src.path}", old, paths.spec, new))
         if not out and recorded.get("chat_template_sha256") and info is not None and same_target:
             compare("the target's chat template (sha256)", recorded["chat_template_sha256"], paths.spec,
                     chat_template_of(info, recipe.target.trust_remote_code))
@@ -251,12 +275,112 @@ def check_run_dir(recipe: Any, run_dir: Path | str, stages: list[str] | None = N
         raise RunDirMismatchError(mismatch_message(run_dir, key, on_disk, where, wanted, recipe_arg))
 
 
-def remove_data(run_dir: Path | str) -> bool:
-    """``--overwrite-data``: delete ``RUN_DIR/data`` (True when there was one)."""
+# What draftsmith writes under RUN_DIR/data (prepare, its launch children, the regeneration
+# server's log, atomic writes' temporaries) and under data/hidden_states (shards, manifests, their
+# temporaries, vLLM's work folder): --overwrite-data deletes these and nothing else.
+DATA_FILES = ("target.json", "regen.jsonl", "regen.node-*-of-*.jsonl", "regen_server*.log", "stats.json",
+              "vocab.safetensors", "summary.json", "spec.json", "plan.json", "prepare.recipe.yaml",
+              ".prepare-session", ".early-stages.done", ".node-*-of-*.done", ".regen.node-*-of-*.done", ".*.tmp-*")
+DATA_DIRS = ("tokenized", ".tokenized.tmp-*", "procs", "logs")
+SHARD_FILES = ("shard-*.safetensors", "manifest.json", "manifest.rank-*.json", "manifest*.json", ".*.tmp-*")
+SHARD_DIRS = (".vllm-work",)
+
+
+class ForeignDataError(DataError):
+    """``--overwrite-data`` refused: ``RUN_DIR/data`` holds files draftsmith did not write, or a
+    source of the recipe; nothing was deleted."""
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    from fnmatch import fnmatchcase
+
+    return any(fnmatchcase(name, pat) for pat in patterns)
+
+
+def data_files(run_dir: Path | str) -> tuple[list[Path], list[Path]]:
+    """``(ours, foreign)``: the entries of ``RUN_DIR/data`` draftsmith wrote (files, and folders
+    it owns whole) and every file it did not write (listed file by file)."""
+    root = RunLayout(Path(run_dir)).data.root
+    ours: list[Path] = []
+    foreign: list[Path] = []
+    if not root.is_dir():
+        return ours, foreign
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            if _matches(entry.name, DATA_DIRS):
+                ours.append(entry)
+            elif entry.name == "hidden_states":
+                mine, other = [], []
+                for sub in sorted(entry.iterdir()):
+                    is_dir = sub.is_dir() and not sub.is_symlink()
+                    if _matches(sub.name, SHARD_DIRS if is_dir else SHARD_FILES):
+                        mine.append(sub)
+                    else:
+                        other.extend(sorted(p for p in sub.rglob("*") if not p.is_dir()) if is_dir else [sub])
+                ours.extend(mine if other else [entry])
+                foreign.extend(other)
+            else:
+                foreign.extend(sorted(p for p in entry.rglob("*") if not p.is_dir()) or [entry])
+        elif _matches(entry.name, DATA_FILES):
+            ours.append(entry)
+        else:
+            foreign.append(entry)
+    return ours, foreign
+
+
+def sources_inside(recipe: Any, run_dir: Path | str) -> list[Path]:
+    """The recipe's local source files that lie inside ``RUN_DIR/data``."""
+    from .fingerprint import local_file
+
+    root = RunLayout(Path(run_dir)).data.root.resolve()
+    found = [local_file(s.path) for s in recipe.data.sources]
+    return [f for f in found if f is not None and f.is_relative_to(root)]
+
+
+def overwrite_plan(recipe: Any, run_dir: Path | str) -> list[Path]:
+    """What ``--overwrite-data`` deletes (:func:`data_files`' ours), after refusing when there is
+    anything else in ``RUN_DIR/data``.
+
+    Raises:
+        ForeignDataError: one line naming the recipe's own source kept in ``data/`` or the files
+            draftsmith did not write (the first few, and how many); nothing is deleted.
+    """
+    root = RunLayout(Path(run_dir)).data.root
+    inside = sources_inside(recipe, run_dir)
+    if inside:
+        raise ForeignDataError(
+            f"--overwrite-data: {inside[0]} is a source of this recipe and lies inside {root}, which --overwrite-data "
+            f"starts over; nothing was deleted: keep the recipe's sources outside the run directory")
+    ours, foreign = data_files(run_dir)
+    if foreign:
+        names = ", ".join(str(p) for p in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ForeignDataError(
+            f"--overwrite-data: {root} holds files draftsmith did not write ({names}); nothing was deleted: move "
+            f"them out of {root}, or use a fresh --run-dir")
+    return ours
+
+
+def tree_bytes(paths: list[Path]) -> int:
+    """The bytes of the files under ``paths``."""
+    total = 0
+    for p in paths:
+        if p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+        elif p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def remove_data(recipe: Any, run_dir: Path | str) -> list[Path]:
+    """``--overwrite-data``: delete what draftsmith wrote under ``RUN_DIR/data``
+    (:func:`overwrite_plan`, which refuses first when anything else is there); returns what was
+    removed (empty when there was nothing)."""
     import shutil
 
-    root = RunLayout(Path(run_dir)).data.root
-    if not root.exists():
-        return False
-    shutil.rmtree(root)
-    return True
+    removed = overwrite_plan(recipe, run_dir)
+    for p in removed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    return removed

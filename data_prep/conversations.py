@@ -94,8 +94,14 @@ def iter_rows(path: str, split: str = "train") -> Iterable[tuple[int, Any]]:
     local files and hub ids go through ``datasets.load_dataset``."""
     local = Path(path)
     if local.is_file() and local.suffix == ".jsonl":
-        with local.open(encoding="utf-8") as fh:
-            for i, line in enumerate(fh, start=1):
+        with local.open("rb") as fh:  # decoded line by line: a line that is not UTF-8 is one bad row
+            for i, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield i, DataError(f"{path}:{i}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                       "save the file as UTF-8")
+                    continue
                 if not line.strip():
                     continue
                 try:

@@ -138,7 +138,8 @@ def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, s
             if manifest.get(key) != header[key]:
                 raise ShardError(
                     f"{out_dir / MANIFEST}: existing shards have {key}={manifest.get(key)!r}, this run wants "
-                    f"{header[key]!r}; use a fresh directory"
+                    f"{header[key]!r}; nothing was written: use a fresh --run-dir, or start the run's data over "
+                    f"with draftsmith prepare RECIPE --run-dir RUN_DIR --overwrite-data"
                 )
         done = {s["index"]: s for s in manifest["shards"]}
     else:

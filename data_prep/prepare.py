@@ -39,7 +39,10 @@ from safetensors.torch import save_file
 from . import conversations as conv
 from . import hidden_states as hs
 from .agreement import (
+    CONTENT_KEY,
     check_run_dir,
+    read_spec,
+    source_contents,
     hidden_states_keys,
     record_stage,
     target_keys,
@@ -48,6 +51,7 @@ from .agreement import (
 )
 from .capture import CaptureEngine, LazyCapture, TransformersCapture
 from .plan import Cluster, DataPlan, build_plan
+from .preflight import preflight_run  # noqa: F401 (the CLI's checks before any stage)
 from ..fileio import atomic_write_bytes
 from .shards import MANIFEST, ShardSpec, distributed_rank
 from . import chat_engines
@@ -281,7 +285,9 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
     from ..layout import remove_stale_tokenized_temps, save_tokenized, tokenized_features, tokenized_temp_dir
 
     tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=recipe.target.trust_remote_code)
-    record_stage(paths, "tokenize", tokenize_keys(recipe, regen.chat_template_sha256(tok)))
+    keys = tokenize_keys(recipe, regen.chat_template_sha256(tok))
+    keys[CONTENT_KEY] = source_contents(recipe, read_spec(paths).get("tokenize", {}).get(CONTENT_KEY))
+    record_stage(paths, "tokenize", keys)
     max_len = recipe.data.max_length
     channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
     if channels is not None:

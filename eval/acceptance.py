@@ -1,12 +1,12 @@
 """Acceptance of a draft measured by vLLM's own spec-decode counters.
 
-    draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method draft|eagle3|medusa|dflash|peagle|ngram|none]
+    draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method METHOD]
         [--prompts FILE.jsonl] [--k 3] [--temperature 0] [--max-new-tokens 256] [--out result.json]
 
 ``--method draft`` (the default) serves the export as the method it was exported by, found from
 its ``config.json`` by the registry (:func:`draftsmith.methods.method_of_export`); naming a
-registered method (``eagle3``, ``medusa``, ``dflash``, ``peagle``) also checks that the export is
-one. The registry builds vLLM's ``speculative_config``
+registered method that vLLM serves (a ``--method`` choice, :func:`method_choices`) also checks
+that the export is one. The registry builds vLLM's ``speculative_config``
 (:meth:`draftsmith.methods.DraftMethodSpec.speculative_config`: P-EAGLE is ``eagle3`` with
 ``parallel_drafting``) and names the method's check that the export fits the target, run before
 the engine starts. ``ngram`` (vLLM's prompt lookup) and ``none`` (no speculation) need no draft.
@@ -31,6 +31,9 @@ The draft's measurement is also written as ``speculation_profile.json`` into ``-
 beside ``--out`` as ``<out stem>.speculation_profile.json``): per-position conditional and
 marginal acceptance with their counts, AL and its histogram, K, ``max_supported_k`` and the
 measurement conditions (:mod:`draftsmith.eval.profile`, docs/speculation_profile.md).
+
+Bad inputs are refused before any engine starts (:func:`check_prompts`, :func:`check_max_model_len`);
+a failed run's error is one line: the log's :func:`root_cause` and the path of the whole log, kept.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import re
 import os
@@ -293,6 +297,8 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             be one), ``ngram`` or ``none``; the result's ``method`` is the registry name.
         engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
         timeout_s: wall-clock limit of the subprocess (seconds).
+        log_path: where the worker's output (vLLM's log) is written and kept; None: a temporary
+            file, kept only when the run fails.
         groups: instead of ``prompts``, named lists of conversations (OpenAI messages, ending with
             a user turn), generated one group after another in the same engine; the result's
             ``groups`` holds each one's counters, acceptance figures and prompt lengths (tokens).
@@ -302,11 +308,15 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             or is another method's export.
         ValueError: no draft, or one vLLM does not serve (:func:`draft_method`); engine settings
             the offline engine cannot run (``data_parallel_size > 1``).
-        RuntimeError: the vLLM subprocess failed (its log tail is in the message).
+        RuntimeError: the vLLM subprocess failed: one line, with the log's root cause
+            (:func:`failure_message`) and the log's path (``log_path``; None: a kept temporary
+            file, :func:`keep_log`).
         subprocess.TimeoutExpired: it ran past ``timeout_s``.
     """
     engine = engine or VllmConfig()
     llm_kwargs(engine)  # refuse settings the offline engine cannot run before starting it
+    if max_prompts is not None and max_prompts < 1:
+        raise ValueError(f"max_prompts={max_prompts}: must be at least 1 (None: every prompt)")
     if method not in NO_DRAFT_METHODS:
         spec = draft_method(method, draft)
         if spec.target_check is not None:
@@ -320,20 +330,21 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
                "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
         if draft is not None:
             cmd += ["--draft", str(draft)]
-        if max_prompts:
+        if max_prompts is not None:
             cmd += ["--max-prompts", str(max_prompts)]
         if groups is not None:
             (Path(tmp) / "groups.json").write_text(json.dumps(groups))
             cmd += ["--groups-json", str(Path(tmp) / "groups.json")]
-        log_path = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        kept = log_path is not None
+        log_path = Path(log_path) if kept else Path(tmp) / "vllm.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
             _follow(proc, log_path, timeout_s, f"acceptance ({method})")
         if proc.returncode != 0 or not result_path.is_file():
-            tail = log_path.read_text()[-4000:]
-            raise RuntimeError(f"vLLM run ({method}) failed with exit code {proc.returncode}:\n{tail}")
+            raise RuntimeError(failure_message(method, proc.returncode,
+                                               log_path if kept else keep_log(log_path, method)))
         return json.loads(result_path.read_text())
 
 
@@ -415,3 +426,205 @@ def check_target(target: Path | str) -> None:
             f"--target {target}: no such local directory, and the Hub cannot serve it here "
             f"({type(exc).__name__}: {reason}); download it where the Hub is reachable (`hf download {target} "
             f"--local-dir DIR`, after `hf auth login` for a gated model) and pass --target DIR") from None
+
+
+class PromptsError(ValueError):
+    """``--prompts`` names no readable prompt set (a runtime failure: the message names the file)."""
+
+
+class UnknownPromptSetError(PromptsError):
+    """``--prompts builtin:<name>`` names no builtin prompt set (a usage error: the message lists them)."""
+
+
+def builtin_prompt_sets() -> list[str]:
+    """The names ``--prompts builtin:<name>`` takes: the shipped prompt sets, then the Hub ones."""
+    from ..data_prep.conversations import BUILTIN_DIR, BUILTIN_HUB
+
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl")) + list(BUILTIN_HUB)
+
+
+def check_prompts(prompts: str, max_prompts: int | None = None) -> None:
+    """Before any engine starts: ``prompts`` is a builtin set, a Hub dataset id, or a prompt file
+    that exists, is not empty and is UTF-8 text; a JSONL file (and a shipped set) must also
+    hold a usable row (:func:`draftsmith.data_prep.conversations.load_records`).
+
+    Raises:
+        UnknownPromptSetError: ``builtin:<name>`` of no builtin set (the message lists them).
+        PromptsError: one line naming the file: no such file, a directory, an empty file, bytes
+            that are not UTF-8 (line and byte offset of the first), or no usable row.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from ..data_prep.conversations import (
+        BUILTIN_HUB, BUILTIN_PREFIX, DATA_SUFFIXES, DataError, load_records, resolve_source_path)
+
+    names = builtin_prompt_sets()
+    if prompts.startswith(BUILTIN_PREFIX):
+        name = prompts[len(BUILTIN_PREFIX):]
+        if name not in names:
+            raise UnknownPromptSetError(f"--prompts {prompts}: no such builtin prompt set; the builtin ones are "
+                                        f"{', '.join(BUILTIN_PREFIX + n for n in names)} (or pass a JSONL file)")
+        if name in BUILTIN_HUB:
+            return  # a Hub dataset: the worker loads it
+        path = Path(resolve_source_path(prompts))
+    else:
+        path = Path(prompts).expanduser()
+    fix = f"pass a JSONL prompt file (prompts, MT-bench turns, ShareGPT or messages rows) or builtin:<name> " \
+          f"({', '.join(names)})"
+    if not path.exists():
+        try:
+            validate_repo_id(prompts)
+            if not prompts.lower().endswith(DATA_SUFFIXES):
+                return  # a Hub dataset id (ORG/NAME): the worker loads it
+        except HFValidationError:
+            pass
+        raise PromptsError(f"--prompts {prompts}: no such file; {fix}")
+    if not path.is_file():
+        raise PromptsError(f"--prompts {prompts}: a directory, not a prompt file; {fix}")
+    data = path.read_bytes()
+    if not data.strip():
+        raise PromptsError(f"--prompts {prompts}: an empty file (no prompts); {fix}")
+    if path.suffix.lower() not in (".parquet", ".arrow"):
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            raise PromptsError(
+                f"--prompts {prompts}: not UTF-8 text (line {line}, byte offset {exc.start}: byte "
+                f"0x{data[exc.start]:02x}, {exc.reason}); save it as UTF-8, e.g. iconv -f latin1 -t utf-8 "
+                f"{prompts} > prompts.utf8{path.suffix}") from None
+    if path.suffix.lower() == ".jsonl":
+        try:
+            load_records(str(path), max_rows=max_prompts)
+        except DataError as exc:
+            raise PromptsError(f"--prompts {exc}") from None
+
+
+LONG_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+"""RoPE types whose ``max_position_embeddings`` is already the scaled context (vLLM applies no factor)."""
+
+
+def target_config_json(target: Path | str) -> tuple[dict[str, Any], str] | None:
+    """The target's ``config.json`` (no weights read) and where it is: the local folder's, or
+    the Hub's cached copy :func:`check_target` fetched; None when neither can be read."""
+    path = Path(target).expanduser() / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(target), "config.json"))
+        except Exception:  # offline, gated, missing: check_target has said so already
+            return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return (config, str(path)) if isinstance(config, dict) else None
+
+
+def target_context(config: dict[str, Any]) -> tuple[int, str] | None:
+    """The longest ``max_model_len`` vLLM accepts for a target of ``config`` (its ``config.json``)
+    and how it follows from the config: ``max_position_embeddings`` (of the text config), times a
+    linear / dynamic RoPE scaling ``factor`` (vLLM's rule: YaRN, LongRoPE and Llama-3 scaling
+    are scaled already), or ``model_max_length`` when larger; None: no ``max_position_embeddings``."""
+    from ..target.facts import text_json
+
+    text = text_json(config)
+    limit = text.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    params = ([rope] if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope)
+              else [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else [])
+    factor = 1.0
+    if "gemma3" not in str(text.get("model_type", "")):
+        for rp in params:
+            if rp.get("rope_type", rp.get("type")) not in LONG_ROPE_TYPES and rp.get("factor"):
+                factor = float(rp["factor"])
+    context, how = int(limit * factor), f"max_position_embeddings {limit}"
+    if factor != 1.0:
+        how += f" x rope_scaling factor {factor:g}"
+    longest = text.get("model_max_length")
+    if isinstance(longest, int) and longest > context:
+        context, how = longest, f"model_max_length {longest}"
+    return context, how
+
+
+def check_max_model_len(engine: VllmConfig, target: Path | str, key: str = "vllm.max_model_len",
+                        source: str | None = None) -> None:
+    """Before any engine starts: ``engine.max_model_len`` is within the target's context
+    (:func:`target_context`), as vLLM will check (unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set).
+
+    Raises:
+        ValueError: one line naming ``key`` (``--max-model-len``; ``vllm.max_model_len`` of the
+            recipe file ``source``), its value, the target's context and its ``config.json``.
+    """
+    allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+    found = None if engine.max_model_len is None or allow_long else target_config_json(target)
+    context = target_context(found[0]) if found else None
+    if context is None or engine.max_model_len <= context[0]:
+        return
+    raise ValueError(f"{source + ': ' if source else ''}{key} {engine.max_model_len} is above the target's context "
+                     f"({context[1]} in {found[1]}); set {key} to {context[0]} or less (or leave it out: the "
+                     "target's own)" + (", or override it with --max-model-len" if source else ""))
+
+
+_LOG_PREFIX = re.compile(r"^(?:\([\w.-]+ pid=\d+\)\s+)?(?:\[rank\d+\]:\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+                         r"\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
+_RESOURCE = re.compile(r"less than (?:desired|requested)")
+_ERROR = re.compile(r"^(?:[\w.]*(?:Error|Exception)|Error):\s")
+_WRAPPER = re.compile(r"root cause|Engine core initialization failed", re.IGNORECASE)  # vLLM's "see above" errors
+_PYDANTIC = re.compile(r"ValidationError: \d+ validation errors? for ")  # its errors follow, indented
+
+
+def root_cause(log_text: str) -> str | None:
+    """The line of a vLLM log that says why the run failed, without vLLM's log prefix (``(EngineCore
+    pid=7) ERROR 11-29 06:57:00 [core.py:1510] ``): the last resource refusal (``... less than desired
+    ...``, ``... less than requested memory for kv ...``), else the last exception line
+    (``ValueError: ...``, ``torch.OutOfMemoryError: ...``) that is not one of vLLM's wrappers
+    pointing at an earlier one ("See root cause above"), with the indented errors of a pydantic
+    ``ValidationError`` (vLLM's config classes) joined to it; None: no such line."""
+    bare = [_LOG_PREFIX.sub("", line).rstrip() for line in log_text.splitlines()]
+    lines = [line.strip() for line in bare]
+    for wanted in (lambda line: _RESOURCE.search(line),
+                   lambda line: _ERROR.match(line) and not _WRAPPER.search(line)):
+        found = [i for i, line in enumerate(lines) if wanted(line)]
+        if found:
+            i = found[-1]
+            more = [] if not _PYDANTIC.search(lines[i]) else [re.sub(r"\s*\[type=.*$", "", line) for line in
+                    itertools.takewhile(lambda b: b.startswith(" "), bare[i + 1:]) if "errors.pydantic.dev" not in line]
+            return ": ".join([lines[i], *(line.strip() for line in more)])
+    return None
+
+
+MEMORY_HINT = ("; on CPU pass a CPU recipe (--recipe) or --gpu-memory-utilization 0.2 (there the fraction of RAM "
+               "for the KV cache), or set --kv-cache-memory-gib")
+
+
+def failure_message(method: str, returncode: int | None, log_path: Path) -> str:
+    """One line for a failed worker: its exit, the log's :func:`root_cause` (else its last line)
+    and where the whole log is."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        text = ""
+    cause = root_cause(text) or next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "no output")
+    if len(cause) > 1500:
+        cause = cause[:1500] + "..."
+    how = (f"killed by signal {-returncode}" if returncode is not None and returncode < 0
+           else f"exit code {returncode}" + (", no result written" if returncode == 0 else ""))
+    if _RESOURCE.search(cause):
+        cause = cause.rstrip(".") + MEMORY_HINT
+    return f"vLLM run ({method}) failed ({how}): {cause} (full log: {log_path})"
+
+
+def keep_log(log_path: Path, method: str) -> Path:
+    """A copy of the temporary ``log_path`` that outlives its folder (in the system's temporary
+    directory, ``draftsmith-acceptance-<method>-*.vllm.log``)."""
+    import shutil
+
+    fd, kept = tempfile.mkstemp(prefix=f"draftsmith-acceptance-{method}-", suffix=".vllm.log")
+    os.close(fd)
+    shutil.copyfile(log_path, kept)
+    return Path(kept)

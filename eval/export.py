@@ -13,7 +13,9 @@ is. The formats are described in docs/formats.md.
 ``--vllm VERSION`` names the vLLM release the export must load in (default: the installed one, if
 any): an export that release cannot load (vLLM 0.33 no longer has Medusa; XPress drafts need 0.33)
 is refused before anything is written, naming the version and the config key
-(:mod:`draftsmith.vllm_bridge.releases`, docs/vllm_releases.md).
+(:mod:`draftsmith.vllm_bridge.releases`, docs/vllm_releases.md). The command line takes only the
+releases that table holds (0.32, 0.33): another, or a string that is no version, is refused in one line
+naming them (:func:`~draftsmith.vllm_bridge.releases.known_release`), exit 1 as the other refusals.
 
 ``--dtype auto`` (the default) writes bfloat16 weights on a machine with a CUDA GPU and
 float32 on a CPU-only one; ``--dtype float32`` / ``bfloat16`` / ``float16`` choose explicitly.
@@ -28,11 +30,17 @@ which training takes from the shard manifest (the layers the states were capture
 the saved ``recipe.yaml``; a checkpoint inside a run directory whose shards were captured at
 other layers than its config names (trained by a draftsmith that took them from ``target.json``)
 is refused (:func:`check_captured_layers`).
+
+An ``OUT_DIR`` that already holds a ``speculation_profile.json`` (``draftsmith acceptance`` of an
+earlier export) keeps it only when it records the sha256 and method of the weights just written
+(the same bytes exported again); any other is removed, logging one line naming it, so that a
+profile of other weights is never published beside these (:func:`drop_stale_profile`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,9 @@ from ..models.common import cast_floating, check_tensor_set
 from ..runtime import resolve_dtype
 from ..train.checkpoint import find_checkpoints, read_draft
 from ..vllm_bridge.releases import check_vllm_loads
+from .profile import PROFILE_FILE, WEIGHTS_FILE, ProfileError, binding_mismatch, file_sha256, read_profile
+
+log = logging.getLogger(__name__)
 
 
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int | None = None,
@@ -66,7 +77,8 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
             no check (the command line passes the installed vLLM's).
 
     Options a method's format does not take (:attr:`~draftsmith.models.common.DraftFormat.export_options`)
-    are not used.
+    are not used. A ``speculation_profile.json`` already in ``out`` that does not record the new
+    weights' sha256 and method is removed (:func:`drop_stale_profile`).
 
     Raises:
         ExportError: missing files, an invalid or unregistered method, tensors that do not match
@@ -89,8 +101,9 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
         raise ExportError(str(exc)) from None
     tensors = cast_floating(tensors, dtype)
     out.mkdir(parents=True, exist_ok=True)
-    weights = out / "model.safetensors"
+    weights = out / WEIGHTS_FILE
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    drop_stale_profile(out, _export_method(config, draft.method))
     # what vLLM will read, read back
     check_tensor_set(load_file(str(weights)), {k: tuple(v.shape) for k, v in tensors.items()}, str(weights),
                      fmt.layout)
@@ -98,6 +111,38 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
     for name, extra in (fmt.sidecars(config) if fmt.sidecars else {}).items():
         (out / name).write_text(json.dumps(extra, indent=2))
     return out
+
+
+def _export_method(config: dict[str, Any], default: str) -> str:
+    """The method an export's ``config.json`` reads as (what ``draftsmith acceptance`` records)."""
+    try:
+        return method_of_export(config).name
+    except UnknownMethodError:
+        return default
+
+
+def drop_stale_profile(out: Path, method: str) -> Path | None:
+    """Remove ``out/speculation_profile.json`` unless it records the sha256 of ``out``'s weights
+    file and ``method`` (:func:`draftsmith.eval.profile.binding_mismatch`): one without a sha256
+    or that does not read cannot be shown to describe them. Logs one line naming the file;
+    returns the file removed, None when there was none or it matches.
+
+    Raises:
+        OSError: the weights cannot be read or the profile cannot be removed.
+    """
+    path, weights = out / PROFILE_FILE, out / WEIGHTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        why = binding_mismatch(read_profile(path), weights, file_sha256(weights), method)
+    except ProfileError as exc:
+        why = f"it does not read as a speculation profile ({str(exc).removeprefix(f'{path}: ')})"
+    if why is None:
+        return None
+    path.unlink()
+    log.warning("removed %s: %s; measure the new weights with `draftsmith acceptance --target TARGET --draft %s`",
+                path, why, out)
+    return path
 
 
 def check_captured_layers(ckpt: Path, draft: Any) -> None:
@@ -169,10 +214,26 @@ def saved_num_speculative_tokens(ckpt: Path, default: int = 3) -> int:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir."""
+    """A checkpoint dir as is, or the latest ``checkpoints/step-N`` of a run dir.
+
+    Raises:
+        ExportError: neither; the message names the missing ``draft_config.json`` (and says
+            when ``path`` is an export, or a checkpoint without its draft config).
+    """
     if (path / DRAFT_CONFIG_FILE).is_file():
         return path
     ckpts = find_checkpoints(RunLayout(path).checkpoints)
-    if not ckpts:
-        raise ExportError(f"{path}: neither a checkpoint nor a run directory with checkpoints")
-    return ckpts[-1]
+    if ckpts:
+        return ckpts[-1]
+    missing = path / DRAFT_CONFIG_FILE
+    if (path / "config.json").is_file() and (path / WEIGHTS_FILE).is_file():
+        raise ExportError(f"{missing} missing: {path} is an exported draft (config.json), not a training "
+                          "checkpoint; pass the RUN_DIR/checkpoints/step-N it was exported from")
+    held = [name for name in (WEIGHTS_FILE, "train_state.json") if (path / name).is_file()]
+    if held:
+        raise ExportError(f"{missing} missing: {path} holds {' and '.join(held)} but no draft config, so it is not a "
+                          "complete draftsmith training checkpoint; pass another RUN_DIR/checkpoints/step-N, or the "
+                          "RUN_DIR (its latest complete checkpoint)")
+    raise ExportError(f"{path}: neither a checkpoint nor a run directory with checkpoints (no {DRAFT_CONFIG_FILE}, "
+                      f"no {RunLayout(path).checkpoints.name}/step-N); pass RUN_DIR/checkpoints/step-N or the RUN_DIR "
+                      "of `draftsmith train`")

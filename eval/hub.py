@@ -10,7 +10,8 @@ matter (``base_model`` = the target, ``license``, ``datasets`` = the recipe's Hu
 sources, ``library_name``, ``tags``), the draft's method (any registered in :mod:`draftsmith.methods`) and its shape, the training data
 (from the run's ``recipe.yaml``), measured acceptance (``draftsmith acceptance --out`` JSON), the
 speculation profile (the ``speculation_profile.json`` ``draftsmith acceptance`` writes into
-``DRAFT_DIR``, copied into the folder and pushed with it) and serving speedup (``draftsmith
+``DRAFT_DIR``, copied into the folder and pushed with it, only when it records the sha256 and
+method of ``DRAFT_DIR``'s own weights) and serving speedup (``draftsmith
 serve-bench``'s ``results.json``) with the commands that produced them, and the ``vllm serve`` line.
 
 Pushing uses ``huggingface_hub``: ``create_repo(repo_id, private=..., exist_ok=True)`` then
@@ -21,6 +22,7 @@ it is passed to the client only, never printed or written.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -28,11 +30,13 @@ from typing import Any, Callable
 
 import yaml
 
-from .profile import PROFILE_FILE, ProfileError, SpeculationProfile, read_profile
+from .profile import (PROFILE_FILE, WEIGHTS_FILE, ProfileError, SpeculationProfile, binding_mismatch, file_sha256,
+                      read_profile)
 from .results import AcceptanceResult, ServeResults, read_acceptance
 from ..methods import DraftMethodSpec, UnknownMethodError, method_of_export
 from ..vllm_bridge import spec_config
 
+log = logging.getLogger(__name__)
 DRAFT_FILES = ("config.json", "model.safetensors", "generation_config.json", "speculators_config.json")
 # Hub dataset ids look like "owner/name"; local files and builtin: sets are not listed in the card.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -236,12 +240,15 @@ def _read(path: Path | None, what: str, reader: Callable[[Path], Any]) -> Any:
 def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = None, acceptance: Path | None = None,
                    serve: Path | None = None, card_license: str | None = None) -> Path:
     """Copy the exported draft (with its ``speculation_profile.json`` when ``draftsmith
-    acceptance`` wrote one) into ``out`` and write the model card; returns ``out``.
+    acceptance`` wrote one) into ``out`` and write the model card; returns ``out``. A draft file
+    or profile ``out`` holds from an earlier run that ``draft`` lacks is removed (one logged line):
+    it is not this draft's, and ``--push`` uploads the whole folder.
 
     Raises:
         HubError: ``draft`` is not an exported draft, an attached file is unreadable or not the
             schema of :mod:`draftsmith.eval.results`, or the draft's profile is not a valid
-            speculation profile (:func:`draftsmith.eval.profile.read_profile`).
+            speculation profile (:func:`draftsmith.eval.profile.read_profile`) or was not measured
+            on this export's weights and method (:func:`check_profile_binding`); nothing is written.
     """
     if not Path(draft).is_dir():
         raise HubError(f"{draft}: no such directory; pass the folder `draftsmith export` wrote")
@@ -261,14 +268,43 @@ def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = N
             prof = read_profile(draft / PROFILE_FILE)
         except ProfileError as exc:
             raise HubError(str(exc)) from None
+        check_profile_binding(draft, prof, _method(cfg).name)
     card = model_card(cfg, repo_id, rec, _read(acceptance, "acceptance result", read_acceptance),
                       _read(serve, "serving results", ServeResults.read), card_license, prof)
     out.mkdir(parents=True, exist_ok=True)
     for name in (*DRAFT_FILES, PROFILE_FILE):
-        if (draft / name).is_file():
-            shutil.copy2(draft / name, out / name)
+        src, dst = draft / name, out / name
+        if src.is_file():
+            if not (dst.exists() and dst.samefile(src)):
+                shutil.copy2(src, dst)
+        elif dst.is_file():  # a copy an earlier `draftsmith hub` into this --out left: not this draft's
+            dst.unlink()
+            log.warning("removed %s: %s has no %s; the copy an earlier `draftsmith hub` left there is another "
+                        "draft's and would be published as this one's", dst, draft, name)
     (out / "README.md").write_text(card)
     return out
+
+
+def check_profile_binding(draft: Path, prof: SpeculationProfile, method: str) -> None:
+    """Refuse to publish ``draft``'s ``speculation_profile.json`` unless it records the sha256 of
+    ``draft``'s weights file and ``method`` (the export's, :func:`draftsmith.methods.method_of_export`):
+    a profile of other weights, of another method (a DFlash profile in an EAGLE-3 export) or one
+    without a sha256 (it cannot be shown to describe these weights) would be published as this
+    draft's.
+
+    Raises:
+        HubError: one line naming the profile, the recorded and the export's sha256 and method, and
+            the command that measures the export again.
+    """
+    weights = draft / WEIGHTS_FILE
+    try:
+        why = binding_mismatch(prof, weights, file_sha256(weights), method)
+    except OSError as exc:
+        raise HubError(f"{weights}: cannot read the weights to check the speculation profile against ({exc})") from None
+    if why is not None:
+        raise HubError(f"{draft / PROFILE_FILE}: not published: {why}; re-measure the export with `draftsmith "
+                       f"acceptance --target TARGET --draft {draft}` (it rewrites the file), or delete it to publish the "
+                       "draft without a profile")
 
 
 def push(folder: Path, repo_id: str, private: bool = True, commit_message: str = "Upload speculative-decoding draft (draftsmith)") -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,6 +36,10 @@ from ..methods import UnknownMethodError, method_of_export
 
 SCHEMA_VERSION = "1.0"
 PROFILE_FILE = "speculation_profile.json"
+WEIGHTS_FILE = "model.safetensors"
+"""The export's weights file whose sha256 a profile records (``draft_checkpoint.weights_sha256``)."""
+_CHUNK = 1 << 20  # hash 1 MiB at a time: a draft's weights need not fit in memory
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 PRODUCER = "draftsmith acceptance"
 # Methods whose K=n draft is the first n tokens of their K=n+1 draft: one measurement gives the
 # AL of every smaller K (the proposal's "chain_analytic"). Block and parallel drafters (DFlash,
@@ -100,6 +105,9 @@ class SpeculationProfile(BaseModel):
         bad = [n for n in self.acceptance_length_histogram if not 1 <= n <= k + 1]
         if bad:
             raise ValueError(f"acceptance_length_histogram: lengths {bad} outside 1..{k + 1}")
+        sha = (self.draft_checkpoint or {}).get("weights_sha256")
+        if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise ValueError(f"draft_checkpoint.weights_sha256: {sha!r} is not a sha256 (64 lowercase hex digits)")
         al = self.mean_accept_length
         if al is None and self.measured:
             raise ValueError("mean_accept_length: null in a measured profile")
@@ -176,6 +184,41 @@ def max_supported_k(draft_config: dict[str, Any] | None) -> tuple[int | None, st
     return (int(k), "the export's num_speculative_tokens") if k else (None, None)
 
 
+def file_sha256(path: Path) -> str:
+    """SHA-256 (hex) of the file at ``path``, read 1 MiB at a time.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def profile_binding(prof: SpeculationProfile) -> tuple[str | None, str | None]:
+    """``(weights sha256, method)`` a profile says it measured (None where it records none)."""
+    ckpt = prof.draft_checkpoint or {}
+    return ckpt.get("weights_sha256"), prof.method or ckpt.get("method")
+
+
+def _short(sha: str | None) -> str:
+    return sha[:12] if sha else "not recorded"
+
+
+def binding_mismatch(prof: SpeculationProfile, weights: Path, weights_sha256: str, method: str) -> str | None:
+    """Why ``prof`` cannot be shown to describe the export whose weights file ``weights`` hashes
+    to ``weights_sha256`` and whose method is ``method``, in words fit for one line; None when
+    the profile records that very sha256 and method. A profile that records no sha256 (an
+    older draftsmith's, another producer's) cannot be shown to match."""
+    sha, measured = profile_binding(prof)
+    if sha == weights_sha256 and measured == method:
+        return None
+    return (f"it measured weights sha256 {_short(sha)}, method {measured or 'not recorded'}, but {weights} is "
+            f"sha256 {_short(weights_sha256)}, method {method}")
+
+
 def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path | None = None,
                   draft_config: dict[str, Any] | None = None,
                   engine: dict[str, Any] | None = None) -> SpeculationProfile:
@@ -183,7 +226,11 @@ def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path 
     :func:`draftsmith.eval.acceptance.measure`, its ``counters`` in particular).
 
     Args:
-        target / draft: what was measured (published by :func:`public_name`).
+        target / draft: what was measured (published by :func:`public_name`). When ``draft`` is
+            an export folder holding :data:`WEIGHTS_FILE`, the profile is bound to those weights:
+            ``draft_checkpoint.weights_sha256`` is their sha256, hashed here (where the profile is
+            written), so that ``draftsmith export`` and ``draftsmith hub`` can tell a profile of
+            other weights (:func:`binding_mismatch`).
         draft_config: the export's ``config.json`` (``max_supported_k``, ``block_size``).
         engine: the vLLM engine settings (``dtype``, ``max_num_seqs``, ...).
 
@@ -193,6 +240,7 @@ def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path 
     Raises:
         ProfileError: no K (``num_speculative_tokens`` 0: no speculation), or counters that are
             not vLLM's longest-prefix counts.
+        OSError: the draft's weights file cannot be read.
     """
     k = int(result.get("num_speculative_tokens") or 0)
     method = result.get("method")
@@ -228,9 +276,12 @@ def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path 
     }
     groups = result.get("groups") or {}
     full = counts.num_drafts * k
+    checkpoint = {"name_or_path": public_name(draft), "method": method} if draft else None
+    if checkpoint is not None and (Path(draft) / WEIGHTS_FILE).is_file():
+        checkpoint.update(weights_file=WEIGHTS_FILE, weights_sha256=file_sha256(Path(draft) / WEIGHTS_FILE))
     profile = {
         "schema_version": SCHEMA_VERSION, "measured": measured, "producer": PRODUCER, "method": method,
-        "draft_checkpoint": {"name_or_path": public_name(draft), "method": method} if draft else None,
+        "draft_checkpoint": checkpoint,
         "target_model": {"name_or_path": public_name(target)},
         "num_speculative_tokens": k,
         "block_size": block if isinstance(block, int) else None,

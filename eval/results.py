@@ -58,7 +58,7 @@ class AcceptanceResult(AcceptanceFigures):
     """One configuration measured offline by eval/acceptance.py (its ``--out`` JSON holds one per
     method); the acceptance figures are absent for ``method: none``."""
 
-    method: str | None = Field(None, description="the draft method (a registered name: eagle3, medusa, dflash, peagle), ngram or none")
+    method: str | None = Field(None, description="the draft method (a name registered in draftsmith.methods), ngram or none")
     num_speculative_tokens: int | None = Field(None, description="K (0 without speculation)")
     temperature: float | None = None
     max_new_tokens: int | None = Field(None, description="most tokens generated per prompt")

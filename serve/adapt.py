@@ -261,6 +261,7 @@ def adapt(args: AdaptOptions) -> dict[str, Any]:
     from ..data_prep.ranks import PREPARE_ERRORS, prepare_run
     from ..eval.export import export, resolve_checkpoint
     from ..procs import install_child_reaper
+    from ..run_lock import LOCK_FILE
     from ..train.run import fit_summary, train, train_errors
 
     wall0, cpu0 = time.monotonic(), cpu_seconds()
@@ -270,7 +271,7 @@ def adapt(args: AdaptOptions) -> dict[str, Any]:
         recipe_path = run / "adapt_recipe.yaml"
         p["recipe"] = load_recipe(recipe_path)
     else:
-        if run.exists() and any(run.iterdir()) and not args.overwrite:
+        if run.exists() and any(f.name != LOCK_FILE for f in run.iterdir()) and not args.overwrite:
             raise AdaptError(f"{run} is not empty: --resume continues that adaptation, --overwrite starts over")
         p = plan(args)  # refuses before anything in RUN_DIR is touched
         for sub in ("traffic", "data", "checkpoints", "export", "plan.json", "adapt_recipe.yaml", "adapt.json"):

@@ -58,12 +58,29 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32, trust_remote_cod
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    missing = weights_missing(path)
+    if missing:
+        raise FileNotFoundError(missing)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=trust_remote_code, device_map=default_device(device)
     )
     model.eval().requires_grad_(False)
     return model, tok
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                   "*.pt", "*.pth", "*.gguf")
+
+
+def weights_missing(path: Path | str) -> str | None:
+    """The one line refusing a local target folder with a ``config.json`` but no weight files
+    (:data:`WEIGHT_PATTERNS`); None when it has weights or is not a local folder."""
+    path = Path(path)
+    if not path.is_dir() or any(next(path.glob(pat), None) is not None for pat in WEIGHT_PATTERNS):
+        return None
+    return (f"target {path}: a config.json but no weights (no *.safetensors, pytorch_model*.bin or *.gguf); "
+            "copy the model's weight files into it, or name the complete model folder")
 
 
 def checkpoint_weight_map(path: Path) -> dict[str, str]:

@@ -140,10 +140,17 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         CheckpointError: ``resume`` and ``overwrite`` together.
     """
     if resume and overwrite:
-        raise CheckpointError("--resume and --overwrite contradict each other: choose one")
+        raise CheckpointError("--resume (or --resume-from) and --overwrite contradict each other: choose one")
     found = training_outputs(run_dir)
     if not found or resume:
         return
+    ckpt_dir = RunLayout(run_dir).checkpoints
+    if not overwrite and not (ckpt_dir.is_dir() and any(re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)
+                                                         for p in ckpt_dir.iterdir())):
+        raise RunDirNotEmptyError(
+            f"{run_dir} already holds a training run that wrote no checkpoint ({', '.join(p.name for p in found)}): "
+            "pass --resume to train it from step 0 (its metrics.jsonl lines are dropped), --overwrite to remove "
+            "its output first (data/ is kept), or choose another --run-dir")
     if not overwrite:
         raise RunDirNotEmptyError(
             f"{run_dir} already holds a training run ({', '.join(p.name for p in found)}): pass --resume to "
@@ -152,6 +159,56 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     for p in found:
         log.warning("--overwrite: removing %s", p)
         shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """What is damaged in checkpoint ``ckpt`` (``"FILE: what"``, one line), or None when every file
+    resume reads is whole: ``train_state.json`` (JSON with a step), ``model.safetensors`` (its
+    header and every tensor's bytes present: a truncated file fails), ``draft_config.json`` /
+    ``recipe.yaml`` (parse), and the torch archives accelerate's ``save_state`` writes at the top
+    level (``optimizer.bin``, ``scheduler.bin``, ``random_states_R.pkl`` ...: their zip directory,
+    at the end of the file, is read). Headers only: cheap for any size; a file damaged without a
+    change of size may pass."""
+    import zipfile
+
+    import yaml
+    from safetensors import safe_open
+
+    state = ckpt / "train_state.json"
+    try:
+        saved = json.loads(state.read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("step"), int):
+            return f"{state}: not a train state (no step)"
+    except (OSError, ValueError) as exc:
+        return f"{state}: unreadable ({_first_line(exc)})"
+    weights = ckpt / WEIGHTS_NAME
+    if not weights.is_file():
+        return f"{weights}: missing"
+    try:
+        with safe_open(str(weights), framework="pt") as fh:
+            for key in fh.keys():
+                fh.get_slice(key).get_shape()
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        return f"{weights}: truncated or corrupt ({_first_line(exc)})"
+    for name, parse in ((DRAFT_CONFIG_FILE, json.loads), ("recipe.yaml", yaml.safe_load)):
+        path = ckpt / name
+        if path.is_file():
+            try:
+                parse(path.read_text())
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                return f"{path}: unreadable ({_first_line(exc)})"
+    for path in sorted(p for p in ckpt.iterdir() if p.is_file() and p.suffix in (".bin", ".pkl", ".pt")):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                zf.infolist()
+        except (OSError, zipfile.BadZipFile) as exc:
+            return f"{path}: truncated or corrupt ({_first_line(exc)})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def check_checkpoint_shapes(ckpt: Path, model: torch.nn.Module) -> None:
@@ -181,12 +238,16 @@ def check_checkpoint_shapes(ckpt: Path, model: torch.nn.Module) -> None:
                 )
 
 
-def check_launcher_layout(ckpt: Path, saved: dict[str, Any], distributed_type: str, num_processes: int) -> None:
+def check_launcher_layout(ckpt: Path, saved: dict[str, Any], distributed_type: str, num_processes: int,
+                          warn: bool = True) -> None:
     """Refuse to resume a checkpoint whose resume state another launcher wrote.
 
     FSDP (torch.distributed.checkpoint shards), DeepSpeed (ZeRO partitions) and plain / DDP
     (``optimizer.bin``) keep optimizer state in different layouts that only their own loader
     reads; DeepSpeed ZeRO partitions also fix the number of processes.
+
+    ``warn``: log that another number of processes changes the data order (False: a check made
+    again before loading).
 
     Raises:
         CheckpointError: naming ``train_state.json``'s ``distributed_type`` / ``num_processes``.
@@ -205,7 +266,7 @@ def check_launcher_layout(ckpt: Path, saved: dict[str, Any], distributed_type: s
             f"{ckpt / 'train_state.json'}: num_processes={n_was} but this run has {num_processes}: DeepSpeed ZeRO "
             f"optimizer partitions are per rank; resume with {n_was} processes"
         )
-    if n_was != num_processes:
+    if n_was != num_processes and warn:
         log.warning("%s: written by %d processes, resumed with %d: the data order differs from an uninterrupted run",
                     ckpt, n_was, num_processes)
 

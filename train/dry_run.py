@@ -41,22 +41,19 @@ from typing import Any
 from ..data_prep.plan import Cluster, build_plan
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
-from ..draft_section import sliding_window_problem
 from ..methods import get_method
 from ..models.common import LayerGeometry
 from ..recipe import Recipe
 from ..target import (
     DTYPE_BYTES,
-    check_lengths,
     config_from_json,
     default_aux_layer_ids,
-    load_config_json,
     num_decoder_layers,
     target_weight_bytes,
     text_config,
     validate_aux_layer_ids,
-    validate_geometry,
 )
+from ..data_prep.preflight import Preflight, parameter_counts, preflight  # noqa: F401 (re-exported)
 from .launchers import LauncherReport, draft_model_class, validate_launcher
 
 
@@ -259,16 +256,6 @@ def loss_chunk_rows(recipe: Recipe, rows_total: int, vocab: int) -> int:
     return min(chunk_rows(vocab, recipe.train.loss_chunk_rows), max(1, rows_total))
 
 
-def parameter_counts(recipe: Recipe, geometry: LayerGeometry, vocab_size: int) -> dict[str, int]:
-    """The method's parameter counts by part (``methods`` registry estimator), with the draft's
-    ``lm_head`` as ``frozen_lm_head`` under ``draft.freeze_lm_head``. Parts named ``frozen_*``
-    are not trained (:func:`trainable_parameters`)."""
-    counts, _ = get_method(recipe.draft.method).parameter_estimator(recipe, geometry, vocab_size)
-    if getattr(recipe.draft, "freeze_lm_head", False) and "lm_head" in counts:
-        counts["frozen_lm_head"] = counts.pop("lm_head")
-    return counts
-
-
 def trainable_parameters(counts: dict[str, int]) -> int:
     return sum(v for k, v in counts.items() if not k.startswith("frozen_"))
 
@@ -398,25 +385,11 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     """
     launcher = launcher or recipe.launcher
     launch = validate_launcher(recipe, launcher, draft_model_class(recipe.draft.method)) if launcher else None
-    config_json, source = load_config_json(recipe, target_config)
-    validate_geometry(config_json, source)
-    check_lengths(config_json, [recipe.data.max_length], source)
-    config = config_from_json(config_json, recipe.target.trust_remote_code)
-    text = text_config(config)
-    window = sliding_window_problem(getattr(recipe.draft, "sliding_window", None),
-                                    getattr(text, "max_position_embeddings", None))
-    if window:
-        raise ValueError(f"{window} ({source})")
-    n = num_decoder_layers(config)
-    ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
-    V = int(text.vocab_size)
-    if recipe.data.draft_vocab_size > V:
-        raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size} exceeds the target vocab of {V}")
-    # the target's shapes for every method's estimator (a method's own options, e.g. the EAGLE-3.1
-    # norms, are its parameter_estimator's)
-    geometry = LayerGeometry.from_target(config, recipe.data.draft_vocab_size, ids)
+    checked = preflight(recipe, target_config)
+    config_json, source, config = checked.config_json, checked.source, checked.config
+    n, ids, V, geometry, counts = checked.num_layers, checked.aux_layer_ids, checked.vocab_size, checked.geometry, \
+        checked.counts
     T = recipe.data.max_length
-    counts = parameter_counts(recipe, geometry, V)
     trainable = trainable_parameters(counts)
     hs_bytes = bytes_per_token(geometry.hidden_size, recipe.data.hidden_states_dtype)  # a shard's bytes per token
     tokens = recipe.data.expected_tokens

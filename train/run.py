@@ -9,6 +9,7 @@ command line is parsed (``draftsmith train``, ``accelerate launch -m draftsmith.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from ..recipe import Recipe
 
 def train(recipe: Recipe, run_dir: Path, *, method: type | None = None, resume: bool = False,
           overwrite: bool = False, prepare: bool = True, verify_shards: bool = False,
-          recipe_arg: str = "RECIPE", recipe_file: str | None = None, argv: list[str] | None = None) -> Any:
+          recipe_arg: str = "RECIPE", recipe_file: str | None = None, argv: list[str] | None = None,
+          resume_from: str | None = None) -> Any:
     """Prepare the data stages missing from ``RUN_DIR/data`` and train ``recipe``'s draft into
     ``RUN_DIR`` (checkpoints under ``RUN_DIR/checkpoints``, metrics in ``RUN_DIR/metrics.jsonl``).
 
@@ -32,7 +34,8 @@ def train(recipe: Recipe, run_dir: Path, *, method: type | None = None, resume: 
     Args:
         method: the training method class (default: the one :mod:`draftsmith.methods` registers
             for ``recipe.draft.method``).
-        resume: continue from the last checkpoint in ``run_dir``.
+        resume: continue from the last checkpoint in ``run_dir`` (:func:`~draftsmith.train.resume.plan_resume`).
+        resume_from: with ``resume``, continue from this checkpoint (``step-N`` or its path) instead.
         overwrite: start over in a ``run_dir`` holding an earlier run's checkpoints / metrics
             (``data/`` is kept).
         prepare: run the missing data stages; False: a missing one raises
@@ -59,28 +62,42 @@ def train(recipe: Recipe, run_dir: Path, *, method: type | None = None, resume: 
     """
     from ..data_prep.agreement import check_run_dir
     from ..data_prep.prepare import missing_stages
+    from ..data_prep.preflight import preflight_run
+    from ..run_lock import command_line, run_dir_lock
     from ..layout import RunLayout
     from ..methods import get_method
     from .checkpoint import claim_run_dir
+    from .resume import plan_resume
     from .distributed import build_accelerator
     from .method_base import DraftVocabMethod, check_draft_vocab_size, check_online_target_fits, ensure_prepared
     from .trainer import fit
 
     method_cls = method or get_method(recipe.draft.method).training_method
-    # the data on disk agrees with the recipe before anything is written (--overwrite included)
-    check_run_dir(recipe, run_dir, missing_stages(recipe, run_dir) if prepare else [], recipe_arg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        claim_run_dir(run_dir, resume, overwrite)
-    # before the accelerator: the data stage's children get the GPUs while no rank holds memory
-    ensure_prepared(recipe, run_dir, recipe_arg if recipe_file is None else recipe_file, allow=prepare, checked=True)
-    if issubclass(method_cls, DraftVocabMethod):
-        check_draft_vocab_size(recipe, RunLayout(run_dir).data)
-    check_online_target_fits(recipe, run_dir)
-    accelerator = build_accelerator(recipe, run_dir)
-    trained = method_cls(recipe, run_dir)
-    trained.verify_shards = "full" if verify_shards else "header"
-    return fit(recipe, trained, run_dir, resume=resume, argv=argv, accelerator=accelerator)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    with contextlib.ExitStack() as held:
+        if main_rank:  # one writer per run directory (the other ranks and the data children are this command)
+            held.enter_context(run_dir_lock(run_dir, command_line(argv, "draftsmith train")))
+        missing = missing_stages(recipe, run_dir) if prepare else []
+        # every check the dry run makes, before anything is written
+        preflight_run(recipe, [*missing, *(["hidden-states"] if recipe.data.hidden_states_mode == "online" else [])],
+                      run_dir)
+        # the data on disk agrees with the recipe before anything is written (--overwrite included)
+        check_run_dir(recipe, run_dir, missing, recipe_arg)
+        if resume and not overwrite:  # a changed recipe or a damaged checkpoint is refused before anything is written
+            plan_resume(recipe, run_dir, resume_from)
+        if main_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            claim_run_dir(run_dir, resume, overwrite)
+        # before the accelerator: the data stage's children get the GPUs while no rank holds memory
+        ensure_prepared(recipe, run_dir, recipe_arg if recipe_file is None else recipe_file, allow=prepare,
+                        checked=True)
+        if issubclass(method_cls, DraftVocabMethod):
+            check_draft_vocab_size(recipe, RunLayout(run_dir).data)
+        check_online_target_fits(recipe, run_dir)
+        accelerator = build_accelerator(recipe, run_dir)
+        trained = method_cls(recipe, run_dir)
+        trained.verify_shards = "full" if verify_shards else "header"
+        return fit(recipe, trained, run_dir, resume=resume, argv=argv, accelerator=accelerator, resume_from=resume_from)
 
 
 def train_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
@@ -91,7 +108,9 @@ def train_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], 
     from ..data_prep.conversations import DataError
     from ..data_prep.launch import DataStageError
     from ..data_prep.plan import PlanError
+    from ..data_prep.preflight import PreflightError
     from ..fileio import ShardError
+    from ..run_lock import RunDirLockedError
     from .checkpoint import CheckpointError
     from .components.nonfinite import NonFiniteLossError
     from .dry_run import MemoryBudgetError
@@ -100,9 +119,9 @@ def train_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], 
     from .method_base import DataNotPreparedError, MethodSetupError
     from .validation import ValidationSplitError
 
-    return ((CheckpointError, LauncherError, MemoryBudgetError),
+    return ((CheckpointError, LauncherError, MemoryBudgetError, RunDirLockedError),
             (DataNotPreparedError, DataError, ShardError, MaskTokenError, FileNotFoundError, ValidationSplitError,
-             MethodSetupError, PlanError, DataStageError, TimeoutError, NonFiniteLossError))
+             MethodSetupError, PlanError, DataStageError, TimeoutError, NonFiniteLossError, PreflightError))
 
 
 def fit_summary(run_dir: Path, result: Any) -> dict[str, Any]:

@@ -76,14 +76,8 @@ from ..layout import RunLayout
 from ..models.common import compile_regions, resolve_attention_backend, resolve_compile
 from .data import SEQUENCE_KEY, BatchCollator, SourceTagged, collate, to_device
 from ..recipe import Recipe, dump_recipe
-from .checkpoint import (
-    CheckpointManager,
-    TrainState,
-    claim_run_dir,
-    find_checkpoints,
-    load_checkpoint,
-    remove_partial_checkpoints,
-)
+from .checkpoint import CheckpointManager, TrainState, claim_run_dir, remove_partial_checkpoints
+from .resume import ResumePlan, apply_hyperparameters, load_resumed, plan_resume, set_aside_later, warn_nothing_to_resume
 from .activation_checkpointing import apply_recipe_checkpointing
 from .components.clock import TrainClock, time_budget_s
 from .components.metrics import (
@@ -224,10 +218,12 @@ class Trainer:
 
     def __init__(self, recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False,
                  argv: list[str] | None = None, progress: bool = True, overwrite: bool = False,
-                 accelerator: Any = None):
+                 accelerator: Any = None, resume_from: str | Path | None = None):
         self.recipe, self.method, self.cfg = recipe, method, recipe.train
         self.run_dir, self.layout = Path(run_dir), RunLayout(Path(run_dir))
-        self.resume, self.argv, self.progress, self.overwrite = resume, argv, progress, overwrite
+        self.resume, self.argv, self.progress, self.overwrite = resume or resume_from is not None, argv, progress, overwrite
+        self.resume_from = resume_from
+        self.resume_plan: ResumePlan | None = None  # what --resume loads and which recipe keys changed
         self.accelerator = accelerator
         self.state = TrainState()
         self.last_ckpt: Path | None = None
@@ -247,6 +243,9 @@ class Trainer:
         if self.accelerator is None:
             self.accelerator = build_accelerator(self.recipe, self.run_dir)
         acc = self.accelerator
+        if self.resume and not self.overwrite:  # every rank: read only, before anything is written
+            self.resume_plan = plan_resume(self.recipe, self.run_dir, self.resume_from, acc.distributed_type.value,
+                                           acc.num_processes)
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             claim_run_dir(self.run_dir, self.resume, self.overwrite)
@@ -338,14 +337,33 @@ class Trainer:
         self.model, self.optimizers, self.schedulers = model, prepared[:len(optimizers)], prepared[len(optimizers):]
         self.optimizer, self.scheduler = self.optimizers[0], self.schedulers[0]
         self.engine = acc.deepspeed_engine_wrapped.engine if deepspeed else None
+        # the hyperparameters of this recipe, for a resume that applies changed ones (load_state restores the old)
+        self.fresh_groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                             for o in self.optimizers]
+        self.fresh_base_lrs = [list(getattr(s, "scheduler", s).base_lrs) for s in self.schedulers]
 
     def _load_last_checkpoint(self) -> None:
-        ckpts = find_checkpoints(self.layout.checkpoints)
-        if not ckpts:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.layout.checkpoints}")
-        self.last_ckpt = ckpts[-1]
+        """Load the checkpoint :func:`~draftsmith.train.resume.plan_resume` chose, give the restored
+        optimizers and schedules the recipe's changed hyperparameters (one note), and move the
+        checkpoints after a ``--resume-from`` one aside; with none to load, start from step 0 (one
+        warning)."""
+        acc = self.accelerator
+        plan = self.resume_plan or plan_resume(self.recipe, self.run_dir, self.resume_from,
+                                               acc.distributed_type.value, acc.num_processes)
+        if plan.checkpoint is None:
+            warn_nothing_to_resume(self.layout)
+            return
+        self.last_ckpt = plan.checkpoint
         state = self.state
-        load_checkpoint(self.accelerator, self.last_ckpt, state, self.accelerator.unwrap_model(self.model))
+        load_resumed(acc, self.last_ckpt, state, acc.unwrap_model(self.model), self.run_dir)
+        if plan.applied:
+            apply_hyperparameters(self.optimizers, self.schedulers, self.fresh_groups, self.fresh_base_lrs)
+            log.warning("%s", plan.note())
+        if plan.free:
+            log.info("--resume: changed since %s, nothing trained differs: %s", self.last_ckpt.name,
+                     ", ".join(str(c) for c in plan.free))
+        if plan.later and acc.is_main_process:
+            set_aside_later(plan)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", self.last_ckpt, state.step, state.epoch,
                  state.batch_in_epoch)
 
@@ -585,23 +603,30 @@ class Trainer:
 
 
 def fit(recipe: Recipe, method: DraftMethod, run_dir: Path, resume: bool = False, argv: list[str] | None = None,
-        progress: bool = True, overwrite: bool = False, accelerator: Any = None) -> FitResult:
+        progress: bool = True, overwrite: bool = False, accelerator: Any = None,
+        resume_from: str | Path | None = None) -> FitResult:
     """Train ``method``'s model on ``RUN_DIR/data``; checkpoints go to ``RUN_DIR/checkpoints/step-N``
     (a :class:`Trainer` run).
 
     Args:
         resume: continue from the last checkpoint (exactly: same parameters and metrics as an
-            uninterrupted run).
+            uninterrupted run); recipe keys changed since are applied or refused
+            (:mod:`draftsmith.train.resume`); a run directory with training output but no
+            checkpoint starts from step 0.
+        resume_from: resume from this checkpoint of ``run_dir`` (``step-N`` or its path) instead
+            of the last (implies ``resume``); the later ones are moved to ``abandoned-step-M``.
         overwrite: start over in a run directory that holds an earlier run's training output
             (removed; ``data/`` is kept).
         accelerator: built by :func:`draftsmith.train.distributed.build_accelerator` when None.
 
     Raises:
         RunDirNotEmptyError: a new run into a directory with training output, without ``overwrite``.
-        FileNotFoundError: ``resume`` without a checkpoint.
+        FileNotFoundError: ``resume`` without a checkpoint nor training output.
         CheckpointError: ``resume`` from a checkpoint whose tensors do not fit this model or that
-            another launcher wrote.
+            another launcher wrote; :class:`~draftsmith.train.resume.ResumeRefusedError`: another
+            method or a refused recipe key; :class:`~draftsmith.train.resume.CorruptCheckpointError`:
+            a damaged checkpoint file.
         LauncherError: the launcher asked for a distributed setup that was not built.
         NonFiniteLossError: ``train.max_nonfinite_steps`` optimizer steps in a row were not finite.
     """
-    return Trainer(recipe, method, run_dir, resume, argv, progress, overwrite, accelerator).fit()
+    return Trainer(recipe, method, run_dir, resume, argv, progress, overwrite, accelerator, resume_from).fit()

@@ -18,7 +18,9 @@ still the method's own check (``servable`` in the registry: vLLM 0.32's V1 engin
 A version is compared by its release line (major, minor): ``0.33``, ``0.33.0`` and
 ``0.33.1+cu130`` are one line. Outside the checked lines a table answers only what it knows:
 a method gone before the newest checked line is gone from every later one, an architecture
-added after the oldest is absent from every earlier one; anything else is not refused.
+added after the oldest is absent from every earlier one; anything else is not refused. That
+leniency is for the installed vLLM only: a release named on the command line (``--vllm VERSION``
+of ``export`` and ``recipe validate``) must be a checked line (:func:`known_release`).
 
 The module is torch-free and imports no vLLM: the installed version is read from the package
 metadata (:func:`installed_vllm_version`), so the checks run before any engine starts.
@@ -76,6 +78,28 @@ def release_line(version: str) -> tuple[int, int]:
     if match is None:
         raise ValueError(f"vLLM version {version!r} is not a release number (e.g. 0.33 or 0.32.0)")
     return int(match[1]), int(match[2])
+
+
+def known_release(version: str) -> str:
+    """``version`` when its release line is one of :data:`CHECKED_RELEASES` (``--vllm VERSION``
+    of ``export`` and ``recipe validate`` names one of them); returns it stripped.
+
+    Raises:
+        ValueError: one line (to follow ``--vllm VERSION: ``) naming the known releases: not a
+            version, or a release line the table does not hold (what it serves is not known).
+    """
+    lines = [release_line(r) for r in CHECKED_RELEASES]
+    known = ", ".join(_line(line) for line in lines)
+    fix = (f"pass {' or '.join(f'--vllm {a}.{b}' for a, b in lines)}, or leave --vllm out to check against the "
+           "installed vLLM")
+    try:
+        line = release_line(version)
+    except ValueError:
+        raise ValueError(f"not a vLLM release number (known releases: {known}); {fix}") from None
+    if line not in lines:
+        raise ValueError(f"not a vLLM release draftsmith has checked (known releases: {known}; "
+                         f"docs/vllm_releases.md); {fix}")
+    return str(version).strip()
 
 
 def installed_vllm_version() -> str | None:

@@ -323,7 +323,16 @@ def refiner_parameters(vocab_size: int, hidden_size: int, block_size: int, rank:
 def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int) -> tuple[dict[str, int], int]:
     """XPress counterpart of :func:`~draftsmith.models.dflash.training.parameter_estimate`: DFlash's
     counts plus the refiner (:func:`refiner_parameters`); the loss computes the block's logits once
-    per part (teacher-forced, each consistency round, the drafter term)."""
+    per part (teacher-forced, each consistency round, the drafter term).
+
+    Raises:
+        ValueError: ``data.draft_vocab_size`` below the target vocab (the refiner is defined over the
+            target vocab; :class:`~draftsmith.models.xpress.config.XPressConfig` refuses it too).
+    """
+    if recipe.data.draft_vocab_size < vocab_size:
+        raise ValueError(f"data.draft_vocab_size={recipe.data.draft_vocab_size}: XPress drafts over the full target "
+                         f"vocab ({vocab_size}; vLLM 0.33's refiner has no d2t): set data.draft_vocab_size to "
+                         f"{vocab_size} or more")
     counts, logits_bytes = dflash_parameter_estimate(recipe, geometry, vocab_size)
     d = recipe.draft
     counts["refiner"] = refiner_parameters(vocab_size, geometry.hidden_size, d.block_size, d.xpress_rank,

@@ -28,11 +28,9 @@ NOT_COMMAND_LINES = {"draftsmith.procs"}
 # fail when one is fixed, so that it leaves this list
 KNOWN_GAPS = {
     "serve-bench": (["--num-prompts-per-level", "--max-new-tokens", "--no-ngram", "--out-dir"], []),
-    "hidden_states": (["convert: --dtype"], []),
     "demo": (["--run-dir"], []),
-    "bench data-memory": (["--ranks", "--batch-size"], ["--tokens", "--vocab-size"]),
-    "bench regenerate": (["--max-new-tokens", "--prompts", "--target"],
-                         ["--concurrency", "--concurrencies", "--batch-size", "--n", "--recipe"]),
+    "bench data-memory": (["--ranks", "--batch-size"], []),
+    "bench regenerate": (["--max-new-tokens", "--prompts", "--target"], []),
 }
 # `draftsmith train` reads the recipe's method before its flags (`draftsmith train RECIPE --help`)
 NEEDS_RECIPE = {"train": str(REPO / "recipes" / "smollm2_135m.yaml")}

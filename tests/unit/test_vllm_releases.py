@@ -263,6 +263,59 @@ def test_export_for_a_vllm_that_cannot_load_it_names_the_version_and_the_key(med
     assert export.main([str(ckpt), str(tmp_path / "none")]) == 0
 
 
+KNOWN = "(known releases: 0.32.x, 0.33.x"
+FIX = "pass --vllm 0.32 or --vllm 0.33, or leave --vllm out to check against the installed vLLM"
+
+
+@pytest.mark.parametrize("version", ["99.0", "0.1", "0.31", "0.34", "0.34.0", "latest", "0.33-final", ""])
+def test_export_for_a_release_outside_the_table_is_refused_naming_the_known_ones(medusa_export, tmp_path, capsys,
+                                                                                 version):
+    """A release the table does not hold is not one whose loading is known: refused (exit 1, as
+    export's other --vllm refusals), before the checkpoint is read, for every method."""
+    from draftsmith.cli import export
+
+    out = tmp_path / "out"
+    assert export.main([str(medusa_export.parent / "ckpt"), str(out), "--vllm", version]) == 1
+    err = capsys.readouterr().err
+    what = ("not a vLLM release number " if version in ("latest", "0.33-final", "") else
+            "not a vLLM release draftsmith has checked ")
+    tail = ")" if "number" in what else "; docs/vllm_releases.md)"
+    assert err == f"error: --vllm {version}: {what}{KNOWN}{tail}; {FIX}\n"
+    assert not out.exists()
+
+
+def test_known_release_takes_every_spelling_of_a_checked_line():
+    for version in ("0.32", "0.32.0", "0.32.1", "0.33", "0.33.0", "0.33.1+cu130", " 0.33.0rc1 "):
+        assert releases.known_release(version) == version.strip()
+
+
+XPRESS_RECIPE = str(ROOT / "recipes" / "smollm2_135m_xpress.yaml")
+
+
+def test_recipe_validate_checks_the_release_named_by_vllm(monkeypatch, capsys):
+    """The XPress recipe is valid for vLLM 0.33 even where 0.32 is installed; --vllm outside
+    the table is refused in one line (exit 2, as every validate refusal)."""
+    from draftsmith.cli import recipe
+
+    monkeypatch.setattr(releases, "installed_vllm_version", lambda: "0.32.0")
+    assert recipe.main(["validate", XPRESS_RECIPE]) == 2  # the installed release, by default
+    assert "vLLM 0.32.0 does not serve xpress drafts yet" in capsys.readouterr().err
+    assert recipe.main(["validate", XPRESS_RECIPE, "--vllm", "0.33"]) == 0
+    assert capsys.readouterr().out == f"{XPRESS_RECIPE}: valid (xpress, target embedded:SmolLM2-135M-Instruct)\n"
+    assert recipe.main(["validate", XPRESS_RECIPE, "--vllm", "0.32"]) == 2
+    assert capsys.readouterr().err == (f"{XPRESS_RECIPE}: draft.method: vLLM 0.32 does not serve xpress drafts yet "
+                                       "(the first release that serves them is 0.33.x): install vllm==0.33.0\n")
+    for version, what in (("99.0", "not a vLLM release draftsmith has checked (known releases: 0.32.x, 0.33.x; "
+                                   "docs/vllm_releases.md)"),
+                          ("0.31", "not a vLLM release draftsmith has checked (known releases: 0.32.x, 0.33.x; "
+                                   "docs/vllm_releases.md)"),
+                          ("v0.33", "not a vLLM release number (known releases: 0.32.x, 0.33.x)")):
+        assert recipe.main(["validate", XPRESS_RECIPE, "--vllm", version]) == 2
+        assert capsys.readouterr().err == f"error: --vllm {version}: {what}; {FIX}\n"
+    monkeypatch.setattr(releases, "installed_vllm_version", lambda: None)  # no vLLM installed: --vllm still checks
+    assert recipe.main(["validate", XPRESS_RECIPE, "--vllm", "0.32"]) == 2
+
+
 # ------------------------------------------------------------------------------------------
 # 5. the keys and tensor names vLLM 0.33.0 reads, in our exports
 
