@@ -129,6 +129,14 @@ def launch(argv: list[str] | None = None, *, method: str | type, script: str, pr
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(format_report(report))
+        if args.run_dir is not None:  # what the real run into RUN_DIR would refuse of its data
+            from ..data_prep.agreement import disagreements, mismatch_message, recipe_arg
+            from ..data_prep.prepare import missing_stages
+
+            for key, on_disk, where, wanted in disagreements(recipe, args.run_dir,
+                                                             missing_stages(recipe, args.run_dir)):
+                print("the real run refuses: " + mismatch_message(args.run_dir, key, on_disk, where, wanted,
+                                                                  recipe_arg(args)))
         return 0
     run_dir = args.run_dir or Path("runs") / recipe.name
     refused, failed = train_errors()

@@ -206,6 +206,11 @@ def test_a_source_edited_in_place_is_refused_before_anything_is_written(prepared
     assert snapshot(run) == before and source.read_bytes() == source_bytes
     code = prepare_main([str(tmp_path / "r.yaml"), "--run-dir", str(run), "--dry-run"])
     assert code == 0 and f"the real run refuses: {source.resolve()} changed since" in capsys.readouterr().out
+    from draftsmith.cli.train import main as train_main
+
+    code = train_main([str(tmp_path / "r.yaml"), "--run-dir", str(run), "--dry-run"])
+    assert code == 0 and f"the real run refuses: {source.resolve()} changed since" in capsys.readouterr().out
+    assert snapshot(run) == before
 
 
 def test_a_touched_but_unchanged_source_is_not_refused(prepared, run, tmp_path):
