@@ -50,10 +50,11 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def poison_first_sequence(path: Path) -> None:
-    """NaN (bf16 0xFFFF) over the first aux row of the shard's first sequence; the size is kept."""
+def poison_first_sequence(path: Path, key: str = "aux_hidden_states") -> None:
+    """NaN (bf16 0xFFFF) over the start of the first ``key`` row (aux or final states) of the shard's
+    first sequence; the size is kept."""
     tensors, start = read_safetensors_header(path)
-    a, _ = tensors["aux_hidden_states"]["data_offsets"]
+    a, _ = tensors[key]["data_offsets"]
     data = bytearray(path.read_bytes())
     data[start + a: start + a + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
@@ -131,6 +132,29 @@ def test_nonfinite_states_name_the_shard_once_per_shard(run, caplog):
     assert "--verify-shards" in warnings[0]
     state = json.loads((find_checkpoints(run / "checkpoints")[-1] / "train_state.json").read_text())
     assert state["nonfinite_skipped"] == 2 and state["nonfinite_shards"] == {SHARD: where}, state
+
+
+def test_nonfinite_final_states_alone_name_the_shard(run, caplog):
+    """Finite aux states, a NaN in the FINAL hidden states (what the teacher logits are read from):
+    the shard is named as when its aux states are bad."""
+    recipe, run = run
+    bad = shards(run) / SHARD
+    poison_first_sequence(bad, "final_hidden_states")
+    from safetensors.torch import load_file
+
+    tensors = load_file(bad)
+    assert tensors["aux_hidden_states"].isfinite().all() and not tensors["final_hidden_states"].isfinite().all()
+    first_id = load_manifest(shards(run))["shards"][1]["ids"][0]
+    caplog.set_level(logging.INFO)
+    code = launch(method=Eagle3Method, script="train/eagle3.py", doc="", argv=[
+        str(recipe), "--run-dir", str(run), "--set", "train.max_steps=4", "--set", "train.batch_size=2",
+        "--set", "train.log_every=1"])
+    assert code == 0
+    warnings = [r.getMessage() for r in caplog.records if "non-finite hidden states in" in r.getMessage()]
+    where = f"{bad} (sequence 0 of the shard, id {first_id!r})"
+    assert len(warnings) == 1 and warnings[0].startswith(f"non-finite hidden states in {where}: "), warnings
+    state = json.loads((find_checkpoints(run / "checkpoints")[-1] / "train_state.json").read_text())
+    assert state["nonfinite_shards"] == {SHARD: where}, state
 
 
 def test_a_run_of_only_skipped_steps_stops_naming_the_shard_and_saves_nothing(run, capsys, caplog):
