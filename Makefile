@@ -100,5 +100,12 @@ BENCH_STEP_ARGS ?=
 bench-step: install
 	$(BIN)/python -m benchmarks.step $(STEP_RECIPE) $(BENCH_STEP_ARGS)
 
+# the wheels the lent GPU machine lacks for scripts/gpu_step_checks.sh (pydantic and what it requires),
+# cp312 manylinux x86_64, into gpu_kit/wheels (git-ignored; carried to the device as `gpu_kit`),
+# with the kit's size beside the 64 MiB limit: docs/gpu_checks.md
+.PHONY: gpu-kit
+gpu-kit:
+	bash scripts/gpu_kit.sh
+
 clean:
 	rm -rf $(VENV) runs

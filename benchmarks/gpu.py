@@ -36,7 +36,18 @@ every position real.
 
 Per row: ``ms_per_step``, ``useful_tokens_per_s`` (real, non-padding tokens per second: what a run
 buys), ``positions_per_s`` (``B * T`` per second, padding included), ``useful_fraction``,
-``documents``, ``cuda_max_allocated`` /
+``documents``, ``loss_tokens`` / ``loss_tokens_per_s`` (the batch's ``loss_mask`` positions, the
+tokens that carry loss, per second: the useful tokens here, where every real position is trained),
+``fused_loss_ran`` / ``fused_loss_launches_per_step`` (the fused loss's op ``draftsmith::distill_rows``
+ran its kernel in the timed steps, :class:`FusedLossCount`; ``fused_loss`` the setting; False where
+the step took the chunked torch path, e.g. on a CPU), ``compiled_regions`` / ``compile_regions``
+(``train.compile``'s regions torch._dynamo holds compiled code for / regions wrapped,
+:func:`compiled_regions`), ``compiled_graphs`` / ``graphs_after_first_step`` (graphs dynamo made over
+the row's steps, flex included / after the first: 0 when a bucket compiles once), ``first_step_s``
+and ``compile_s`` (the first warm-up step's wall seconds, and those beyond a timed step's: the cold
+compilation of dynamo, inductor and Triton, reported, not asserted; None without ``--warmup``) with
+``compile_caches`` (:func:`compile_caches`: the inductor / Triton cache folders and whether they
+already held entries, i.e. whether the compile was really cold), ``cuda_max_allocated`` /
 ``cuda_max_reserved`` (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed
 steps, i.e. with the optimizer state; one process holding the whole training state),
 ``fake_process_peak`` / ``fake_per_gpu`` (``draftsmith bench memory``'s FakeTensorMode
@@ -98,6 +109,7 @@ still run); 2 on bad arguments or no CUDA device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -350,32 +362,136 @@ def profile_steps(step: Callable[[int], Any], steps: int, dev: torch.device, fir
             "what": "CUDA kernel time" if cuda else "CPU aten op time (top-level ops)"}
 
 
-def time_steps(step: Callable[[int], Any], steps: int, warmup: int, dev: torch.device, first: int = 0
-               ) -> tuple[float, dict[str, int | None]]:
+def time_steps(step: Callable[[int], Any], steps: int, warmup: int, dev: torch.device, first: int = 0,
+               timed: Any = None) -> tuple[float, dict[str, Any]]:
     """Run ``step(i)`` for ``warmup`` untimed then ``steps`` timed steps, numbered from ``first``;
     returns the seconds of the timed run (CUDA events around it, no sync in between) and the CUDA
-    memory (peaks over the timed steps; None on other devices)."""
+    memory (peaks over the timed steps; None on other devices) with ``first_step_s``: the wall
+    seconds of the first warm-up step, synchronised on both sides (the cold step: torch.compile,
+    Triton's JIT; None without warm-up). ``timed``: a context manager entered around the timed
+    steps only (:class:`FusedLossCount`)."""
+    mem: dict[str, Any] = {"allocated_before": None, "max_allocated": None, "max_reserved": None,
+                           "first_step_s": None}
     for i in range(warmup):
+        if i == 0:
+            synchronize(dev)
+            t0 = time.perf_counter()
         step(first + i)
+        if i == 0:
+            synchronize(dev)
+            mem["first_step_s"] = time.perf_counter() - t0
     synchronize(dev)
-    mem: dict[str, int | None] = {"allocated_before": None, "max_allocated": None, "max_reserved": None}
-    if dev.type == "cuda":
-        mem["allocated_before"] = int(torch.cuda.memory_allocated(dev))
-        torch.cuda.reset_peak_memory_stats(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    with timed if timed is not None else contextlib.nullcontext():
+        if dev.type == "cuda":
+            mem["allocated_before"] = int(torch.cuda.memory_allocated(dev))
+            torch.cuda.reset_peak_memory_stats(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(steps):
+                step(first + warmup + i)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+            mem["max_allocated"] = int(torch.cuda.max_memory_allocated(dev))
+            mem["max_reserved"] = int(torch.cuda.max_memory_reserved(dev))
+            return seconds, mem
+        t0 = time.perf_counter()
         for i in range(steps):
             step(first + warmup + i)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1000.0
-        mem["max_allocated"] = int(torch.cuda.max_memory_allocated(dev))
-        mem["max_reserved"] = int(torch.cuda.max_memory_reserved(dev))
-        return seconds, mem
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(first + warmup + i)
-    return time.perf_counter() - t0, mem
+        return time.perf_counter() - t0, mem
+
+
+# ---------------------------------------------------------------------------------------------
+# evidence that the fast paths ran (tests/helpers/fast_path.py builds the GPU tests' checks on these)
+
+FUSED_OP = "draftsmith::distill_rows"  # the fused loss's row kernel as one torch op (train/fused_loss.py)
+
+
+class FusedLossCount:
+    """While active, ``launches``: how many times the fused loss's row kernel ran, i.e. the torch op
+    ``draftsmith::distill_rows`` was dispatched to its real implementation (CUDA, or CPU tensors
+    under Triton's interpreter), counted by wrapping ``fused_loss._launch_kernel``, the function
+    that implementation calls. Nothing is added per op (a dispatch mode would add Python to every
+    op of a timed step); under ``FakeTensorMode`` the op's fake implementation launches nothing
+    and counts 0. Zero launches where the fused loss was asked for means the step took the chunked
+    torch path (train/losses.py falls back where the fused loss cannot run, warning once per reason)."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self._module: Any = None
+        self._saved: Any = None
+
+    def __enter__(self) -> FusedLossCount:
+        from draftsmith.train import fused_loss
+
+        self._module, self._saved = fused_loss, fused_loss._launch_kernel
+        launch = self._saved
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            out = launch(*args, **kwargs)
+            self.launches += 1
+            return out
+
+        fused_loss._launch_kernel = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module._launch_kernel = self._saved
+
+
+def compiled_regions(model: nn.Module) -> tuple[int, int]:
+    """``(regions, compiled)``: the ``torch.compile``'d callables the modules of ``model`` hold
+    (what :func:`~draftsmith.models.common.compile_regions` put there), and how many of them
+    torch._dynamo holds compiled code for (at least one cache entry on the wrapped function's code:
+    the region was traced and compiled, not run eagerly). The code is shared by the instances of
+    a class, so a layer counts as compiled once any layer of its class was."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    seen: set[int] = set()
+    regions = compiled = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            orig = getattr(value, "_torchdynamo_orig_callable", None)
+            if orig is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            regions += 1
+            code = getattr(orig, "__code__", None) or getattr(getattr(orig, "forward", None), "__code__", None)
+            compiled += bool(code is not None and _debug_get_cache_entry_list(code))
+    return regions, compiled
+
+
+def compile_caches() -> dict[str, dict[str, Any]]:
+    """The on-disk compile caches a step uses, as they are before it: inductor's
+    (``TORCHINDUCTOR_CACHE_DIR``, default ``<tmp>/torchinductor_<user>``; its generated Triton
+    kernels under ``triton/`` there unless ``TRITON_CACHE_DIR``) and Triton's own, where the fused
+    loss's kernel is cached (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): per cache the
+    folder, whether it is the default one (inductor writes its folder into the environment when
+    it first resolves it, so the variable's presence says nothing), and whether it already held
+    entries (then ``compile_s`` was not a cold compile). Creates nothing."""
+    import os
+
+    def describe(env: str, default: Callable[[], str]) -> dict[str, Any]:
+        try:
+            fallback = default()
+        except Exception:  # noqa: BLE001 - no default without the package
+            fallback = None
+        folder = os.environ.get(env) or fallback
+        warm = bool(folder) and os.path.isdir(folder) and any(os.scandir(folder))
+        return {"dir": folder, "default": folder == fallback, "had_entries": warm}
+
+    def inductor_default() -> str:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(default_cache_dir())
+
+    def triton_default() -> str:
+        import triton
+
+        return triton.knobs.cache.get_triton_dir("cache")
+
+    return {"inductor": describe("TORCHINDUCTOR_CACHE_DIR", inductor_default),
+            "triton": describe("TRITON_CACHE_DIR", triton_default)}
 
 
 def device_peak_tflops(dev: torch.device, given: float | None) -> tuple[float | None, str]:
@@ -455,6 +571,8 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
     None: every position real. Returns the row's measurements."""
     from benchmarks.memory import (OneProcess, _device_batch, offline_method, prepare_model, random_batch,
                                    random_weights, trainer_step)
+    from torch._dynamo.utils import counters
+
     from draftsmith.models.common import compile_regions, resolve_compile
 
     torch.manual_seed(seed)
@@ -471,13 +589,20 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
         batch = _device_batch(random_batch(recipe, H, V, n_aux, fake=False, seed=seed, rows=rows, length=length),
                               plan, dev, None, fake=False)
         flops = step_flops(method, model, batch, recipe, seed)
+        loss_tokens = int(batch["loss_mask"].sum())
         forward_backward, update, window = trainer_step(method, model, batch, trainable, optimizers, cfg, dev)
+        graphs_made: list[int] = []
 
         def step(i: int) -> None:
             forward_backward(i)
             update()
+            graphs_made.append(int(counters["stats"]["unique_graphs"]))
 
-        seconds, mem = time_steps(step, steps, warmup, dev)
+        caches = compile_caches()
+        graphs_before = int(counters["stats"]["unique_graphs"])
+        fused = FusedLossCount()
+        seconds, mem = time_steps(step, steps, warmup, dev, timed=fused)
+        regions, compiled = compiled_regions(model)
         profiled = profile_steps(step, steps, dev, warmup + steps + 1) if profile else None
         counted = None
         if count_executed and cfg.attention_backend == "sdpa":
@@ -492,7 +617,10 @@ def bench_training(recipe: Any, config_json: dict[str, Any], precision: Any, dev
         n_trainable = sum(p.numel() for p in trainable)
         values = {k: float(v) for k, v in window.read(OneProcess(dev))[0].items() if k in ("loss", "grad_norm")}
     return {"seconds": seconds, "memory": mem, "flops": flops, "counted_flops": counted,
-            "trainable_parameters": n_trainable, "metrics": values, "profile": profiled}
+            "trainable_parameters": n_trainable, "metrics": values, "profile": profiled,
+            "loss_tokens": loss_tokens, "fused_loss_launches": fused.launches, "compiled_regions": compiled,
+            "compile_regions": regions, "compiled_graphs": graphs_made[warmup + steps - 1] - graphs_before,
+            "graphs_after_first_step": graphs_made[warmup + steps - 1] - graphs_made[0], "compile_caches": caches}
 
 
 def fake_reference(recipe: Any, config_json: dict[str, Any], launch: Any, precision: Any) -> dict[str, Any]:
@@ -555,6 +683,14 @@ def training_row(name: str, recipe: Any, source: str, launch: Any, precision: An
         fake_process_peak=None if fake is None else fake["process_peak"],
         fake_per_gpu=None if fake is None else fake["per_gpu"],
         profile=m["profile"],
+        loss_tokens=m["loss_tokens"], loss_tokens_per_s=m["loss_tokens"] / per_step,
+        fused_loss=r.train.fused_loss, fused_loss_ran=m["fused_loss_launches"] > 0,
+        fused_loss_launches_per_step=m["fused_loss_launches"] / args.steps,
+        compiled_regions=m["compiled_regions"], compile_regions=m["compile_regions"],
+        compiled_graphs=m["compiled_graphs"], graphs_after_first_step=m["graphs_after_first_step"],
+        first_step_s=mem["first_step_s"],
+        compile_s=None if mem["first_step_s"] is None else max(0.0, mem["first_step_s"] - per_step),
+        compile_caches=m["compile_caches"],
     )
     if fake is not None and mem["max_allocated"] is not None:
         row["cuda_vs_fake"] = mem["max_allocated"] / fake["process_peak"]
@@ -733,6 +869,12 @@ def _gib(b: int | None) -> str:
     return "-" if b is None else f"{b / GiB:.2f}"
 
 
+def _fused(r: dict[str, Any]) -> str:
+    if r["fused_loss_ran"]:
+        return f"yes ({r['fused_loss_launches_per_step']:g}/step)"
+    return f"no ({r['fused_loss']})"
+
+
 def format_table(result: dict[str, Any]) -> str:
     env, s = result["environment"], result["settings"]
     mem = f" ({env['device_memory_bytes'] / GiB:.1f} GiB)" if "device_memory_bytes" in env else ""
@@ -742,13 +884,14 @@ def format_table(result: dict[str, Any]) -> str:
              f"{s['steps']} timed steps after {s['warmup']} warm-up; {peak}", "",
              f"lengths: {s['lengths']} (useful = real, non-padding tokens of the batch timed)", "",
              "| recipe | method | attention | B x T | docs | useful | precision | ms/step | useful tok/s | positions/s "
-             "| TFLOP/step | TFLOP/s | MFU | max alloc GiB | max reserved GiB | fake GiB | alloc/fake | per GPU GiB |",
-             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| TFLOP/step | TFLOP/s | MFU | max alloc GiB | max reserved GiB | fake GiB | alloc/fake | per GPU GiB "
+             "| fused loss | compiled regions | compile s |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in result["rows"]:
         if r.get("error"):
             lines.append(f"| {r['recipe']} | {r.get('method', '-')} | {r.get('attention_backend', '-')} | "
                          f"{r.get('batch_size', '-')} x {r.get('max_length', '-')} | {r.get('precision', '-')} | "
-                         f"error: {r['error']} |||||||||||||")
+                         f"error: {r['error']} ||||||||||||||||")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['cuda_vs_fake']:.2f}" if r["cuda_vs_fake"] is not None else "-"
@@ -757,10 +900,15 @@ def format_table(result: dict[str, Any]) -> str:
                      f"| {r['precision']} | {r['ms_per_step']:.1f} | {r['useful_tokens_per_s']:,.0f} "
                      f"| {r['positions_per_s']:,.0f} | {r['tflop_per_step']:.3g} "
                      f"| {r['tflops']:.3g} | {mfu} | {_gib(r['cuda_max_allocated'])} | {_gib(r['cuda_max_reserved'])} "
-                     f"| {_gib(r['fake_process_peak'])} | {ratio} | {_gib(r['per_gpu'])} |")
+                     f"| {_gib(r['fake_process_peak'])} | {ratio} | {_gib(r['per_gpu'])} "
+                     f"| {_fused(r)} | {r['compiled_regions']}/{r['compile_regions']} "
+                     f"| {'-' if r['compile_s'] is None else format(r['compile_s'], '.1f')} |")
     lines += ["", "TFLOP/step credited: the draft's matmuls and attention at its masked work, the teacher head; no "
               "recomputation (module docstring). fake = bench memory's FakeTensorMode peak of the same step (SDPA, "
-              "one process); per GPU = max alloc with the launcher's sharding of the trainable state applied."]
+              "one process); per GPU = max alloc with the launcher's sharding of the trainable state applied. "
+              "fused loss: whether draftsmith::distill_rows ran in the timed steps (launches per step); compiled "
+              "regions: train.compile's regions dynamo compiled / regions wrapped; compile s: the first warm-up "
+              "step's seconds beyond a timed step's (caches in the JSON's compile_caches)."]
     for r in result["rows"]:
         prof = r.get("profile")
         if not prof:

@@ -105,6 +105,7 @@ class MemoryTracker(TorchDispatchMode):
         self._size: dict[int, int] = {}  # every serial -> bytes (peaks are broken down after the fact)
         self._origin: dict[int, str] = {}  # serial -> "op shape dtype" of the tensor that created it
         self._op = "outside"
+        self._seen: set[str] = set()  # the names of the ops dispatched under the tracker
         self.grad_serials: set[int] = set()
         self._excluded: set[int] = set()
         self._serials = itertools.count()
@@ -165,6 +166,10 @@ class MemoryTracker(TorchDispatchMode):
                 self.current -= self._bytes[serial]
                 self._events.append((serial, -1))
 
+    def ran(self, op: str) -> bool:
+        """Whether an op whose name starts with ``op`` was dispatched under the tracker."""
+        return any(name.startswith(op) for name in self._seen)
+
     def serial(self, t: torch.Tensor) -> int | None:
         """The serial of ``t``'s storage (None: not registered)."""
         try:
@@ -216,6 +221,7 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs) if self.fake is not None else func(*args, **kwargs)
         self._op = func.__name__
+        self._seen.add(self._op)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._register(t)
@@ -685,6 +691,7 @@ def measure_step(recipe: Any, config_json: dict[str, Any], launch: Any | None = 
                                per_gpu_bytes=per_gpu[where], per_gpu_phase=where, state_per_gpu=state,
                                cuda_max_memory_allocated=cuda_peak,
                                extra={"precision": precision.name, "device": device,
+                                      "loss_path": "fused" if tracker.ran("distill_rows") else "chunked",
                                       "largest_at_peak": tracker.largest(at_peak[where] - set().union(*categories.values()),
                                                                          LARGEST_GROUPS)})
 
@@ -706,9 +713,7 @@ def prepare_model(method: Any, recipe: Any, precision: Precision, dev: torch.dev
     measure the same temporaries whatever this CPU has; None: the trainer's detection). Returns
     ``(model, trainable, optimizers)``, the optimizers in the order the trainer steps them."""
     from draftsmith.train.activation_checkpointing import apply_recipe_checkpointing
-    from draftsmith.train.losses import set_fused_loss
 
-    set_fused_loss(recipe.train.fused_loss)  # as the trainer does
     model = apply_recipe_checkpointing(method.build_model(), recipe.draft)  # as the trainer does
     if not fake:  # fake tensors are on the CPU already (a module of them cannot be moved)
         model.to(dev)
@@ -925,6 +930,9 @@ def run(args: argparse.Namespace, recipe: Any) -> list[dict[str, Any]]:
             "process_peak_bytes": m.process_peak_bytes, "peak_phase": m.per_gpu_phase,
             "measured_phases": m.phases, "state_per_gpu": m.state_per_gpu,
             "estimate": est, "trainable_parameters": m.trainable_parameters,
+            # the loss the step ran (the fused kernel's op seen) and the one the estimate counts
+            "loss_path": m.extra["loss_path"],
+            "estimated_loss_path": est["loss_path"],
             "cuda_max_memory_allocated": m.cuda_max_memory_allocated,
             "largest_at_peak": [{"bytes": b, "count": c, "what": w} for b, c, w in m.extra["largest_at_peak"]],
             "device_memory_bytes": int(args.device_memory_gib * GiB),

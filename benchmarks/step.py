@@ -2,8 +2,10 @@
 
     draftsmith bench step RECIPE.yaml [--attention sdpa|flex] [--set KEY=VALUE ...]
         [--target-config config.json] [--batch-size B] [--max-length T] [--launcher L.yaml]
-        [--precision P] [--json]
-    draftsmith bench step --calibrate [--json]     refit the constants against the H200 profile below
+        [--precision P] [--as-measured] [--json]
+    draftsmith bench step --calibrate [--json]      refit the constants against the H200 profile below
+    draftsmith bench step --leave-one-out [--json]  fit on all profiles but one, score the one left out
+    draftsmith bench step --predictions [--json]    the predictions frozen in docs/bench_step.md
 
 The recipe's REAL training step (the trainer's: ``compute_loss``, ``backward``, gradient clipping,
 the non-finite guard, the optimizer step and ``zero_grad``; :func:`benchmarks.memory.trainer_step`)
@@ -56,13 +58,17 @@ fp32 attention at the CUDA-core fp32 rate 66.9 TFLOP/s; HBM 3.35 TB/s (H100 SXM)
 the bytes. :data:`FITTED` holds them: ``mem_eff`` = 0.8 is assumed (streaming kernels reach about
 80% of the datasheet bandwidth; the profile cannot tell it from the launch cost), the other four
 are fitted to the per-class kernel times of a torch.profiler run of recipes/gptoss120b.yaml on one
-H200 with each backend (:data:`H200_PROFILE`; ``--calibrate`` refits them): ``launch_us`` by least
-squares so that the non-matmul ops of both runs take the profile's time outside gemm and attention
-kernels, then ``gemm_eff`` / ``sdpa_eff`` / ``flex_eff`` so that those classes match. The table
-:data:`H200_MEASURED` holds the wall step times measured on the H200 (torch 2.11,
-``benchmarks.gpu``); a recipe found there at its own ``B x T`` prints its measurement beside the
-estimate when the counted step is the one measured (the chunked loss, eager layers:
-``--set train.fused_loss=false --set train.compile=false --set train.packing=false`` where the checkout has those keys).
+H200 with each backend (:data:`H200_PROFILE`; ``--calibrate`` refits them on the counts of the
+measured steps, :data:`MEASURED_COUNTS`, and recounts today's code beside them): ``launch_us`` by
+least squares so that the non-matmul ops of both runs take the profile's time outside gemm and
+attention kernels, then ``gemm_eff`` / ``sdpa_eff`` / ``flex_eff`` so that those classes match.
+Four constants from four numbers of one recipe: a fit. ``--leave-one-out`` fits on every profile
+but one (recipe or profile held out) and scores the one left out by class, which is what the
+model predicts (docs/bench_step.md). The table :data:`H200_MEASURED` holds the wall step times
+measured on the H200 (torch 2.11, ``benchmarks.gpu``); a recipe found there at its own ``B x T``
+prints its measurement beside the estimate when the counted step is the one measured
+(``--as-measured``: :data:`MEASURED_STEP`, the chunked loss, eager layers, unpacked rows, no
+sliding window, for the keys the recipe has).
 Host-side time is not modelled: the H200 step of gptoss120b was GPU-bound.
 
 The exit code is 0; 1 on a bad target config / length / launcher; 2 on a bad recipe.
@@ -76,6 +82,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -144,9 +151,124 @@ H200_PROFILE: dict[tuple[str, str, int, int], dict[str, float]] = {
 }
 H200_LAUNCHES = {("gptoss120b", "sdpa", 2, 4096): 6084}  # kernels per step in the same profile
 CALIBRATION = ("gptoss120b", 2, 4096)  # the recipe the constants are fitted on (both backends)
+# The step the H200 figures above were measured on, as recipe settings: what the code and the GPU
+# recipes gained after the measurement turned back off (the fused loss and compiled layers, code
+# defaults; train.packing, in the GPU recipes since bbfed92, off in the measured step;
+# draft.sliding_window: 2048, in the GPU recipes since 173801a). A key the recipe lacks is skipped.
+MEASURED_STEP: dict[str, Any] = {"train.fused_loss": False, "train.compile": False, "train.packing": False,
+                                 "draft.sliding_window": None}
+MEASURED_SETS = tuple(f"{k}={'null' if v is None else str(v).lower()}" for k, v in MEASURED_STEP.items())
 
 CLASSES = ("gemm", "attention", "copy/cast", "elementwise", "softmax/loss", "reductions", "optimizer", "other")
 MATMUL_CLASSES = ("gemm", "attention")
+
+# The measured steps of H200_PROFILE as counted by the code the constants were fitted on (2abbd50's count of
+# the step --as-measured builds; the same constants as ca934e7's refit), reduced to what the roofline reads:
+# per class outside gemm and attention (ops, launches, bytes), whose time is linear in them, and every gemm /
+# attention op group (class, backend, peak, FLOPs, bytes, launches, count). --calibrate and --leave-one-out fit
+# on these, so a later change to the counted code cannot move the constants unseen; --calibrate recounts
+# today's code beside them and prints the difference (reduce_count).
+MEASURED_COUNTS: dict[tuple[str, str, int, int], dict[str, Any]] = {
+    ('gptoss120b', 'sdpa', 2, 4096): {
+        "other_classes": {"copy/cast": (1079, 1170, 101578775514), "elementwise": (2753, 2753, 269224580532), "softmax/loss": (280, 280, 80641792000), "reductions": (709, 709, 54822753360), "optimizer": (13, 38, 4030963626)},
+        "matmul": (
+            ('gemm', '', 'bf16', 1509212160000, 755514880, 1, 1),
+            ('gemm', '', 'bf16', 407686348800, 238510080, 1, 2),
+            ('gemm', '', 'bf16', 386547056640, 208666624, 1, 21),
+            ('gemm', '', 'bf16', 193273528320, 137887744, 1, 21),
+            ('gemm', '', 'bf16', 193167360000, 257428480, 1, 196),
+            ('gemm', '', 'bf16', 157040640000, 243755520, 1, 4),
+            ('gemm', '', 'bf16', 156672000000, 243616000, 1, 4),
+            ('gemm', '', 'bf16', 156303360000, 243476480, 1, 4),
+            ('gemm', '', 'bf16', 155934720000, 243336960, 1, 4),
+            ('gemm', '', 'bf16', 155566080000, 243197440, 1, 4),
+            ('gemm', '', 'bf16', 155197440000, 243057920, 1, 4),
+            ('gemm', '', 'bf16', 154828800000, 242918400, 1, 4),
+            ('gemm', '', 'bf16', 135895449600, 110960640, 1, 63),
+            ('gemm', '', 'bf16', 48318382080, 108658688, 1, 42),
+            ('attention', 'sdpa', 'bf16', 9620726743040, 2384461840, 3, 1),
+            ('attention', 'sdpa', 'bf16', 8246337208320, 2082471952, 3, 1),
+            ('attention', 'sdpa', 'bf16', 6871947673600, 1780482064, 3, 1),
+            ('attention', 'sdpa', 'bf16', 5497558138880, 1478492176, 3, 1),
+            ('attention', 'sdpa', 'bf16', 4123168604160, 1176502288, 3, 1),
+            ('attention', 'sdpa', 'bf16', 3848290697216, 1310720016, 1, 1),
+            ('attention', 'sdpa', 'bf16', 3298534883328, 1142947856, 1, 1),
+            ('attention', 'sdpa', 'bf16', 2748779069440, 874512400, 3, 1),
+            ('attention', 'sdpa', 'bf16', 2748779069440, 975175696, 1, 1),
+            ('attention', 'sdpa', 'bf16', 2199023255552, 807403536, 1, 1),
+            ('attention', 'sdpa', 'bf16', 1649267441664, 639631376, 1, 1),
+            ('attention', 'sdpa', 'bf16', 1374389534720, 572522512, 3, 1),
+            ('attention', 'sdpa', 'bf16', 1099511627776, 471859216, 1, 1),
+            ('attention', 'sdpa', 'bf16', 549755813888, 304087056, 1, 1),
+        ),
+    },
+    ('gptoss120b', 'flex', 2, 4096): {
+        "other_classes": {"copy/cast": (1182, 1273, 98024731634), "elementwise": (2975, 2975, 271548402674), "softmax/loss": (280, 280, 80641792000), "reductions": (758, 758, 51067198032), "optimizer": (13, 38, 4030963626)},
+        "matmul": (
+            ('gemm', '', 'bf16', 1509212160000, 755514880, 1, 1),
+            ('gemm', '', 'bf16', 407686348800, 238510080, 1, 2),
+            ('gemm', '', 'bf16', 386547056640, 208666624, 1, 21),
+            ('gemm', '', 'bf16', 193273528320, 137887744, 1, 21),
+            ('gemm', '', 'bf16', 193167360000, 257428480, 1, 196),
+            ('gemm', '', 'bf16', 157040640000, 243755520, 1, 4),
+            ('gemm', '', 'bf16', 156672000000, 243616000, 1, 4),
+            ('gemm', '', 'bf16', 156303360000, 243476480, 1, 4),
+            ('gemm', '', 'bf16', 155934720000, 243336960, 1, 4),
+            ('gemm', '', 'bf16', 155566080000, 243197440, 1, 4),
+            ('gemm', '', 'bf16', 155197440000, 243057920, 1, 4),
+            ('gemm', '', 'bf16', 154828800000, 242918400, 1, 4),
+            ('gemm', '', 'bf16', 135895449600, 110960640, 1, 63),
+            ('gemm', '', 'bf16', 48318382080, 108658688, 1, 42),
+            ('attention', 'flex', 'bf16', 966367641600, 505530368, 2, 1),
+            ('attention', 'flex', 'bf16', 923417968640, 471959296, 2, 1),
+            ('attention', 'flex', 'bf16', 880468295679, 438388224, 2, 1),
+            ('attention', 'flex', 'bf16', 837518622720, 404817152, 2, 1),
+            ('attention', 'flex', 'bf16', 794568949760, 371246080, 2, 1),
+            ('attention', 'flex', 'bf16', 751619276800, 337675008, 2, 1),
+            ('attention', 'flex', 'bf16', 708669603840, 304103936, 2, 1),
+            ('attention', 'flex', 'bf16', 386547056640, 255969280, 1, 1),
+            ('attention', 'flex', 'bf16', 369367187456, 239175424, 1, 1),
+            ('attention', 'flex', 'bf16', 352187318272, 222381568, 1, 1),
+            ('attention', 'flex', 'bf16', 335007449088, 205587712, 1, 1),
+            ('attention', 'flex', 'bf16', 317827579904, 188793856, 1, 1),
+            ('attention', 'flex', 'bf16', 300647710720, 172000000, 1, 1),
+            ('attention', 'flex', 'bf16', 283467841536, 155206144, 1, 1),
+        ),
+    },
+    ('llama3_1_8b', 'sdpa', 4, 2048): {
+        "other_classes": {"copy/cast": (1018, 1109, 181270783522), "elementwise": (2753, 2753, 373174846938), "softmax/loss": (280, 280, 80543232000), "reductions": (709, 709, 59901476716), "optimizer": (13, 74, 18686345670)},
+        "matmul": (
+            ('gemm', '', 'bf16', 2145386496000, 852963328, 1, 1),
+            ('gemm', '', 'bf16', 962072674304, 419430400, 1, 63),
+            ('gemm', '', 'bf16', 824633720832, 369098752, 1, 2),
+            ('gemm', '', 'bf16', 549755813888, 268435456, 1, 21),
+            ('gemm', '', 'bf16', 274877906944, 167772160, 1, 21),
+            ('gemm', '', 'bf16', 274726912000, 337801216, 1, 196),
+            ('gemm', '', 'bf16', 222298112000, 323362816, 1, 4),
+            ('gemm', '', 'bf16', 221249536000, 323074048, 1, 4),
+            ('gemm', '', 'bf16', 220200960000, 322785280, 1, 4),
+            ('gemm', '', 'bf16', 219152384000, 322496512, 1, 4),
+            ('gemm', '', 'bf16', 218103808000, 322207744, 1, 4),
+            ('gemm', '', 'bf16', 217055232000, 321918976, 1, 4),
+            ('gemm', '', 'bf16', 216006656000, 321630208, 1, 4),
+            ('gemm', '', 'bf16', 137438953472, 167772160, 1, 42),
+            ('attention', 'sdpa', 'bf16', 4810363371520, 2207252496, 3, 1),
+            ('attention', 'sdpa', 'bf16', 4123168604160, 1930428432, 3, 1),
+            ('attention', 'sdpa', 'bf16', 3435973836800, 1653604368, 3, 1),
+            ('attention', 'sdpa', 'bf16', 2748779069440, 1376780304, 3, 1),
+            ('attention', 'sdpa', 'bf16', 2061584302080, 1099956240, 3, 1),
+            ('attention', 'sdpa', 'bf16', 1924145348608, 1133510672, 1, 1),
+            ('attention', 'sdpa', 'bf16', 1649267441664, 990904336, 1, 1),
+            ('attention', 'sdpa', 'bf16', 1374389534720, 823132176, 3, 1),
+            ('attention', 'sdpa', 'bf16', 1374389534720, 848298000, 1, 1),
+            ('attention', 'sdpa', 'bf16', 1099511627776, 705691664, 1, 1),
+            ('attention', 'sdpa', 'bf16', 824633720832, 563085328, 1, 1),
+            ('attention', 'sdpa', 'bf16', 687194767360, 546308112, 3, 1),
+            ('attention', 'sdpa', 'bf16', 549755813888, 420478992, 1, 1),
+            ('attention', 'sdpa', 'bf16', 274877906944, 277872656, 1, 1),
+        ),
+    },
+}
 
 # ---------------------------------------------------------------------------------------------
 # what an op is
@@ -698,11 +820,15 @@ def fused_loss_setting(recipe: Any) -> Iterator[None]:
         yield
         return
     saved = losses.FUSED_LOSS
-    losses.set_fused_loss(setting)
+    with warnings.catch_warnings():  # set_fused_loss may be deprecated (the methods pass the setting): same effect
+        warnings.simplefilter("ignore", DeprecationWarning)
+        losses.set_fused_loss(setting)
     try:
         yield
     finally:
-        losses.set_fused_loss(saved)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            losses.set_fused_loss(saved)
 
 
 def cuda_compile(recipe: Any) -> bool:
@@ -828,7 +954,8 @@ def top_ops(count: StepCount, c: Constants, n: int = TOP) -> dict[str, list[dict
             "by_bytes": sorted(rows, key=lambda r: (-r["gb"], r["op"]))[:n]}
 
 
-def fit_constants(runs: list[tuple[StepCount, str, dict[str, float]]], mem_eff: float | None = None) -> Constants:
+def fit_constants(runs: list[tuple[StepCount, str, dict[str, float]]], mem_eff: float | None = None,
+                  fallback: Constants | None = FITTED) -> Constants:
     """The fitted constants from profiled runs ``(count, attention backend, kernel ms by class)``.
 
     ``mem_eff`` is assumed, not fitted (default :data:`FITTED`'s; the profiled runs cannot tell it
@@ -837,8 +964,13 @@ def fit_constants(runs: list[tuple[StepCount, str, dict[str, float]]], mem_eff: 
     launch_us``, against the profile's total minus its gemm and attention kernels. Then
     ``gemm_eff`` over the gemm kernels of every run, ``sdpa_eff`` / ``flex_eff`` over the attention
     kernels of the runs of that backend, each by bisection to the measured sum (the class
-    boundaries of a kernel-name profile and of aten ops agree for these two classes)."""
+    boundaries of a kernel-name profile and of aten ops agree for these two classes).
+
+    A constant no run identifies (``flex_eff`` without a flex profile) is ``fallback``'s, or NaN
+    with ``fallback=None`` (the leave-one-out folds: no estimate borrows a constant fitted on the
+    held-out profiles; every op that needs it estimates NaN)."""
     mem_eff = FITTED.mem_eff if mem_eff is None else mem_eff
+    unknown = lambda attr: math.nan if fallback is None else getattr(fallback, attr)  # noqa: E731
     num = den = 0.0
     for count, _, measured in runs:
         nonmatmul = [s for s in count.stats if s.cls not in MATMUL_CLASSES]
@@ -848,13 +980,13 @@ def fit_constants(runs: list[tuple[StepCount, str, dict[str, float]]], mem_eff: 
         w = 1.0 / target**2
         num += w * (target - seconds) * launches
         den += w * launches * launches
-    launch_us = max(0.0, num / den * 1e6) if den else FITTED.launch_us
+    launch_us = max(0.0, num / den * 1e6) if den else unknown("launch_us")
     base = Constants(launch_us=launch_us, mem_eff=mem_eff, gemm_eff=1.0, sdpa_eff=1.0, flex_eff=1.0)
 
     def solve(attr: str, cls: str, backend: str | None) -> float:
         chosen = [(cnt, m[cls] / 1e3) for cnt, b, m in runs if cls in m and backend in (None, b)]
         if not chosen:
-            return getattr(FITTED, attr)
+            return unknown(attr)
 
         def excess(eff: float) -> float:  # estimate - measured, summed over the runs; falls as eff rises
             c = Constants(**{**asdict(base), attr: eff})
@@ -919,7 +1051,7 @@ def measure(recipe: Any, config_json: dict[str, Any], source: str, launch: Any, 
     object ``--json`` prints."""
     B, T = recipe.train.batch_size, recipe.data.max_length
     attention = getattr(recipe.train, "attention_backend", "sdpa")
-    count = count_step(recipe, config_json, precision, fused_norm=not is_as_measured(recipe))
+    count = count_step(recipe, config_json, precision, fused_norm=not norm_written_out(recipe))
     return report(recipe, count, attention, B, T, source, launch, precision, constants)
 
 
@@ -933,7 +1065,8 @@ def report(recipe: Any, count: StepCount, attention: str, B: int, T: int, source
     nonmatmul = sum(row["gb"] for k, row in classes.items() if k not in MATMUL_CLASSES)
     key = (recipe.name, attention, B, T)
     loss_path, compiled_layers = count.extra.get("loss_path", "chunked"), count.extra.get("compiled_layers", False)
-    as_measured = loss_path == "chunked" and not compiled_layers  # the code the H200 figures were measured on
+    # the step the H200 figures were measured on (the code and the recipe settings: MEASURED_STEP)
+    as_measured = loss_path == "chunked" and not compiled_layers and is_as_measured(recipe)
     measured = H200_MEASURED.get(key) if as_measured else None
     profile = H200_PROFILE.get(key) if as_measured else None
     has_attention = classes["attention"]["ops"] > 0
@@ -967,8 +1100,8 @@ def report(recipe: Any, count: StepCount, attention: str, B: int, T: int, source
                  if loss_path == "fused" else "loss: the chunked torch loss (logits, log-softmaxes, divergence, "
                                               "argmaxes per chunk of rows, recomputed in backward)")
     if H200_MEASURED.get(key) is not None and not as_measured:
-        notes.append(f"the H200 measurement of this recipe ({H200_MEASURED[key]} ms) is of the chunked loss and eager "
-                     "decoder layers: count that step with --set train.fused_loss=false --set train.compile=false --set train.packing=false")
+        notes.append(f"the H200 measurement of this recipe ({H200_MEASURED[key]} ms) is of the chunked loss, eager "
+                     "decoder layers, unpacked rows and full attention: count that step with --as-measured")
     elif measured is None:
         notes.append("no H200 measurement of this recipe / attention / B x T in the table")
     regions = []
@@ -1002,7 +1135,8 @@ def report(recipe: Any, count: StepCount, attention: str, B: int, T: int, source
         "compiled_regions": compiled,
         "constants": {**asdict(constants), "gpus": {k: asdict(g) for k, g in GPUS.items()},
                       "fitted_on": f"{CALIBRATION[0]} sdpa + flex at {CALIBRATION[1]} x {CALIBRATION[2]}, "
-                                   "H200 torch.profiler kernel time by class; mem_eff assumed, not fitted"},
+                                   "H200 torch.profiler kernel time by class; mem_eff assumed, not fitted; "
+                                   "out-of-sample errors by class: docs/bench_step.md, --leave-one-out"},
         "trainable_parameters": count.trainable_parameters,
         "cpu_seconds": round(count.seconds, 1),
         "notes": notes,
@@ -1054,40 +1188,236 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _setting(recipe: Any, dotted: str) -> tuple[Any, str]:
+    section, key = dotted.split(".")
+    return getattr(recipe, section), key
+
+
 def as_measured(recipe: Any) -> None:
-    """Set ``recipe`` to the step the H200 figures were measured on: the chunked torch loss, eager
-    decoder layers and unpacked rows (``train.fused_loss`` / ``train.compile`` / ``train.packing``
-    false, where the checkout has them); :func:`count_step` then also counts RMSNorm written out
-    (``fused_norm=False``), as the measured code's transformers ``LlamaRMSNorm`` ran."""
-    for key in ("fused_loss", "compile", "packing"):
-        if hasattr(recipe.train, key):
-            setattr(recipe.train, key, False)
+    """Set ``recipe`` to the step the H200 figures were measured on (:data:`MEASURED_STEP`): the
+    chunked torch loss, eager decoder layers, unpacked rows and full attention (no
+    ``draft.sliding_window``), for the keys the recipe has; :func:`count_step` then also counts
+    RMSNorm written out (``fused_norm=False``), as the measured code's transformers ``LlamaRMSNorm`` ran."""
+    for dotted, value in MEASURED_STEP.items():
+        section, key = _setting(recipe, dotted)
+        if hasattr(section, key):
+            setattr(section, key, value)
+
+
+def measured_step_differences(recipe: Any) -> list[str]:
+    """The ``KEY=VALUE`` settings of :data:`MEASURED_STEP` that ``recipe`` does not have (empty:
+    it is the measured step)."""
+    out = []
+    for dotted, value in MEASURED_STEP.items():
+        section, key = _setting(recipe, dotted)
+        if hasattr(section, key) and getattr(section, key) != value:
+            out.append(f"{dotted}={'null' if value is None else str(value).lower()}")
+    return out
 
 
 def is_as_measured(recipe: Any) -> bool:
-    """Whether ``recipe`` asks for the measured step's loss and layers (:func:`as_measured`)."""
+    """Whether ``recipe`` is the step the H200 figures were measured on (:func:`as_measured`)."""
+    return not measured_step_differences(recipe)
+
+
+def norm_written_out(recipe: Any) -> bool:
+    """Whether the count takes RMSNorm written out, as the measured code ran it: the chunked loss and
+    eager layers (``train.fused_loss`` and ``train.compile`` false)."""
     return getattr(recipe.train, "fused_loss", False) is False and getattr(recipe.train, "compile", False) is False
 
 
+def measured_count(name: str, attention: str, B: int, T: int, args: argparse.Namespace) -> tuple[Any, ...]:
+    """``(recipe, count, source, launcher, precision)`` of the step the H200 figures of ``name``
+    with ``attention`` at ``B x T`` were measured on (:func:`as_measured`)."""
+    ns = argparse.Namespace(**{**vars(args), "attention": attention, "batch_size": B, "max_length": T,
+                               "launcher": None, "target_config": None})
+    recipe, config_json, source, launch = load(name, [], ns)
+    as_measured(recipe)
+    precision = Precision.of(launch, getattr(args, "precision", "auto"))
+    count = count_step(recipe, config_json, precision, fused_norm=False)
+    return recipe, count, source, launch, precision
+
+
+def reduce_count(count: StepCount) -> dict[str, Any]:
+    """``count`` as :data:`MEASURED_COUNTS` keeps a step: per class outside gemm and attention
+    ``(ops, launches, bytes)``, and the gemm / attention op groups ``(class, backend, peak, FLOPs,
+    bytes, launches, count)``; the roofline's estimate of either is the same."""
+    other: dict[str, list[int]] = {}
+    for st in count.stats:
+        if st.cls not in MATMUL_CLASSES:
+            row = other.setdefault(st.cls, [0, 0, 0])
+            row[0] += st.count
+            row[1] += st.count * st.launches
+            row[2] += st.count * st.bytes
+    matmul = sorted(((st.cls, st.attention, st.rate, st.flops, st.bytes, st.launches, st.count)
+                     for st in count.stats if st.cls in MATMUL_CLASSES), key=lambda t: (t[0] != "gemm", -t[3], t))
+    return {"other_classes": {k: tuple(other[k]) for k in CLASSES if k in other}, "matmul": tuple(matmul)}
+
+
+def snapshot_count(snapshot: dict[str, Any]) -> StepCount:
+    """A :class:`StepCount` the roofline estimates as the step :func:`reduce_count` reduced: one op
+    group per class outside gemm and attention (its ops, at their mean launches and bytes)."""
+    stats = [OpStat(f"{cls} ops", cls, 0, nbytes / ops, launches / ops, "", "", count=ops)  # type: ignore[arg-type]
+             for cls, (ops, launches, nbytes) in snapshot["other_classes"].items()]
+    stats += [OpStat(f"{cls} op", cls, flops, nbytes, launches, rate, attention, count=n)
+              for cls, attention, rate, flops, nbytes, launches, n in snapshot["matmul"]]
+    return StepCount(stats=stats, views=0, host_syncs=0, casts={}, flex_fraction=None, flex_readable=True,
+                     trainable_parameters=0, seconds=0.0, extra={"loss_path": "chunked", "compiled_layers": False})
+
+
+def measured_snapshots() -> dict[tuple[str, str, int, int], StepCount]:
+    """The measured steps the constants are fitted on (:data:`MEASURED_COUNTS`)."""
+    return {key: snapshot_count(snap) for key, snap in MEASURED_COUNTS.items()}
+
+
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """Count the calibration recipe with both backends, refit the constants and return the fit
-    and every profiled / measured recipe's estimate under it (``--calibrate``)."""
+    """Refit the constants on the calibration recipe's measured steps (both backends,
+    :data:`MEASURED_COUNTS`), recount the same steps with today's code (:func:`as_measured`) and
+    return the fit, the fit today's count would give, the difference of the two counts and today's
+    estimates under the fit (``--calibrate``)."""
     name, B, T = CALIBRATION
-    runs, reports = [], {}
-    for attention in ("sdpa", "flex"):
-        ns = argparse.Namespace(**{**vars(args), "attention": attention, "batch_size": B, "max_length": T,
-                                   "launcher": None, "target_config": None})
-        recipe, config_json, source, launch = load(name, [], ns)
-        as_measured(recipe)
-        precision = Precision.of(launch, args.precision)
-        count = count_step(recipe, config_json, precision, fused_norm=False)
-        runs.append((count, attention, H200_PROFILE[(name, attention, B, T)]))
-        reports[attention] = (recipe, count, source, launch, precision)
-    fitted = fit_constants(runs)
+    keys = [(name, attention, B, T) for attention in ("sdpa", "flex")]
+    snapshots = measured_snapshots()
+    fitted = fit_constants([(snapshots[k], k[1], H200_PROFILE[k]) for k in keys])
+    today, rows, drift = {}, [], {}
+    for key in keys:
+        recipe, count, source, launch, precision = measured_count(*key, args)
+        today[key] = count
+        rows.append(report(recipe, count, key[1], B, T, source, launch, precision, fitted))
+        then, now = MEASURED_COUNTS[key], reduce_count(count)
+        drift[key[1]] = {
+            "ops": [sum(v[0] for v in then["other_classes"].values()) + sum(t[6] for t in then["matmul"]),
+                    sum(v[0] for v in now["other_classes"].values()) + sum(t[6] for t in now["matmul"])],
+            "nonmatmul_gb": [round(sum(v[2] for v in then["other_classes"].values()) / 1e9, 2),
+                             round(sum(v[2] for v in now["other_classes"].values()) / 1e9, 2)],
+            "est_ms_h200": [round(class_ms(snapshots[key], fitted)["total"], 1), round(class_ms(count, fitted)["total"], 1)]}
+    refit = fit_constants([(today[k], k[1], H200_PROFILE[k]) for k in keys])
+    return {"fitted": asdict(fitted), "baked": asdict(FITTED), "today": asdict(refit), "drift": drift, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# how well the constants predict a profile they were not fitted on
+
+
+PROFILE_CLASSES = ("gemm", "attention", "copy/cast", "elementwise", "softmax/loss", "reductions")
+SCORED = (*PROFILE_CLASSES, "non-matmul", "total")  # non-matmul: total - gemm - attention (launch_us's target)
+SPLITS = ("recipe", "profile")
+
+
+def class_ms(count: StepCount, c: Constants) -> dict[str, float]:
+    """Estimated H200 kernel ms of one counted step by :data:`SCORED` class (NaN where a constant is)."""
+    rows = breakdown(count, c)
+    out = {k: rows[k]["est_ms_h200"] for k in PROFILE_CLASSES}
+    out["non-matmul"] = sum(row["est_ms_h200"] for k, row in rows.items() if k not in MATMUL_CLASSES)
+    out["total"] = sum(row["est_ms_h200"] for row in rows.values())
+    return out
+
+
+def profile_ms(key: tuple[str, str, int, int]) -> dict[str, float]:
+    p = H200_PROFILE[key]
+    return {**{k: p[k] for k in PROFILE_CLASSES}, "non-matmul": p["total"] - p["gemm"] - p["attention"],
+            "total": p["total"]}
+
+
+def leave_one_out(counts: dict[tuple[str, str, int, int], StepCount] | None = None,
+                  split: str = "recipe") -> list[dict[str, Any]]:
+    """Hold out each recipe (``split="recipe"``: all its profiles) or each profile (``"profile"``) of
+    the measured steps (``counts``, default :func:`measured_snapshots`),
+    fit the constants on the other profiles (:func:`fit_constants`, nothing borrowed from
+    :data:`FITTED`: a constant they cannot identify is NaN) and estimate the held-out profiles by
+    class. One row per held-out profile: the fold's constants, estimated and profiled ms and the
+    relative error by :data:`SCORED` class (None where the fold cannot estimate the class)."""
+    counts = measured_snapshots() if counts is None else counts
+    group = (lambda k: k[0]) if split == "recipe" else (lambda k: k)  # noqa: E731
     rows = []
-    for attention, (recipe, count, source, launch, precision) in reports.items():
-        rows.append(report(recipe, count, attention, B, T, source, launch, precision, fitted))
-    return {"fitted": asdict(fitted), "baked": asdict(FITTED), "rows": rows}
+    for held in dict.fromkeys(group(k) for k in counts):
+        train = [k for k in counts if group(k) != held]
+        c = fit_constants([(counts[k], k[1], H200_PROFILE[k]) for k in train], fallback=None)
+        for key in (k for k in counts if group(k) == held):
+            est, prof = class_ms(counts[key], c), profile_ms(key)
+            rows.append({"split": split, "held_out": "/".join(map(str, key)),
+                         "fitted_on": ["/".join(map(str, k)) for k in train],
+                         "constants": {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                       for k, v in asdict(c).items()},
+                         "est_ms": {k: (None if math.isnan(v) else round(v, 1)) for k, v in est.items()},
+                         "profile_ms": {k: round(v, 1) for k, v in prof.items()},
+                         "error": {k: (None if math.isnan(est[k]) else round(est[k] / prof[k] - 1, 3)) for k in SCORED}})
+    return rows
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.1%}"
+
+
+def format_leave_one_out(rows: list[dict[str, Any]]) -> str:
+    """The leave-one-out rows as the two markdown tables docs/bench_step.md publishes: the relative
+    error by class, then the estimated / profiled ms."""
+    def const(c: dict[str, Any]) -> str:
+        return " / ".join("-" if c[k] is None else str(c[k]) for k in ("launch_us", "gemm_eff", "sdpa_eff", "flex_eff"))
+
+    lines = ["| split | held out | fitted on | launch µs / gemm / sdpa / flex | " + " | ".join(SCORED) + " |",
+             "|---|---|---|---|" + "---:|" * len(SCORED)]
+    for r in rows:
+        lines.append(f"| {r['split']} | {r['held_out']} | {', '.join(r['fitted_on'])} | {const(r['constants'])} | "
+                     + " | ".join(_pct(r["error"][k]) for k in SCORED) + " |")
+    lines += ["", "| split | held out | " + " | ".join(SCORED) + " |", "|---|---|" + "---:|" * len(SCORED)]
+    for r in rows:
+        lines.append(f"| {r['split']} | {r['held_out']} | " + " | ".join(
+            f"{'n/a' if r['est_ms'][k] is None else r['est_ms'][k]} / {r['profile_ms'][k]}" for k in SCORED) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# predictions frozen before a GPU scores them (docs/bench_step.md, "Predictions, frozen 2026-11-29")
+
+
+FROZEN_ON = "2026-11-29"
+# (label, recipe, --set overrides): the default step of each recipe, and two gptoss120b geometries never profiled
+PREDICTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("gptoss120b default", "gptoss120b", ()),
+    ("llama3_1_8b default", "llama3_1_8b", ()),
+    ("gptoss120b 1 x 4096", "gptoss120b", ("train.batch_size=1", "data.max_length=4096")),
+    ("gptoss120b 4 x 2048", "gptoss120b", ("train.batch_size=4", "data.max_length=2048")),
+)
+PREDICTED = ("gemm", "attention", "copy/cast", "elementwise", "softmax/loss", "reductions", "optimizer", "non-matmul",
+             "total")
+# the pass band of each predicted H200 kernel-ms figure (relative, either way); None: no band (the class
+# boundaries of an aten count and of a kernel-name profile differ there: only their sum, non-matmul, is scored)
+BANDS: dict[str, float | None] = {"gemm": 0.10, "attention": 0.30, "copy/cast": None, "elementwise": None,
+                                  "softmax/loss": None, "reductions": None, "optimizer": None, "non-matmul": 0.35,
+                                  "total": 0.20}
+
+
+def prediction(label: str, name: str, sets: tuple[str, ...], constants: Constants = FITTED) -> dict[str, Any]:
+    """One frozen prediction: the step ``draftsmith bench step recipes/NAME.yaml --set ...`` counts
+    and its estimated H200 kernel ms by :data:`PREDICTED` class (H100 total beside)."""
+    args = argparse.Namespace(precision="auto", attention=None, batch_size=None, max_length=None, launcher=None,
+                              target_config=None)
+    recipe, config_json, source, launch = load(name, list(sets), args)
+    r = measure(recipe, config_json, source, launch, Precision.of(launch, "auto"), constants)
+    ms = {k: round(r["classes"].get(k, {}).get("est_ms_h200", 0.0), 1) for k in PREDICTED[:-2]}
+    ms["non-matmul"] = round(r["est_ms"]["h200"] - sum(r["classes"].get(k, {}).get("est_ms_h200", 0.0)
+                                                       for k in MATMUL_CLASSES), 1)
+    ms["total"] = r["est_ms"]["h200"]
+    return {"label": label, "recipe": name, "sets": list(sets), "attention": r["attention"], "B": r["B"], "T": r["T"],
+            "ops": r["ops"], "nonmatmul_gb": r["nonmatmul_gb"], "est_ms_h200": ms, "est_ms_h100": r["est_ms"]["h100"],
+            "command": prediction_command(name, sets)}
+
+
+def prediction_command(name: str, sets: tuple[str, ...]) -> str:
+    return " ".join(["draftsmith bench step", f"recipes/{name}.yaml", *(f"--set {s}" for s in sets), "--json"])
+
+
+def format_predictions(rows: list[dict[str, Any]]) -> str:
+    """The frozen predictions as docs/bench_step.md's table: H200 kernel ms by class, with the bands."""
+    band = lambda k: "-" if BANDS[k] is None else f"±{BANDS[k]:.0%}"  # noqa: E731
+    lines = ["| step | attention | B x T | ops | non-matmul GB | " + " | ".join(PREDICTED) + " | H100 total |",
+             "|---|---|---|---:|---:|" + "---:|" * (len(PREDICTED) + 1)]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['attention']} | {r['B']} x {r['T']} | {r['ops']:,} | {r['nonmatmul_gb']} | "
+                     + " | ".join(f"{r['est_ms_h200'][k]}" for k in PREDICTED) + f" | {r['est_ms_h100']} |")
+    lines.append("| pass band | | | | | " + " | ".join(band(k) for k in PREDICTED) + " | - |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1106,9 +1436,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", type=Path, help="accelerate launcher YAML (default: the recipe's `launcher`)")
     p.add_argument("--precision", choices=["auto", "fp32", "amp-bf16", "bf16"], default="auto",
                    help="auto: the launcher's (bf16 autocast; bf16 weights under DeepSpeed; fp32 without mixed precision)")
+    p.add_argument("--as-measured", action="store_true",
+                   help="count the step the H200 figures were measured on: " + ", ".join(MEASURED_SETS)
+                        + " (the keys the recipe has), RMSNorm written out")
     p.add_argument("--calibrate", action="store_true",
                    help=f"refit the constants on {CALIBRATION[0]} (sdpa and flex) against the H200 profile and print "
                         "the fit (no RECIPE)")
+    p.add_argument("--leave-one-out", action="store_true",
+                   help="hold out each profiled recipe, then each profile, fit the constants on the rest and print "
+                        "the held-out profiles' errors by class (no RECIPE)")
+    p.add_argument("--predictions", action="store_true",
+                   help=f"count the steps of the predictions frozen on {FROZEN_ON} (docs/bench_step.md) and print "
+                        "their table (no RECIPE)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
 
@@ -1127,13 +1466,28 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"fitted: {result['fitted']}\nbaked:  {result['baked']}")
+            print(f"fitted on the measured steps' counts (MEASURED_COUNTS): {result['fitted']}\n"
+                  f"baked (FITTED):                                          {result['baked']}\n"
+                  f"fitted on today's code's count of the same steps:        {result['today']}")
+            for attention, d in result["drift"].items():
+                print(f"{attention}: ops {d['ops'][0]:,} -> {d['ops'][1]:,}, non-matmul GB {d['nonmatmul_gb'][0]} -> "
+                      f"{d['nonmatmul_gb'][1]}, est. H200 ms {d['est_ms_h200'][0]} -> {d['est_ms_h200'][1]} "
+                      "(measured step's count -> today's)")
             for r in result["rows"]:
                 print()
                 print(format_report(r))
         return 0
+    if args.leave_one_out:
+        rows = [row for split in SPLITS for row in leave_one_out(split=split)]
+        print(json.dumps({"rows": rows}) if args.json else format_leave_one_out(rows))
+        return 0
+    if args.predictions:
+        rows = [prediction(*p_) for p_ in PREDICTIONS]
+        print(json.dumps({"frozen_on": FROZEN_ON, "constants": asdict(FITTED), "bands": BANDS, "rows": rows})
+              if args.json else "\n".join([*(r["command"] for r in rows), "", format_predictions(rows)]))
+        return 0
     if not args.recipe:
-        p.error("RECIPE is required (or --calibrate)")
+        p.error("RECIPE is required (or --calibrate, --leave-one-out, --predictions)")
     for key in ("batch_size", "max_length"):
         value = getattr(args, key)
         if value is not None and value < 1:
@@ -1146,6 +1500,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, LauncherError) as exc:
         print(f"draftsmith bench step: error: {exc}", file=sys.stderr)
         return 1
+    if args.as_measured:
+        as_measured(recipe)
     precision = Precision.of(launch, args.precision)
     result = measure(recipe, config_json, source, launch, precision)
     print(json.dumps(result) if args.json else format_report(result))

@@ -208,13 +208,37 @@ def loss_chunk_bytes(recipe: Recipe, rows_total: int, vocab: int) -> int:
     return 6 * C * vocab * 4
 
 
+def fused_loss_on(recipe: Recipe, s: Shapes, labels: bool = False) -> bool:
+    """Whether the step's :func:`~draftsmith.train.losses.chunked_distill` calls take the fused loss on
+    the recipe's GPU: :func:`~draftsmith.train.losses.uses_fused_loss`, the predicate the training
+    step applies (``train.fused_loss`` on a CUDA device, the rows' dtype, ``draft.loss``; ``labels``:
+    the heads' cross-entropy), at the kernel's coverage rather than this machine's Triton (the dry run
+    estimates a GPU step from any machine)."""
+    import torch
+
+    from .losses import LossSpec, uses_fused_loss
+
+    dtype = torch.bfloat16 if s.act_bytes == 2 else torch.float32
+    spec = None if labels or not hasattr(recipe.draft, "loss") else LossSpec.from_recipe(recipe.draft)
+    return uses_fused_loss(getattr(recipe.train, "fused_loss", "auto"), "cuda", dtype, spec, labels, runtime=False)[0]
+
+
+def runs_loss_of(recipe: Recipe, training_method: type) -> bool:
+    """Whether the recipe's method computes its loss with ``training_method``'s ``compute_loss`` (its
+    own or inherited, not overridden): a method's estimate of its loss then applies to the methods
+    built on it that keep that loss (DFlash2 keeps DFlash's; DSpark and XPress have their own)."""
+    method = get_method(recipe.draft.method).training_method
+    return getattr(method, "compute_loss", None) is getattr(training_method, "compute_loss", None)
+
+
 def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
-                     vocab: int | None = None) -> dict[str, int] | None:
-    """The fused loss on a GPU (``train.fused_loss`` auto or true; train/fused_loss.py): one
-    ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step) the
-    gradients it computes in forward and holds to backward, ``(Vd, H)`` for ``lm_head`` and
-    ``(M, H)`` for the rows. None when ``train.fused_loss`` is false (the chunked loss)."""
-    if recipe.train.fused_loss is False:
+                     vocab: int | None = None, labels: bool = False) -> dict[str, int] | None:
+    """The fused loss on a GPU (train/fused_loss.py) when the step takes it (:func:`fused_loss_on`):
+    one ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step; the
+    heads: one per head; DFlash, P-EAGLE: one) the gradients it computes in forward and holds to
+    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows. None when the step takes the
+    chunked loss. Every method whose loss runs through ``chunked_distill`` counts its loss with this."""
+    if not fused_loss_on(recipe, s, labels):
         return None
     import torch
 
@@ -303,6 +327,9 @@ def memory_estimate(recipe: Recipe, geometry: LayerGeometry, counts: dict[str, i
     optimizer = fixed + update
     return {"precision": precision, "batch_size": s.B, "max_length": s.T, "trainable_parameters": trainable,
             "state": state, "frozen": frozen, "batch": batch, "activations": acts,
+            # the loss the estimate counts: an estimator that counts the fused loss names its held
+            # gradients (0 when they are gone at its peak), fused_loss_bytes deciding (fused_loss_on)
+            "loss_path": "fused" if "fused_loss_gradients" in acts else "chunked",
             "optimizer_transients": update, "forward_backward_bytes": forward_backward, "optimizer_bytes": optimizer,
             "per_gpu_bytes": max(forward_backward, optimizer),
             "peak_phase": "forward_backward" if forward_backward >= optimizer else "optimizer"}

@@ -63,6 +63,12 @@ def fused_loss_available(device: torch.device | str, dtype: torch.dtype, spec: L
         return False, f"the fused loss needs a CUDA device, got {device.type}"
     if triton is None:
         return False, f"triton is not importable ({_TRITON_ERROR})"
+    return fused_kernel_covers(dtype, spec, labels)
+
+
+def fused_kernel_covers(dtype: torch.dtype, spec: LossSpec | None = None, labels: bool = False) -> tuple[bool, str]:
+    """The part of :func:`fused_loss_available` that does not depend on this process (its device
+    and Triton): the row dtype and the loss kind the kernel covers. ``(True, "")`` or ``(False, reason)``."""
     if dtype not in DTYPES:
         return False, f"the fused loss supports bf16 / fp16 / fp32 rows, got {dtype}"
     kind = (spec or LossSpec()).kind
@@ -404,5 +410,5 @@ def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.T
     return DistillOut(loss_sum, row_loss, row_hit)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "KINDS", "fused_chunk_rows", "fused_linear_distill", "fused_loss_available",
-           "interpreted"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "KINDS", "fused_chunk_rows", "fused_kernel_covers", "fused_linear_distill",
+           "fused_loss_available", "interpreted"]

@@ -7,7 +7,9 @@ cross-entropy.
   target distribution restricted to the draft vocab and the draft's, per element.
 - :func:`chunked_distill`: the weighted divergence of M draft rows, in chunks of rows recomputed
   in backward, called inside the draft's forward; its empty case is the one zero loss
-  (``logits_fn(hidden).sum() * 0.0``: the graph reaches every weight the loss would use).
+  (``logits_fn(hidden).sum() * 0.0``: the graph reaches every weight the loss would use). On CUDA
+  it runs the fused Triton loss instead where ``train.fused_loss`` (its ``fused`` argument, passed
+  by each method from its recipe) and :func:`uses_fused_loss` allow it.
 - :func:`head_loss`: Medusa heads and MLP-speculator stages, per-head cross-entropy against the
   sequence's next tokens (the target's own regenerated replies), head k weighted ``decay**k``.
 
@@ -192,15 +194,22 @@ def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: t
     return (weight * d).sum(), d.detach(), hit.float()
 
 
-# train.fused_loss (set by the trainer, set_fused_loss): "auto" runs the fused Triton loss
-# (train/fused_loss.py) on CUDA, True asks for it everywhere (a warning where it cannot run), False never
+# the setting of the calls that pass none (fused=None): train.fused_loss reaches the loss as an
+# argument from the method (its recipe's setting); this process-wide default is kept only for
+# set_fused_loss, the deprecated way to set it
 FUSED_LOSS: str | bool = "auto"
 _fused_warned: set[str] = set()
 
 
 def set_fused_loss(setting: str | bool) -> None:
-    """``train.fused_loss`` for every :func:`chunked_distill` of this process."""
+    """Deprecated: pass ``train.fused_loss`` to the loss (``chunked_distill(..., fused=setting)``,
+    ``head_loss(..., fused=setting)``; the methods pass their recipe's). Sets the setting of the
+    calls that pass none."""
+    import warnings
+
     global FUSED_LOSS
+    warnings.warn("set_fused_loss is deprecated: pass train.fused_loss to the loss (chunked_distill(..., "
+                  "fused=setting))", DeprecationWarning, stacklevel=2)
     FUSED_LOSS = setting
 
 
@@ -208,6 +217,30 @@ def fused_device_ok(device: torch.device) -> bool:
     """Whether the fused loss's kernel runs on ``device`` (CUDA; the benchmarks' fake GPU steps
     on a CPU say yes, :func:`benchmarks.memory.cuda_attention_policy`)."""
     return device.type == "cuda"
+
+
+def uses_fused_loss(setting: str | bool, device: torch.device | str, dtype: torch.dtype,
+                    spec: LossSpec | None = None, labels: bool = False,
+                    runtime: bool = True) -> tuple[bool, str]:
+    """Whether :func:`chunked_distill` takes the fused loss (train/fused_loss.py) for rows of ``dtype``
+    on ``device`` under ``train.fused_loss = setting``, given a head it can fuse (``lm_head(norm(h))``
+    or a bias-free ``nn.Linear``): the one predicate of the training step and of the dry run's estimate.
+
+    ``runtime=False``: the kernel's coverage (row dtype, loss kind) without this process's Triton (the
+    dry run estimates a GPU step from any machine).
+
+    Returns:
+        ``(True, "")``; ``(False, "")`` when not asked for (``false``, or ``auto`` off CUDA); or
+        ``(False, why)`` when asked for and it cannot run (one line).
+    """
+    device = torch.device(device)
+    if setting is False or (setting == "auto" and not fused_device_ok(device)):
+        return False, ""
+    from .fused_loss import fused_kernel_covers, fused_loss_available
+
+    if runtime:
+        return fused_loss_available(device, dtype, spec, labels)
+    return fused_kernel_covers(dtype, spec, labels)
 
 
 def _fused_head(logits_fn: Any) -> tuple[Any, torch.Tensor] | None:
@@ -222,16 +255,16 @@ def _fused_head(logits_fn: Any) -> tuple[Any, torch.Tensor] | None:
     return None if getattr(lm_head, "bias", None) is not None else (norm, lm_head.weight)
 
 
-def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: bool) -> tuple[Any, torch.Tensor] | None:
-    """The fused loss's ``(norm, weight)`` when ``train.fused_loss`` and the call allow it; warns
-    once per reason when it was asked for (``true``, or ``auto`` on CUDA) and cannot run."""
-    if FUSED_LOSS is False or (FUSED_LOSS == "auto" and not fused_device_ok(hidden.device)):
+def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: bool,
+               setting: str | bool) -> tuple[Any, torch.Tensor] | None:
+    """The fused loss's ``(norm, weight)`` when ``train.fused_loss`` (``setting``) and the call allow
+    it (:func:`uses_fused_loss`); warns once per reason when it was asked for (``true``, or ``auto``
+    on CUDA) and cannot run."""
+    if setting is False or (setting == "auto" and not fused_device_ok(hidden.device)):
         return None
-    from .fused_loss import fused_loss_available
-
     head = _fused_head(logits_fn)
     ok, why = (False, "the draft's logits are not lm_head(norm(h)) with a bias-free lm_head") if head is None else \
-        fused_loss_available(hidden.device, hidden.dtype, spec, labels)
+        uses_fused_loss(setting, hidden.device, hidden.dtype, spec, labels)
     if ok:
         return head
     if why not in _fused_warned:
@@ -245,13 +278,14 @@ def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: boo
 def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
                     teacher: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
                     loss: LossSpec | None = None, chunk_size: int | None = None,
-                    labels: bool = False, vocab_size: int | None = None) -> DistillOut:
+                    labels: bool = False, vocab_size: int | None = None,
+                    fused: str | bool | None = None) -> DistillOut:
     """The weighted divergence of M draft rows against their target rows, computed in chunks of
     rows so that no ``(M, V)`` tensor exists: each chunk's logits and fp32 log-softmaxes live only
     inside the chunk and are recomputed in backward (non-reentrant activation checkpointing), so
     the memory of the loss is ``O(C * V)`` for ``C`` rows per chunk, not ``O(M * V)`` per step.
 
-    On CUDA (``train.fused_loss``, :func:`set_fused_loss`) with a ``logits_fn`` that is
+    On CUDA (``fused``: ``train.fused_loss``, :func:`uses_fused_loss`) with a ``logits_fn`` that is
     ``lm_head(norm(h))`` (a draft's ``compute_logits`` marked ``fused_as``) or a bias-free
     ``nn.Linear``, the same values come from the fused Triton loss instead
     (:func:`~draftsmith.train.fused_loss.fused_linear_distill`: per chunk one logits matmul, one
@@ -273,6 +307,9 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
         chunk_size: rows per chunk; default :func:`chunk_rows` of V.
         labels: ``teacher`` holds token ids (Medusa heads / MLP-speculator stages).
         vocab_size: V of ``logits_fn`` (sizes the default chunk when ``labels``).
+        fused: ``train.fused_loss`` (``"auto"``: the fused loss on CUDA; True: asked for everywhere,
+            a warning where it cannot run; False: never); None: the deprecated process-wide
+            setting (:func:`set_fused_loss`, default ``"auto"``).
 
     Raises:
         ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``.
@@ -285,7 +322,7 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
     M = hidden.shape[0]
     if labels and not (chunk_size or vocab_size):
         raise ValueError("chunked_distill(labels=True) needs chunk_size or vocab_size")
-    fused = _use_fused(hidden, logits_fn, spec, labels)
+    fused = _use_fused(hidden, logits_fn, spec, labels, FUSED_LOSS if fused is None else fused)
     if fused is not None:  # train/fused_loss.py: one matmul, one kernel, two matmuls per chunk; grads in forward
         from .fused_loss import fused_linear_distill
 
@@ -325,7 +362,8 @@ class StepMetrics:
 def head_loss(run_heads: Callable[[Callable[..., Any]], list[Any]], labels: torch.Tensor, label_mask: torch.Tensor,
               decay: float, global_denominators: Callable[[torch.Tensor], Any] | None = None,
               chunk_size: int | None = None, vocab_size: int | None = None,
-              counts_host: list[int] | None = None) -> tuple[torch.Tensor, StepMetrics]:
+              counts_host: list[int] | None = None,
+              fused: str | bool | None = None) -> tuple[torch.Tensor, StepMetrics]:
     """``sum_k decay**k * CE_k``, ``CE_k`` head k's summed cross-entropy over its labelled positions
     divided by the (global, data parallel) count, computed per head in chunks of rows
     (:func:`chunked_distill` with ``labels``): the value and gradients of the per-head
@@ -342,6 +380,7 @@ def head_loss(run_heads: Callable[[Callable[..., Any]], list[Any]], labels: torc
             size, or None on one process.
         chunk_size / vocab_size: the chunking of :func:`chunked_distill`.
         counts_host: M_k per head as python ints, when known on the host (the batch plan's).
+        fused: ``train.fused_loss`` (:func:`chunked_distill`'s ``fused``).
 
     Returns:
         ``(loss, StepMetrics)`` with per-head losses and accuracies as detached device tensors.
@@ -355,7 +394,7 @@ def head_loss(run_heads: Callable[[Callable[..., Any]], list[Any]], labels: torc
 
     def head_fn(k: int, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
         out = chunked_distill(hidden, lm_head, labels[k], rows, mask[k], chunk_size=chunk_size, labels=True,
-                              vocab_size=vocab_size)
+                              vocab_size=vocab_size, fused=fused)
         return out.loss_sum, out.row_loss, out.row_hit
 
     outs = run_heads(head_fn)

@@ -331,7 +331,8 @@ class HeadMethod(TargetDataMethod):
         final = final.flatten(0, 1).index_select(0, index).to(param.dtype).unsqueeze(1)  # (M, 1, H)
         loss, m = head_loss(lambda head_fn: self.head_forward(model, final, tokens, head_fn), labels, mask,
                             self.recipe.draft.head_decay, self.global_denominators, self.recipe.train.loss_chunk_rows,
-                            self.config.vocab_size, plan.get("head_counts"))
+                            self.config.vocab_size, plan.get("head_counts"),
+                            fused=getattr(self.recipe.train, "fused_loss", None))
         return loss, self.step_metrics(loss, m)
 
     def draft_config(self) -> dict[str, Any]:

@@ -91,7 +91,6 @@ from .components.metrics import (
 from .components.nonfinite import NonFiniteGuard, NonFiniteLossError, NonFiniteShards
 from .components.optimizer import build_optimizers, build_scheduler
 from .distributed import full_tensor, uses_deepspeed
-from .losses import set_fused_loss
 from .packing import PackedDataset, collate_packed, length_bucket
 from .run_info import run_metadata
 from .sampler import LengthGroupedBatches
@@ -314,7 +313,6 @@ class Trainer:
         the schedule (steps, or steps and seconds under ``train.max_time_minutes``), prepared."""
         cfg, acc = self.cfg, self.accelerator
         model = self.method.build_model()
-        set_fused_loss(cfg.fused_loss)
         if resolve_compile(cfg.compile, acc.device):
             log.info("train.compile: %d decoder layers compiled around attention", compile_regions(model))
         apply_recipe_checkpointing(model, self.recipe.draft)

@@ -25,7 +25,8 @@ Attention (:func:`block_attention`): the A*Bk block queries of a row attend in O
 ``scaled_dot_product_attention`` call per layer over ``[context (T) | all block tokens (A*Bk)]``
 with a head-free bool mask built once per forward (:func:`block_attention_mask`), so no
 ``(nh, A*Bk, T)`` scores exist (fused kernels); ``attention_backend="flex"`` uses
-``flex_attention`` with a block mask instead (compiled on CUDA). With ``targets``
+``flex_attention`` with a block mask instead (compiled on CUDA), built from each query's context
+interval (:func:`anchor_block_mask`: no dense mask, the window a bound on the interval). With ``targets``
 (:class:`~draftsmith.models.common.DistillTargets`) the forward returns the distillation loss, computed in chunks of rows.
 
 Shapes: B batch, T sequence length (tokens), A anchors per row, Bk block size, H hidden size,
@@ -44,7 +45,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, rotate_half
 
-from ..attention import flex_attention, sdpa_with_mask
+from ..attention import (
+    BIG,
+    FLEX_BLOCK,
+    bucket_cached,
+    flex_attention,
+    padded_tiles,
+    sdpa_with_mask,
+    tile_block_mask,
+    tile_bounds,
+)
 from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend
 from .config import DFlashConfig
 
@@ -140,6 +150,87 @@ def block_attention_mask(ctx_allow: torch.Tensor, block_valid: torch.Tensor, blo
         flex = create_block_mask(mask_mod, B, None, L, T + L, device=ctx_allow.device, _compile=cuda)
         return DFlashAttentionMask(T, Bk, keep, flex=flex)
     raise ValueError(f"unknown attention backend {backend!r}: one of {', '.join(ATTENTION_BACKENDS)}")
+
+
+def document_first(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` document ids (contiguous runs) -> ``(B, T)`` int64, the first position of each
+    position's document (its run)."""
+    B, T = document_ids.shape
+    start = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)  # (B, T) True at a run's start
+    return torch.where(start, torch.arange(T, device=document_ids.device), 0).cummax(-1).values
+
+
+def anchor_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int, block_size: int,
+                      backend: str = "sdpa", sliding_window: int | None = None,
+                      document_ids: torch.Tensor | None = None, tile: int | None = None) -> DFlashAttentionMask:
+    """The mask of the training forward's anchor blocks (:meth:`DFlashDraftModel.block_hidden`):
+    :func:`block_attention_mask` with the context of block j the positions strictly before its
+    anchor ``anchors[b, j]``, in the anchor's document (``document_ids``: contiguous runs).
+
+    ``"sdpa"``: exactly :func:`block_attention_mask` of the dense ``(B, A, T)`` context mask.
+    ``"flex"``: the ``BlockMask`` from per-query intervals, without evaluating the mask anywhere but
+    inside the kernel's partial tiles: slot i of block j sees the context keys
+    ``max(start, a_j + i - W + 1) .. a_j - 1`` (``start`` the first position of the anchor's
+    document; W the sliding window, a bound on the interval and nothing more) and its own block;
+    an invalid block only its own block. The tile flags come from each query tile's least /
+    greatest bounds (``O(L (T + L) / bs^2)``; ``tile``: the flex tile, default 128).
+
+    Args:
+        anchors / block_valid: ``(B, A)`` long / bool. context_len: T.
+
+    Raises:
+        ValueError: as :func:`block_attention_mask`.
+    """
+    B, A = anchors.shape
+    T, Bk, W = context_len, block_size, sliding_window
+    if W is not None and W < Bk:
+        raise ValueError(f"sliding_window={W} needs the anchors and must be >= block_size={Bk}")
+    device = anchors.device
+    if resolve_attention_backend(backend, device) != "flex":
+        ctx_allow = torch.arange(T, device=device)[None, None, :] < anchors[..., None]  # (B, A, T)
+        if document_ids is not None:
+            anchor_doc = document_ids.gather(1, anchors)  # (B, A)
+            ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
+        return block_attention_mask(ctx_allow, block_valid, Bk, backend, W, anchors)
+    bs, L = tile or FLEX_BLOCK, A * Bk
+    keep = block_valid[:, None, :, None].expand(B, 1, A, Bk).reshape(B, 1, L, 1).float()
+    first = torch.zeros_like(anchors) if document_ids is None else document_first(document_ids).gather(1, anchors)
+    if W is None:
+        lo = first[..., None].expand(B, A, Bk)
+    else:  # slot i stands at a + i: the keys less than W positions back
+        back = bucket_cached(("dflash window", Bk, W, str(device)),
+                             lambda: torch.arange(1 - W, Bk + 1 - W, device=device))  # (Bk,) i - W + 1
+        lo = torch.maximum(first[..., None], anchors[..., None] + back)
+    lo = torch.where(block_valid[..., None], lo, BIG).reshape(B, L)  # (B, L) an invalid block: no context
+    hi = (anchors - 1).repeat_interleave(Bk, dim=1)  # (B, L)
+    lo, hi = padded_tiles(lo, bs, BIG), padded_tiles(hi, bs, -BIG)  # (B, nq, bs); a padding query: no context
+    k_first, k_last, k_full, b_touch, b_full = bucket_cached(("dflash tiles", T, L, Bk, str(device), bs),
+                                                             lambda: _anchor_tiles(T, L, Bk, device, bs))
+    touch = ((lo.amin(-1)[..., None] <= k_last) & (k_first <= hi.amax(-1)[..., None])) | b_touch  # (B, nq, nk)
+    full = ((lo.amax(-1)[..., None] <= k_first) & (k_full <= hi.amin(-1)[..., None])) | b_full
+    lo, hi = lo.flatten(1), hi.flatten(1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = (lo[b, q_idx] <= kv_idx) & (kv_idx <= hi[b, q_idx])
+        return seen | ((kv_idx >= T) & ((kv_idx - T) // Bk == q_idx // Bk))
+
+    return DFlashAttentionMask(T, Bk, keep, flex=tile_block_mask(touch ^ full, full, L, T + L, mask_mod, bs))
+
+
+def _anchor_tiles(T: int, L: int, Bk: int, device: torch.device, bs: int) -> tuple[torch.Tensor, ...]:
+    """The constants of :func:`anchor_block_mask` for T context keys and L block queries: the first
+    and last key of each key tile ``(1, nk)`` (the last for the full test beyond reach in a tile
+    with padding keys), and the tiles where a query's own block touches / fills the key tile
+    ``(nq, nk)`` (query q's block keys are ``T + (q // Bk) * Bk ..`` Bk of them)."""
+    k_first, k_last = tile_bounds(T + L, bs, device)
+    k_full = k_last.clone()
+    if (T + L) % bs:
+        k_full[-1] = BIG
+    own = T + torch.arange(L, device=device) // Bk * Bk  # (L,) the first key of each query's block
+    lo, hi = padded_tiles(own, bs, BIG), padded_tiles(own + Bk - 1, bs, -BIG)  # (nq, bs)
+    touch = (lo.amin(-1)[:, None] <= k_last) & (k_first <= hi.amax(-1)[:, None])
+    full = (lo.amax(-1)[:, None] <= k_first) & (k_full <= hi.amin(-1)[:, None])
+    return k_first[None], k_last[None], k_full[None], touch, full
 
 
 def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
@@ -349,14 +440,10 @@ class DFlashDraftModel(TargetSharedDraft):
         Bk = self.config.block_size
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        t = torch.arange(T, device=input_ids.device)
-        ctx_allow = t[None, None, :] < anchors[..., None]  # (B, A, T): strictly before the anchor
-        if document_ids is not None:
-            anchor_doc = document_ids.gather(1, anchors)  # (B, A)
-            ctx_allow = ctx_allow & (document_ids[:, None, :] == anchor_doc[..., None])
-        mask = block_attention_mask(ctx_allow, anchor_valid, Bk,
-                                    resolve_attention_backend(self.attention_backend, input_ids.device),
-                                    self.config.sliding_window, anchors)
+        # the context strictly before each anchor, in its document
+        mask = anchor_block_mask(anchors, anchor_valid, T, Bk,
+                                 resolve_attention_backend(self.attention_backend, input_ids.device),
+                                 self.config.sliding_window, document_ids)
         q_pos = position_ids.gather(1, anchors)[..., None] + torch.arange(Bk, device=input_ids.device)  # (B, A, Bk)
         context = self.context(aux_hidden_states)  # (B, T, H)
         ctx_cos, ctx_sin = self.rotary_emb(context, position_ids)  # (B, T, hd)

@@ -21,6 +21,7 @@ reads nothing on the host). The dry run's estimates: :func:`parameter_estimate`,
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,16 @@ import torch
 
 from ...draft_section import sliding_window_problem
 from ...recipe import Recipe
-from ...train.dry_run import LayerBytes, Shapes, gqa_expanded_kv, input_cast, loss_chunk_rows, weight_copies
+from ...train.dry_run import (
+    LayerBytes,
+    Shapes,
+    fused_loss_bytes,
+    gqa_expanded_kv,
+    input_cast,
+    loss_chunk_rows,
+    runs_loss_of,
+    weight_copies,
+)
 from ...train.losses import chunk_rows, chunked_distill
 from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry
@@ -148,7 +158,8 @@ class DFlashMethod(DraftVocabMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
-                           self.recipe.train.loss_chunk_rows, selector=self.selector_loss())
+                           self.recipe.train.loss_chunk_rows, selector=self.selector_loss(),
+                           fused=getattr(self.recipe.train, "fused_loss", None))
 
     def selector_loss(self) -> Any:
         """The candidate-selector term of the loss (DFlash2's
@@ -305,7 +316,7 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
                 document_ids: torch.Tensor | None = None,
                 global_denominators: Callable[[torch.Tensor], Any] | None = None,
                 chunk_size: int | None = None,
-                selector: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                selector: Any = None, fused: str | bool | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One DFlash loss over given anchors, without host reads.
 
     Args:
@@ -323,6 +334,7 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
         selector: DFlash2 (:func:`~draftsmith.models.dflash2.training.dflash2_loss`, a
             :class:`~draftsmith.models.dflash2.training.SelectorLoss`): also the candidate selector's loss, added
             ``selector.alpha``-weighted with the same slot weights and denominator.
+        fused: ``train.fused_loss`` (:func:`~draftsmith.train.losses.chunked_distill`'s ``fused``).
 
     Returns:
         ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots (with
@@ -336,7 +348,8 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
     weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
     targets: Any = DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
-                                  distill=chunked_distill, loss=loss, chunk_size=chunk_size)
+                                  distill=functools.partial(chunked_distill, fused=fused), loss=loss,
+                                  chunk_size=chunk_size)
     if selector is not None:
         targets = selector.targets(targets, input_ids, label_pos, chunk_rows(teacher.shape[-1], selector.chunk_size
                                                                              or chunk_size))
@@ -408,8 +421,10 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     with a bool mask; its float bias and the bool mask, 3 B per ``(A*Bk) x (T + A*Bk)`` element,
     are kept for backward). The peak is the larger of the loss at the end of forward (the
     teacher's fp32 distribution at the ``B x T`` positions, the chunked loss, and under bf16
-    autocast every weight's bf16 copy) and a layer's backward (recomputed under
-    ``draft.gradient_checkpointing``, with its weights' bf16 copies)."""
+    autocast every weight's bf16 copy; on the fused loss its logits buffer and the gradients it holds
+    from forward, :func:`~draftsmith.train.dry_run.fused_loss_bytes`, for the methods that run
+    DFlash's loss) and a layer's backward (recomputed under ``draft.gradient_checkpointing``, with
+    its weights' bf16 copies)."""
     d = recipe.draft
     L, Bk = d.num_layers, d.block_size
     A = max(1, min(d.num_anchors, s.T - 1))
@@ -428,4 +443,9 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     else:
         backward = {"layers": L * layer, "weight_copies": copies}
     loss = {"teacher": s.E * s.Vd * s.target_bytes, "loss_chunk": 7 * loss_chunk_rows(recipe, Eb, s.Vd) * s.Vd * 4, "weight_copies": copies}
-    return {**saved, **(backward if sum(backward.values()) >= sum(loss.values()) else loss)}
+    if runs_loss_of(recipe, DFlashMethod):  # one chunked_distill over the B*A*(Bk-1) trained slots
+        loss.update(fused_loss_bytes(recipe, s, s.B * A * (Bk - 1), 1) or {})
+    if sum(backward.values()) >= sum(loss.values()):
+        # the fused loss's gradients are released by its backward, before the layers': none at this peak
+        return {**saved, **backward, **({"fused_loss_gradients": 0} if "fused_loss_gradients" in loss else {})}
+    return {**saved, **loss}

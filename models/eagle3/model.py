@@ -44,7 +44,6 @@ nh / nkv query / key-value heads, hd head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,126 +51,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..attention import flex_attention, sdpa_with_mask
+from ..attention import sdpa_with_mask
 from ..common import RMSNorm, TargetSharedDraft, resolve_attention_backend, ttt_prediction_mask
 from .config import Eagle3Config
-
-
-def same_document(document_ids: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` document ids -> ``(B, T, T)`` bool, True where query and key share a document."""
-    return document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
-
-
-def ttt_attention_mask(
-    seq_len: int, step: int, device: torch.device | None = None, document_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """The TTT attention mask for queries of step ``step`` over the step-major concatenated keys.
-
-    Keys are laid out step-major: ``[step-0 keys (T) | step-1 keys (T) | ... | step-k keys (T)]``.
-    A query at position t may attend to step-0 keys at positions <= t (causal) and, for
-    every later step 1..k, only to that step's key at the same position t (a diagonal).
-    With ``document_ids`` (packed rows, see :mod:`draftsmith.train.packing`) the causal part
-    is further restricted to keys of the query's own document; the diagonal is the query's
-    own position, so it is always in the same document (no row is ever fully masked).
-    With ``sliding_window`` W the causal part keeps the step-0 keys j with ``t - j < W - step``
-    (the query stands at position t + step, see the module docstring); W > ``step``.
-
-    The mask is bool and has no head dimension: ``(step + 1) * T^2`` bytes per row, shared by
-    every head (the attention kernels never expand it to ``B * nh``).
-
-    Args:
-        document_ids: optional ``(T,)`` or ``(B, T)`` document index of each position.
-
-    Returns:
-        bool tensor ``[T, (step + 1) * T]`` (``[B, T, (step + 1) * T]`` with batched
-        ``document_ids``); True = may attend.
-    """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    if sliding_window is not None:  # drop the keys W - step or more rows back
-        causal &= ~torch.ones_like(causal).tril(step - sliding_window)
-    diag = torch.eye(seq_len, dtype=torch.bool, device=device)
-    if document_ids is not None:
-        causal = causal & same_document(document_ids)  # (T, T) or (B, T, T)
-        diag = diag.expand_as(causal)
-    return torch.cat([causal] + [diag] * step, dim=-1)
-
-
-@dataclass
-class TTTMask:
-    """The attention masks of one TTT unroll, built once per forward and shared by its steps.
-
-    ``dense``: bool ``(1 | B, 1, T, K * T)`` (:func:`ttt_attention_mask` for the last step, a head
-    dimension of 1); step k reads the first ``(k + 1) * T`` key columns. With a sliding window the
-    step-0 part narrows with the step, so ``dense`` is instead one such mask per step, step k's
-    ``(1 | B, 1, T, (k + 1) * T)``. ``block_masks``: with the ``flex`` backend, one ``BlockMask`` per
-    step (tiles that are fully masked are skipped, so the diagonal steps cost ``O(T)`` instead of
-    ``O(T^2)``, and a window W ``O(T * W)``).
-    """
-
-    seq_len: int
-    dense: torch.Tensor | list[torch.Tensor] | None = None
-    block_masks: list[Any] | None = None
-
-    @classmethod
-    def build(cls, seq_len: int, steps: int, device: torch.device, document_ids: torch.Tensor | None = None,
-              backend: str = "sdpa", sliding_window: int | None = None) -> "TTTMask":
-        """Masks for ``steps`` TTT steps over ``seq_len`` positions (``document_ids (B, T)``: packed
-        rows; ``sliding_window``: W tokens, None for full attention, see :func:`ttt_attention_mask`).
-
-        Raises:
-            ValueError: unknown ``backend`` (``auto``, ``sdpa`` or ``flex``); a window shorter than
-                ``steps`` tokens (the last step's query would see no step-0 key).
-        """
-        if sliding_window is not None and sliding_window < steps:
-            raise ValueError(f"sliding_window={sliding_window} is shorter than the TTT steps ({steps})")
-        backend = resolve_attention_backend(backend, device)
-        if backend == "sdpa":
-            # 4-D (1|B, 1, T, K*T): a 3-D mask sends CPU SDPA to its math kernel (O(T^2) per head)
-            def four_d(mask: torch.Tensor) -> torch.Tensor:
-                return mask[:, None] if mask.dim() == 3 else mask[None, None]
-
-            if sliding_window is None:
-                return cls(seq_len, dense=four_d(ttt_attention_mask(seq_len, steps - 1, device, document_ids)))
-            return cls(seq_len, dense=[four_d(ttt_attention_mask(seq_len, k, device, document_ids, sliding_window))
-                                       for k in range(steps)])
-        if backend == "flex":
-            return cls(seq_len, block_masks=[_ttt_block_mask(seq_len, k, device, document_ids, sliding_window)
-                                             for k in range(steps)])
-        raise AssertionError(backend)  # resolve_attention_backend returns one of the two
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Queries ``(B, nh, T, hd)`` of step ``Tk / T - 1`` over the concatenated keys / values
-        ``(B, nkv, Tk, hd)`` -> ``(B, nh, T, hd)``."""
-        step = k.shape[2] // self.seq_len - 1
-        if self.block_masks is not None:
-            return flex_attention(q, k, v, self.block_masks[step], scale, enable_gqa=q.shape[1] != k.shape[1])
-        mask = self.dense[step] if isinstance(self.dense, list) else self.dense[..., : k.shape[2]]
-        return sdpa_with_mask(q, k, v, mask, scale)
-
-
-def _ttt_block_mask(seq_len: int, step: int, device: torch.device, document_ids: torch.Tensor | None,
-                    sliding_window: int | None = None):
-    """flex-attention ``BlockMask`` of :func:`ttt_attention_mask` (same rule, evaluated per tile)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    T = seq_len
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        pos = kv_idx % T
-        causal = pos <= q_idx
-        if sliding_window is not None:
-            causal = causal & (q_idx - pos < sliding_window - step)
-        allowed = torch.where(kv_idx < T, causal, pos == q_idx)
-        if document_ids is not None:
-            allowed = allowed & (document_ids[b, pos] == document_ids[b, q_idx])
-        return allowed
-
-    B = None if document_ids is None else document_ids.shape[0]
-    # compiled on CUDA: evaluated eagerly, mask_mod is vmapped over every (b, q, kv) of the
-    # (step + 1) * T keys, a B * T * (step + 1) * T intermediate per step
-    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=(step + 1) * T, device=device,
-                             _compile=torch.device(device).type == "cuda")
+from .masks import (  # noqa: F401 (the masks, re-exported where they were defined before)
+    TTTMask,
+    document_last,
+    same_document,
+    ttt_attention_mask,
+    ttt_block_masks,
+)
 
 
 def ttt_attention(

@@ -158,7 +158,7 @@ class Eagle3Method(DraftVocabMethod):
         plan = batch if "ttt_index" in batch else ttt_plan(ttt_prediction_masks(batch["loss_mask"], K, docs))
         return ttt_loss(model, batch["input_ids"], aux, final, plan, K, self.target_head, self.recipe.draft.gamma,
                         self.loss, self.recipe.train.loss_chunk_rows, self.global_denominators,
-                        batch.get("position_ids"), docs)
+                        batch.get("position_ids"), docs, fused=getattr(self.recipe.train, "fused_loss", None))
 
     def validation_spec(self) -> ValidationSpec:
         """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
@@ -199,7 +199,8 @@ class Eagle3Method(DraftVocabMethod):
             out = {}
             if k < K_train:
                 d = chunked_distill(h, logits_fn, teacher, teacher_index[k], h.new_ones(counts[k]), self.loss,
-                                    self.recipe.train.loss_chunk_rows)
+                                    self.recipe.train.loss_chunk_rows,
+                                    fused=getattr(self.recipe.train, "fused_loss", None))
                 out["loss"], out["acc"] = float(d.row_loss.sum()), float(d.row_hit.sum())
             if k < K_chain:  # the target's distribution of x_{t+k+2} is its row at t + k + 1
                 parts = [chain_alphas(logits_fn(h[s:s + rows]), full_vocab_logits(final_rows[index[k][s:s + rows] + k + 1],
@@ -265,8 +266,8 @@ def ttt_plan(masks: list[torch.Tensor]) -> dict[str, Any]:
 def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, plan: dict[str, Any],
              steps: int, head: Callable[[torch.Tensor], torch.Tensor], gamma: float, loss: LossSpec | None = None,
              chunk_size: int | None = None, global_denominators: Callable[[torch.Tensor], Any] | None = None,
-             position_ids: torch.Tensor | None = None,
-             document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+             fused: str | bool | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The TTT loss ``sum_k gamma**k D_k``: the draft unrolled ``steps`` times with the chunked
     divergence (:func:`~draftsmith.train.losses.chunked_distill`) as its step head, without host reads.
 
@@ -281,6 +282,7 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
         loss: ``train.loss``; None: forward KL. chunk_size: rows per loss chunk.
         global_denominators: data parallel: ``(K,)`` local counts -> the global counts over the
             world size, or None on one process.
+        fused: ``train.fused_loss`` (:func:`~draftsmith.train.losses.chunked_distill`'s ``fused``).
 
     Returns:
         ``(loss, metrics)``: ``D_k`` is step k's summed divergence over its M_k rows divided by
@@ -301,7 +303,7 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
     def step_head(k: int, hidden: torch.Tensor, logits_fn):
         h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
         weight = (gamma**k / denominators[k]).expand(counts[k])
-        return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size)
+        return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused)
 
     outs = model(input_ids, aux, steps, None, position_ids, document_ids, step_head=step_head)
     total = torch.stack([o.loss_sum for o in outs]).sum()

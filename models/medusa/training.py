@@ -91,7 +91,7 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     cast = s.act_bytes if s.precision == "amp-bf16" else 0
     forward = {"head_weight_copies": K * V * s.H * cast, "block_weight_copies": K * L * s.H * s.H * cast,
                "rows": M * s.H * (4 + 8 * K * L), "loss_chunk": 2 * loss_chunk_rows(recipe, M, V) * V * 4}
-    fused = fused_loss_bytes(recipe, s, M, K, V)
+    fused = fused_loss_bytes(recipe, s, M, K, V, labels=True)
     if fused is not None:  # every head's gradients held from forward; its bf16 weight copy freed after its call
         forward = {**forward, **fused, "head_weight_copies": 0}
     backward = {"head_weight_and_gradients": 3 * V * s.H * s.act_bytes, "rows": M * s.H * (4 + 8 * L)}

@@ -190,7 +190,7 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     D = recipe.draft.inner_dim or s.H
     tables = 14 * s.V * D if recipe.draft.tie_weights else 6 * s.V * D
     # the fused loss (GPU): the heads' gradients, computed in forward, are held into backward
-    fused = fused_loss_bytes(recipe, replace(s, H=D), s.E, recipe.draft.n_predict, s.V) or {}
+    fused = fused_loss_bytes(recipe, replace(s, H=D), s.E, recipe.draft.n_predict, s.V, labels=True) or {}
     held = {"fused_loss_gradients": fused["fused_loss_gradients"]} if fused else {}
     backward = {"embedding_gradients": tables, "rows": 22 * s.E * D, "input_cast": 0, **held}
     forward = {"rows": 22 * s.E * D, "input_cast": 0, **fused}

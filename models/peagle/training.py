@@ -18,6 +18,7 @@ budgets (``draft.max_anchors``, the per-depth counts) are per row, shared by its
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -25,7 +26,15 @@ from pathlib import Path
 import torch
 
 from ...recipe import Recipe
-from ...train.dry_run import LayerBytes, Shapes, gqa_expanded_kv, input_cast, loss_chunk_rows, weight_copies
+from ...train.dry_run import (
+    LayerBytes,
+    Shapes,
+    fused_loss_bytes,
+    gqa_expanded_kv,
+    input_cast,
+    loss_chunk_rows,
+    weight_copies,
+)
 from ...train.losses import DistillOut, chunked_distill
 from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry, ttt_prediction_mask
@@ -170,7 +179,10 @@ class PEagleMethod(DraftVocabMethod):
             train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
             index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
         out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
-                    targets=DistillTargets(teacher, index, weight, chunked_distill, self.loss, rows=train_rows))
+                    targets=DistillTargets(teacher, index, weight,
+                                           functools.partial(chunked_distill,
+                                                             fused=getattr(self.recipe.train, "fused_loss", None)),
+                                           self.loss, rows=train_rows))
         return cod_loss(out, depth, sel, self.recipe.draft.num_depths)
 
 
@@ -387,7 +399,8 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     """P-EAGLE: ``draft.num_layers`` layers over the ``B x S`` COD elements of one forward
     (:func:`cod_elements`), attention with a ``(B, S, S)`` mask (its bf16 bias kept for backward),
     the teacher's fp32 distribution at the ``B x T`` positions, the chunked loss over the
-    trained elements and their gathered rows."""
+    trained elements (on the fused loss its logits buffer and the gradients it holds from forward,
+    :func:`~draftsmith.train.dry_run.fused_loss_bytes`) and their gathered rows."""
     d = recipe.draft
     S = cod_elements(recipe, s.T)
     Es = s.B * S
@@ -401,4 +414,5 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "gqa_expanded_kv": expanded,
             "teacher": s.E * s.Vd * s.target_bytes,
             "loss_chunk": 7 * loss_chunk_rows(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
-            "input_cast": input_cast(s, s.n_aux), "weight_copies": weight_copies(s, trainable - embed)}
+            "input_cast": input_cast(s, s.n_aux), "weight_copies": weight_copies(s, trainable - embed),
+            **(fused_loss_bytes(recipe, s, Es, 1) or {})}  # one chunked_distill over the elements

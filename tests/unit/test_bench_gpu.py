@@ -1,12 +1,20 @@
 """``benchmarks/gpu.py`` (``make bench-gpu``) on the CPU: the whole path end to end at a tiny
 geometry (the SmolLM2-135M recipes of EAGLE-3, DFlash, P-EAGLE and DSpark at 1 x 64, so it does not
 first fail on a booked GPU), the credited FLOPs against torch's FLOP counter, the attention pair
-counts against the dense masks of the three drafts, the device peak table and bad input."""
+counts against the dense masks of the three drafts, the device peak table and bad input; and the
+evidence that the GPU step's fast paths ran (tests/helpers/fast_path.py, the rows' ``fused_loss_ran``
+and ``compiled_regions``), proved here as far as a CPU can: the fused loss's op through Triton's
+interpreter (``TRITON_INTERPRET=1``, a subprocess: :func:`_worker`, as tests/unit/test_fused_loss.py
+runs it) and the compiled regions under dynamo's eager backend."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +28,8 @@ from draftsmith.models.dflash.training import sample_anchors
 from draftsmith.models.peagle.training import cod_sample, step0_prediction_mask
 from draftsmith.recipe import load_recipe
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
 
 
 @pytest.fixture
@@ -46,6 +55,13 @@ def test_tiny_cpu_run_measures_every_method_end_to_end(tmp_path, capsys, one_thr
         assert r["error"] is None and (r["batch_size"], r["max_length"], r["precision"]) == (1, 64, "fp32")
         assert r["positions_per_s"] == r["useful_tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None
         assert r["cuda_max_allocated"] is None and r["per_gpu"] is None  # CUDA figures only on CUDA
+        assert r["loss_tokens"] == r["useful_tokens"] == 64 and r["loss_tokens_per_s"] == r["useful_tokens_per_s"]
+        # a CPU step takes the chunked loss (train.fused_loss auto: CUDA only) and compiles nothing (train.compile auto)
+        assert (r["fused_loss"], r["fused_loss_ran"], r["fused_loss_launches_per_step"]) == ("auto", False, 0)
+        assert (r["compiled_regions"], r["compile_regions"], r["compiled_graphs"]) == (0, 0, 0)
+        assert r["first_step_s"] is None and r["compile_s"] is None  # --warmup 0: no cold step timed alone
+        assert set(r["compile_caches"]) == {"inductor", "triton"}
+        assert "| no (auto) | 0/0 | - |" in table
         assert r["fake_process_peak"] > 0 and r["fake_per_gpu"] > 0  # bench memory's reference, one process
         assert r["trainable_parameters"] > 0 and r["final_metrics"]["loss"] > 0
         f = r["flops"]
@@ -192,6 +208,7 @@ def test_default_lengths_time_a_packed_batch_and_report_useful_tokens(tmp_path, 
     assert row["positions"] == 2 * row["max_length"] == 2 * max(map(sum, rows))  # sdpa: padded to the longest
     assert row["documents"] > 2 and row["lengths"] == "default" and row["packing"]
     assert row["useful_tokens_per_s"] == pytest.approx(row["positions_per_s"] * useful / row["positions"])
+    assert row["loss_tokens"] == useful and row["loss_tokens_per_s"] == pytest.approx(row["useful_tokens_per_s"])
     # attention credited inside the documents only: K causal blocks per document plus the diagonals
     K = load_recipe(RECIPES / "smollm2_135m.yaml").draft.ttt_steps
     want = sum(K * L * (L + 1) // 2 for r in rows for L in r) + useful * K * (K - 1) // 2
@@ -206,3 +223,191 @@ def test_default_length_distribution_is_the_documented_one():
     assert 0.95 * 1024 < x.median() < 1.05 * 1024  # median 0.25 * max_length
     assert 0.02 < (x == 4096).double().mean() < 0.06  # log-normal sigma 0.8: about 4% truncated
     assert default_lengths(4096, n=50, seed=3) == default_lengths(4096, n=50, seed=3)
+
+
+# --------------------------------------------------------------------------------------
+# evidence that the fast paths ran (tests/helpers/fast_path.py, the rows' fused_loss_ran / compiled_regions)
+
+M_ROWS, H_DIM, V_DIM, N_TEACHER, CHUNK = 10, 16, 70, 5, 4  # 3 chunks of rows (4, 4, 2)
+
+
+def _distill(fused: bool | str, device_ok: bool) -> dict[str, Any]:
+    """One chunked_distill of a draft head marked ``fused_as`` (as the drafts' ``compute_logits``)
+    under :func:`helpers.fast_path.fast_path`, ``train.fused_loss`` = ``fused``; ``device_ok``:
+    the fused loss may run on this CPU (``losses.fused_device_ok``, as ``bench memory``'s fake GPU
+    step says; the kernel then runs under Triton's interpreter)."""
+    from draftsmith.train import losses
+    from draftsmith.train.losses import LossSpec, chunked_distill
+    from helpers.fast_path import fast_path
+
+    g = torch.Generator().manual_seed(0)
+    norm, head = torch.nn.RMSNorm(H_DIM), torch.nn.Linear(H_DIM, V_DIM, bias=False)
+    with torch.no_grad():  # the same draft in every call
+        norm.weight.copy_(1 + 0.1 * torch.randn(H_DIM, generator=g))
+        head.weight.copy_(0.5 * torch.randn(V_DIM, H_DIM, generator=g))
+
+    class Draft(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lm_head = norm, head
+
+        def compute_logits(self, h):
+            return self.lm_head(self.norm(h))
+
+        compute_logits.fused_as = ("norm", "lm_head")
+
+    h = torch.randn(M_ROWS, H_DIM, generator=g, requires_grad=True)
+    teacher, index = torch.randn(N_TEACHER, V_DIM, generator=g) * 3, torch.randint(0, N_TEACHER, (M_ROWS,), generator=g)
+    weight = torch.rand(M_ROWS, generator=g)
+    saved = losses.fused_device_ok
+    if device_ok:
+        losses.fused_device_ok = lambda device: True
+    try:
+        with fast_path() as seen:
+            out = chunked_distill(h, Draft().compute_logits, teacher, index, weight, LossSpec("jsd"), chunk_size=CHUNK,
+                                  fused=fused)
+            grad = torch.autograd.grad(out.loss_sum, [h, head.weight])
+    finally:
+        losses.fused_device_ok = saved
+    return {"dispatched": seen.dispatched, "launched": seen.launched, "fallbacks": seen.fallbacks,
+            "loss": out.loss_sum.detach(), "grad_h": grad[0], "grad_w": grad[1]}
+
+
+def _bench_row(out: str) -> dict[str, Any]:
+    """benchmarks.gpu's tiny EAGLE-3 row on this CPU with the GPU's fast paths forced: the fused loss
+    (``losses.fused_device_ok``; the kernel under Triton's interpreter) and ``train.compile`` (dynamo's
+    eager backend, :func:`helpers.fast_path.eager_compile`)."""
+    from draftsmith.train import losses
+    from helpers.fast_path import eager_compile
+
+    saved = losses.fused_device_ok
+    losses.fused_device_ok = lambda device: True
+    try:
+        with eager_compile():
+            code = main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--no-capture", "--no-fake",
+                         "--no-flop-count", "--recipes", "smollm2_135m", "--max-length", "16", "--lengths", "full",
+                         "--set", "train.compile=true", "--out", out])
+    finally:
+        losses.fused_device_ok = saved
+    assert code == 0
+    (row,) = json.loads(Path(out).read_text())["rows"]
+    return row
+
+
+def _worker(path: str) -> None:
+    from draftsmith.train import fused_loss
+
+    assert fused_loss.interpreted(), "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    torch.save({"chunked": _distill(False, False), "fused": _distill(True, True),
+                "fallback": [_distill(True, False), _distill(True, False)],
+                "bench": _bench_row(path + ".json")}, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict[str, Any]:
+    """:func:`_worker`'s results, run once in a subprocess started with ``TRITON_INTERPRET=1`` (the
+    interpreter must be on before triton is first imported, which pytest has done already)."""
+    from draftsmith.train import fused_loss
+
+    if fused_loss.triton is None:
+        pytest.skip("triton is not importable")
+    path = tmp_path_factory.mktemp("fast_path") / "results.pt"
+    paths = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": paths, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True, timeout=900,
+                          check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return torch.load(path)
+
+
+def test_the_dispatch_counter_sees_no_fused_op_on_the_chunked_path(interpreted):
+    r = interpreted["chunked"]
+    assert (r["dispatched"], r["launched"], r["fallbacks"]) == (0, 0, [])  # train.fused_loss false: no warning
+
+
+def test_the_dispatch_counter_sees_the_fused_op_once_per_chunk_when_forced(interpreted):
+    from helpers.fast_path import FastPath
+
+    r, want = interpreted["fused"], interpreted["chunked"]
+    assert (r["dispatched"], r["launched"], r["fallbacks"]) == (3, 3, [])  # 10 rows in chunks of 4
+    FastPath(r["dispatched"], r["launched"], r["fallbacks"]).assert_fused(dispatches=3)
+    # the same values as the chunked torch path: the op ran, and ran right
+    torch.testing.assert_close(r["loss"], want["loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r["grad_h"], want["grad_h"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(r["grad_w"], want["grad_w"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_fallback_to_the_chunked_loss_is_seen_every_time_and_fails_the_check(interpreted):
+    """train.fused_loss true where the fused loss cannot run (a CPU): losses warns once per reason
+    per process; fast_path empties that memory, so the second call's fallback is seen too."""
+    from helpers.fast_path import FastPath
+
+    for r in interpreted["fallback"]:
+        assert (r["dispatched"], r["launched"]) == (0, 0)
+        assert len(r["fallbacks"]) == 1 and "CUDA" in r["fallbacks"][0] and "chunked loss" in r["fallbacks"][0]
+        seen = FastPath(r["dispatched"], r["launched"], r["fallbacks"])
+        with pytest.raises(AssertionError, match="fell back"):
+            seen.assert_fused()
+        with pytest.raises(AssertionError, match="never launched"):
+            FastPath(r["dispatched"], r["launched"], []).assert_fused()
+
+
+def test_a_bench_row_records_the_fused_loss_and_the_compiled_regions_it_ran(interpreted):
+    row = interpreted["bench"]
+    assert row["error"] is None and row["method"] == "eagle3"
+    # the fused op in the timed step: per TTT step one call of chunks of rows (3 TTT steps, 16 rows each)
+    assert row["fused_loss_ran"] and row["fused_loss_launches_per_step"] >= 3
+    assert row["compiled_regions"] == row["compile_regions"] == 4  # the layer's 4 regions, each compiled
+    assert row["compiled_graphs"] >= 4 and row["graphs_after_first_step"] == 0  # one compile, then none
+    assert row["first_step_s"] > 0 and 0 <= row["compile_s"] <= row["first_step_s"]
+    assert row["loss_tokens"] == row["useful_tokens"] == 16 and row["loss_tokens_per_s"] > 0
+    for cache in row["compile_caches"].values():
+        assert cache["dir"] and isinstance(cache["default"], bool) and isinstance(cache["had_entries"], bool)
+
+
+def test_time_steps_times_the_first_warmup_step_alone_and_probes_only_the_timed_steps():
+    calls, inside = [], []
+
+    class Probe:
+        def __enter__(self):
+            inside.append(len(calls))
+
+        def __exit__(self, *exc):
+            inside.append(len(calls))
+
+    seconds, mem = bench_gpu.time_steps(calls.append, 3, 2, torch.device("cpu"), first=5, timed=Probe())
+    assert calls == [5, 6, 7, 8, 9] and inside == [2, 5]  # the probe saw steps 7, 8, 9 only
+    assert seconds >= 0 and mem["first_step_s"] >= 0
+    assert bench_gpu.time_steps(calls.append, 1, 0, torch.device("cpu"))[1]["first_step_s"] is None
+
+
+def test_the_op_counter_leaves_compiled_regions_compiled():
+    """A dispatch mode makes dynamo skip every frame unless it ignores compile internals: under
+    fast_path's counter the tiny EAGLE-3 layer's regions are still traced and hold compiled code
+    (dynamo's eager backend here; inductor on a GPU), and compiled_regions sees them."""
+    from draftsmith.models.common import compile_regions
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+    from helpers.fast_path import dynamo_frames, eager_compile, fast_path
+    from helpers.tiny import eagle3_tiny_config
+
+    torch._dynamo.reset()
+    cfg = eagle3_tiny_config()
+    model = Eagle3DraftModel(cfg)
+    assert bench_gpu.compiled_regions(model) == (0, 0)
+    with eager_compile():
+        assert compile_regions(model) == 1
+    assert bench_gpu.compiled_regions(model) == (4, 0)  # wrapped, not yet compiled
+    ids, aux = torch.randint(0, cfg.vocab_size, (1, 8)), torch.randn(1, 8, 3 * cfg.target_hidden_size)
+    try:
+        with dynamo_frames() as frames, fast_path() as seen:
+            model(ids, aux, 2)
+        assert bench_gpu.compiled_regions(model) == (4, 4)
+    finally:
+        torch._dynamo.reset()
+    assert frames.frames >= 4 and frames.graphs >= 4
+    seen.assert_chunked()  # no loss in a bare forward
+
+
+if __name__ == "__main__":  # the interpreter subprocess of the fixture `interpreted`
+    _worker(sys.argv[1])

@@ -17,6 +17,7 @@ from benchmarks.gpu import kernel_class, main
     ("aten::mm", "gemm"), ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
     ("triton_tem_fused_flex_attention_backward", "attention"), ("cudnn_generated_fort_native_sdpa_sm90", "attention"),
     ("cunn_SoftMaxForward", "softmax/loss"), ("_distill_rows_kernel", "softmax/loss"),
+    ("draftsmith::distill_rows", "softmax/loss"),
     ("void at::native::reduce_kernel<512, 1>", "reductions"), ("multi_tensor_apply_kernel", "optimizer"),
     ("void at::native::elementwise_kernel<128, 2> (direct_copy_kernel_cuda)", "copy/cast"),
     ("aten::index_select", "copy/cast"), ("void at::native::vectorized_elementwise_kernel<4, MulFunctor>", "elementwise"),
@@ -40,3 +41,5 @@ def test_profile_table_of_a_tiny_cpu_step(tmp_path, capsys):
     assert prof["device_ms_per_step"] == pytest.approx(sum(c["ms"] for c in classes.values()))
     assert prof["kernels_per_step"] > 100 and prof["host_ms_per_step"] >= 0.9 * prof["device_ms_per_step"]
     assert "profile of smollm2_135m (sdpa)" in capsys.readouterr().out
+    # the profiled steps come after the timed ones: the fast-path record is the timed steps' (a CPU: none)
+    assert (row["fused_loss_ran"], row["fused_loss_launches_per_step"], row["compiled_regions"]) == (False, 0, 0)

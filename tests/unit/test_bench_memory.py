@@ -182,6 +182,22 @@ def test_bench_memory_json_prints_one_object_per_length(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [cfg]  # nothing written
 
 
+@pytest.mark.parametrize("recipe, setting, want", [("smollm2_135m_dflash", "auto", "fused"),
+                                                    ("smollm2_135m_dflash", "false", "chunked"),
+                                                    ("smollm2_135m_dspark", "auto", "chunked")])
+def test_bench_memory_reports_the_loss_the_step_ran_beside_the_one_estimated(tmp_path, capsys, recipe, setting, want):
+    """The fake GPU step runs the fused loss where the method's loss is ``chunked_distill`` and
+    ``train.fused_loss`` allows it (DSpark computes its own); each row names the loss measured
+    (``loss_path``) and the one the dry run's estimate counts (``estimated_loss_path``)."""
+    cfg = tiny_config(tmp_path)
+    rc = main([str(RECIPES / f"{recipe}.yaml"), "--target-config", str(cfg), "--json", "--batch-size", "2",
+               "--max-length", "32", "--set", "data.draft_vocab_size=256", "--set", "data.aux_layer_ids=[1,2,3]",
+               "--set", "draft.num_anchors=8", "--set", "draft.block_size=4", "--set", f"train.fused_loss={setting}"])
+    assert rc == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["loss_path"] == row["estimated_loss_path"] == row["estimate"]["loss_path"] == want
+
+
 def test_bench_memory_text_output(tmp_path, capsys):
     cfg = tiny_config(tmp_path)
     rc = main([str(RECIPES / "smollm2_135m_medusa.yaml"), "--target-config", str(cfg), "--batch-size", "2",

@@ -214,3 +214,72 @@ def test_dry_run_refuses_a_launcher_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap: Eagle3DecoderLayer is not a block of "
                                          "MLPSpeculator"):
         dry_run(recipe, llama_config_file(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused loss: counted for every method whose step runs it, decided as the step decides
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+TINY_SETS = ["data.draft_vocab_size=256", "data.aux_layer_ids=[1,2,3]", "train.batch_size=2", "data.max_length=32"]
+# the methods whose loss runs through chunked_distill (the fused loss's one caller); DSpark and XPress
+# compute their own chunked losses
+FUSED_METHODS = {"eagle3", "medusa", "mlp_speculator", "dflash", "dflash2", "peagle"}
+
+
+def tiny_recipe(method: str, setting: str, *more: str):
+    from benchmarks.memory import bench_recipe
+
+    name = "smollm2_135m" if method == "eagle3" else f"smollm2_135m_{method}"
+    sets = TINY_SETS + [f"train.fused_loss={setting}", *more]
+    if method in ("dflash", "dflash2", "dspark", "xpress"):
+        sets += ["draft.num_anchors=8", "draft.block_size=4"]
+    if method in ("dflash2", "xpress"):  # full-vocab drafts
+        sets += ["data.draft_vocab_size=512"]
+    return bench_recipe(load_recipe(RECIPES / f"{name}.yaml", sets), 2, 32)
+
+
+@pytest.mark.parametrize("method, setting", [(m, "auto") for m in sorted(
+    ["eagle3", "medusa", "mlp_speculator", "dflash", "dflash2", "peagle", "dspark", "xpress"])]
+    + [("eagle3", "false"), ("dflash", "false"), ("peagle", "false")])
+def test_the_estimate_counts_the_fused_loss_where_the_step_runs_it(method, setting, monkeypatch):
+    """The fake GPU step of ``draftsmith bench memory`` (the device check answering as CUDA does; the
+    fused kernel shape-only) runs the method's real loss: the estimate counts the fused loss's held
+    gradients exactly for the methods whose step ran the kernel, and its peak stays near the
+    measured one. The deprecated process-wide setting says the opposite of the recipe's: the
+    methods pass their own."""
+    from benchmarks.memory import Precision, measure_step
+    from draftsmith.train import losses
+    from draftsmith.train.dry_run import estimate_inputs, memory_estimate
+
+    assert method in registered_methods()
+    monkeypatch.setattr(losses, "FUSED_LOSS", setting == "false")
+    r = tiny_recipe(method, setting)
+    measured = measure_step(r, TINY, None, Precision.of(None, "fp32"), device="fake")
+    est = memory_estimate(r, *estimate_inputs(r, TINY), None, "fp32")
+    want = "fused" if setting == "auto" and method in FUSED_METHODS else "chunked"
+    assert measured.extra["loss_path"] == want
+    assert est["loss_path"] == want
+    assert 0.8 <= est["per_gpu_bytes"] / measured.per_gpu_bytes <= 1.25
+
+
+def test_the_dry_run_decides_the_fused_loss_by_the_steps_predicate(monkeypatch):
+    """``train.fused_loss``, a loss kind the kernel lacks, a method that keeps DFlash's loss or not:
+    the estimate follows :func:`~draftsmith.train.losses.uses_fused_loss`, whatever this machine's Triton."""
+    from draftsmith.train import fused_loss as fl
+    from draftsmith.train.dry_run import estimate_inputs, memory_estimate
+
+    def path(method, setting="auto"):
+        r = tiny_recipe(method, setting)
+        return memory_estimate(r, *estimate_inputs(r, TINY), None, "amp-bf16")["loss_path"]
+
+    monkeypatch.setattr(fl, "triton", None)
+    for method in ("eagle3", "dflash", "dflash2", "peagle", "medusa", "mlp_speculator"):
+        assert path(method) == "fused", method
+        assert path(method, "false") == "chunked", method
+    for method in ("dspark", "xpress"):
+        assert path(method) == "chunked", method
+    monkeypatch.setattr(fl, "KINDS", {k: v for k, v in fl.KINDS.items() if k != "forward_kl"})
+    assert path("dflash") == "chunked"  # draft.loss forward_kl: no kernel for it
+    assert path("medusa") == "fused"  # the heads' cross-entropy: any draft.loss

@@ -350,5 +350,18 @@ def test_availability_without_triton(monkeypatch):
     assert not ok and "triton" in reason
 
 
+def test_the_kernels_coverage_is_availability_without_the_process():
+    """:func:`fused_kernel_covers` is the part of availability a dry run can decide on any machine
+    (row dtype, loss kind); the device and Triton checks come first in :func:`fused_loss_available`."""
+    assert fl.fused_kernel_covers(torch.bfloat16, LossSpec("tv")) == (True, "")
+    assert fl.fused_kernel_covers(torch.float32, LossSpec("hinge"), labels=True) == (True, "")
+    ok, reason = fl.fused_kernel_covers(torch.float32, LossSpec("hinge"))
+    assert not ok and reason == fl.fused_loss_available("cuda", torch.float32, LossSpec("hinge"))[1]
+    ok, reason = fl.fused_kernel_covers(torch.float64)
+    assert not ok and "float64" in reason
+    ok, reason = fl.fused_loss_available("cpu", torch.float64)
+    assert not ok and "CUDA" in reason  # the device first
+
+
 if __name__ == "__main__":  # the interpreter subprocess of the fixture `interpreted`
     _worker(sys.argv[1])

@@ -239,3 +239,93 @@ def test_teacher_logits_stay_in_the_targets_dtype_on_an_accelerator(monkeypatch)
         results.append((out.loss_sum.detach(), out.row_hit, grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# train.fused_loss reaches the loss as an argument
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _route(fused, monkeypatch, labels=False):
+    """Which loss a chunked_distill call with ``fused`` runs on a GPU (fake tensors, the device check
+    answering as CUDA does): ``"fused"`` (the Triton kernel's op) or ``"chunked"`` (log-softmaxes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from draftsmith.train import losses
+    from draftsmith.train.losses import chunked_distill
+
+    monkeypatch.setattr(losses, "fused_device_ok", lambda device: True)
+    lm_head = torch.nn.Linear(16, 40, bias=False)
+    ops = _OpNames()
+    with FakeTensorMode(allow_non_fake_inputs=True), ops:
+        h = torch.randn(9, 16, requires_grad=True)
+        teacher = torch.randint(0, 40, (12,)) if labels else torch.randn(12, 40)
+        out = chunked_distill(h, lm_head, teacher, torch.arange(9) % 12, torch.full((9,), 0.1), LossSpec(),
+                              chunk_size=4, labels=labels, vocab_size=40, fused=fused)
+        out.loss_sum.backward()
+    if any("distill_rows" in n for n in ops.names):
+        return "fused"
+    assert any("log_softmax" in n or "cross_entropy" in n or "nll_loss" in n for n in ops.names)
+    return "chunked"
+
+
+@pytest.mark.parametrize("labels", [False, True], ids=["distill", "labels"])
+def test_the_loss_takes_train_fused_loss_as_an_argument_not_the_process_setting(monkeypatch, labels):
+    """``fused`` decides, whatever the deprecated process-wide setting says; ``None`` falls back to it."""
+    pytest.importorskip("triton")
+    from draftsmith.train import losses
+
+    monkeypatch.setattr(losses, "FUSED_LOSS", False)
+    assert _route("auto", monkeypatch, labels) == "fused"
+    assert _route(True, monkeypatch, labels) == "fused"
+    assert _route(None, monkeypatch, labels) == "chunked"  # the process setting (False)
+    monkeypatch.setattr(losses, "FUSED_LOSS", True)
+    assert _route(False, monkeypatch, labels) == "chunked"
+    assert _route(None, monkeypatch, labels) == "fused"
+
+
+def test_set_fused_loss_is_a_deprecated_shim_for_the_calls_that_pass_none(monkeypatch):
+    from draftsmith.train import losses
+
+    monkeypatch.setattr(losses, "FUSED_LOSS", "auto")
+    with pytest.warns(DeprecationWarning, match="pass train.fused_loss to the loss"):
+        losses.set_fused_loss(False)
+    assert losses.FUSED_LOSS is False
+
+
+def test_the_trainer_does_not_set_the_loss_globally():
+    """The methods pass their recipe's train.fused_loss; the trainer no longer sets a module global."""
+    import inspect
+
+    from draftsmith.train import trainer
+
+    assert "set_fused_loss" not in inspect.getsource(trainer)
+
+
+def test_uses_fused_loss_is_one_predicate_for_the_step_and_the_dry_run(monkeypatch):
+    from draftsmith.train import fused_loss as fl
+    from draftsmith.train import losses
+    from draftsmith.train.losses import uses_fused_loss
+
+    assert uses_fused_loss(False, "cuda", torch.bfloat16) == (False, "")
+    assert uses_fused_loss("auto", "cpu", torch.bfloat16) == (False, "")  # auto off CUDA: not asked for
+    ok, why = uses_fused_loss(True, "cpu", torch.bfloat16)
+    assert not ok and "CUDA" in why  # asked for, cannot run
+    ok, why = uses_fused_loss("auto", "cuda", torch.float32, LossSpec("hinge"), runtime=False)
+    assert not ok and "hinge" in why
+    assert uses_fused_loss("auto", "cuda", torch.float32, LossSpec("hinge"), labels=True, runtime=False) == (True, "")
+    monkeypatch.setattr(fl, "triton", None)  # the dry run's machine need not have Triton
+    assert uses_fused_loss("auto", "cuda", torch.bfloat16, LossSpec("jsd"), runtime=False) == (True, "")
+    ok, why = uses_fused_loss("auto", "cuda", torch.bfloat16, LossSpec("jsd"))
+    assert not ok and "triton" in why
+    monkeypatch.setattr(losses, "fused_device_ok", lambda device: False)
+    assert uses_fused_loss("auto", "cuda", torch.bfloat16, runtime=False) == (False, "")

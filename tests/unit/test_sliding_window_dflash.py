@@ -197,6 +197,111 @@ def test_a_packed_row_windows_each_document_as_if_alone():
 
 
 # ------------------------------------------------------------------------------------------
+# The flex backend of the training forward: the block mask from each query's context interval (the
+# window a bound on it), no dense mask, the tiles create_block_mask finds
+
+
+def tile_sets(block_mask, n_kv_tiles: int):
+    """The (partial, full) tiles of a BlockMask, dense ``(B, 1, nq, nk)`` bool, and its query-major
+    tables transposed back."""
+    from torch.nn.attention.flex_attention import _ordered_to_dense
+
+    nq = block_mask.kv_num_blocks.shape[-1]
+    return (_ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv_tiles).bool(),
+            _ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv_tiles).bool(),
+            _ordered_to_dense(block_mask.q_num_blocks, block_mask.q_indices, nq).bool().transpose(-1, -2),
+            _ordered_to_dense(block_mask.full_q_num_blocks, block_mask.full_q_indices, nq).bool().transpose(-1, -2))
+
+
+@pytest.mark.parametrize("window", [None, W, 9])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("tile", [128, 8], ids=["one-tile", "8-row-tiles"])
+def test_anchor_block_mask_flex_is_the_dense_rule_and_create_block_masks_tiles(window, packed, tile):
+    """:func:`anchor_block_mask` on flex: its mask_mod, evaluated densely, is the SDPA path's mask at
+    every valid block (an invalid block sees only itself); its full tiles are exactly those
+    ``create_block_mask`` finds pair by pair and its partial tiles cover the rest; and the flex
+    attention (forward only: no CPU flex backward in torch 2.13) is the dense reference."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from draftsmith.models.dflash.model import anchor_block_mask
+
+    (q, kc, vc, kb, vb), _, anchors, valid, docs = random_case(seed=3)
+    docs = docs if packed else None
+    if not packed:  # anchors anywhere in the row
+        anchors, valid = sample_anchors(torch.ones(2, 24, dtype=torch.long), anchors.shape[1],
+                                        torch.Generator().manual_seed(4))
+        valid[-1, -2:] = False
+    B, A = anchors.shape
+    Bk, T, scale = 4, kc.shape[2], 8 ** -0.5
+    L = A * Bk
+    sdpa = anchor_block_mask(anchors, valid, T, Bk, "sdpa", window, docs)
+    flex = anchor_block_mask(anchors, valid, T, Bk, "flex", window, docs, tile=tile)
+    assert flex.allow is None and torch.equal(flex.keep, sdpa.keep)
+    dense = create_mask(flex.flex.mask_mod, B, None, L, T + L, device="cpu")[:, 0]
+    rows = valid.repeat_interleave(Bk, 1)
+    assert torch.equal(dense[rows], sdpa.allow[:, 0][rows])
+    own = (torch.arange(L)[:, None] // Bk == torch.arange(L)[None, :] // Bk)  # (L, L)
+    assert torch.equal(dense[~rows], torch.cat([torch.zeros(L, T, dtype=torch.bool), own], 1)[None]
+                       .expand(B, L, T + L)[~rows])
+    nk = -(-(T + L) // tile)
+    partial, full, q_partial, q_full = tile_sets(flex.flex, nk)
+    assert torch.equal(q_partial, partial) and torch.equal(q_full, full) and not (partial & full).any()
+    want_partial, want_full, _, _ = tile_sets(create_block_mask(flex.flex.mask_mod, B, None, L, T + L, device="cpu",
+                                                                BLOCK_SIZE=tile), nk)
+    assert torch.equal(full, want_full)
+    assert not ((want_partial | want_full) & ~(partial | full)).any()
+    with torch.no_grad():
+        got = block_attention(q, kc, vc, kb, vb, flex, scale)
+    want, _ = dense_reference(q, kc, vc, kb, vb, anchors, valid,
+                              docs if docs is not None else torch.zeros(B, T, dtype=torch.long), window, Bk, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched under it (views left out) and the largest tensor any returned (elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.names.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_the_flex_anchor_mask_builds_no_dense_mask_and_the_window_is_a_bound():
+    """At a recipe-like shape, the flex mask's build makes no tensor of a block query per context
+    key (the SDPA path's ``(B, A, T)`` context mask, or the ``(B, L, T + L)`` pair evaluation of
+    ``create_block_mask``); the window adds two elementwise ops over ``(B, A, Bk)``."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from draftsmith.models.dflash.model import anchor_block_mask
+
+    B, T, A, Bk = 2, 2048, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    anchors = torch.sort(torch.randint(1, T - Bk, (B, A), generator=gen), dim=1).values
+    valid = torch.ones(B, A, dtype=torch.bool)
+    docs = (torch.arange(T)[None] >= 700).long().expand(B, T).contiguous()
+    names = {}
+    for window in (None, 256):
+        anchor_block_mask(anchors, valid, T, Bk, "flex", window, docs)  # the bucket's constants, once
+        with _Ops() as ops:
+            anchor_block_mask(anchors, valid, T, Bk, "flex", window, docs)
+        assert ops.largest < B * A * T, f"window {window}: an op made {ops.largest} elements"
+        names[window] = ops.names
+    extra = list(names[256])
+    for n in names[None]:
+        extra.remove(n)
+    assert sorted(extra) == ["aten.add.Tensor", "aten.maximum.default"]
+
+
+# ------------------------------------------------------------------------------------------
 # Export: the window and the keys vLLM 0.33 reads, both formats
 
 

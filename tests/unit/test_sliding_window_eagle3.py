@@ -304,3 +304,130 @@ def test_a_window_shorter_than_the_ttt_unroll_is_refused():
     TTTMask.build(8, 3, torch.device("cpu"), sliding_window=3)  # the last step still sees its own row
     with pytest.raises(ValueError, match="sliding_window=2 is shorter than the TTT steps"):
         TTTMask.build(8, 3, torch.device("cpu"), sliding_window=2)
+
+
+# ------------------------------------------------------------------------------------------
+# The flex backend: the window is a bound in the BlockMask's per-key intervals, evaluated inside
+# the kernel only; no (T, (k + 1) T) mask is built per step, and unpacked rows reuse their bucket's
+
+
+def packed_rows(T: int) -> torch.Tensor:
+    """Two rows of contiguous documents, the first ending in padding (-1)."""
+    a, b = T // 4, T // 2 + 3
+    row0 = [0] * a + [1] * (b - a) + [2] * (T - 3 - b) + [-1] * 3
+    row1 = [0] * (T - T // 3) + [1] * (T // 3)
+    return torch.tensor([row0, row1])
+
+
+def tile_sets(block_mask, n_kv_tiles: int):
+    """The (partial, full) tiles of a BlockMask as dense ``(B, 1, nq, nk)`` bool, and its query-major
+    tables transposed back."""
+    from torch.nn.attention.flex_attention import _ordered_to_dense
+
+    def dense(num, idx, n):
+        return _ordered_to_dense(num, idx, n).bool()
+
+    nq = block_mask.kv_num_blocks.shape[-1]
+    return (dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv_tiles),
+            dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv_tiles),
+            dense(block_mask.q_num_blocks, block_mask.q_indices, nq).transpose(-1, -2),
+            dense(block_mask.full_q_num_blocks, block_mask.full_q_indices, nq).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("T, bs", [(20, 128), (48, 8), (45, 8)], ids=["one-tile", "aligned", "ragged"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flex_block_masks_are_the_rule_and_create_block_masks_tiles(T, bs, window, packed):
+    """Every step's mask_mod, evaluated densely, is :func:`allowed`; its full tiles are exactly those
+    ``create_block_mask`` finds by evaluating every pair, its partial ones cover the rest (exactly,
+    when T is a multiple of the tile), and the query-major tables are the key-major ones transposed."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from draftsmith.models.eagle3.model import ttt_block_masks
+
+    steps, docs = 4, packed_rows(T) if packed else None
+    B = 1 if docs is None else docs.shape[0]
+    masks = ttt_block_masks(T, steps, torch.device("cpu"), docs, window, block_size=bs)
+    assert len(masks) == steps
+    for k, bm in enumerate(masks):
+        KV, nk = (k + 1) * T, -(-(k + 1) * T // bs)
+        dense = create_mask(bm.mask_mod, B, None, T, KV, device="cpu")[:, 0]
+        assert torch.equal(dense, allowed(T, k, window, docs)), f"step {k}"
+        partial, full, q_partial, q_full = tile_sets(bm, nk)
+        assert torch.equal(q_partial, partial) and torch.equal(q_full, full) and not (partial & full).any()
+        exact = create_block_mask(bm.mask_mod, B, None, T, KV, device="cpu", BLOCK_SIZE=bs)
+        want_partial, want_full, _, _ = tile_sets(exact, nk)
+        assert torch.equal(full, want_full), f"step {k}: full tiles differ from create_block_mask's"
+        assert not ((want_partial | want_full) & ~(partial | full)).any(), f"step {k}: a needed tile is skipped"
+        if T % bs == 0:
+            assert torch.equal(partial, want_partial), f"step {k}: extra partial tiles"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_windowed_flex_attention_over_several_tiles_equals_the_dense_reference(packed):
+    """Forward only (flex has no CPU backward in torch 2.13): the flex attention of every TTT step,
+    with 8-row tiles over 45 rows (full, partial and skipped tiles, a ragged last one), is the dense
+    reference with the window, and the window binds (it differs from the unwindowed reference)."""
+    from draftsmith.models.attention import flex_attention
+    from draftsmith.models.eagle3.model import ttt_block_masks
+
+    torch.manual_seed(6)
+    T, steps, window, hd = 45, 3, 7, 8
+    docs = packed_rows(T) if packed else None
+    B, nh, nkv = 2, 4, 2
+    masks = ttt_block_masks(T, steps, torch.device("cpu"), docs, window, block_size=8)
+    q = torch.randn(B, nh, T, hd)
+    keys = [torch.randn(B, nkv, T, hd) for _ in range(steps)]
+    values = [torch.randn(B, nkv, T, hd) for _ in range(steps)]
+    for k in range(steps):
+        got = flex_attention(q, torch.cat(keys[:k + 1], 2), torch.cat(values[:k + 1], 2), masks[k], 1 / math.sqrt(hd),
+                             enable_gqa=True)
+        want = dense_attention(q, keys[:k + 1], values[:k + 1], 1 / math.sqrt(hd), window, docs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, dense_attention(q, keys[:k + 1], values[:k + 1], 1 / math.sqrt(hd), None, docs),
+                                  atol=1e-3)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched under it, views left out, and the largest tensor any of them returned (elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.names.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_the_flex_window_costs_no_mask_work_per_step():
+    """On packed rows (a new mask each batch) the window adds one elementwise op for every step
+    together (a bound on the keys' reach); no op of the build makes a tensor of T x T elements (the
+    mask is never evaluated pair by pair). Unpacked rows reuse their length bucket's masks: a
+    second build dispatches nothing."""
+    from draftsmith.models.eagle3.model import ttt_block_masks
+
+    T, steps, window = 512, 7, 200
+    docs = packed_rows(T)
+    counts = {}
+    for w in (None, window):
+        ttt_block_masks(T, steps, torch.device("cpu"), docs, w)  # the bucket's constants, once
+        with _Ops() as ops:
+            ttt_block_masks(T, steps, torch.device("cpu"), docs, w)
+        counts[w] = ops.names
+        assert ops.largest < T * T, f"window {w}: an op made {ops.largest} elements"
+    assert len(counts[window]) - len(counts[None]) == 1
+    assert [n for n in counts[window] if n not in counts[None]] == ["aten.minimum.default"]
+    first = ttt_block_masks(T, steps, torch.device("cpu"), None, window)
+    with _Ops() as ops:
+        again = ttt_block_masks(T, steps, torch.device("cpu"), None, window)
+    assert again is first and ops.names == []
+    with torch.inference_mode():  # inference tensors cannot be saved for backward: never kept
+        assert ttt_block_masks(T + 1, steps, torch.device("cpu"), None, window) is not \
+            ttt_block_masks(T + 1, steps, torch.device("cpu"), None, window)
