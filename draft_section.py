@@ -4,7 +4,7 @@ builds the ``draft`` union from the registered sections (:mod:`draftsmith.method
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -101,6 +101,39 @@ class SlidingWindowSection(BaseModel):
         problem = sliding_window_problem(self.sliding_window, None)
         if problem:
             raise ValueError(problem)
+        return self
+
+
+#: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss)
+ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2")
+AcceptWeighting = Literal["none", "hard", "soft"]
+
+
+def accept_weighting_field() -> Any:
+    """The ``draft.accept_weighting`` field (declared by each section that takes it, beside its
+    position decay)."""
+    return Field(
+        "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2: block slot k) "
+        "by whether the chain reaches it at inference: a detached product over the positions j < k of the same "
+        "chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
+        "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
+        "(T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
+        "decay alone.")
+
+
+class AcceptWeightingSection(BaseModel):
+    """The check of ``draft.accept_weighting`` (:func:`accept_weighting_field`; EAGLE-3's TTT steps,
+    the DFlash family's block slots): the loss of a later draft position weighted by whether the
+    draft's own earlier positions of the same chain would have been accepted (docs/training.md,
+    "Acceptance-aware loss"). A section of a method not in :data:`ACCEPT_WEIGHTING_METHODS` that
+    inherits the key (DSpark, XPress) refuses any value but ``none``."""
+
+    @model_validator(mode="after")
+    def _accept_weighting_method(self):
+        method = getattr(self, "method", None)
+        if self.accept_weighting != "none" and method not in ACCEPT_WEIGHTING_METHODS:
+            raise ValueError(f"draft.accept_weighting: {self.accept_weighting} is not supported by draft.method "
+                             f"{method} (supported: {', '.join(ACCEPT_WEIGHTING_METHODS)})")
         return self
 
 

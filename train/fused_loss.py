@@ -5,8 +5,9 @@ for ``logits_fn = lambda h: F.linear(h, weight)`` on already-normed rows, follow
 Liger-Kernel's fused linear cross-entropy: per chunk of rows the logits come from one cuBLAS matmul
 in the rows' dtype, one Triton kernel (:func:`_distill_rows_kernel`, one program per row, looping
 over the vocab in ``BLOCK_V`` tiles) reads them with the target logits and writes the row's loss,
-argmax hit and ``weight * dD/dlogits`` over the logits buffer, and two more matmuls turn that into
-the gradients of the rows and of the weight. The gradients are therefore computed in forward;
+argmax hit (and, for ``draft.accept_weighting: soft``, the expected acceptance ``sum min(p_T, q_T)``
+at the served temperature, from the same passes) and ``weight * dD/dlogits`` over the logits
+buffer, and two more matmuls turn that into the gradients of the rows and of the weight. The gradients are therefore computed in forward;
 backward only scales them by the incoming gradient. docs/fused_loss.md has the formulas.
 
 :func:`fused_loss_available` says whether the fused path applies (CUDA, Triton, a supported dtype
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import losses
-from .losses import _ALPHA_FLOOR, DistillOut, LossSpec
+from .losses import _ALPHA_FLOOR, AcceptSpec, DistillOut, LossSpec, group_reach
 
 try:
     import triton
@@ -81,14 +82,17 @@ def fused_kernel_covers(dtype: torch.dtype, spec: LossSpec | None = None, labels
 # The row kernel: a plain function, jit-ed on first use (_kernel) in the mode Triton was imported in.
 
 
-def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_ptr, hit_ptr, V, temperature,
-                         kl_scale, kl_decay, alpha_floor, KIND: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_ptr, hit_ptr, acc_ptr, V,
+                         temperature, kl_scale, kl_decay, alpha_floor, accept_s, accept_t, KIND: tl.constexpr,
+                         WRITE_GRAD: tl.constexpr, SOFT: tl.constexpr, BLOCK_V: tl.constexpr):
     """Row ``r``: draft logits ``s = s_ptr[r, :V]``, target logits ``t = t_ptr[idx[r], :V] / temperature``
     (KIND 6: the label ``t_ptr[idx[r]]``), weight ``w_ptr[r]``. Writes ``loss_ptr[r] = D`` (fp32,
     nats), ``hit_ptr[r] = argmax s == argmax t`` (first index on ties) and, with WRITE_GRAD,
     ``w * dD/ds`` over ``s`` in place. KIND: 0 forward_kl, 1 reverse_kl, 2 jsd, 3 tv, 4 lk_alpha,
-    5 lk_lambda, 6 hard labels."""
+    5 lk_lambda, 6 hard labels. With SOFT (not KIND 6) also ``acc_ptr[r] = sum min(p_a, q_a)``, the
+    expected acceptance at the served temperature Ta: ``q_a = softmax(s * accept_s)``,
+    ``p_a = softmax(t * accept_t)`` (``accept_s = 1 / Ta``, ``accept_t = temperature / Ta``: the
+    target's raw logits over Ta), its log-normalisers kept in pass 1 beside the others."""
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * s_stride
     t_row = t_ptr + tl.load(idx_ptr + row).to(tl.int64) * t_stride
@@ -102,6 +106,8 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
     m_t = -float("inf")
     d_t = 0.0
     a_t = 0
+    d_sa = 0.0  # SOFT: the sums of exp at the served temperature (same maxima, scaled)
+    d_ta = 0.0
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
@@ -110,6 +116,8 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
         a_s = tl.where(top > m_s, arg + v0, a_s)  # strictly greater: earlier tiles win ties
         m_new = tl.maximum(m_s, top)
         d_s = d_s * tl.exp(m_s - m_new) + tl.sum(tl.exp(s - m_new), 0)
+        if SOFT:
+            d_sa = d_sa * tl.exp((m_s - m_new) * accept_s) + tl.sum(tl.exp((s - m_new) * accept_s), 0)
         m_s = m_new
         if KIND != 6:
             t = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32) / temperature
@@ -117,6 +125,8 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
             a_t = tl.where(top > m_t, arg + v0, a_t)
             m_new = tl.maximum(m_t, top)
             d_t = d_t * tl.exp(m_t - m_new) + tl.sum(tl.exp(t - m_new), 0)
+            if SOFT:
+                d_ta = d_ta * tl.exp((m_t - m_new) * accept_t) + tl.sum(tl.exp((t - m_new) * accept_t), 0)
             m_t = m_new
     lse_s = m_s + tl.log(d_s)
 
@@ -136,11 +146,18 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
                 tl.store(s_row + offs, (g * scale).to(s_ptr.dtype.element_ty), mask=mask)
     else:
         lse_t = m_t + tl.log(d_t)
+        lse_sa = 0.0
+        lse_ta = 0.0
+        if SOFT:
+            lse_sa = m_s * accept_s + tl.log(d_sa)
+            lse_ta = m_t * accept_t + tl.log(d_ta)
         # pass 2: the row sums. acc0: D (kl / jsd) or alpha = sum min(p, q) (tv, lk_*);
-        # acc1: sum q * g (jsd) or sum q * I (tv, lk_*); acc2: KL(p || q) (lk_lambda)
+        # acc1: sum q * g (jsd) or sum q * I (tv, lk_*); acc2: KL(p || q) (lk_lambda);
+        # acc3 (SOFT): sum min(p_a, q_a) at the served temperature
         acc0 = 0.0
         acc1 = 0.0
         acc2 = 0.0
+        acc3 = 0.0
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + cols
             mask = offs < V
@@ -150,6 +167,10 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
             log_p = t - lse_t
             q = tl.where(mask, tl.exp(log_q), 0.0)
             p = tl.where(mask, tl.exp(log_p), 0.0)
+            if SOFT:
+                q_a = tl.where(mask, tl.exp(s * accept_s - lse_sa), 0.0)
+                p_a = tl.where(mask, tl.exp(t * accept_t - lse_ta), 0.0)
+                acc3 += tl.sum(tl.minimum(p_a, q_a), 0)
             if KIND == 0:
                 acc0 += tl.sum(p * (log_p - log_q), 0)
                 if WRITE_GRAD:  # dKL(p||q)/ds = q - p: written here, no third pass
@@ -182,6 +203,8 @@ def _distill_rows_kernel(s_ptr, s_stride, t_ptr, t_stride, idx_ptr, w_ptr, loss_
             D = w_kl * acc2 + (1.0 - acc0)
         tl.store(loss_ptr + row, D)
         tl.store(hit_ptr + row, (a_s == a_t).to(tl.float32))
+        if SOFT:
+            tl.store(acc_ptr + row, acc3)
         if WRITE_GRAD and KIND != 0:  # pass 3: w * dD/ds, dalpha/ds = q (I - sum q I)
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
@@ -233,9 +256,12 @@ def _kernel() -> Any:
 
 def _launch_kernel(logits: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
                    row_weight: torch.Tensor, row_loss: torch.Tensor, row_hit: torch.Tensor, spec: LossSpec,
-                   labels: bool, write_grad: bool, block_v: int | None = None) -> None:
+                   labels: bool, write_grad: bool, block_v: int | None = None, row_alpha: torch.Tensor | None = None,
+                   accept_temperature: float = 0.0) -> None:
     """Run the row kernel on C rows: ``row_loss`` / ``row_hit`` ``(C,)`` fp32 are written, and with
     ``write_grad`` ``logits (C, V)`` is overwritten by ``row_weight * dD/dlogits`` (its dtype).
+    With ``row_alpha`` ``(C,)`` fp32 (not with ``labels``; ``accept_temperature`` > 0) the rows'
+    expected acceptance ``sum min(p_T, q_T)`` at that temperature is written there too.
 
     ``teacher`` is ``(N, V)`` target logits (any float dtype) or with ``labels`` ``(N,)`` ids;
     ``teacher_index (C,)`` int, ``row_weight (C,)`` fp32; every tensor's last dim contiguous. CUDA
@@ -255,28 +281,36 @@ def _launch_kernel(logits: torch.Tensor, teacher: torch.Tensor, teacher_index: t
     if logits.device.type != "cuda" and not interpreted():
         raise RuntimeError(f"the fused loss runs {logits.device.type} tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before triton is first imported")
+    soft = row_alpha is not None and not labels
+    if soft and not accept_temperature > 0:
+        raise ValueError(f"the expected acceptance needs a temperature > 0, got {accept_temperature}")
+    accept_s = 1.0 / accept_temperature if soft else 1.0
     _kernel()[(C,)](
-        logits, logits.stride(0), teacher, teacher.stride(0), teacher_index, row_weight, row_loss, row_hit, V,
-        float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay), _ALPHA_FLOOR,
-        KIND=kind, WRITE_GRAD=write_grad, BLOCK_V=block, num_warps=max(4, min(16, block // 256)))
+        logits, logits.stride(0), teacher, teacher.stride(0), teacher_index, row_weight, row_loss, row_hit,
+        row_alpha if soft else row_loss, V, float(spec.target_temperature), float(spec.lk_kl_scale),
+        float(spec.lk_kl_decay), _ALPHA_FLOOR, accept_s, float(spec.target_temperature) * accept_s,
+        KIND=kind, WRITE_GRAD=write_grad, SOFT=soft, BLOCK_V=block, num_warps=max(4, min(16, block // 256)))
 
 
-@torch.library.custom_op("draftsmith::distill_rows", mutates_args=("logits", "row_loss", "row_hit"))
+@torch.library.custom_op("draftsmith::distill_rows", mutates_args=("logits", "row_loss", "row_hit", "row_alpha"))
 def distill_rows(logits: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor, row_weight: torch.Tensor,
-                 row_loss: torch.Tensor, row_hit: torch.Tensor, kind: str, temperature: float, lk_kl_scale: float,
-                 lk_kl_decay: float, labels: bool, write_grad: bool) -> None:
+                 row_loss: torch.Tensor, row_hit: torch.Tensor, row_alpha: torch.Tensor | None, kind: str,
+                 temperature: float, lk_kl_scale: float, lk_kl_decay: float, labels: bool, write_grad: bool,
+                 accept_temperature: float) -> None:
     """The row kernel (:func:`_launch_kernel`) as one torch operator, ``draftsmith::distill_rows``:
     opaque to ``torch.compile``, seen as one op by dispatch modes (``draftsmith bench step`` counts
     it as one kernel with its inputs and outputs), and shape-only under ``FakeTensorMode`` (its
     fake implementation writes nothing), so ``bench memory`` and ``bench step`` run the fused path
-    on a CPU."""
+    on a CPU. ``row_alpha``: None, or where the rows' expected acceptance at ``accept_temperature``
+    goes (``draft.accept_weighting: soft``)."""
     _launch_kernel(logits, teacher, teacher_index, row_weight, row_loss, row_hit,
-                   LossSpec(kind, lk_kl_scale, lk_kl_decay, temperature), labels, write_grad)
+                   LossSpec(kind, lk_kl_scale, lk_kl_decay, temperature), labels, write_grad,
+                   row_alpha=row_alpha, accept_temperature=accept_temperature)
 
 
 @distill_rows.register_fake
-def _distill_rows_fake(logits, teacher, teacher_index, row_weight, row_loss, row_hit, kind, temperature, lk_kl_scale,
-                       lk_kl_decay, labels, write_grad) -> None:
+def _distill_rows_fake(logits, teacher, teacher_index, row_weight, row_loss, row_hit, row_alpha, kind, temperature,
+                       lk_kl_scale, lk_kl_decay, labels, write_grad, accept_temperature) -> None:
     return None
 
 
@@ -291,12 +325,19 @@ class _FusedLinearDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
                 row_weight: torch.Tensor, spec: LossSpec, labels: bool, rows: int, need_x: bool,
-                need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                need_w: bool, accept: AcceptSpec | None) -> tuple[torch.Tensor, ...]:
         M, H = x.shape
         V = weight.shape[0]
         grad = need_x or need_w
         row_loss = x.new_empty(M, dtype=torch.float32)
         row_hit = x.new_empty(M, dtype=torch.float32)
+        # draft.accept_weighting: the kernel's expected acceptance (soft); a group's reach scales each
+        # row's gradient after the kernel (its row of grad_x, its x row in grad_w: O(C * H), not O(C * V))
+        soft, group = accept is not None and accept.soft, accept.group if accept is not None else 0
+        row_alpha = x.new_empty(M, dtype=torch.float32) if soft else None
+        reach = x.new_empty(M, dtype=torch.float32) if group else None
+        untrained = row_weight <= 0 if group else None  # weight 0: no label, passes the chain on
+        accept_temperature = float(accept.temperature) if soft else 0.0
         grad_x = torch.empty(M, H, dtype=x.dtype, device=x.device) if need_x else None
         single = M <= rows
         grad_w = None if single or not need_w else torch.zeros(V, H, dtype=torch.float32, device=x.device)
@@ -306,8 +347,11 @@ class _FusedLinearDistill(torch.autograd.Function):
             x_c, logits = x[s:e], buf[:e - s]
             torch.mm(x_c, weight.t(), out=logits)
             distill_rows(logits, teacher, teacher_index[s:e], row_weight[s:e], row_loss[s:e], row_hit[s:e],
-                         spec.kind, float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay),
-                         labels, grad)
+                         None if row_alpha is None else row_alpha[s:e], spec.kind, float(spec.target_temperature),
+                         float(spec.lk_kl_scale), float(spec.lk_kl_decay), labels, grad, accept_temperature)
+            if group:
+                group_reach(row_alpha[s:e] if soft else row_hit[s:e], untrained[s:e], group, out=reach[s:e])
+                x_c = x_c * reach[s:e, None].to(x.dtype) if need_w else x_c
             if need_x:
                 torch.mm(logits, weight, out=grad_x[s:e])
             if need_w:
@@ -317,9 +361,12 @@ class _FusedLinearDistill(torch.autograd.Function):
                     grad_w.addmm_(logits.t(), x_c)
                 else:  # fp32 accumulation over chunks of a bf16 / fp16 product
                     grad_w.add_(logits.t() @ x_c)
+        if group and need_x:  # each row's gradient times its reach, once for all chunks
+            grad_x.mul_(reach[:, None].to(x.dtype))
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype))
-        ctx.mark_non_differentiable(row_loss, row_hit)
-        return (row_weight * row_loss).sum(), row_loss, row_hit
+        ctx.mark_non_differentiable(row_loss, row_hit, *(t for t in (row_alpha, reach) if t is not None))
+        total = ((row_weight * reach) if group else row_weight) * row_loss
+        return total.sum(), row_loss, row_hit, row_alpha, reach
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -331,12 +378,12 @@ class _FusedLinearDistill(torch.autograd.Function):
         ctx.grads = None
         grad_x = None if grad_x is None else grad_x.mul_(grad_loss)
         grad_w = None if grad_w is None else grad_w.mul_(grad_loss)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
                          row_weight: torch.Tensor, spec: LossSpec | None = None, labels: bool = False,
-                         chunk_rows: int | None = None) -> DistillOut:
+                         chunk_rows: int | None = None, accept: AcceptSpec | None = None) -> DistillOut:
     """``chunked_distill(x, lambda h: F.linear(h, weight), teacher, teacher_index, row_weight, spec,
     chunk_rows, labels)`` fused: per chunk of rows one matmul for the logits, the row kernel (loss,
     hit, ``dD/dlogits`` in place) and, when gradients are needed, two matmuls for the gradients of
@@ -364,6 +411,11 @@ def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.T
             Ignored with ``labels``.
         labels: ``teacher`` holds token ids: cross-entropy.
         chunk_rows: rows per chunk; default :func:`fused_chunk_rows` (one 256 MiB logits buffer).
+        accept: ``draft.accept_weighting`` (:class:`~draftsmith.train.losses.AcceptSpec`), as
+            :func:`~draftsmith.train.losses.chunked_distill` takes it: soft at T > 0, the kernel also
+            writes each row's expected acceptance (``row_alpha``); with a group, chunks hold whole
+            groups and each row's loss and gradients are scaled by its group's reach (``row_reach``).
+            Not with ``labels``.
 
     Returns:
         :class:`~draftsmith.train.losses.DistillOut`: ``loss_sum`` scalar fp32 ``sum_m w_m D_m``
@@ -395,19 +447,29 @@ def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.T
         x, weight = x.to(dtype), weight.to(dtype)
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         raise ValueError(f"x and weight of one dtype among bf16 / fp16 / fp32 expected, got {x.dtype} and {weight.dtype}")
+    if accept is not None and (accept.mode == "none" or not (accept.soft or accept.group)):
+        accept = None  # hard without a group: the caller's row weights carry it
+    if accept is not None and labels:
+        raise ValueError("fused_linear_distill: accept weighting needs the target's distribution, not labels")
+    if accept is not None and accept.group and M % accept.group:
+        raise ValueError(f"fused_linear_distill: {M} rows are not whole groups of {accept.group}")
+    soft, group = accept is not None and accept.soft, accept is not None and accept.group
     if M == 0:  # the zero loss, whose graph reaches x and weight (DDP / FSDP see the weight used)
         empty = x.new_zeros(0, dtype=torch.float32)
-        return DistillOut(F.linear(x, weight).float().sum() * 0.0, empty, empty)
+        return DistillOut(F.linear(x, weight).float().sum() * 0.0, empty, empty, row_alpha=empty if soft else None,
+                          row_reach=empty if group else None)
     grad = torch.is_grad_enabled()
     need_x, need_w = grad and x.requires_grad, grad and weight.requires_grad
     if teacher.stride(-1) != 1:
         teacher = teacher.contiguous()
     rows = fused_chunk_rows(V, x.dtype, chunk_rows)
+    if group:
+        rows = max(accept.group, rows // accept.group * accept.group)
     with torch.autocast(kind, enabled=False):
-        loss_sum, row_loss, row_hit = _FusedLinearDistill.apply(
+        loss_sum, row_loss, row_hit, row_alpha, reach = _FusedLinearDistill.apply(
             x, weight, teacher, teacher_index.contiguous(), row_weight.float().contiguous(), spec, labels, rows,
-            need_x, need_w)
-    return DistillOut(loss_sum, row_loss, row_hit)
+            need_x, need_w, accept)
+    return DistillOut(loss_sum, row_loss, row_hit, row_alpha=row_alpha, row_reach=reach)
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "KINDS", "fused_chunk_rows", "fused_kernel_covers", "fused_linear_distill",

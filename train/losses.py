@@ -12,6 +12,10 @@ cross-entropy.
   by each method from its recipe) and :func:`uses_fused_loss` allow it.
 - :func:`head_loss`: Medusa heads and MLP-speculator stages, per-head cross-entropy against the
   sequence's next tokens (the target's own regenerated replies), head k weighted ``decay**k``.
+- :class:`AcceptSpec`: ``draft.accept_weighting`` (acceptance-aware weights of the later draft
+  positions, docs/training.md "Acceptance-aware loss"): what :func:`chunked_distill` computes
+  beyond the loss for it (the per-row expected acceptance at the served temperature; the
+  within-group masking of a block drafter's slots).
 
 Each method's own loss (EAGLE-3's TTT loss, DFlash's block slots, P-EAGLE's conditional-drop
 elements, ...) is in its package's ``training.py`` (``models/<name>/training.py``), built on
@@ -23,7 +27,7 @@ never built. No loss reads a tensor on the host.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, get_args
 
 import torch
@@ -164,19 +168,98 @@ def chunk_rows(vocab_size: int, chunk_size: int | None = None) -> int:
     return max(1, chunk_size or DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size))
 
 
+ACCEPT_WEIGHTINGS = ("none", "hard", "soft")
+
+
+@dataclass(frozen=True)
+class AcceptSpec:
+    """``draft.accept_weighting`` at the served temperature (``train.eval_temperatures[0]``): the
+    loss of a later draft position (EAGLE-3's TTT step k, a block drafter's slot k) is weighted by
+    the detached probability that the chain reaches it, the product over the earlier positions j < k
+    of the same chain of
+
+    - ``hard``: ``[draft argmax == target argmax]`` (``row_hit``);
+    - ``soft``: the expected acceptance ``sum_v min(p_T(v), q_T(v))`` of speculative sampling at
+      temperature T (``row_alpha``, both distributions ``softmax(logits / T)`` over the draft
+      vocab, the target's before ``draft.distill_temperature``). At T = 0 it is ``hard`` (greedy
+      verification accepts exactly the argmax).
+
+    Attributes:
+        mode: ``none`` (off), ``hard`` or ``soft``.
+        temperature: the served temperature T (>= 0).
+        group: 0: the caller weights the rows (EAGLE-3 carries the product from step to step);
+            G > 0: the rows come in contiguous groups of G (one block's slots, in order) and
+            :func:`chunked_distill` multiplies each row's weight by the product over the earlier
+            rows of its group (:func:`group_reach`).
+    """
+
+    mode: str = "none"
+    temperature: float = 0.0
+    group: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ACCEPT_WEIGHTINGS:
+            raise ValueError(f"accept_weighting {self.mode!r}: one of {', '.join(ACCEPT_WEIGHTINGS)}")
+
+    @classmethod
+    def from_recipe(cls, recipe: Any, group: int = 0) -> AcceptSpec | None:
+        """The recipe's ``draft.accept_weighting`` at ``train.eval_temperatures[0]``, or None when off."""
+        mode = getattr(recipe.draft, "accept_weighting", "none")
+        return None if mode == "none" else cls(mode, float(recipe.train.eval_temperatures[0]), group)
+
+    @property
+    def soft(self) -> bool:
+        """Whether rows need the expected acceptance (``soft`` at T > 0); else the argmax hit serves."""
+        return self.mode == "soft" and self.temperature > 0
+
+    def factor(self, out: DistillOut) -> torch.Tensor:
+        """``(M,)`` float32 per-row acceptance of ``out``: its ``row_alpha`` (soft, T > 0) or ``row_hit``."""
+        return out.row_alpha if self.soft else out.row_hit
+
+
+def group_reach(factor: torch.Tensor, untrained: torch.Tensor, group: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(M,)`` the exclusive product over the earlier rows of each contiguous group of ``group``
+    rows (a block's slots 1..Bk-1) of ``factor`` (float32 per-row hit or expected acceptance, no
+    grad); the first row of a group gets 1, and an ``untrained`` row (no label there) passes the
+    chain on (factor 1). M must be a multiple of ``group``; ``out``: a contiguous ``(M,)`` float32
+    tensor to write it into (three ops in all)."""
+    f = factor.masked_fill(untrained, 1.0).view(-1, group)
+    shifted = F.pad(f[:, :-1], (1, 0), value=1.0)  # (M / group, group): 1, f_0, ..., f_{G-2}
+    if out is None:
+        return shifted.cumprod(1).flatten()
+    torch.cumprod(shifted, 1, out=out.view(-1, group))
+    return out
+
+
+def expected_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(C,)`` float32 ``sum_v min(p_T(v), q_T(v))`` with ``p_T = softmax(target_logits / T)`` and
+    ``q_T = softmax(draft_logits / T)`` (T > 0), detached."""
+    with torch.no_grad():
+        return acceptance_probability(torch.log_softmax(target_logits.float() / temperature, dim=-1),
+                                      torch.log_softmax(draft_logits.detach().float() / temperature, dim=-1))
+
+
 @dataclass
 class DistillOut:
     """What :func:`chunked_distill` returns.
 
     Attributes:
-        loss_sum: scalar ``sum_m weight_m * D_m`` (with grad).
+        loss_sum: scalar ``sum_m weight_m * D_m`` (with grad; with an :class:`AcceptSpec` of a
+            group, ``weight_m * row_reach_m``).
         row_loss: ``(M,)`` float32 ``D_m`` per row (detached; nats).
         row_hit: ``(M,)`` float32, 1 where the draft argmax equals the target argmax (detached).
+        row_alpha: with a soft :class:`AcceptSpec` at T > 0, ``(M,)`` float32 expected acceptance
+            ``sum_v min(p_T, q_T)`` of each row (detached); else None.
+        row_reach: with an :class:`AcceptSpec` of a group, ``(M,)`` float32 the factor each row's
+            weight was multiplied by (:func:`group_reach`, rows of weight 0 passing the chain on); else None.
     """
 
     loss_sum: torch.Tensor
     row_loss: torch.Tensor
     row_hit: torch.Tensor
+    row_alpha: torch.Tensor | None = field(default=None, kw_only=True)  # keyword-only: subclasses add fields
+    row_reach: torch.Tensor | None = field(default=None, kw_only=True)
 
 
 def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
@@ -192,6 +275,24 @@ def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: t
         d = loss(target, logits)
         hit = logits.argmax(-1) == target.argmax(-1)
     return (weight * d).sum(), d.detach(), hit.float()
+
+
+def _distill_chunk_accept(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
+                          weight: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], loss: LossSpec,
+                          accept: AcceptSpec) -> tuple[torch.Tensor, ...]:
+    """:func:`_distill_chunk` (soft labels) with ``accept``: also the rows' expected acceptance (soft,
+    from the chunk's own logits) and, for a group, the weights times :func:`group_reach` (the chunk
+    holds whole groups)."""
+    logits = logits_fn(hidden).float()  # (C, V)
+    target = teacher.index_select(0, teacher_index).float()  # (C, V)
+    d = loss(target, logits)
+    hit = (logits.argmax(-1) == target.argmax(-1)).float()
+    alpha = expected_acceptance(target, logits, accept.temperature) if accept.soft else hit.new_zeros(0)
+    reach = hit.new_zeros(0)
+    if accept.group:
+        reach = group_reach(alpha if accept.soft else hit, weight <= 0, accept.group)
+        weight = weight * reach
+    return (weight * d).sum(), d.detach(), hit, alpha, reach
 
 
 # the setting of the calls that pass none (fused=None): train.fused_loss reaches the loss as an
@@ -279,7 +380,7 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
                     teacher: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
                     loss: LossSpec | None = None, chunk_size: int | None = None,
                     labels: bool = False, vocab_size: int | None = None,
-                    fused: str | bool | None = None) -> DistillOut:
+                    fused: str | bool | None = None, accept: AcceptSpec | None = None) -> DistillOut:
     """The weighted divergence of M draft rows against their target rows, computed in chunks of
     rows so that no ``(M, V)`` tensor exists: each chunk's logits and fp32 log-softmaxes live only
     inside the chunk and are recomputed in backward (non-reentrant activation checkpointing), so
@@ -310,9 +411,14 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
         fused: ``train.fused_loss`` (``"auto"``: the fused loss on CUDA; True: asked for everywhere,
             a warning where it cannot run; False: never); None: the deprecated process-wide
             setting (:func:`set_fused_loss`, default ``"auto"``).
+        accept: ``draft.accept_weighting`` (:class:`AcceptSpec`); None or ``none``: the plain loss.
+            Soft at T > 0: ``row_alpha`` too (from each chunk's logits, or the fused kernel's).
+            With a group: each row's weight times :func:`group_reach` of its group (chunks hold
+            whole groups), ``row_reach`` too. Not with ``labels``.
 
     Raises:
-        ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``.
+        ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``; ``accept`` with ``labels``;
+            a group that does not divide M.
 
     Returns:
         :class:`DistillOut`; its values and gradients equal the unchunked
@@ -322,14 +428,23 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
     M = hidden.shape[0]
     if labels and not (chunk_size or vocab_size):
         raise ValueError("chunked_distill(labels=True) needs chunk_size or vocab_size")
+    if accept is not None and (accept.mode == "none" or not (accept.soft or accept.group)):
+        accept = None  # hard without a group: the caller's weights carry it, nothing more to compute
+    if accept is not None:
+        if labels:
+            raise ValueError("chunked_distill: accept weighting needs the target's distribution, not labels")
+        if accept.group and M % accept.group:
+            raise ValueError(f"chunked_distill: {M} rows are not whole groups of {accept.group}")
     fused = _use_fused(hidden, logits_fn, spec, labels, FUSED_LOSS if fused is None else fused)
     if fused is not None:  # train/fused_loss.py: one matmul, one kernel, two matmuls per chunk; grads in forward
         from .fused_loss import fused_linear_distill
 
         norm, lm_weight = fused
         return fused_linear_distill(hidden if norm is None else norm(hidden), lm_weight, teacher, teacher_index,
-                                    weight, spec, labels, chunk_size)
+                                    weight, spec, labels, chunk_size, accept=accept)
     rows = chunk_rows(vocab_size if labels else teacher.shape[-1], chunk_size)
+    if accept is not None:
+        return _chunked_accept(hidden, logits_fn, teacher, teacher_index, weight, spec, rows, accept)
     grad = torch.is_grad_enabled() and hidden.requires_grad
     sums, row_loss, row_hit = [], [], []
     for s in range(0, M, rows):
@@ -342,6 +457,29 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
         return DistillOut(zero, empty, empty)
     total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
     return DistillOut(total, torch.cat(row_loss), torch.cat(row_hit))
+
+
+def _chunked_accept(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
+                    teacher_index: torch.Tensor, weight: torch.Tensor, spec: LossSpec, rows: int,
+                    accept: AcceptSpec) -> DistillOut:
+    """The torch path of :func:`chunked_distill` with an :class:`AcceptSpec` (chunks of whole groups)."""
+    if accept.group:
+        rows = max(accept.group, rows // accept.group * accept.group)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for s in range(0, hidden.shape[0], rows):
+        args = (hidden[s:s + rows], teacher, teacher_index[s:s + rows], weight[s:s + rows], logits_fn, spec, accept)
+        parts.append(checkpoint(_distill_chunk_accept, *args, use_reentrant=False) if grad
+                     else _distill_chunk_accept(*args))
+    if not parts:
+        zero = logits_fn(hidden).sum() * 0.0
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return DistillOut(zero, empty, empty, row_alpha=empty if accept.soft else None,
+                          row_reach=empty if accept.group else None)
+    sums, row_loss, row_hit, alpha, reach = zip(*parts)
+    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return DistillOut(total, torch.cat(row_loss), torch.cat(row_hit), row_alpha=torch.cat(alpha) if accept.soft else None,
+                      row_reach=torch.cat(reach) if accept.group else None)
 
 
 @dataclass

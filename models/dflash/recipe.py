@@ -6,10 +6,16 @@ from typing import Literal
 
 from pydantic import Field
 
-from ...draft_section import DraftVocabSection, SlidingWindowSection
+from ...draft_section import (
+    AcceptWeighting,
+    AcceptWeightingSection,
+    DraftVocabSection,
+    SlidingWindowSection,
+    accept_weighting_field,
+)
 
 
-class DFlashDraftConfig(DraftVocabSection, SlidingWindowSection):
+class DFlashDraftConfig(DraftVocabSection, SlidingWindowSection, AcceptWeightingSection):
     """DFlash block drafting (z-lab, arXiv:2602.06036), ``draft.method: dflash``: a Qwen3-style
     stack that reads the target's fused aux states as context (fc -> hidden_norm -> each
     layer's k/v projections) and drafts a whole block in one forward pass: the anchor token,
@@ -33,6 +39,7 @@ class DFlashDraftConfig(DraftVocabSection, SlidingWindowSection):
     loss_decay_gamma: float | None = Field(
         None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
         "block_size >= 12, else 4 (the anchors' values).")
+    accept_weighting: AcceptWeighting = accept_weighting_field()
     freeze_lm_head: bool = Field(
         True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
                           "anchors share it frozen).")

@@ -40,7 +40,7 @@ from ...train.dry_run import (
     runs_loss_of,
     weight_copies,
 )
-from ...train.losses import chunk_rows, chunked_distill
+from ...train.losses import AcceptSpec, chunk_rows, chunked_distill
 from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry
 from .config import DFlashConfig
@@ -156,10 +156,14 @@ class DFlashMethod(DraftVocabMethod):
         width = batch.get(NUM_ANCHORS_KEY)  # the plan's tight A; else the cap (padding anchors cost compute only)
         num_anchors = width if width is not None else min(self.recipe.draft.num_anchors, max(T - 1, 1))
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
+        # draft.accept_weighting shapes the gradient; validation (no grad) reports the plain loss, which a
+        # draft missing its early slots cannot lower
+        accept = AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - 1) \
+            if torch.is_grad_enabled() else None
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
                            self.recipe.train.loss_chunk_rows, selector=self.selector_loss(),
-                           fused=getattr(self.recipe.train, "fused_loss", None))
+                           fused=getattr(self.recipe.train, "fused_loss", None), accept=accept)
 
     def selector_loss(self) -> Any:
         """The candidate-selector term of the loss (DFlash2's
@@ -315,8 +319,8 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
                 weights: torch.Tensor, loss: Any = None, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
                 global_denominators: Callable[[torch.Tensor], Any] | None = None,
-                chunk_size: int | None = None,
-                selector: Any = None, fused: str | bool | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chunk_size: int | None = None, selector: Any = None, fused: str | bool | None = None,
+                accept: AcceptSpec | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One DFlash loss over given anchors, without host reads.
 
     Args:
@@ -335,21 +339,34 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
             :class:`~draftsmith.models.dflash2.training.SelectorLoss`): also the candidate selector's loss, added
             ``selector.alpha``-weighted with the same slot weights and denominator.
         fused: ``train.fused_loss`` (:func:`~draftsmith.train.losses.chunked_distill`'s ``fused``).
+        accept: ``draft.accept_weighting`` (:class:`~draftsmith.train.losses.AcceptSpec`, its group
+            ``Bk - 1``); None or ``none``: today's loss. Else slot k's weight is also multiplied by
+            the detached product over the slots 1..k-1 of its block of the argmax hit (hard) or the
+            expected acceptance (soft), computed from the same pass over the block's logits
+            (:func:`~draftsmith.train.losses.group_reach`; an untrained slot passes the chain on).
+            The denominator stays ``sum(w)`` (unreached slots count with weight 0). The selector's
+            term (DFlash2) keeps the plain slot weights.
 
     Returns:
         ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots (with
         ``selector``: ``+ alpha * sum(w * CE) / sum(w)``); metrics ``loss``, ``loss_{k-1}`` /
         ``acc_{k-1}`` per slot k, ``acceptance_length`` (:func:`slot_metrics`; with ``selector``
-        also the selector's ``metrics``), all detached 0-dim tensors.
+        also the selector's ``metrics``; with ``accept`` also ``reach_{k-1}``, the mean reach of
+        slot k over its trained rows), all detached 0-dim tensors.
     """
     Bk = weights.shape[0]
     B, A = anchors.shape
     label_pos, label_mask = block_labels(anchors, anchor_valid, loss_mask, Bk, document_ids)  # (B, A, Bk)
     teacher, teacher_index = teacher_rows(final, label_pos, head)  # p_{a+k-1}
     weight = weights.to(loss_mask.device) * label_mask  # (B, A, Bk), 0 where not trained
+    if accept is not None and accept.mode == "none":
+        accept = None
+    if accept is not None and accept.group != Bk - 1:
+        raise ValueError(f"dflash_loss: accept weighting over groups of {accept.group} rows, blocks have {Bk - 1} slots")
+    distill = functools.partial(chunked_distill, fused=fused) if accept is None else \
+        functools.partial(chunked_distill, fused=fused, accept=accept)
     targets: Any = DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
-                                  distill=functools.partial(chunked_distill, fused=fused), loss=loss,
-                                  chunk_size=chunk_size)
+                                  distill=distill, loss=loss, chunk_size=chunk_size)
     if selector is not None:
         targets = selector.targets(targets, input_ids, label_pos, chunk_rows(teacher.shape[-1], selector.chunk_size
                                                                              or chunk_size))
@@ -363,6 +380,11 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     rows = (B, A, Bk - 1)
     metrics = {"loss": total.detach()}
     metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
+    if accept is not None and out.row_reach is not None:
+        trained = label_mask[:, :, 1:].float().flatten(0, 1)
+        reach = (out.row_reach.view(rows).flatten(0, 1) * trained).sum(0) / trained.sum(0).clamp_min(1.0)
+        for k in range(Bk - 1):  # no grad: views
+            metrics[f"reach_{k}"] = reach[k]
     if selected is not None:
         selector_total = selected.loss_sum / scale
         metrics.update(selector.metrics(selected, selector_total, label_mask[:, :, 1:]), dflash_loss=total.detach())

@@ -6,10 +6,16 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from ...draft_section import DraftVocabSection, SlidingWindowSection
+from ...draft_section import (
+    AcceptWeighting,
+    AcceptWeightingSection,
+    DraftVocabSection,
+    SlidingWindowSection,
+    accept_weighting_field,
+)
 
 
-class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection):
+class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection, AcceptWeightingSection):
     """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
     low/mid/high aux hidden states, trained with training-time test. ``draft.sliding_window``
     (:class:`~draftsmith.draft_section.SlidingWindowSection`) limits its attention to the last
@@ -43,6 +49,7 @@ class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection):
         "applied to the target's own late hidden state).")
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
+    accept_weighting: AcceptWeighting = accept_weighting_field()
 
     @model_validator(mode="after")
     def _one_start(self) -> "Eagle3DraftConfig":

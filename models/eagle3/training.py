@@ -30,7 +30,7 @@ from ...train.dry_run import (
     weight_copies,
 )
 from ...train.labels import ttt_prediction_masks
-from ...train.losses import LossSpec, chunk_rows, chunked_distill
+from ...train.losses import AcceptSpec, LossSpec, chunk_rows, chunked_distill
 from ...train.method_base import DraftVocabMethod
 from ...train.validation import ValidationSpec, accepted_sums, chain_alphas, full_vocab_logits
 from ..common import LayerGeometry
@@ -146,7 +146,8 @@ class Eagle3Method(DraftVocabMethod):
         return functools.partial(eagle3_batch_plan, steps=self.recipe.draft.ttt_steps)
 
     def compute_loss(self, model, batch):
-        """The TTT loss ``sum_k gamma**k D_k`` (``draft.loss``), computed inside the draft's forward
+        """The TTT loss ``sum_k gamma**k D_k`` (``draft.loss``; with ``draft.accept_weighting`` each
+        row of step k also weighted by its chain's acceptance over steps j < k), computed inside the draft's forward
         in chunks of rows (:func:`~draftsmith.train.losses.chunked_distill`): no step keeps its
         ``(M_k, Vd)`` logits, and the target's distribution is computed once per batch at the
         rows some step needs. No host read when the batch carries its plan (:meth:`batch_plan`).
@@ -158,7 +159,8 @@ class Eagle3Method(DraftVocabMethod):
         plan = batch if "ttt_index" in batch else ttt_plan(ttt_prediction_masks(batch["loss_mask"], K, docs))
         return ttt_loss(model, batch["input_ids"], aux, final, plan, K, self.target_head, self.recipe.draft.gamma,
                         self.loss, self.recipe.train.loss_chunk_rows, self.global_denominators,
-                        batch.get("position_ids"), docs, fused=getattr(self.recipe.train, "fused_loss", None))
+                        batch.get("position_ids"), docs, fused=getattr(self.recipe.train, "fused_loss", None),
+                        accept=AcceptSpec.from_recipe(self.recipe))
 
     def validation_spec(self) -> ValidationSpec:
         """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
@@ -267,7 +269,8 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
              steps: int, head: Callable[[torch.Tensor], torch.Tensor], gamma: float, loss: LossSpec | None = None,
              chunk_size: int | None = None, global_denominators: Callable[[torch.Tensor], Any] | None = None,
              position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-             fused: str | bool | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             fused: str | bool | None = None,
+             accept: AcceptSpec | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The TTT loss ``sum_k gamma**k D_k``: the draft unrolled ``steps`` times with the chunked
     divergence (:func:`~draftsmith.train.losses.chunked_distill`) as its step head, without host reads.
 
@@ -283,11 +286,21 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
         global_denominators: data parallel: ``(K,)`` local counts -> the global counts over the
             world size, or None on one process.
         fused: ``train.fused_loss`` (:func:`~draftsmith.train.losses.chunked_distill`'s ``fused``).
+        accept: ``draft.accept_weighting`` (:class:`~draftsmith.train.losses.AcceptSpec`); None or
+            ``none``: every row of step k weighs ``gamma**k`` (today's loss, bit for bit). Else row
+            t of step k also weighs ``reach_k(t) = prod_{j<k} a_j(t)``, detached: the chain started
+            at position t is the same flat position at every step (step k at t predicts x_{t+k+2}
+            after the draft's own steps 0..k-1 at t), and ``a_j(t)`` is step j's argmax hit at t
+            (hard) or its expected acceptance at the served temperature (soft); a step that has no
+            row at t (its token outside the loss mask) passes the chain on (factor 1). The product
+            is carried over a ``(B*T,)`` device vector from step to step: no host read.
 
     Returns:
-        ``(loss, metrics)``: ``D_k`` is step k's summed divergence over its M_k rows divided by
-        M_k (or the data-parallel denominator); metrics ``loss``, ``loss_{k}``, ``acc_{k}`` (argmax
-        agreement over the step's rows), detached 0-dim tensors.
+        ``(loss, metrics)``: ``D_k`` is step k's summed (weighted) divergence over its M_k rows divided by
+        M_k (or the data-parallel denominator; rows the chain does not reach count with weight 0);
+        metrics ``loss``, ``loss_{k}``, ``acc_{k}`` (argmax agreement over the step's rows; unweighted),
+        with ``accept`` also ``reach_{k}`` (k >= 1: the mean reach over step k's rows), detached
+        0-dim tensors.
     """
     counts = plan["ttt_counts_host"]
     device = aux.device
@@ -299,11 +312,27 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
         denominators = counts_t.clamp_min(1).float()
     index = torch.split(plan["ttt_index"].to(device, non_blocking=True), counts)
     teacher_index = torch.split(plan["ttt_teacher_index"].to(device, non_blocking=True), counts)
+    if accept is not None and accept.mode == "none":
+        accept = None
+    chain: list[torch.Tensor] = []  # accept: the (B*T,) product over the steps so far of each chain
+    reach_sums: list[torch.Tensor] = []
 
     def step_head(k: int, hidden: torch.Tensor, logits_fn):
         h = hidden.flatten(0, 1).index_select(0, index[k])  # (M_k, H)
-        weight = (gamma**k / denominators[k]).expand(counts[k])
-        return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused)
+        if accept is None:
+            weight = (gamma**k / denominators[k]).expand(counts[k])
+            return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused)
+        reach = chain[0].index_select(0, index[k]) if k else None  # (M_k,) prod_{j<k} a_j at each row's chain
+        weight = (gamma**k / denominators[k]) * reach if k else (gamma**k / denominators[k]).expand(counts[k])
+        out = chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused,
+                              accept=accept)
+        if k:
+            reach_sums.append(reach.sum())
+        if k + 1 < steps:  # carry the chain: a_k at step k's rows (detached), times what they had
+            factor = accept.factor(out)
+            start = chain[0] if k else torch.ones(hidden.shape[0] * hidden.shape[1], device=h.device)
+            chain[:] = [start.index_copy(0, index[k], factor if reach is None else reach * factor)]
+        return out
 
     outs = model(input_ids, aux, steps, None, position_ids, document_ids, step_head=step_head)
     total = torch.stack([o.loss_sum for o in outs]).sum()
@@ -312,6 +341,10 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
     metrics = {"loss": total.detach()}
     for k in range(steps):
         metrics[f"loss_{k}"], metrics[f"acc_{k}"] = loss_sum[k] / denominators[k], acc[k]
+    if reach_sums:
+        reach_mean = torch.stack(reach_sums) / counts_t[1:].clamp_min(1)
+        for k in range(1, steps):
+            metrics[f"reach_{k}"] = reach_mean[k - 1]
     return total, metrics
 
 

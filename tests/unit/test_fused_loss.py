@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.train import fused_loss as fl
-from draftsmith.train.losses import LossSpec, chunked_distill
+from draftsmith.train.losses import AcceptSpec, LossSpec, chunked_distill, expected_acceptance
 
 COMPILED = pytest.mark.skipif(fl.triton is None or fl.interpreted(), reason="needs triton imported without its interpreter")
 M, H, V, N, CHUNK = 8, 16, 70, 5, 3  # 3 chunks of rows (3, 3, 2)
@@ -34,6 +34,14 @@ CASES = ([f"{k}-{d}-T{t}" for k in KINDS for d in DTYPES for t in (1.0, 0.7)]
          + [f"labels-{d}-T1.0" for d in DTYPES] + ["autocast-bfloat16-T1.0"])
 KERNEL_ROWS, KERNEL_V = 6, 70
 KERNEL_CASES = [f"{k}-T{t}" for k in KINDS for t in (1.0, 0.7)]
+# draft.accept_weighting: the kernel's expected acceptance at a served temperature (0.6) beside each
+# kind's own passes; fused_linear_distill against the torch path with it (soft) and with groups of
+# rows (a block drafter's slots); EAGLE-3's TTT loss end to end, fused against chunked
+SOFT_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS]
+ACCEPT = {"soft": AcceptSpec("soft", 0.6), "hard-group": AcceptSpec("hard", 0.0, 2),
+          "soft-group": AcceptSpec("soft", 0.6, 4)}
+ACCEPT_CASES = [f"{a}-{d}" for a in ACCEPT for d in DTYPES]
+TTT_ACCEPT_CASES = ["hard", "soft"]
 
 
 # --------------------------------------------------------------------------------------
@@ -103,18 +111,23 @@ def _kernel_inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return s, t, torch.rand(KERNEL_ROWS, generator=g) + 0.5
 
 
-def _kernel_case(case: str) -> dict[str, torch.Tensor]:
+def _kernel_case(case: str, accept_temperature: float = 0.0) -> dict[str, torch.Tensor]:
     kind, temp = case.split("-")
     spec = LossSpec(kind, lk_kl_scale=1.5, lk_kl_decay=2.0, target_temperature=float(temp[1:]))
     s, t, w = _kernel_inputs()
     logits = s.clone()
     loss, hit = torch.empty(KERNEL_ROWS), torch.empty(KERNEL_ROWS)
-    fl._launch_kernel(logits, t, torch.arange(KERNEL_ROWS), w, loss, hit, spec, False, True, block_v=KERNEL_BLOCK)
+    alpha = torch.full((KERNEL_ROWS,), -1.0) if accept_temperature else None
+    fl._launch_kernel(logits, t, torch.arange(KERNEL_ROWS), w, loss, hit, spec, False, True, block_v=KERNEL_BLOCK,
+                      row_alpha=alpha, accept_temperature=accept_temperature)
     ref = s.clone().requires_grad_()
     d = spec(t, ref)  # LossSpec: divergence(kind, t / T, s)
     (w * d).sum().backward()
-    return {"loss": loss, "hit": hit, "grad": logits, "ref_loss": d.detach(), "ref_grad": ref.grad,
-            "ref_hit": (s.argmax(-1) == t.argmax(-1)).float()}
+    out = {"loss": loss, "hit": hit, "grad": logits, "ref_loss": d.detach(), "ref_grad": ref.grad,
+           "ref_hit": (s.argmax(-1) == t.argmax(-1)).float()}
+    if accept_temperature:  # the target's raw logits (not over distill_temperature) and the draft's, over Ta
+        out.update(alpha=alpha, ref_alpha=expected_acceptance(t, s, accept_temperature))
+    return out
 
 
 def _labels_kernel_case() -> dict[str, torch.Tensor]:
@@ -194,11 +207,87 @@ def _checkpoint_case() -> dict[str, Any]:
     return {"fused": fused, "torch": ref, "launches": launches[0]}
 
 
+def _accept_case(case: str) -> dict[str, dict[str, torch.Tensor]]:
+    """fused_linear_distill against chunked_distill with an AcceptSpec: M = 8 rows in chunks of 3
+    (rounded to whole groups: 2 rows for groups of 2, 4 for groups of 4)."""
+    name, dtype = case.rsplit("-", 1)
+    accept = ACCEPT[name]
+    spec, _, _, x, weight, teacher, index, row_weight = _inputs(f"tv-{dtype}-T0.7", seed=4)
+
+    def run(fn):
+        out = _run(fn, x, weight)
+        out["row_alpha"], out["row_reach"] = fn.last.row_alpha, fn.last.row_reach
+        return out
+
+    def fused(x, w):
+        fused.last = fl.fused_linear_distill(x, w, teacher, index, row_weight, spec, chunk_rows=CHUNK, accept=accept)
+        return fused.last
+
+    def torch_path(x, w):
+        torch_path.last = chunked_distill(x, lambda h: F.linear(h, w), teacher, index, row_weight, spec,
+                                          chunk_size=CHUNK, fused=False, accept=accept)
+        return torch_path.last
+
+    return {"fused": run(fused), "torch": run(torch_path)}
+
+
+def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
+    """EAGLE-3's TTT loss (``ttt_loss``) with ``draft.accept_weighting`` on a tiny draft, the fused
+    loss (its CUDA-only check lifted, the kernel interpreted) against the chunked torch path."""
+    from draftsmith.models.eagle3.config import Eagle3Config
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+    from draftsmith.models.eagle3.training import eagle3_batch_plan, ttt_loss
+    from draftsmith.train import losses
+    from draftsmith.train.losses import TargetDraftHead
+
+    accept = AcceptSpec(mode, 0.6)
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=100, draft_vocab_size=3, aux_layer_ids=[0, 1, 2])
+    model = Eagle3DraftModel(cfg)  # a draft vocab of 3: the argmaxes agree often, chains of mixed length
+    model.init_from_target(torch.randn(100, 32))
+    head = TargetDraftHead(torch.randn(3, 32))
+    B, T = 2, 16
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, :2] = 0
+    mask[0, 9] = 0
+    batch = {"input_ids": torch.randint(0, 100, (B, T)), "loss_mask": mask}
+    aux, final = torch.randn(B, T, 96), torch.randn(B, T, 32)
+    plan = eagle3_batch_plan(batch, 3)
+    results = {}
+    ok = losses.fused_device_ok
+    launches = [0]
+    launch = fl._launch_kernel
+
+    def counting(*args, **kwargs):
+        launches[0] += 1
+        return launch(*args, **kwargs)
+
+    try:
+        losses.fused_device_ok = lambda device: True
+        fl._launch_kernel = counting
+        for path, setting in (("fused", True), ("torch", False)):
+            model.zero_grad()
+            total, metrics = ttt_loss(model, batch["input_ids"], aux, final, plan, 3, head, 0.8, None, 5,
+                                      fused=setting, accept=accept)
+            total.backward()
+            results[path] = {"loss": total.detach(), "metrics": {k: v.detach() for k, v in metrics.items()},
+                             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    finally:
+        losses.fused_device_ok = ok
+        fl._launch_kernel = launch
+    results["launches"] = launches[0]
+    return results
+
+
 def _worker(path: str) -> None:
     assert fl.interpreted(), "run with TRITON_INTERPRET=1"
     fl.MAX_BLOCK_V = BLOCK
     torch.save({"distill": {c: _distill_case(c) for c in CASES},
                 "kernel": {**{c: _kernel_case(c) for c in KERNEL_CASES}, "labels": _labels_kernel_case()},
+                "soft_kernel": {c: _kernel_case(c, accept_temperature=0.6) for c in SOFT_KERNEL_CASES},
+                "accept": {c: _accept_case(c) for c in ACCEPT_CASES},
+                "ttt_accept": {c: _ttt_accept_case(c) for c in TTT_ACCEPT_CASES},
                 "memory": _memory_case(), "checkpoint": _checkpoint_case()}, path)
 
 
@@ -267,6 +356,50 @@ def test_the_row_kernel_equals_autograd_of_the_divergence(interpreted, case):
         assert not r["grad"][5].any()
 
 
+@pytest.mark.parametrize("case", SOFT_KERNEL_CASES)
+def test_the_row_kernel_writes_the_expected_acceptance_beside_an_unchanged_loss(interpreted, case):
+    r = interpreted["soft_kernel"][case]
+    torch.testing.assert_close(r["alpha"], r["ref_alpha"], rtol=1e-5, atol=1e-6)
+    assert 0 < float(r["alpha"].min()) and float(r["alpha"].max()) < 1
+    torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-4, atol=1e-5)
+    assert torch.equal(r["hit"], r["ref_hit"])
+
+
+@pytest.mark.parametrize("case", ACCEPT_CASES)
+def test_fused_linear_distill_with_accept_weighting_equals_the_chunked_torch_path(interpreted, case):
+    got, want = interpreted["accept"][case]["fused"], interpreted["accept"][case]["torch"]
+    torch.testing.assert_close(got["loss_sum"], want["loss_sum"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["row_loss"], want["row_loss"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["row_hit"], want["row_hit"])
+    for key in ("row_alpha", "row_reach"):
+        assert (got[key] is None) == (want[key] is None), key
+        if want[key] is not None:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    if "group" in case:  # some rows were cut (or scaled) and some kept: the case tests something
+        assert float(want["row_reach"].max()) == 1.0 and float(want["row_reach"].min()) < 0.5
+    rel_atol, rtol = _tolerances(case)
+    if "bfloat16" in case and "soft-group" in case:  # the reach scales x's rows in bf16 (one more rounding)
+        rel_atol *= 2
+    _close(got["grad_x"], want["grad_x"], rel_atol, rtol)
+    _close(got["grad_w"], want["grad_w"], rel_atol, rtol)
+
+
+@pytest.mark.parametrize("case", TTT_ACCEPT_CASES)
+def test_the_ttt_loss_with_accept_weighting_is_the_same_fused_and_chunked(interpreted, case):
+    r = interpreted["ttt_accept"][case]
+    got, want = r["fused"], r["torch"]
+    assert r["launches"] > 0  # the fused path ran
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    assert set(got["metrics"]) == set(want["metrics"]) and "reach_2" in want["metrics"]
+    for key, value in want["metrics"].items():
+        torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert 0 < float(want["metrics"]["reach_2"]) < 1
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_no_tensor_of_m_by_v_elements_and_no_host_read(interpreted):
     r = interpreted["memory"]
     assert r["unchunked"] >= r["mv"]  # the tracker sees the (M, V) logits where they exist
@@ -291,14 +424,17 @@ def test_the_kernel_compiles_for_an_h100_h200_without_a_gpu(tmp_path, monkeypatc
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9's default, set to silence its warning
     kernel = fl._kernel()
-    for kind in range(7):
+    # every kind, and with SOFT (draft.accept_weighting: soft's expected acceptance) every kind but labels
+    for kind, soft in [(kind, False) for kind in range(7)] + [(kind, True) for kind in range(6)]:
         signature = {"s_ptr": "*bf16", "s_stride": "i32", "t_ptr": "*i64" if kind == 6 else "*bf16",
                      "t_stride": "i64", "idx_ptr": "*i64", "w_ptr": "*fp32", "loss_ptr": "*fp32", "hit_ptr": "*fp32",
-                     "V": "i32", "temperature": "fp32", "kl_scale": "fp32", "kl_decay": "fp32", "alpha_floor": "fp32",
-                     "KIND": "constexpr", "WRITE_GRAD": "constexpr", "BLOCK_V": "constexpr"}
-        source = ASTSource(kernel, signature, {"KIND": kind, "WRITE_GRAD": True, "BLOCK_V": fl.MAX_BLOCK_V})
+                     "acc_ptr": "*fp32", "V": "i32", "temperature": "fp32", "kl_scale": "fp32", "kl_decay": "fp32",
+                     "alpha_floor": "fp32", "accept_s": "fp32", "accept_t": "fp32", "KIND": "constexpr",
+                     "WRITE_GRAD": "constexpr", "SOFT": "constexpr", "BLOCK_V": "constexpr"}
+        source = ASTSource(kernel, signature, {"KIND": kind, "WRITE_GRAD": True, "SOFT": soft,
+                                               "BLOCK_V": fl.MAX_BLOCK_V})
         compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
-        assert compiled.asm["cubin"], kind
+        assert compiled.asm["cubin"], (kind, soft)
 
 
 def test_empty_rows_give_a_zero_loss_with_a_graph_to_x_and_weight():
