@@ -139,6 +139,7 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "draft.distill_temperature": _LOSS,
     "draft.aux_noise_std": _LOSS,
     "draft.gamma": _LOSS,
+    "draft.accept_weighting": _LOSS,
     "draft.head_decay": _LOSS,
     "draft.num_anchors": _LOSS,
     "draft.loss_decay_gamma": _LOSS,

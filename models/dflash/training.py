@@ -158,8 +158,8 @@ class DFlashMethod(DraftVocabMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         # draft.accept_weighting shapes the gradient; validation (no grad) reports the plain loss, which a
         # draft missing its early slots cannot lower
-        accept = AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - 1) \
-            if torch.is_grad_enabled() else None
+        weighted = torch.is_grad_enabled() and getattr(self.recipe.draft, "accept_weighting", "none") != "none"
+        accept = AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - 1) if weighted else None
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
                            self.recipe.train.loss_chunk_rows, selector=self.selector_loss(),
