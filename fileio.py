@@ -147,3 +147,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     with atomic_file(path, len(data)) as fh:
         fh.write(data)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of ``path``: a file's size, or the sizes of the regular files under a directory
+    (symlinks not followed); 0 when it does not exist."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return path.stat().st_size if path.is_file() else 0

@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def holder_text(info: dict[str, Any], path: Path) -> str:
+def holder_text(info: dict[str, Any]) -> str:
     """``pid 123 on host h (draftsmith train ...), since ...`` for a lock's fields."""
     cmd = info.get("command") or "unknown command"
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} ({cmd}), since {info.get('since', '?')}"
@@ -131,7 +131,7 @@ def acquire(run_dir: Path | str, command: str) -> bool:
         pid, host = info.get("pid"), info.get("host")
         if isinstance(pid, int) and host == socket.gethostname() and not _alive(pid):
             log.warning("%s: taking over the lock of %s, which is no longer running", run_dir,
-                        holder_text(info, path))
+                        holder_text(info))
             with contextlib.suppress(FileNotFoundError):
                 aside = path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
                 os.replace(path, aside)
@@ -139,13 +139,13 @@ def acquire(run_dir: Path | str, command: str) -> bool:
             continue
         if host != socket.gethostname() and isinstance(pid, int):
             raise RunDirLockedError(
-                f"{run_dir} is in use by {holder_text(info, path)}: its lock {path} was taken on another host, "
+                f"{run_dir} is in use by {holder_text(info)}: its lock {path} was taken on another host, "
                 f"where this one cannot check it; wait for that command, or delete {path} once it is known to "
                 f"have stopped")
         if not info:
             raise RunDirLockedError(f"{path}: an unreadable lock file; delete it if no draftsmith command is "
                                     f"working in {run_dir}")
-        raise RunDirLockedError(f"{run_dir} is in use by {holder_text(info, path)}; wait for it to finish or "
+        raise RunDirLockedError(f"{run_dir} is in use by {holder_text(info)}; wait for it to finish or "
                                 f"stop it (a lock left by a process that died is taken over)")
     raise RunDirLockedError(f"{path}: could not take the lock (another command keeps taking it)")
 
@@ -184,8 +184,8 @@ def run_dir_lock(run_dir: Path | str, command: str) -> Iterator[None]:
 
 
 def command_line(argv: list[str] | None = None, prog: str = "draftsmith") -> str:
-    """The command a lock names: ``prog`` and its arguments (tokens redacted by nothing: a
-    run's command line carries no secrets; the recipe holds them)."""
+    """The command a lock names: ``prog`` and its arguments (``sys.argv[1:]`` by default), shell
+    quoted, cut at 300 characters."""
     import shlex
     import sys
 

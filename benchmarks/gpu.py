@@ -813,19 +813,26 @@ def _host_memory() -> int:
 # the command
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure every requested recipe and backend; returns what ``--out`` stores."""
-    from benchmarks.lengths import lengths_for
-    from benchmarks.memory import Precision
-
-    dev = torch.device(args.device)
+def setup_device(name: str) -> torch.device:
+    """The benchmark's device: on CUDA with its index resolved, made current and given the
+    trainer's defaults (TF32 for fp32 matmuls, :func:`~draftsmith.train.distributed.gpu_defaults`)."""
+    dev = torch.device(name)
     if dev.type == "cuda":
         from draftsmith.train.distributed import gpu_defaults
 
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        gpu_defaults()  # TF32 for fp32 matmuls, as the trainer sets on CUDA
+        gpu_defaults()
+    return dev
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every requested recipe and backend; returns what ``--out`` stores."""
+    from benchmarks.lengths import lengths_for
+    from benchmarks.memory import Precision
+
+    dev = setup_device(args.device)
     peak, peak_source = device_peak_tflops(dev, args.peak_tflops)
     backends = args.backends or (list(BACKENDS) if dev.type == "cuda" else ["sdpa"])
     result: dict[str, Any] = {

@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import GiB, free_memory, recipe_path, synchronize, time_steps
+from benchmarks.gpu import GiB, free_memory, recipe_path, setup_device, synchronize, time_steps
 
 DEFAULT_RECIPE = "llama3_1_8b"
 # --tiny: a tiny Llama target (8 layers: aux layers 2, 4, 5) under the SmolLM2 recipe (no launcher: fp32
@@ -587,14 +587,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    dev = torch.device(args.device)
-    if dev.type == "cuda":
-        from draftsmith.train.distributed import gpu_defaults
-
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-        gpu_defaults()  # TF32 for fp32 matmuls, as draftsmith's trainer sets (speculators sets nothing)
+    dev = setup_device(args.device)  # TF32 for fp32 matmuls, as draftsmith's trainer sets (speculators sets nothing)
     import transformers
 
     t0 = time.perf_counter()

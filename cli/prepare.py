@@ -121,7 +121,7 @@ def dry_run_report(recipe, args: argparse.Namespace) -> str:
     recipe against its target, the run directory's data against the recipe) and, with
     ``--overwrite-data``, what it would delete. Writes nothing."""
     from ..data_prep.agreement import ForeignDataError, disagreements, mismatch_message, overwrite_plan, recipe_arg
-    from ..data_prep.agreement import tree_bytes
+    from ..fileio import tree_bytes
     from ..data_prep.plan import Cluster, human_bytes
     from ..layout import RunLayout
 
@@ -137,7 +137,8 @@ def dry_run_report(recipe, args: argparse.Namespace) -> str:
             root = RunLayout(args.run_dir).data.root
             names = [p.relative_to(root).as_posix() + ("/" if p.is_dir() else "") for p in doomed]
             shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-            lines.append(f"--overwrite-data would delete {len(doomed)} entries ({human_bytes(tree_bytes(doomed))}) "
+            size = human_bytes(sum(map(tree_bytes, doomed)))
+            lines.append(f"--overwrite-data would delete {len(doomed)} entries ({size}) "
                          f"draftsmith wrote under {root}: {shown}" if doomed else "--overwrite-data: nothing to delete")
         except ForeignDataError as exc:
             lines.append(f"the real run refuses: {exc}")

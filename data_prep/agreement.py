@@ -360,17 +360,6 @@ def overwrite_plan(recipe: Any, run_dir: Path | str) -> list[Path]:
     return ours
 
 
-def tree_bytes(paths: list[Path]) -> int:
-    """The bytes of the files under ``paths``."""
-    total = 0
-    for p in paths:
-        if p.is_dir():
-            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-        elif p.is_file():
-            total += p.stat().st_size
-    return total
-
-
 def remove_data(recipe: Any, run_dir: Path | str) -> list[Path]:
     """``--overwrite-data``: delete what draftsmith wrote under ``RUN_DIR/data``
     (:func:`overwrite_plan`, which refuses first when anything else is there); returns what was

@@ -17,7 +17,6 @@ they are compared by id (``datasets`` keeps its own cache fingerprints).
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +76,3 @@ def describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
         parts.append(f"size {old.get('size')} -> {new.get('size')} bytes")
     parts.append(f"sha256 {str(old.get('sha256'))[:12]}… -> {str(new.get('sha256'))[:12]}…")
     return ", ".join(parts)
-
-
-def same_file(a: str, b: str) -> bool:
-    """Whether two paths name the same existing file."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False

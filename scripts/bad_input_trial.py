@@ -113,7 +113,7 @@ def main() -> int:
         if proc.returncode:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
-    data, ckpts, exp = run / "data", run / "checkpoints", work / "exp" / "r1"
+    exp = work / "exp" / "r1"
 
     def copy_run(name: str) -> Path:
         dst = work / "runs" / name

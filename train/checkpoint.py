@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import __version__
-from ..fileio import atomic_file, is_disk_full
+from ..fileio import atomic_file, is_disk_full, tree_bytes
 from ..layout import (DRAFT_CONFIG_FILE, DraftCheckpoint, DraftCheckpointConfig, DraftConfigError, ExportError,
                       RunLayout, too_old_message, written_before_oldest_readable)
 from ..methods import UnknownMethodError, get_method
@@ -353,11 +353,11 @@ class CheckpointManager:
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
-            written = _tree_bytes(tmp)
+            written = tree_bytes(tmp)
             if self.accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous = find_checkpoints(self.ckpt_dir)
-            need = (f"about {_tree_bytes(previous[-1])} bytes (the size of {previous[-1].name})" if previous
+            need = (f"about {tree_bytes(previous[-1])} bytes (the size of {previous[-1].name})" if previous
                     else f"more than the {written} bytes written before the disk filled up")
             raise CheckpointError(
                 f"{final}: disk full while saving: the checkpoint needs {need}, "
@@ -438,11 +438,6 @@ class CheckpointManager:
         for old in drop:
             shutil.rmtree(old, ignore_errors=True)
         return drop
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (0 when it does not exist)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def read_draft(path: Path, method: str | None = None, weights: bool = True) -> DraftCheckpoint:

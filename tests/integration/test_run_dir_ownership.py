@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -148,7 +147,7 @@ def test_overwrite_data_refuses_files_it_did_not_write_and_the_dry_run_says_what
     out = capsys.readouterr().out
     assert code == 0
     [line] = [x for x in out.splitlines() if x.startswith("--overwrite-data would delete")]
-    assert line.startswith(f"--overwrite-data would delete 9 entries (") and f"draftsmith wrote under {run / 'data'}: " \
+    assert line.startswith("--overwrite-data would delete 9 entries (") and f"draftsmith wrote under {run / 'data'}: " \
         "hidden_states/, plan.json, regen.jsonl, spec.json, stats.json, summary.json, target.json, tokenized/, " \
         "vocab.safetensors" in line, line
     notes = run / "data" / "notes.txt"
