@@ -117,7 +117,7 @@ def accept_weighting_field() -> Any:
         "by whether the chain reaches it at inference: a detached product over the positions j < k of the same "
         "chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
         "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
-        "(T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
+        "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
         "decay alone.")
 
 

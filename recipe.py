@@ -244,9 +244,10 @@ class TrainConfig(_Strict):
         None, ge=1, description="Optimizer steps between validations on the data.validation_fraction conversations "
         "(val_loss, val_acc_k, simulated acceptance length val_sim_al; logged with the training metrics); null: "
         "once, after the last step. The best validation is kept as checkpoints/best.")
-    eval_temperatures: list[float] = Field(
-        [0.0], min_length=1, description="Temperatures of the simulated acceptance length (0: greedy verification; "
-        "T > 0: expected acceptance sum min(p_T, q)); the first one picks checkpoints/best.")
+    eval_temperatures: list[float] | None = Field(
+        None, min_length=1, description="Temperatures of the simulated acceptance length (0: greedy verification; "
+        "T > 0: expected acceptance sum min(p_T, q)); the first one picks checkpoints/best and is the served "
+        "temperature of draft.accept_weighting: soft. null: the served eval.temperature, then 0 when it is above 0.")
     eval_draft_sampling: Literal["greedy", "sample"] = Field(
         "greedy", description="Simulated drafts at T > 0: greedy (vLLM's EAGLE proposer drafts the argmax) or sampled "
         "from the draft's own distribution.")
@@ -417,6 +418,15 @@ class Recipe(_Strict):
         if not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
             raise ValueError(f"name {v!r} must be a single path component (no '/', '\\', '..')")
         return v
+
+    @property
+    def validation_temperatures(self) -> list[float]:
+        """The temperatures validation simulates, the served one first: ``train.eval_temperatures``,
+        else ``eval.temperature`` (and 0 after it when it is above 0)."""
+        if self.train.eval_temperatures:
+            return [float(t) for t in self.train.eval_temperatures]
+        served = float(self.eval.temperature)
+        return [served, 0.0] if served else [0.0]
 
     @model_validator(mode="after")
     def _packing_fits(self) -> "Recipe":

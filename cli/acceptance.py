@@ -35,6 +35,27 @@ def at_least(low: float, kind: type, what: str) -> Callable[[str], Any]:
     return parse
 
 
+def temperatures(text: str) -> tuple[float, ...]:
+    """``--temperature``: one or more comma-separated temperatures, each 0 (greedy) or positive and
+    finite, no repeats (a usage error, exit 2, names the bad one)."""
+    one = at_least(0, float, "0 (greedy) or a positive temperature, e.g. --temperature 0.7")
+    values = tuple(one(item.strip()) for item in text.split(","))
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a temperature; give each once, the served one first, "
+                                         "e.g. --temperature 1,0")
+    return values
+
+
+def served_temperatures(flag: tuple[float, ...] | None, recipe_temperature: float | None) -> tuple[float, ...]:
+    """What ``acceptance`` measures at: ``--temperature`` when given; else the recipe's served
+    ``eval.temperature`` and, when it is above 0, T=0 after it; else T=0."""
+    if flag:
+        return flag
+    if recipe_temperature:
+        return (recipe_temperature, 0.0)
+    return (0.0,)
+
+
 def description() -> str:
     """The help's description: :mod:`draftsmith.eval.acceptance`'s docstring, with the usage
     line's ``--method METHOD`` spelled out from the registry (:func:`~draftsmith.eval.acceptance.method_choices`)."""
@@ -59,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="use the first N prompts only")
     p.add_argument("--k", type=at_least(1, int, "an integer >= 1, the draft tokens per step, e.g. --k 3"),
                    default=3, help="num_speculative_tokens")
-    p.add_argument("--temperature", type=at_least(0, float, "0 (greedy) or a positive temperature, e.g. "
-                   "--temperature 0.7"), default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--temperature", type=temperatures, default=None, metavar="T[,T...]",
+                   help="sampling temperature (0: greedy), or several comma-separated, the served one first "
+                   "(generated once each in the same engine; the profile is the first's); default: --recipe's "
+                   "eval.temperature and, when above 0, 0 too; without --recipe, 0")
     p.add_argument("--max-new-tokens", type=at_least(1, int, "an integer >= 1, e.g. --max-new-tokens 256"),
                    default=256, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=0, help="vLLM engine seed")
@@ -93,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}; give a lookup range "
                      "with --ngram-min <= --ngram-max")
     try:  # everything below is checked before any engine starts
-        engine = vllm_config_from_args(args, load_recipe(args.recipe).vllm if args.recipe else None)
+        recipe = load_recipe(args.recipe) if args.recipe else None
+        engine = vllm_config_from_args(args, recipe.vllm if recipe else None)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    temps = served_temperatures(args.temperature, recipe.eval.temperature if recipe else None)
     try:
         acceptance.check_target(args.target)
         if args.draft is not None and not args.draft.is_dir():
@@ -111,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:  # a PromptsError, a max_model_len beyond the target's
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=args.temperature,
+    common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=temps,
                   max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
                   engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
@@ -121,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             r = acceptance.measure(method=m, draft=args.draft, log_path=log_path(args, None if i == 0 else m),
                                    **common)
             results[r["method"]] = r
-            print(acceptance.format_row(r["method"], r), flush=True)
+            for figures in (r.get("by_temperature") or {"": r}).values():  # JSON: the keys are strings
+                name = r["method"] if len(temps) == 1 else f"{r['method']} T={figures['temperature']:g}"
+                print(acceptance.format_row(name, {**r, **figures}), flush=True)
     except (ValueError, RuntimeError) as exc:  # a DraftMismatchError, engine settings the offline engine
         print(f"error: {exc}", file=sys.stderr)  # refuses, or the vLLM run failed (its root cause and log)
         return 1

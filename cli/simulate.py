@@ -32,8 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, required=True, help="EAGLE-3 export folder or draftsmith checkpoint")
     p.add_argument("--data", type=Path, required=True, help="prepared RUN_DIR/data folder (hidden-state shards)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per chain (num_speculative_tokens)")
-    p.add_argument("--temperatures", default="0", type=temperature_list,
-                   help="comma-separated sampling temperatures simulated, each >= 0 (e.g. 0,0.7)")
+    p.add_argument("--temperatures", default=None, type=temperature_list,
+                   help="comma-separated sampling temperatures simulated, each >= 0 (e.g. 0,0.7); default: "
+                   "--recipe's validation temperatures (its served eval.temperature, then 0), else 0")
+    p.add_argument("--recipe", type=Path, help="recipe whose served temperature is simulated (with T=0) when "
+                   "--temperatures is not given")
     p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "sample"],
                    help="T > 0: greedy drafts (vLLM's EAGLE proposer) or drafts sampled from the draft")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
@@ -45,8 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     from ..fileio import ShardError
     from ..train.method_base import MethodSetupError
 
+    from ..recipe import RecipeError, load_recipe
+
     args = build_parser().parse_args(argv)
     temps = args.temperatures
+    if temps is None:
+        try:
+            temps = tuple(load_recipe(args.recipe).validation_temperatures) if args.recipe else (0.0,)
+        except RecipeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         out = sim.simulator()(args.draft, args.data, args.k, temps, args.batch_size, args.draft_sampling)
     except (MethodSetupError, ShardError, FileNotFoundError) as exc:

@@ -1,7 +1,7 @@
 """Acceptance of a draft measured by vLLM's own spec-decode counters.
 
     draftsmith acceptance --target TARGET_DIR --draft DRAFT_DIR [--method METHOD]
-        [--prompts FILE.jsonl] [--k 3] [--temperature 0] [--max-new-tokens 256] [--out result.json]
+        [--prompts FILE.jsonl] [--k 3] [--temperature T[,T...]] [--max-new-tokens 256] [--out result.json]
 
 ``--method draft`` (the default) serves the export as the method it was exported by, found from
 its ``config.json`` by the registry (:func:`draftsmith.methods.method_of_export`); naming a
@@ -23,6 +23,11 @@ values: on CPU pass e.g. ``--dtype float32 --enforce-eager --gpu-memory-utilizat
 - acceptance rate = accepted draft tokens / proposed draft tokens
 - mean acceptance length (AL, tau) = 1 + accepted / drafts (counts the bonus token; max K+1)
 - per-position acceptance[i] = accepted_per_pos[i] / drafts
+
+Temperature: ``--temperature 1,0`` generates the prompts once per temperature in the same engine;
+the figures (and the profile) are the first temperature's, each one's are under ``by_temperature``.
+Without ``--temperature``, a ``--recipe`` measures at its served temperature ``eval.temperature``
+and, when that is above 0, at T=0 as well (the two a draft is judged at); without a recipe, T=0.
 
 Prompts: any file :func:`draftsmith.data_prep.conversations.load_records` reads (our prompt
 set, MT-bench ``turns`` (first turn), ShareGPT, messages).
@@ -52,7 +57,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..layout import DraftLoadError
 from ..methods import DraftMethodSpec, get_method, registered_methods
@@ -190,7 +195,8 @@ def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: 
 
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess (``draftsmith acceptance --worker``, :func:`measure`): one vLLM
-    engine, one configuration."""
+    engine, one configuration, the prompts generated once per temperature (the first one's figures
+    at the top level, every one's under ``by_temperature``)."""
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
@@ -206,32 +212,19 @@ def worker(args: argparse.Namespace) -> None:
         groups = {"all": [[m for m in r["messages"] if m["role"] != "assistant"] for r in records if "messages" in r]}
     llm = LLM(**llm_kwargs(engine, model=str(args.target), speculative_config=spec, disable_log_stats=False,
                                   seed=args.seed))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
-    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    outs, per_group, elapsed, before = [], {}, 0.0, _spec_counters(llm)
-    for name, convs in groups.items():
-        t0 = time.perf_counter()
-        group_outs = llm.chat(convs, params, use_tqdm=True)  # the bar goes to the log; the parent mirrors it
-        elapsed += time.perf_counter() - t0
-        after = _spec_counters(llm)
-        delta = {k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
-                     else v - before.get(k, 0)) for k, v in after.items()}
-        before = after
-        per_group[name] = {"num_prompts": len(convs), "counters": delta,
-                           "prompt_tokens": [len(o.prompt_token_ids) for o in group_outs],
-                           **(summarise(delta, args.k) if spec else {})}
-        outs += group_outs
-    counters = _spec_counters(llm)
+    temperatures = temperature_values(args.temperature)
+    runs = [_generate_at(llm, SamplingParams(temperature=t, max_tokens=args.max_new_tokens), groups, args.k,
+                         bool(spec)) for t in temperatures]
+    first = runs[0]
     convs = [c for g in groups.values() for c in g]
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = [len(o.prompt_token_ids) for o in outs]
+    prompt_tokens = [len(o.prompt_token_ids) for o in first["outs"]]
     result = {
         "method": method,
         "num_speculative_tokens": args.k if spec else 0,
-        "temperature": args.temperature,
+        "temperature": temperatures[0],
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
-        "measured_at": measured_at,
+        "measured_at": first["measured_at"],
         "vllm_version": vllm_version(),
         "device": _device(),
         "prompts": str(args.prompts),
@@ -240,15 +233,57 @@ def worker(args: argparse.Namespace) -> None:
         "prompt_tokens": {"total": sum(prompt_tokens), "min": min(prompt_tokens, default=0),
                           "max": max(prompt_tokens, default=0),
                           "mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None},
-        "output_tokens": n_out,
-        "generate_seconds": elapsed,
-        "output_tokens_per_s": n_out / elapsed if elapsed else None,
-        "counters": counters,
-        **(summarise(counters, args.k) if spec else {}),
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        **({"groups": per_group} if args.groups_json else {}),
+        **first["figures"],
+        "outputs": [list(o.outputs[0].token_ids) for o in first["outs"]],
+        **({"groups": first["groups"]} if args.groups_json else {}),
     }
+    if len(temperatures) > 1:
+        result["by_temperature"] = {t: {"temperature": t, **r["figures"]} for t, r in zip(temperatures, runs)}
     Path(args.result).write_text(json.dumps(result))
+
+
+def temperature_values(value: float | str | Sequence[float] | None) -> list[float]:
+    """The sampling temperatures of one measurement, in order (the first is the served one): a
+    number, a comma-separated string (``"1,0"``) or a sequence; None: greedy, ``[0.0]``."""
+    if value is None:
+        return [0.0]
+    if isinstance(value, str):
+        return [float(v) for v in value.split(",")]
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    return [float(v) for v in value]
+
+
+def _generate_at(llm: Any, params: Any, groups: dict[str, list[Any]], k: int, speculating: bool) -> dict[str, Any]:
+    """One pass over ``groups`` (one ``llm.chat`` per group) at ``params``' temperature: the
+    outputs, the spec-decode counters of this pass alone (differences of vLLM's cumulative ones),
+    the figures :func:`summarise` makes of them, and each group's own."""
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    outs, per_group, elapsed = [], {}, 0.0
+    start = before = _spec_counters(llm)
+    for name, convs in groups.items():
+        t0 = time.perf_counter()
+        group_outs = llm.chat(convs, params, use_tqdm=True)  # the bar goes to the log; the parent mirrors it
+        elapsed += time.perf_counter() - t0
+        after = _spec_counters(llm)
+        per_group[name] = {"num_prompts": len(convs), "counters": _counter_delta(after, before),
+                           "prompt_tokens": [len(o.prompt_token_ids) for o in group_outs]}
+        if speculating:
+            per_group[name].update(summarise(per_group[name]["counters"], k))
+        before = after
+        outs += group_outs
+    counters = _counter_delta(before, start)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    figures = {"output_tokens": n_out, "generate_seconds": elapsed,
+               "output_tokens_per_s": n_out / elapsed if elapsed else None, "counters": counters,
+               **(summarise(counters, k) if speculating else {})}
+    return {"outs": outs, "groups": per_group, "figures": figures, "measured_at": measured_at}
+
+
+def _counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` of two :func:`_spec_counters` readings (lists element by element)."""
+    return {k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
+                else v - before.get(k, 0)) for k, v in after.items()}
 
 
 def vllm_version() -> str | None:
@@ -286,7 +321,8 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
 
 
 def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path | None = None, k: int = 3,
-            temperature: float = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None, seed: int = 0,
+            temperature: float | Sequence[float] = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None,
+            seed: int = 0,
             engine: VllmConfig | None = None, ngram_min: int = 2, ngram_max: int = 4,
             timeout_s: float | None = None, log_path: Path | None = None,
             groups: dict[str, list[list[dict[str, str]]]] | None = None) -> dict[str, Any]:
@@ -295,6 +331,9 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
     Args:
         method: ``draft`` (the export's own method), a registered method's name (the export must
             be one), ``ngram`` or ``none``; the result's ``method`` is the registry name.
+        temperature: the sampling temperature, or several (the served one first): the same engine
+            generates the prompts once per temperature; the result's figures are the first one's,
+            and ``by_temperature`` holds each one's (figures, counters, output tokens, seconds).
         engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
         timeout_s: wall-clock limit of the subprocess (seconds).
         log_path: where the worker's output (vLLM's log) is written and kept; None: a temporary
@@ -326,7 +365,8 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "draftsmith.cli.acceptance", "--worker", "--result", str(result_path),
                "--target", str(target), "--method", method, "--prompts", str(prompts), "--k", str(k),
-               "--temperature", str(temperature), "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
+               "--temperature", ",".join(f"{t:g}" for t in temperature_values(temperature)),
+               "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
                "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
         if draft is not None:
             cmd += ["--draft", str(draft)]

@@ -54,6 +54,16 @@ class AcceptanceCounters(_Result):
     per_pos: list[int] | None = None
 
 
+class TemperatureFigures(AcceptanceFigures):
+    """One temperature of a measurement at several (``AcceptanceResult.by_temperature``)."""
+
+    temperature: float
+    output_tokens: int | None = Field(None, description="generated tokens over all prompts")
+    generate_seconds: float | None = None
+    output_tokens_per_s: float | None = Field(None, description="output_tokens / generate_seconds (tok/s)")
+    counters: AcceptanceCounters | None = None
+
+
 class AcceptanceResult(AcceptanceFigures):
     """One configuration measured offline by eval/acceptance.py (its ``--out`` JSON holds one per
     method); the acceptance figures are absent for ``method: none``."""
@@ -75,6 +85,8 @@ class AcceptanceResult(AcceptanceFigures):
     output_tokens_per_s: float | None = Field(None, description="output_tokens / generate_seconds (tok/s)")
     counters: AcceptanceCounters | None = None
     outputs: list[list[int]] | None = Field(None, description="generated token ids per prompt (never written)")
+    by_temperature: dict[float, TemperatureFigures] | None = Field(
+        None, description="measured at several temperatures: each one's figures (the top level's are the first's)")
 
 
 def write_acceptance(path: Path, results: dict[str, AcceptanceResult]) -> Path:

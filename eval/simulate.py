@@ -1,6 +1,6 @@
 """Simulated acceptance length of an EAGLE-3 draft on prepared data, without vLLM.
 
-    draftsmith simulate --draft DRAFT --data RUN_DIR/data [--k 3] [--temperatures 0,0.7] [--out sim.json]
+    draftsmith simulate --draft DRAFT --data RUN_DIR/data [--k 3] [--temperatures 0,0.7 | --recipe RECIPE] [--out sim.json]
 
 ``DRAFT`` is an export folder (speculators format, ours or a published draft) or a draftsmith
 checkpoint (``checkpoints/step-N``, ``checkpoints/best``); ``RUN_DIR/data`` a prepared data

@@ -11,7 +11,9 @@
 # recipes/smollm2_135m.yaml --set "data.sources=[{path: regen.jsonl}]" --set data.regenerate.enabled=false`).
 # VARIANTS: space-separated NAME:'OPTIONS' (shell quoting, as in the example; OPTIONS may be empty).
 # EPOCHS (default 1), RECIPE, EXTRA_SETS (--set options for every variant), PROMPTS_N (80),
-# NEW_TOKENS (128) select the runs. Finished work (an export, an acceptance JSON) is kept, so a
+# NEW_TOKENS (128), TEMPERATURES (0; e.g. 0,1: one engine measures each, acceptance.json's
+# by_temperature) select the runs; SIM_DATA (a prepared data folder of held-out conversations) adds
+# `draftsmith simulate` at TEMPERATURES on it (OUT/NAME/simulate.json). Finished work (an export, an acceptance JSON) is kept, so a
 # stopped study continues; a variant whose training fails is logged and skipped (rerun to retry).
 # Acceptance lengths do not depend on timing, so the study may share the machine; its training
 # seconds and tok/s (OUT/NAME/train.log's last line) do.
@@ -44,8 +46,13 @@ for spec in "${SPECS[@]}"; do
     if [ ! -s "$run/acceptance.json" ]; then
         log "acceptance $name"
         $DS acceptance --recipe "$RECIPE" --target "$TARGET_DIR" --draft "$run/export" --prompts "$MT_BENCH" \
-            --max-prompts "$PROMPTS_N" --max-new-tokens "$NEW_TOKENS" --temperature 0 \
+            --max-prompts "$PROMPTS_N" --max-new-tokens "$NEW_TOKENS" --temperature "${TEMPERATURES:-0}" \
             --out "$run/acceptance.json" > "$run/acceptance.log" 2>&1 || log "  FAILED (see $run/acceptance.log)"
+    fi
+    if [ -n "${SIM_DATA:-}" ] && [ ! -s "$run/simulate.json" ]; then
+        log "simulate $name"
+        $DS simulate --draft "$run/export" --data "$SIM_DATA" --temperatures "${TEMPERATURES:-0}" \
+            --out "$run/simulate.json" > "$run/simulate.log" 2>&1 || log "  FAILED (see $run/simulate.log)"
     fi
 done
 log "done: ${names[*]}"

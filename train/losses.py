@@ -173,7 +173,7 @@ ACCEPT_WEIGHTINGS = ("none", "hard", "soft")
 
 @dataclass(frozen=True)
 class AcceptSpec:
-    """``draft.accept_weighting`` at the served temperature (``train.eval_temperatures[0]``): the
+    """``draft.accept_weighting`` at the served temperature (``Recipe.validation_temperatures[0]``): the
     loss of a later draft position (EAGLE-3's TTT step k, a block drafter's slot k) is weighted by
     the detached probability that the chain reaches it, the product over the earlier positions j < k
     of the same chain of
@@ -203,9 +203,9 @@ class AcceptSpec:
 
     @classmethod
     def from_recipe(cls, recipe: Any, group: int = 0) -> AcceptSpec | None:
-        """The recipe's ``draft.accept_weighting`` at ``train.eval_temperatures[0]``, or None when off."""
+        """The recipe's ``draft.accept_weighting`` at ``Recipe.validation_temperatures[0]``, or None when off."""
         mode = getattr(recipe.draft, "accept_weighting", "none")
-        return None if mode == "none" else cls(mode, float(recipe.train.eval_temperatures[0]), group)
+        return None if mode == "none" else cls(mode, float(recipe.validation_temperatures[0]), group)
 
     @property
     def soft(self) -> bool:

@@ -163,10 +163,11 @@ class Eagle3Method(DraftVocabMethod):
                         accept=AcceptSpec.from_recipe(self.recipe))
 
     def validation_spec(self) -> ValidationSpec:
-        """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at ``train.eval_temperatures``;
+        """Chains of ``eval.num_speculative_tokens`` (the K vLLM serves) at the recipe's validation
+        temperatures (``train.eval_temperatures``, else the served ``eval.temperature`` and 0);
         ``val_loss`` weights the first ``draft.ttt_steps`` steps by ``gamma**k`` as training does."""
         d = self.recipe.draft
-        return ValidationSpec(self.recipe.eval.num_speculative_tokens, tuple(self.recipe.train.eval_temperatures),
+        return ValidationSpec(self.recipe.eval.num_speculative_tokens, tuple(self.recipe.validation_temperatures),
                               tuple(d.gamma**k for k in range(d.ttt_steps)))
 
     @torch.no_grad()

@@ -126,18 +126,23 @@ def test_cli_method_defaults_to_the_exports_own_and_lists_every_served_method():
 
 class FakeLLM:
     """Stands in for ``vllm.LLM``: records its arguments, answers two tokens per prompt (a
-    ``RequestOutput`` with a three-token prompt) and spec-decode counters of 4 drafts with 3 accepted tokens."""
+    ``RequestOutput`` with a three-token prompt) and spec-decode counters of 4 drafts with 3 accepted tokens
+    once it has generated (vLLM's counters are cumulative from 0)."""
 
     created: list[dict] = []
 
     def __init__(self, **kwargs):
         FakeLLM.created.append(kwargs)
+        self.generated = False
 
     def chat(self, convs, params, use_tqdm=True):
+        self.generated = True
         return [types.SimpleNamespace(prompt_token_ids=[1, 2, 3], outputs=[types.SimpleNamespace(token_ids=[5, 6])])
                 for _ in convs]
 
     def get_metrics(self):
+        if not self.generated:
+            return []
         metric = lambda name, **kw: types.SimpleNamespace(name=name, **kw)  # noqa: E731
         return [metric("vllm:spec_decode_num_drafts", value=4), metric("vllm:spec_decode_num_draft_tokens", value=16),
                 metric("vllm:spec_decode_num_accepted_tokens", value=3),

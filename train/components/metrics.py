@@ -173,12 +173,12 @@ def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def best_metric(recipe: Recipe, method: Any) -> tuple[str, bool]:
     """``(metric key, higher is better)`` that checkpoints/best and early stopping follow:
     ``train.best_metric``, or the simulated acceptance length at the first of
-    ``train.eval_temperatures`` when the method simulates one, else ``val_loss``."""
+    ``Recipe.validation_temperatures`` when the method simulates one, else ``val_loss``."""
     choice = recipe.train.best_metric
     simulates = bool(getattr(method, "validation_spec", None) and method.validation_spec().num_draft_tokens)
     if choice == "val_loss" or (choice is None and not simulates):
         return "val_loss", False
-    t = recipe.train.eval_temperatures[0]
+    t = recipe.validation_temperatures[0]
     return ("val_sim_al" if t == 0 else f"val_sim_al_t{t:g}"), True
 
 
