@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .draft_section import DraftSection, _Strict
+from .draft_section import ACCEPT_WEIGHTING_METHODS, DraftSection, _Strict
 from .methods import get_method, registered_methods
 
 
@@ -565,6 +565,9 @@ def _problem(err: dict[str, Any]) -> tuple[str, str]:
         return key, (f"{key}: unknown key: it moved to {new}"
                      + (f" (draft.method {' / '.join(owners)})" if owners else ""))
     owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
+    if method is not None and key == "draft.accept_weighting":  # one line whichever method lacks it
+        return key, (f"{key}: not supported by draft.method {method} (supported: "
+                     f"{', '.join(ACCEPT_WEIGHTING_METHODS)}; docs/training.md, \"Acceptance-aware loss\")")
     if method is not None and owners:
         return key, f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
     return key, f"{key}: unknown key"
