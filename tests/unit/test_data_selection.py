@@ -257,3 +257,4 @@ def test_the_score_command_scores_a_prepared_run_from_the_target_checkpoint(tiny
     got = read_scores(RunLayout(run).data.hidden_states, vocab_key(draft_vocab(model.config.vocab_size)[0]))
     for name in SCORES:
         assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6)
+
