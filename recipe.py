@@ -441,6 +441,8 @@ class Recipe(_Strict):
         if (self.train.eval_every or self.train.early_stopping_patience) and not self.data.validation_fraction:
             raise ValueError("train.eval_every / train.early_stopping_patience need held-out conversations: set "
                              "data.validation_fraction > 0")
+        if self.data.select is not None and self.data.hidden_states_mode == "online":
+            raise ValueError("data.select needs data.hidden_states_mode: offline (its scores are written at capture)")
         self.draft.check_recipe(self)
         return self
 

@@ -95,17 +95,16 @@ def token_scores(final: torch.Tensor, weight: torch.Tensor,
 def sequence_scores(final: torch.Tensor, loss_mask: torch.Tensor, weight: torch.Tensor,
                     chunk_rows: int | None = None) -> torch.Tensor:
     """``(len(SCORES),)`` float32: each score's mean over the trained positions of one sequence
-    (:func:`scored_positions`), NaN when it has none. No host read (the caller converts).
+    (:func:`scored_positions`), NaN when it has none. Every row is scored and the untrained ones
+    weighted 0 (a boolean gather would read its size back from the device): no host read, the
+    caller converts.
 
     Args:
         final: ``(T, H)``; loss_mask: ``(T,)`` (on any device); weight: ``(Vd, H)``.
     """
-    sel = scored_positions(torch.as_tensor(loss_mask).to(final.device))
-    rows = final[sel]
-    if rows.shape[0] == 0:
-        return torch.full((len(SCORES),), float("nan"), device=final.device)
-    ent, flat = token_scores(rows, weight.to(final.device), chunk_rows)
-    return torch.stack([ent.mean(), flat.mean()])
+    sel = scored_positions(torch.as_tensor(loss_mask).to(final.device)).float()
+    ent, flat = token_scores(final, weight.to(final.device), chunk_rows)
+    return torch.stack([ent, flat]) @ sel / sel.sum()  # 0 / 0 = NaN without a trained position
 
 
 class SequenceScorer:

@@ -21,7 +21,9 @@ from draftsmith.data_prep.scores import (
     SequenceScorer,
     read_scores,
     score_shards,
+    scores_entry,
     select_top,
+    sequence_scores,
     token_scores,
     vocab_key,
 )
@@ -100,6 +102,13 @@ def test_token_scores_equal_the_definitions_in_float64_and_do_not_depend_on_the_
     ent1, flat1 = token_scores(final, weight)
     torch.testing.assert_close(ent1, ent)
     torch.testing.assert_close(flat1, flat)
+    # a sequence without a trained position has no score (kept last by the selection)
+    none = sequence_scores(final, torch.zeros(11, dtype=torch.long), weight)
+    assert scores_entry("v", [none])["entropy"] == [None]
+    # the mean is over the positions s with loss_mask[s + 1] = 1 only
+    mask = torch.tensor([0, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0])
+    torch.testing.assert_close(sequence_scores(final, mask, weight), torch.stack([ent[[2, 3, 6]].mean(),
+                                                                                  flat[[2, 3, 6]].mean()]))
     # the bounds: uniform logits give log Vd and cos 1
     e0, f0 = token_scores(torch.zeros(1, 16), weight)
     assert e0.item() == pytest.approx(math.log(40), rel=1e-6) and f0.item() == pytest.approx(1.0, rel=1e-6)
@@ -183,6 +192,8 @@ def test_keep_fraction_outside_0_1_is_one_clear_recipe_error():
         load_recipe(None, ["data.select={score: entropy, keep_fraction: 0}"])
     with pytest.raises(RecipeError, match=r"data.select.score"):
         load_recipe(None, ["data.select={score: perplexity, keep_fraction: 0.5}"])
+    with pytest.raises(RecipeError, match=r"data.select needs data.hidden_states_mode: offline"):
+        load_recipe(None, ["data.select={score: entropy, keep_fraction: 0.5}", "data.hidden_states_mode=online"])
     assert load_recipe(None, []).data.select is None  # off by default
 
 
