@@ -173,6 +173,10 @@ def test_scores_of_shards_captured_without_them_are_computed_resumably(tiny, tmp
     assert score_shards(old.hidden_states, scorer, progress=False)["scored"] == 1
     assert read_scores(old.hidden_states, vocab_key(d2t)) == got
     assert not list(old.hidden_states.glob(".*.tmp-*"))  # written atomically
+    # scores.json is draftsmith's: --overwrite-data deletes it with the shards, nothing is foreign
+    from draftsmith.data_prep.agreement import data_files
+
+    assert data_files(tmp_path / "b")[1] == []
 
 
 def test_select_top_keeps_the_highest_scores_deterministically():
