@@ -98,6 +98,15 @@ class RegenerateConfig(_Strict):
         return v
 
 
+class DataSelect(_Strict):
+    score: Literal["entropy", "flatness"] = Field(
+        "entropy", description="entropy: the target's mean entropy (nats) over the draft vocab on the sequence's trained "
+        "positions; flatness: the mean cosine similarity of that distribution to the uniform one (SFDD, arXiv "
+        "2601.18902). Both written at capture (docs/data.md, 'Data selection'); the highest (flattest) are kept.")
+    keep_fraction: float = Field(gt=0, le=1, description="Fraction of the training sequences kept, in (0, 1]; the "
+                                 "validation conversations (data.validation_fraction) are held out first, unchanged.")
+
+
 class DataConfig(_Strict):
     sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:train")], min_length=1,
                                       description="Training conversations, read in order and concatenated.")
@@ -151,6 +160,8 @@ class DataConfig(_Strict):
         "own device; 'auto': 'rank' when the target fits one device, else 'node' (the plan prints which).")
     capture_batch_tokens: int = Field(4096, ge=16, description="Padded tokens per target forward when capturing with transformers.")
     num_proc: int = Field(1, ge=1, description="Processes for the tokenize stage (datasets map num_proc).")
+    select: DataSelect | None = Field(None, description="Train on the top keep_fraction of the training sequences "
+                                      "by a score of the target's distributions; null: every sequence (off).")
     max_samples: int | None = Field(
         None, ge=1, description="Conversations taken over all sources together (in source order); null: all. "
         "Each source stops reading once it reaches this many rows.")
@@ -440,6 +451,8 @@ class Recipe(_Strict):
         if (self.train.eval_every or self.train.early_stopping_patience) and not self.data.validation_fraction:
             raise ValueError("train.eval_every / train.early_stopping_patience need held-out conversations: set "
                              "data.validation_fraction > 0")
+        if self.data.select is not None and self.data.hidden_states_mode == "online":
+            raise ValueError("data.select needs data.hidden_states_mode: offline (its scores are written at capture)")
         self.draft.check_recipe(self)
         return self
 

@@ -129,6 +129,10 @@ def launch(argv: list[str] | None = None, *, method: str | type, script: str, pr
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(format_report(report))
+        from ..train.selection import dry_run_line
+
+        if (line := dry_run_line(recipe, args.run_dir)) is not None:  # data.select: what it keeps
+            print(line)
         if args.run_dir is not None:  # what the real run into RUN_DIR would refuse of its data
             from ..data_prep.agreement import disagreements, mismatch_message, recipe_arg
             from ..data_prep.prepare import missing_stages

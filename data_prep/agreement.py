@@ -282,7 +282,8 @@ DATA_FILES = ("target.json", "regen.jsonl", "regen.node-*-of-*.jsonl", "regen_se
               "vocab.safetensors", "summary.json", "spec.json", "plan.json", "prepare.recipe.yaml",
               ".prepare-session", ".early-stages.done", ".node-*-of-*.done", ".regen.node-*-of-*.done", ".*.tmp-*")
 DATA_DIRS = ("tokenized", ".tokenized.tmp-*", "procs", "logs")
-SHARD_FILES = ("shard-*.safetensors", "manifest.json", "manifest.rank-*.json", "manifest*.json", ".*.tmp-*")
+SHARD_FILES = ("shard-*.safetensors", "manifest.json", "manifest.rank-*.json", "manifest*.json", "scores.json",
+               ".*.tmp-*")
 SHARD_DIRS = (".vllm-work",)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from ..fileio import ShardError, atomic_write_bytes, check_free_space
 from .capture import TransformersCapture
+from .scores import scores_entry
 from .shards import (
     FORMAT_VERSION,
     HEADER_KEYS,
@@ -54,6 +55,7 @@ def generate_hidden_states(
     world_size: int | None = None,
     shard_bytes: int | None = None,
     verify: str = "header",
+    scorer: Any = None,
 ) -> dict:
     """Capture aux + final hidden states for ``records`` (``input_ids``/``loss_mask``) into shards.
 
@@ -84,6 +86,10 @@ def generate_hidden_states(
             up to ``batch_tokens`` padded tokens) or any ``CaptureEngine``.
         shard_bytes: bytes per shard (``data.shard_bytes``); ``None``: ``sequences_per_shard``
             alone decides.
+        scorer: a :class:`~draftsmith.data_prep.scores.SequenceScorer`: each captured sequence's
+            scores (the target's entropy and flatness over the draft vocab, for ``data.select``)
+            are computed on the engine's device from its final states and written in its shard's
+            manifest entry (``"scores"``); None: no scores (a kept shard keeps what it has).
 
     Returns:
         The manifest dict (the union over ranks), also written to ``out_dir/manifest.json`` once
@@ -100,7 +106,7 @@ def generate_hidden_states(
     engine = model if hasattr(model, "capture") else TransformersCapture(model, spec.aux_layer_ids, batch_tokens)
     try:
         return _capture_shards(engine, records, out_dir, spec, sequences_per_shard, shard_bytes, target_id, progress,
-                               *distributed_rank(rank, world_size), verify=verify)
+                               *distributed_rank(rank, world_size), verify=verify, scorer=scorer)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
@@ -109,7 +115,7 @@ def generate_hidden_states(
 
 def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, sequences_per_shard: int,
                     shard_bytes: int | None, target_id: str, progress: bool, rank: int, world: int,
-                    verify: str = "header") -> dict:
+                    verify: str = "header", scorer: Any = None) -> dict:
     """``generate_hidden_states`` with the engine built (the caller closes it)."""
     from tqdm.auto import tqdm
 
@@ -168,11 +174,13 @@ def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, s
         shards = [done[i] for i in sorted(done) if world == 1 or i in mine]
         atomic_write_bytes(own_manifest, json.dumps(dict(header, shards=shards), indent=1).encode())
 
-    def publish(index: int, writer: ShardWriter, ids: list) -> None:  # on the writer thread
+    def publish(index: int, writer: ShardWriter, ids: list, scores: list) -> None:  # on the writer thread
         nonlocal captured_tokens
         sha, size = writer.finish()
         done[index] = {"index": index, "file": writer.path.name, "num_sequences": writer.num_sequences,
                        "num_tokens": writer.num_tokens, "ids": ids, "sha256": sha, "bytes": size}
+        if scorer is not None:  # the host read of the scores happens here, off the capture thread
+            done[index]["scores"] = scores_entry(scorer.vocab, scores)
         write_own()
         captured_tokens += writer.num_tokens
 
@@ -192,6 +200,7 @@ def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, s
             writers.append(writer)
             check_free_space(out_dir, writer.size, f"shard {index} ({len(chunk)} sequences)")
             order: list[int] = []
+            scores: dict[int, torch.Tensor] = {}
             for j, aux, fin in engine.capture(chunk):
                 n = len(chunk[j]["input_ids"])
                 if aux.shape != (n, 3 * spec.hidden_size) or fin.shape != (n, spec.hidden_size):
@@ -199,12 +208,15 @@ def _capture_shards(engine: Any, records: Any, out_dir: Path, spec: ShardSpec, s
                                      f"{tuple(fin.shape)} for record {chunk[j]['id']} of {n} tokens "
                                      f"(H={spec.hidden_size})")
                 order.append(j)
+                if scorer is not None:  # (len(SCORES),) on the engine's device, read on the writer thread
+                    scores[j] = scorer(fin, chunk[j]["loss_mask"])
                 behind.submit(add, writer, chunk[j], aux, fin)
             missing = sorted(set(range(len(chunk))) - set(order))  # a record twice overflows the writer
             if missing:
                 raise ShardError(f"{engine.name} engine returned no states for records "
                                  f"{[chunk[j]['id'] for j in missing[:5]]}")
-            behind.submit(publish, index, writer, [chunk[j]["id"] for j in order])
+            behind.submit(publish, index, writer, [chunk[j]["id"] for j in order],
+                          [scores[j] for j in order if j in scores])
         behind.close()
     finally:
         behind.close(raise_error=False)  # after an error: let the queued writes end, then drop what is unfinished

@@ -376,7 +376,9 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: TargetInfo, reco
     ``target.dtype`` and the ``plan``'s tensor-parallel size, its context raised to
     ``data.max_length`` if shorter, its per-request files under ``hidden_states/.vllm-work``.
     Shards already on disk are kept when they check out (``verify``: ``header``, or ``full`` to
-    hash them too) and recomputed otherwise, one log line naming each.
+    hash them too) and recomputed otherwise, one log line naming each. Each captured sequence is
+    scored (the target's entropy and flatness over the draft vocab, ``data.select``;
+    :mod:`draftsmith.data_prep.scores`) when the vocab stage's file exists.
 
     Raises:
         DiskFullError: the file system holding the shards has less free space than the shards
@@ -384,6 +386,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: TargetInfo, reco
     """
     from . import vllm_hidden_states as vhs
     from ..fileio import check_free_space
+    from .scores import SequenceScorer
     from .shards import bytes_per_token
 
     engine = vhs.resolve_engine(recipe.data.hidden_states_engine)
@@ -419,6 +422,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: TargetInfo, reco
         LazyCapture(engine, make), records, paths.hidden_states, spec, recipe.data.sequences_per_shard,
         recipe.data.capture_batch_tokens, target_id=info.name_or_path, rank=rank, world_size=world,
         shard_bytes=recipe.data.shard_bytes, verify=verify,
+        scorer=SequenceScorer.for_target(target_dir, paths.vocab),  # data.select's scores, at capture
     )
     rate = manifest["throughput_tok_s"]
     log.info("hidden states: %d shards, %d tokens%s", len(manifest["shards"]), manifest["num_tokens"],

@@ -186,7 +186,7 @@ def build_accelerator(recipe: Recipe, run_dir: Path) -> Any:
         **extra,
     )
     if asked == "FSDP" and runs_on_cpu() and accelerator.distributed_type != DistributedType.FSDP:
-        _route_fsdp_on_cpu(accelerator)
+        _route_fsdp_on_cpu(accelerator, extra.get("fsdp_plugin"))
     check_runtime(accelerator, recipe)
     if accelerator.is_main_process:
         note_recipe_launcher(recipe, accelerator)
@@ -224,10 +224,13 @@ def note_recipe_launcher(recipe: Recipe, accelerator: Any) -> None:
                     want.num_processes, got, accelerator.num_processes, recipe.launcher, recipe.draft.method)
 
 
-def _route_fsdp_on_cpu(accelerator: Any) -> None:
+def _route_fsdp_on_cpu(accelerator: Any, plugin: Any = None) -> None:
     """Make accelerate 1.15 run FSDP2 on CPU (gloo): set the shared state's distributed type to
-    FSDP with the plugin built from the launcher's ``FSDP_*`` environment. The process count is
-    already right (gloo handler or MULTI_CPU); ``check_runtime`` then refuses FSDP1."""
+    FSDP with ``plugin`` (the one :func:`distributed_kwargs` passed the Accelerator, which
+    accelerate drops when it does not choose FSDP) or one built from the launcher's ``FSDP_*``
+    environment, given the Accelerator's mixed precision as accelerate gives it on a GPU (an
+    explicit ``MixedPrecisionPolicy`` kept). The process count is already right (gloo handler or
+    MULTI_CPU); ``check_runtime`` then refuses FSDP1."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -235,7 +238,9 @@ def _route_fsdp_on_cpu(accelerator: Any) -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    plugin = getattr(accelerator.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) or plugin or FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":  # fp32 on a CPU run (cpu_mixed_precision): nothing to set
+        plugin.set_mixed_precision(accelerator.mixed_precision)
     log.info("FSDP on CPU: accelerate chose %s; routing to FSDP2 over gloo", accelerator.distributed_type.value)
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP

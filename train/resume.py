@@ -80,6 +80,7 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "data.hidden_states_mode": _DATA,
     "data.hidden_states_dtype": _DATA,
     "data.validation_fraction": _DATA,
+    "data.select": _DATA,
     "data.regenerate.enabled": _DATA,
     "data.regenerate.max_new_tokens": _DATA,
     "data.regenerate.temperatures": _DATA,

@@ -94,6 +94,7 @@ from .distributed import full_tensor, uses_deepspeed
 from .packing import PackedDataset, collate_packed, length_bucket
 from .run_info import run_metadata
 from .sampler import LengthGroupedBatches
+from .selection import select_training
 from .validation import (
     IndexedSubset,
     ValidationSpec,
@@ -284,14 +285,20 @@ class Trainer:
         shards = isinstance(dataset, ShardReader)
         if shards:  # the training items name their sequence, so a non-finite state names its shard
             self.faults = NonFiniteShards(dataset, acc.device)
+        train_idx = None
         if recipe.data.validation_fraction:  # held-out conversations, never packed
             train_idx, val_idx = split_by_conversation(dataset_ids(dataset), recipe.data.validation_fraction,
                                                        recipe.seed, where=str(self.layout.data.root))
-            dataset, self.val_set = IndexedSubset(dataset, train_idx), IndexedSubset(dataset, val_idx)
+            self.val_set = IndexedSubset(dataset, val_idx)
+        if recipe.data.select is not None:  # the top fraction of the training sequences (train/selection.py)
+            train_idx = select_training(dataset, train_idx, recipe.data.select, self.layout.data)
+        if train_idx is not None:
+            dataset = IndexedSubset(dataset, train_idx)
             if shards:
                 dataset = SourceTagged(dataset, train_idx)
-            log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)", len(self.val_set),
-                     len(dataset), recipe.data.validation_fraction)
+            if self.val_set is not None:
+                log.info("validation: %d sequences held out, %d train (data.validation_fraction=%g)",
+                         len(self.val_set), len(dataset), recipe.data.validation_fraction)
         elif shards:
             dataset = SourceTagged(dataset)
         if cfg.packing:  # rows of several sequences; the sampler then batches rows
