@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .draft_section import ACCEPT_WEIGHTING_METHODS, DraftSection, _Strict
+from .draft_section import DraftSection, _Strict
+from .recipe_errors import recipe_problem, yaml_problem
 from .methods import get_method, registered_methods
 
 
@@ -494,7 +495,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         except OSError as exc:
             raise RecipeError(f"{source}: cannot read recipe ({exc})") from None
         except yaml.YAMLError as exc:
-            raise RecipeError(f"{source}: not valid YAML ({_yaml_problem(exc)}); fix the file") from None
+            raise RecipeError(f"{source}: not valid YAML ({yaml_problem(exc)}); fix the file") from None
         if not isinstance(tree, dict) or not tree:
             what = ("an empty recipe (no keys)" if tree is None or tree == {} else
                     "a YAML list, not a mapping of keys" if isinstance(tree, list) else
@@ -510,7 +511,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
-            raise RecipeError(f"--set {item}: the value is not valid YAML ({_yaml_problem(exc)}); write it as "
+            raise RecipeError(f"--set {item}: the value is not valid YAML ({yaml_problem(exc)}); write it as "
                               "YAML, e.g. --set 'data.aux_layer_ids=[1, 2, 3]' (quote the argument)") from None
         _set_path(tree, key, value)
         set_keys[key] = item
@@ -519,7 +520,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     except ValidationError as exc:
         located = []  # (the --set arguments the problem is under, or "" for the file's keys; problem)
         for err in exc.errors():
-            key, text = _problem(err)
+            key, text = recipe_problem(err)
             located.append((" ".join(f"--set {item}" for k, item in set_keys.items()
                                      if key and (k == key or k.startswith(key + ".") or key.startswith(k + "."))),
                             text))
@@ -529,61 +530,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         head = "--set" if all(where for where, _ in located) else source
         raise RecipeError(f"{head}: invalid recipe\n" + "\n".join(f"  {where}: {text}" if where else f"  {text}"
                                                                   for where, text in located)) from None
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line for a YAML parse error: the problem and its line / column (1-based)."""
-    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    return f"{problem}, line {mark.line + 1} column {mark.column + 1}" if mark is not None else problem
-
-
-# keys of earlier recipes -> where they are now; a recipe that still sets one is refused naming it
-MOVED_KEYS = {
-    **{f"train.{key}": f"draft.{key}" for key in ("ttt_steps", "gamma", "head_decay", "loss", "lk_kl_scale",
-                                                  "lk_kl_decay", "gradient_checkpointing")},
-    "eval.vllm": "vllm",
-    "train.wandb": "train.report_to: [wandb], train.tracker_project and train.wandb_mode",
-}
-
-
-def _draft_owners(key: str) -> list[str]:
-    """The ``draft.method`` values whose section has ``key``."""
-    import typing
-
-    sections = typing.get_args(typing.get_args(DraftConfig)[0])
-    return [cls.model_fields["method"].default for cls in sections if key in cls.model_fields]
-
-
-def _problem(err: dict[str, Any]) -> tuple[str, str]:
-    """``(key.path, "key.path: message")`` of one pydantic error; an unknown key that is one of
-    another place's (a moved key, another method's) says where it belongs."""
-    loc = [str(p) for p in err["loc"]]
-    method = None
-    if len(loc) >= 2 and loc[0] == "draft" and loc[1] in _draft_owners("method"):
-        method = loc.pop(1)  # the union's tag: draft.<method>.key is the recipe's draft.key
-    key = ".".join(loc)
-    if err["type"] == "union_tag_invalid" and loc == ["draft"]:  # a method plug-in that did not load says why
-        from .methods import plugin_load_failure
-
-        tag = (err.get("ctx") or {}).get("tag")
-        failure = plugin_load_failure(tag) if isinstance(tag, str) else None
-        if failure:
-            return "draft.method", f"draft.method: {tag!r} is not available: {failure}"
-    if err["type"] != "extra_forbidden":
-        return key, f"{key}: {err['msg']}" if key else err["msg"]
-    if key in MOVED_KEYS:
-        new = MOVED_KEYS[key]
-        owners = _draft_owners(new.removeprefix("draft.")) if new.startswith("draft.") else []
-        return key, (f"{key}: unknown key: it moved to {new}"
-                     + (f" (draft.method {' / '.join(owners)})" if owners else ""))
-    owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
-    if method is not None and key == "draft.accept_weighting":  # one line whichever method lacks it
-        return key, (f"{key}: not supported by draft.method {method} (supported: "
-                     f"{', '.join(ACCEPT_WEIGHTING_METHODS)}; docs/training.md, \"Acceptance-aware loss\")")
-    if method is not None and owners:
-        return key, f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
-    return key, f"{key}: unknown key"
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:
