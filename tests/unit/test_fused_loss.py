@@ -41,7 +41,7 @@ SOFT_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS]
 ACCEPT = {"soft": AcceptSpec("soft", 0.6), "hard-group": AcceptSpec("hard", 0.0, 2),
           "soft-group": AcceptSpec("soft", 0.6, 4)}
 ACCEPT_CASES = [f"{a}-{d}" for a in ACCEPT for d in DTYPES]
-TTT_ACCEPT_CASES = ["hard", "soft"]
+TTT_ACCEPT_CASES = ["hard", "soft", "opd-hard", "opd-soft"]  # opd: draft.opd's split, its reverse-KL term fused too
 
 
 # --------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     from draftsmith.train import losses
     from draftsmith.train.losses import TargetDraftHead
 
-    accept = AcceptSpec(mode, 0.6)
+    accept = AcceptSpec(mode[4:], 0.6, 0, 0.7) if mode.startswith("opd-") else AcceptSpec(mode, 0.6)
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, vocab_size=100, draft_vocab_size=3, aux_layer_ids=[0, 1, 2])
