@@ -193,3 +193,75 @@ def test_the_recipe_keys():
         load_recipe(None, ["draft.opd=hard", "draft.accept_weighting=soft"])
     with pytest.raises(RecipeError, match="draft.opd: unknown key for draft.method medusa"):
         load_recipe(None, ["draft.method=medusa", "draft.opd=hard"])
+
+
+# --------------------------------------------------------------------------------------
+# The stage's pieces (the command end to end: tests/integration/test_opd_run.py)
+
+
+def test_replay_rows_survive_a_partial_line_and_a_full_disk(tmp_path):
+    import errno
+    import json
+
+    from draftsmith.eval.opd_replay import ReplayError, append_row, read_rows
+
+    path = tmp_path / "rows.jsonl"
+    with open(path, "ab") as f:
+        append_row(f, {"id": "a@1", "x": 1})
+        append_row(f, {"id": "b@2", "x": 2})
+        f.write(b'{"id": "c@3", "x"')  # killed mid-line
+    assert list(read_rows(path)) == ["a@1", "b@2"]
+    assert path.read_bytes().endswith(b"}\n")  # the partial line is cut off: the next append starts clean
+    with open(path, "ab") as f:
+        append_row(f, {"id": "c@3", "x": 3})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a@1", "b@2", "c@3"]
+
+    class Full:
+        name = str(path)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(ReplayError, match=r"disk full while writing replay row d@4: the rows written so far are "
+                                          r"kept; free space and re-run the command to continue"):
+        append_row(Full(), {"id": "d@4"})
+    path.write_text('{"id": "a@1"}\nnot json\n')
+    with pytest.raises(ReplayError, match="rows.jsonl:2: not a replay row; --overwrite"):
+        read_rows(path)
+
+
+def test_replay_prefixes_and_masks():
+    from draftsmith.eval.opd_replay import pick_prefixes, replay_mask
+
+    ids = ["a", "b", "c"]
+    masks = [[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1]]
+    picks = pick_prefixes(ids, masks, conversations=3, prefixes=2, max_prefix=4, seed=1)
+    assert picks == pick_prefixes(ids, masks, 3, 2, 4, seed=1)  # a re-run picks the same prefixes
+    assert len(picks) == 4 and all(rid == f"{ids[i]}@{p}" for rid, i, p in picks)
+    assert all(masks[i][p] and 1 <= p <= 4 for _, i, p in picks)  # cut before a trained token, room left
+    assert replay_mask(3, 6, [1, 4, 9], span=2) == [0, 0, 0, 0, 1, 1, 0, 1, 1]  # index 9 is past the output
+    assert replay_mask(2, 3, [], span=4) == [0] * 5
+
+
+def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
+    from draftsmith.eval.opd import OpdError, OpdOptions, opd_recipe, trained_checkpoint
+    from draftsmith.recipe import dump_recipe
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_recipe(load_recipe(None, ["train.max_steps=50", "draft.accept_weighting=hard"]), run / "recipe.yaml")
+    with pytest.raises(OpdError, match=rf"has no trained checkpoint .*`draftsmith train RECIPE --run-dir {run}`"):
+        trained_checkpoint(run)
+    step = run / "checkpoints" / "step-7"
+    step.mkdir(parents=True)
+    (step / "train_state.json").write_text("{}")
+    (step / "draft_config.json").write_text("{}")
+    assert trained_checkpoint(run) == step
+    (run / "checkpoints" / "best").mkdir()
+    (run / "checkpoints" / "best" / "draft_config.json").write_text("{}")
+    assert trained_checkpoint(run).name == "best" and trained_checkpoint(run, "latest") == step
+    recipe = opd_recipe(run, step, OpdOptions(run, split="hard", opd_gamma=0.5, overrides=["train.lr=1e-4"]))
+    assert (recipe.draft.opd, recipe.draft.opd_gamma, recipe.draft.accept_weighting) == ("hard", 0.5, "none")
+    assert recipe.draft.init_from == str(step.resolve())
+    assert recipe.train.max_steps is None and recipe.train.epochs == 1.0 and recipe.train.lr == 1e-4
+    assert opd_recipe(run, step, OpdOptions(run, max_steps=9)).train.max_steps == 9
