@@ -1,6 +1,7 @@
 """``draftsmith opd`` end to end on the tiny target's trained EAGLE-3 run: the offline variant,
 its resume, the replay variant (rows where verification rejected, their capture, training), a
-replay interrupted mid-row that resumes without a duplicate row, and the refusals."""
+replay interrupted mid-row that resumes without a duplicate row, and the refusals; both variants
+on a DFlash run."""
 
 from __future__ import annotations
 
@@ -146,3 +147,28 @@ def test_bad_input_one_line_each(trained, tmp_path, capsys):
     assert err == ("error: draft.opd: on-policy distillation is not supported by draft.method medusa "
                    "(supported: eagle3, dflash, dflash2)")
     assert opd_cli.main([str(run), "--new-tokens", "0"]) == 2
+
+
+def test_offline_opd_on_a_dflash_run(tiny_target, tmp_path, capsys):
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.models.dflash.training import DFlashMethod
+    from draftsmith.train.trainer import fit
+
+    from helpers.recipes import dflash_recipe
+
+    recipe, _ = dflash_recipe(tiny_target, tmp_path)
+    recipe.train.max_steps = 4
+    run = tmp_path / "run"
+    prepare(recipe, run)
+    fit(recipe, DFlashMethod(recipe, run), run, progress=False)
+    assert opd_cli.main([str(run), "--max-steps", "2", "--split", "hard", "--opd-gamma", "0.5"]) == 0
+    result = json.loads((run / "opd" / "opd.json").read_text())
+    assert result["steps"] == 2 and result["split"] == "hard" and result["opd_gamma"] == 0.5
+    assert "reach_1" in result["last_metrics"] and (run / "opd" / "export" / "config.json").is_file()
+    assert "data cost: 0.000" in capsys.readouterr().out
+    # replay with the block drafter's proposer
+    assert opd_cli.main([str(run), "--variant", "replay", "--overwrite", "--conversations", "3", "--prefixes", "1",
+                         "--new-tokens", "8", "--max-steps", "1", "--device", "cpu",
+                         "--set", "train.batch_size=2"]) == 0
+    replay = json.loads((run / "opd" / "opd.json").read_text())["replay"]
+    assert replay["continuations"] == 3 and replay["rows"] >= 1
