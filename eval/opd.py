@@ -220,8 +220,8 @@ def run_opd(opts: OpdOptions) -> dict[str, Any]:
         raise OpdError(f"--variant {opts.variant}: one of {', '.join(VARIANTS)}")
     if not run_dir.is_dir():
         raise OpdError(f"{run_dir} is no run directory: make one with `draftsmith train RECIPE --run-dir {run_dir}`")
-    run_recipe(run_dir)  # the method, before anything under opd/ is touched
-    trained_checkpoint(run_dir, opts.start)
+    # the method, the checkpoint and the overrides are checked before anything under opd/ is touched
+    opd_recipe(run_dir, trained_checkpoint(run_dir, opts.start), opts)
     opd, plan = _stage_plan(run_dir, opts)
     recipe = opd_recipe(run_dir, Path(plan["checkpoint"]), opts)
     scored = 0

@@ -16,6 +16,7 @@ from draftsmith.recipe import RecipeError, load_recipe
 from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead
 from draftsmith.train.opd_loss import opd_group_distill, rejected_term
 
+from helpers import REPO
 from helpers.ttt_cases import FixedSteps, dflash_case, reference_acceptance, tiny_eagle3, ttt_batch
 
 K = 3
@@ -265,3 +266,19 @@ def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
     assert recipe.draft.init_from == str(step.resolve())
     assert recipe.train.max_steps is None and recipe.train.epochs == 1.0 and recipe.train.lr == 1e-4
     assert opd_recipe(run, step, OpdOptions(run, max_steps=9)).train.max_steps == 9
+    # an override that does not validate is refused before opd/ exists
+    from draftsmith.eval.opd import run_opd
+
+    with pytest.raises(RecipeError, match="train.lr"):
+        run_opd(OpdOptions(run, overrides=["train.lr=-1"]))
+    assert not (run / "opd").exists()
+
+
+def test_the_dry_run_counts_the_rejected_term_s_fused_gradients(tmp_path):
+    from draftsmith.train.dry_run import dry_run
+
+    config = tmp_path / "config.json"
+    config.write_text((REPO / "recipes/targets/meta-llama/Llama-3.1-8B-Instruct/config.json").read_text())
+    plain, opd = (dry_run(load_recipe(REPO / "recipes/llama3_1_8b.yaml", sets), config)["estimate"]["activations"]
+                  for sets in ([], ["draft.opd=hard"]))
+    assert opd["fused_loss_gradients"] == 2 * plain["fused_loss_gradients"] > 0
