@@ -210,12 +210,11 @@ class AcceptSpec:
     def from_recipe(cls, recipe: Any, group: int = 0) -> AcceptSpec | None:
         """The recipe's ``draft.accept_weighting``, or its ``draft.opd`` split (with ``opd_gamma``), at
         ``train.eval_temperatures[0]``; None when both are off."""
-        temperature = float(recipe.train.eval_temperatures[0])
         opd = getattr(recipe.draft, "opd", "none")
         if opd != "none":
-            return cls(opd, temperature, group, float(recipe.draft.opd_gamma))
+            return cls(opd, float(recipe.train.eval_temperatures[0]), group, float(recipe.draft.opd_gamma))
         mode = getattr(recipe.draft, "accept_weighting", "none")
-        return None if mode == "none" else cls(mode, temperature, group)
+        return None if mode == "none" else cls(mode, float(recipe.train.eval_temperatures[0]), group)
 
     @property
     def opd(self) -> bool:
