@@ -221,6 +221,7 @@ def run_opd(opts: OpdOptions) -> dict[str, Any]:
     if not run_dir.is_dir():
         raise OpdError(f"{run_dir} is no run directory: make one with `draftsmith train RECIPE --run-dir {run_dir}`")
     # the method, the checkpoint and the overrides are checked before anything under opd/ is touched
+    run_recipe(run_dir)
     opd_recipe(run_dir, trained_checkpoint(run_dir, opts.start), opts)
     opd, plan = _stage_plan(run_dir, opts)
     recipe = opd_recipe(run_dir, Path(plan["checkpoint"]), opts)
