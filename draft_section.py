@@ -109,6 +109,12 @@ ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2")
 AcceptWeighting = Literal["none", "hard", "soft"]
 
 
+def opd_unsupported(method: str | None) -> str:
+    """The one line refusing ``draft.opd`` (the ``draftsmith opd`` stage) for draft.method ``method``."""
+    return (f"draft.opd: on-policy distillation is not supported by draft.method {method} "
+            f"(supported: {', '.join(OPD_METHODS)})")
+
+
 def accept_weighting_field() -> Any:
     """The ``draft.accept_weighting`` field (declared by each section that takes it, beside its
     position decay)."""
@@ -119,6 +125,28 @@ def accept_weighting_field() -> Any:
         "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
         "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
         "decay alone.")
+
+
+#: the methods whose loss applies draft.opd (on-policy distillation's split, the same chains as
+#: draft.accept_weighting): EAGLE-3's TTT steps, DFlash / DFlash2's block slots
+OPD_METHODS = ACCEPT_WEIGHTING_METHODS
+OpdSplit = Literal["none", "hard", "soft"]
+
+
+def opd_field() -> Any:
+    """The ``draft.opd`` field (declared beside ``draft.accept_weighting``)."""
+    return Field(
+        "none", description="On-policy distillation loss (Draft-OPD, arXiv:2605.29343; set by draftsmith opd): draft "
+        "position k of a chain counts as accepted when the draft's own earlier positions of that chain were accepted "
+        "(hard: argmax hits; soft: expected acceptance sum min(p_T, q_T) at T = train.eval_temperatures[0], a "
+        "weight in [0, 1]). Accepted positions train on draft.loss (forward KL by default), the others on reverse "
+        "KL(q || p) weighted opd_gamma**k. none: off. Not with draft.accept_weighting.")
+
+
+def opd_gamma_field() -> Any:
+    """The ``draft.opd_gamma`` field."""
+    return Field(0.8, gt=0, le=1, description="draft.opd: the rejected positions' reverse KL at draft position k "
+                 "(0-based) weighs opd_gamma**k, on top of the method's position weight.")
 
 
 class AcceptWeightingSection(BaseModel):
@@ -134,6 +162,12 @@ class AcceptWeightingSection(BaseModel):
         if self.accept_weighting != "none" and method not in ACCEPT_WEIGHTING_METHODS:
             raise ValueError(f"draft.accept_weighting: {self.accept_weighting} is not supported by draft.method "
                              f"{method} (supported: {', '.join(ACCEPT_WEIGHTING_METHODS)})")
+        opd = getattr(self, "opd", "none")
+        if opd != "none" and method not in OPD_METHODS:
+            raise ValueError(opd_unsupported(method))
+        if opd != "none" and self.accept_weighting != "none":
+            raise ValueError(f"draft.opd={opd} and draft.accept_weighting={self.accept_weighting}: on-policy "
+                             "distillation splits the positions itself; set draft.accept_weighting=none")
         return self
 
 

@@ -320,9 +320,12 @@ def _truncate(out: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[i
 def speculative_generate(target: Target, proposer: Proposer, prompt_ids: list[int], k: int = 3,
                          temperature: float = 0.0, max_new_tokens: int = 256, stop_ids: set[int] | None = None,
                          generator: torch.Generator | None = None,
-                         counters: SpecCounters | None = None) -> list[int]:
+                         counters: SpecCounters | None = None, rejections: list[int] | None = None) -> list[int]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` by chain speculative
-    decoding (module docstring); ``counters`` (if given) accumulate vLLM's figures.
+    decoding (module docstring); ``counters`` (if given) accumulate vLLM's figures;
+    ``rejections`` (if given) gets the index in the output of each token the target put in place
+    of a rejected draft token (the round's correction; a bonus token after K accepted is not one;
+    indices past the returned tokens' end may follow a stop token and are to be ignored).
 
     Returns:
         the generated token ids (stop token included when reached).
@@ -350,6 +353,8 @@ def speculative_generate(target: Target, proposer: Proposer, prompt_ids: list[in
         if counters is not None:
             counters.record(n)
         crop_cache(cache, committed + 1 + n)  # pending token + accepted drafts
+        if rejections is not None and n < k:
+            rejections.append(len(out) + n)
         states = states[: n + 1]
         next_tokens = torch.cat([proposal.token_ids[:n], torch.tensor([nxt])])
         out.extend(proposal.token_ids[:n].tolist() + [nxt])

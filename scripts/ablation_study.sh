@@ -24,6 +24,18 @@ RECIPE=${RECIPE:-recipes/smollm2_135m.yaml}
 TARGET_DIR=${TARGET_DIR:-$HOME/.cache/draftsmith/targets/SmolLM2-135M-Instruct}
 PROMPTS_N=${PROMPTS_N:-80}; NEW_TOKENS=${NEW_TOKENS:-128}; EPOCHS=${EPOCHS:-1}
 eval "SPECS=(${VARIANTS:?set VARIANTS, e.g. VARIANTS=\"base:'' muon:'--set train.optimizer=muon'\"})"
+# the data keys DATA was prepared with (its spec.json), so that training on it is not refused as another
+# recipe's data (a variant's own --set comes after them)
+DATA_SETS=()
+while IFS= read -r line; do DATA_SETS+=(--set "$line"); done < <(python3 - "$DATA/spec.json" <<'PY'
+import json, sys
+spec = json.load(open(sys.argv[1]))
+keys = {k: v for stage in spec.values() if isinstance(stage, dict) for k, v in stage.items()
+        if k.startswith("data.") and not k.endswith(".content")}
+for k, v in keys.items():
+    print(f"{k}={json.dumps(v)}")
+PY
+)
 mkdir -p "$OUT"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/driver.log"; }
 
@@ -37,7 +49,7 @@ for spec in "${SPECS[@]}"; do
         log "train $name: $EPOCHS epochs ${sets[*]:-}"
         # shellcheck disable=SC2086
         if ! $DS train "$RECIPE" --run-dir "$run" --overwrite --no-prepare --set train.epochs="$EPOCHS" \
-                --set train.checkpoint_every=100000 ${EXTRA_SETS:-} "${sets[@]}" > "$run/train.log" 2>&1 \
+                --set train.checkpoint_every=100000 "${DATA_SETS[@]}" ${EXTRA_SETS:-} "${sets[@]}" > "$run/train.log" 2>&1 \
             || ! $DS export "$run" --out "$run/export" > "$run/export.log" 2>&1; then
             log "  FAILED (see $run/train.log, $run/export.log)"; continue
         fi

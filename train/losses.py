@@ -191,11 +191,16 @@ class AcceptSpec:
             G > 0: the rows come in contiguous groups of G (one block's slots, in order) and
             :func:`chunked_distill` multiplies each row's weight by the product over the earlier
             rows of its group (:func:`group_reach`).
+        opd_gamma: ``draft.opd`` (on-policy distillation, :mod:`draftsmith.train.opd_loss`): the
+            same product splits the rows into accepted (weight ``reach``, ``draft.loss``) and
+            rejected (weight ``1 - reach``, reverse KL, times ``opd_gamma**k`` at draft position
+            k); None: not on-policy distillation (``draft.accept_weighting``).
     """
 
     mode: str = "none"
     temperature: float = 0.0
     group: int = 0
+    opd_gamma: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ACCEPT_WEIGHTINGS:
@@ -203,9 +208,18 @@ class AcceptSpec:
 
     @classmethod
     def from_recipe(cls, recipe: Any, group: int = 0) -> AcceptSpec | None:
-        """The recipe's ``draft.accept_weighting`` at ``Recipe.validation_temperatures[0]``, or None when off."""
+        """The recipe's ``draft.accept_weighting``, or its ``draft.opd`` split (with ``opd_gamma``), at
+        the served temperature ``Recipe.validation_temperatures[0]``; None when both are off."""
+        opd = getattr(recipe.draft, "opd", "none")
+        if opd != "none":
+            return cls(opd, float(recipe.validation_temperatures[0]), group, float(recipe.draft.opd_gamma))
         mode = getattr(recipe.draft, "accept_weighting", "none")
         return None if mode == "none" else cls(mode, float(recipe.validation_temperatures[0]), group)
+
+    @property
+    def opd(self) -> bool:
+        """Whether this is on-policy distillation's split (``draft.opd``), not ``draft.accept_weighting``."""
+        return self.opd_gamma is not None
 
     @property
     def soft(self) -> bool:

@@ -141,6 +141,8 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "draft.aux_noise_std": _LOSS,
     "draft.gamma": _LOSS,
     "draft.accept_weighting": _LOSS,
+    "draft.opd": _LOSS,
+    "draft.opd_gamma": _LOSS,
     "draft.head_decay": _LOSS,
     "draft.num_anchors": _LOSS,
     "draft.loss_decay_gamma": _LOSS,

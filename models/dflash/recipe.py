@@ -11,7 +11,10 @@ from ...draft_section import (
     AcceptWeightingSection,
     DraftVocabSection,
     SlidingWindowSection,
+    OpdSplit,
     accept_weighting_field,
+    opd_field,
+    opd_gamma_field,
 )
 
 
@@ -40,6 +43,8 @@ class DFlashDraftConfig(DraftVocabSection, SlidingWindowSection, AcceptWeighting
         None, gt=0, description="Position weight w_k = exp(-(k-1)/gamma) of block slot k; null: 7 for "
         "block_size >= 12, else 4 (the anchors' values).")
     accept_weighting: AcceptWeighting = accept_weighting_field()
+    opd: OpdSplit = opd_field()
+    opd_gamma: float = opd_gamma_field()
     freeze_lm_head: bool = Field(
         True, description="Keep lm_head at the target's draft-vocab rows (needs init_lm_head_from_target; the "
                           "anchors share it frozen).")

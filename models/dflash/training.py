@@ -41,6 +41,7 @@ from ...train.dry_run import (
     weight_copies,
 )
 from ...train.losses import AcceptSpec, chunk_rows, chunked_distill
+from ...train.opd_loss import opd_group_distill
 from ...train.method_base import DraftVocabMethod
 from ..common import DistillTargets, LayerGeometry
 from .config import DFlashConfig
@@ -158,7 +159,8 @@ class DFlashMethod(DraftVocabMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         # draft.accept_weighting shapes the gradient; validation (no grad) reports the plain loss, which a
         # draft missing its early slots cannot lower
-        weighted = torch.is_grad_enabled() and getattr(self.recipe.draft, "accept_weighting", "none") != "none"
+        weighted = torch.is_grad_enabled() and (getattr(self.recipe.draft, "accept_weighting", "none") != "none"
+                                                or getattr(self.recipe.draft, "opd", "none") != "none")
         accept = AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - 1) if weighted else None
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
@@ -345,7 +347,9 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
             expected acceptance (soft), computed from the same pass over the block's logits
             (:func:`~draftsmith.train.losses.group_reach`; an untrained slot passes the chain on).
             The denominator stays ``sum(w)`` (unreached slots count with weight 0). The selector's
-            term (DFlash2) keeps the plain slot weights.
+            term (DFlash2) keeps the plain slot weights. With ``accept.opd`` (``draft.opd``) the
+            unreached share of slot k's weight trains reverse KL, times ``opd_gamma**(k-1)``
+            (:func:`~draftsmith.train.opd_loss.opd_group_distill`).
 
     Returns:
         ``(loss, metrics)``: ``loss = sum(w * D) / sum(w)`` over the trained slots (with
@@ -364,7 +368,7 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     if accept is not None and accept.group != Bk - 1:
         raise ValueError(f"dflash_loss: accept weighting over groups of {accept.group} rows, blocks have {Bk - 1} slots")
     distill = functools.partial(chunked_distill, fused=fused) if accept is None else \
-        functools.partial(chunked_distill, fused=fused, accept=accept)
+        functools.partial(opd_group_distill if accept.opd else chunked_distill, fused=fused, accept=accept)
     targets: Any = DistillTargets(teacher_index=teacher_index[:, :, 1:], weight=weight[:, :, 1:], teacher=teacher,
                                   distill=distill, loss=loss, chunk_size=chunk_size)
     if selector is not None:

@@ -11,7 +11,10 @@ from ...draft_section import (
     AcceptWeightingSection,
     DraftVocabSection,
     SlidingWindowSection,
+    OpdSplit,
     accept_weighting_field,
+    opd_field,
+    opd_gamma_field,
 )
 
 
@@ -50,6 +53,8 @@ class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection, AcceptWeighting
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
     accept_weighting: AcceptWeighting = accept_weighting_field()
+    opd: OpdSplit = opd_field()
+    opd_gamma: float = opd_gamma_field()
 
     @model_validator(mode="after")
     def _one_start(self) -> "Eagle3DraftConfig":

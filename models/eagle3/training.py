@@ -31,6 +31,7 @@ from ...train.dry_run import (
 )
 from ...train.labels import ttt_prediction_masks
 from ...train.losses import AcceptSpec, LossSpec, chunk_rows, chunked_distill
+from ...train.opd_loss import rejected_term, with_rejected
 from ...train.method_base import DraftVocabMethod
 from ...train.validation import ValidationSpec, accepted_sums, chain_alphas, full_vocab_logits
 from ..common import LayerGeometry
@@ -294,7 +295,9 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
             after the draft's own steps 0..k-1 at t), and ``a_j(t)`` is step j's argmax hit at t
             (hard) or its expected acceptance at the served temperature (soft); a step that has no
             row at t (its token outside the loss mask) passes the chain on (factor 1). The product
-            is carried over a ``(B*T,)`` device vector from step to step: no host read.
+            is carried over a ``(B*T,)`` device vector from step to step: no host read. With
+            ``accept.opd`` (``draft.opd``, :mod:`draftsmith.train.opd_loss`) the rows of step k >= 1
+            also get ``gamma**k / M_k * (1 - reach_k(t)) * opd_gamma**k * KL(q || p)``.
 
     Returns:
         ``(loss, metrics)``: ``D_k`` is step k's summed (weighted) divergence over its M_k rows divided by
@@ -329,6 +332,9 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
                               accept=accept)
         if k:
             reach_sums.append(reach.sum())
+            if accept.opd:  # draft.opd: the rows the chain does not reach get the decayed reverse KL
+                out = with_rejected(out, rejected_term(h, logits_fn, teacher, teacher_index[k], gamma**k / denominators[k],
+                                                       reach, accept.opd_gamma**k, loss, chunk_size, fused))
         if k + 1 < steps:  # carry the chain: a_k at step k's rows (detached), times what they had
             factor = accept.factor(out)
             start = chain[0] if k else torch.ones(hidden.shape[0] * hidden.shape[1], device=h.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from draftsmith.models.common import shift_left, ttt_prediction_mask
 from draftsmith.models.eagle3.training import eagle3_batch_plan, ttt_loss, ttt_plan
@@ -17,7 +16,7 @@ from draftsmith.recipe import RecipeError, load_recipe, recipe_schema
 from draftsmith.train.labels import ttt_prediction_masks
 from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead, chunked_distill, group_reach
 
-from helpers.tiny import dflash_tiny_config, eagle3_tiny_config, random_dflash_model
+from helpers.ttt_cases import FixedSteps, dflash_case, tiny_eagle3, ttt_batch
 
 K = 3
 
@@ -26,27 +25,7 @@ K = 3
 # EAGLE-3
 
 
-def _tiny_eagle3(seed: int = 0, draft_vocab: int = 12):
-    from draftsmith.models.eagle3.model import Eagle3DraftModel
-
-    torch.manual_seed(seed)
-    model = Eagle3DraftModel(eagle3_tiny_config(vocab_size=100, draft_vocab_size=draft_vocab))
-    model.init_from_target(torch.randn(100, 32))
-    return model
-
-
-def _batch(packed: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    B, T = 2, 24
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[:, :3] = 0
-    mask[0, 11] = 0  # a hole: step k has no row where x_{t+k+2} is x_11, the later steps do
-    mask[1, 20:] = 0
-    batch = {"input_ids": torch.randint(0, 100, (B, T), generator=g), "loss_mask": mask,
-             "aux_hidden_states": torch.randn(B, T, 96, generator=g), "final_hidden_states": torch.randn(B, T, 32, generator=g)}
-    if packed:
-        batch["document_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4])
-    return batch
+_tiny_eagle3, _batch = tiny_eagle3, ttt_batch
 
 
 def _todays_ttt_loss(model, batch, head, gamma, loss, chunk):
@@ -136,20 +115,7 @@ def test_the_weighted_loss_equals_the_whole_logits_reference(packed, accept):
         assert 0 < float(metrics[f"reach_{K - 1}"]) < 1
 
 
-class _FixedSteps(nn.Module):
-    """A stand-in for the draft: step k's hidden state is a given ``(B, T, V)`` tensor (a leaf with
-    grad), its logits the identity of it; calls ``step_head`` as the draft's forward does."""
-
-    def __init__(self, hidden: list[torch.Tensor]):
-        super().__init__()
-        self.hidden = nn.ParameterList([nn.Parameter(h) for h in hidden])
-        self.lm_head = nn.Linear(hidden[0].shape[-1], hidden[0].shape[-1], bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(torch.eye(hidden[0].shape[-1]))
-        self.lm_head.weight.requires_grad_(False)
-
-    def forward(self, input_ids, aux, steps, loss_mask, position_ids, document_ids, step_head):
-        return [step_head(k, self.hidden[k], self.lm_head) for k in range(steps)]
+_FixedSteps = FixedSteps
 
 
 def _one_hot_logits(tokens: list[int], V: int, scale: float = 6.0) -> torch.Tensor:
@@ -276,20 +242,7 @@ def test_soft_factor_is_the_expected_acceptance_at_the_served_temperature():
 # DFlash
 
 
-def _dflash_case(seed=0):
-    cfg = dflash_tiny_config(block_size=5, draft_vocab_size=3)  # the argmaxes agree often: blocks of mixed hits
-    gen = torch.Generator().manual_seed(seed)
-    B, T = 2, 16
-    ids = torch.randint(10, cfg.vocab_size, (B, T), generator=gen)
-    aux = torch.randn(B, T, 2 * cfg.target_hidden_size, generator=gen)
-    final = torch.randn(B, T, cfg.hidden_size, generator=gen)
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[:, :2] = 0
-    mask[0, 8] = 0  # a hole: an untrained slot inside a block passes the chain on
-    mask[1, 13:] = 0
-    model = random_dflash_model(cfg, seed=1).train()
-    head = TargetDraftHead(torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen))
-    return cfg, model, ids, aux, final, mask, head
+_dflash_case = dflash_case
 
 
 @pytest.mark.parametrize("accept", [AcceptSpec("hard", 0.0, 4), AcceptSpec("soft", 0.8, 4)])

@@ -41,7 +41,8 @@ SOFT_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS]
 ACCEPT = {"soft": AcceptSpec("soft", 0.6), "hard-group": AcceptSpec("hard", 0.0, 2),
           "soft-group": AcceptSpec("soft", 0.6, 4)}
 ACCEPT_CASES = [f"{a}-{d}" for a in ACCEPT for d in DTYPES]
-TTT_ACCEPT_CASES = ["hard", "soft"]
+TTT_ACCEPT_CASES = ["hard", "soft", "opd-hard", "opd-soft"]  # opd: draft.opd's split, its reverse-KL term fused too
+OPD_GROUP_CASES = [f"{m}-{d}" for m in ("hard", "soft") for d in DTYPES]  # draft.opd over a block drafter's slots
 
 
 # --------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     from draftsmith.train import losses
     from draftsmith.train.losses import TargetDraftHead
 
-    accept = AcceptSpec(mode, 0.6)
+    accept = AcceptSpec(mode[4:], 0.6, 0, 0.7) if mode.startswith("opd-") else AcceptSpec(mode, 0.6)
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, vocab_size=100, draft_vocab_size=3, aux_layer_ids=[0, 1, 2])
@@ -280,6 +281,38 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     return results
 
 
+def _opd_group_case(case: str) -> dict[str, Any]:
+    """``opd_group_distill`` (draft.opd over groups of 4 rows, a block drafter's slots) with the fused
+    loss (its CUDA-only check lifted, the kernel interpreted) against the chunked torch path."""
+    from draftsmith.train import losses
+    from draftsmith.train.opd_loss import opd_group_distill
+
+    mode, dtype = case.split("-")
+    accept = AcceptSpec(mode, 0.6, 4, 0.7)
+    spec, _, _, x, weight, teacher, index, row_weight = _inputs(f"forward_kl-{dtype}-T1.0", seed=4)
+    ok, launch, launches = losses.fused_device_ok, fl._launch_kernel, [0]
+
+    def counting(*args, **kwargs):
+        launches[0] += 1
+        return launch(*args, **kwargs)
+
+    def run(setting):
+        def fn(x, w):
+            head = torch.nn.Linear(H, V, bias=False)  # a bias-free nn.Linear: the fused loss's head
+            del head.weight
+            head.weight = w
+            return opd_group_distill(x, head, teacher, index, row_weight, spec, CHUNK, accept=accept, fused=setting)
+        return _run(fn, x, weight)
+
+    try:
+        losses.fused_device_ok = lambda device: True
+        fl._launch_kernel = counting
+        return {"fused": run(True), "torch": run(False), "launches": launches[0]}
+    finally:
+        losses.fused_device_ok = ok
+        fl._launch_kernel = launch
+
+
 def _worker(path: str) -> None:
     assert fl.interpreted(), "run with TRITON_INTERPRET=1"
     fl.MAX_BLOCK_V = BLOCK
@@ -288,6 +321,7 @@ def _worker(path: str) -> None:
                 "soft_kernel": {c: _kernel_case(c, accept_temperature=0.6) for c in SOFT_KERNEL_CASES},
                 "accept": {c: _accept_case(c) for c in ACCEPT_CASES},
                 "ttt_accept": {c: _ttt_accept_case(c) for c in TTT_ACCEPT_CASES},
+                "opd_group": {c: _opd_group_case(c) for c in OPD_GROUP_CASES},
                 "memory": _memory_case(), "checkpoint": _checkpoint_case()}, path)
 
 
@@ -398,6 +432,21 @@ def test_the_ttt_loss_with_accept_weighting_is_the_same_fused_and_chunked(interp
     assert set(got["grads"]) == set(want["grads"])
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", OPD_GROUP_CASES)
+def test_opd_over_a_block_drafter_s_slots_is_the_same_fused_and_chunked(interpreted, case):
+    r = interpreted["opd_group"][case]
+    got, want = r["fused"], r["torch"]
+    assert r["launches"] > 0  # the fused path ran (both terms)
+    torch.testing.assert_close(got["loss_sum"], want["loss_sum"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["row_loss"], want["row_loss"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["row_hit"], want["row_hit"])
+    rel_atol, rtol = _tolerances(case)
+    if "bfloat16" in case:  # the reach scales x's rows in bf16 (one more rounding), as with accept_weighting
+        rel_atol *= 2
+    _close(got["grad_x"], want["grad_x"], rel_atol, rtol)
+    _close(got["grad_w"], want["grad_w"], rel_atol, rtol)
 
 
 def test_no_tensor_of_m_by_v_elements_and_no_host_read(interpreted):

@@ -1,0 +1,82 @@
+"""``draftsmith opd``: on-policy distillation after SFT on a trained run directory (the command
+line of :mod:`draftsmith.eval.opd`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from ..recipe import RecipeError
+from ..runtime import HelpFormatter, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``draftsmith opd``."""
+    from ..eval import opd
+
+    p = argparse.ArgumentParser(prog="draftsmith opd", description=opd.__doc__, formatter_class=HelpFormatter)
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory trained by draftsmith train")
+    p.add_argument("--variant", choices=opd.VARIANTS, default="offline",
+                   help="offline: the run's own data with the OPD loss; replay: rows where the target rejected the "
+                        "draft's proposals from prefixes of the training conversations")
+    p.add_argument("--from", dest="start", choices=("best", "latest"), default="best",
+                   help="start from checkpoints/best (when there is one) or the latest checkpoints/step-N")
+    p.add_argument("--split", choices=("soft", "hard"), default="soft",
+                   help="draft.opd: accepted / rejected by the expected acceptance at the served temperature "
+                        "(train.eval_temperatures[0]; the argmax hits at 0) or by the argmax hits")
+    p.add_argument("--opd-gamma", type=float, default=0.8,
+                   help="draft.opd_gamma: the rejected positions' reverse KL at draft position k weighs opd_gamma**k")
+    p.add_argument("--epochs", type=float, default=1.0, help="train.epochs of the OPD run")
+    p.add_argument("--max-steps", type=int, help="train.max_steps of the OPD run (overrides --epochs)")
+    p.add_argument("--budget-minutes", type=float, help="train.max_time_minutes of the OPD run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's recipe for the OPD run (repeatable)")
+    p.add_argument("--conversations", type=int, default=64, help="replay: training conversations sampled")
+    p.add_argument("--prefixes", type=int, default=2, help="replay: prefixes cut per conversation")
+    p.add_argument("--new-tokens", type=int, default=64, help="replay: tokens decoded after each prefix")
+    p.add_argument("--span", type=int,
+                   help="replay: tokens trained from each rejected position on (default: eval.num_speculative_tokens + 1)")
+    p.add_argument("--seed", type=int, default=0, help="replay: sampling seed of the prefixes and the decoding")
+    p.add_argument("--device", help="replay: where the target and the draft decode (default: this process's accelerator)")
+    p.add_argument("--overwrite", action="store_true", help="start RUN_DIR/opd over (default: continue it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..eval import opd
+
+    args = build_parser().parse_args(argv)
+    for name in ("conversations", "prefixes", "new_tokens", "span"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"error: --{name.replace('_', '-')} {value} must be at least 1", file=sys.stderr)
+            return 2
+    if not 0 < args.opd_gamma <= 1:
+        print(f"error: --opd-gamma {args.opd_gamma} must be in (0, 1]", file=sys.stderr)
+        return 2
+    setup_logging()
+    from ..run_lock import RunDirLockedError, command_line, run_dir_lock
+
+    options = opd.OpdOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(opd.OpdOptions)})
+    try:
+        if not args.run_dir.is_dir():
+            raise opd.OpdError(f"{args.run_dir} is no run directory: make one with "
+                               f"`draftsmith train RECIPE --run-dir {args.run_dir}`")
+        with run_dir_lock(args.run_dir, command_line(argv, "draftsmith opd")):  # nothing trains RUN_DIR meanwhile
+            result = opd.run_opd(options)
+    except RunDirLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (opd.OpdError, RecipeError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1))
+    print(opd.cost_line(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
