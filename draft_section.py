@@ -138,8 +138,8 @@ def opd_field() -> Any:
     return Field(
         "none", description="On-policy distillation loss (Draft-OPD, arXiv:2605.29343; set by draftsmith opd): draft "
         "position k of a chain counts as accepted when the draft's own earlier positions of that chain were accepted "
-        "(hard: argmax hits; soft: expected acceptance sum min(p_T, q_T) at T = train.eval_temperatures[0], a "
-        "weight in [0, 1]). Accepted positions train on draft.loss (forward KL by default), the others on reverse "
+        "(hard: argmax hits; soft: expected acceptance sum min(p_T, q_T) at the served T = "
+        "train.eval_temperatures[0] or eval.temperature, a weight in [0, 1]). Accepted positions train on draft.loss (forward KL by default), the others on reverse "
         "KL(q || p) weighted opd_gamma**k. none: off. Not with draft.accept_weighting.")
 
 

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from checkpoints/best (when there is one) or the latest checkpoints/step-N")
     p.add_argument("--split", choices=("soft", "hard"), default="soft",
                    help="draft.opd: accepted / rejected by the expected acceptance at the served temperature "
-                        "(train.eval_temperatures[0]; the argmax hits at 0) or by the argmax hits")
+                        "(train.eval_temperatures[0], else eval.temperature; the argmax hits at 0) or by the argmax hits")
     p.add_argument("--opd-gamma", type=float, default=0.8,
                    help="draft.opd_gamma: the rejected positions' reverse KL at draft position k weighs opd_gamma**k")
     p.add_argument("--epochs", type=float, default=1.0, help="train.epochs of the OPD run")
