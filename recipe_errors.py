@@ -9,7 +9,16 @@ from typing import Any
 
 import yaml
 
-from .draft_section import ACCEPT_WEIGHTING_METHODS
+from .draft_section import ACCEPT_WEIGHTING_METHODS, opd_unsupported
+
+# draft keys some methods take and the others do not have: their one line for a method without the
+# key (the methods that declare it to refuse it, DSpark and XPress, say the same from their section)
+UNSUPPORTED = {
+    "draft.accept_weighting": lambda method: (
+        f"draft.accept_weighting: not supported by draft.method {method} (supported: "
+        f"{', '.join(ACCEPT_WEIGHTING_METHODS)}; docs/training.md, \"Acceptance-aware loss\")"),
+    "draft.opd": opd_unsupported,
+}
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
@@ -59,9 +68,8 @@ def recipe_problem(err: dict[str, Any]) -> tuple[str, str]:
         return key, (f"{key}: unknown key: it moved to {new}"
                      + (f" (draft.method {' / '.join(owners)})" if owners else ""))
     owners = _draft_owners(loc[1]) if len(loc) == 2 and loc[0] == "draft" else []
-    if method is not None and key == "draft.accept_weighting":  # one line whichever method lacks it
-        return key, (f"{key}: not supported by draft.method {method} (supported: "
-                     f"{', '.join(ACCEPT_WEIGHTING_METHODS)}; docs/training.md, \"Acceptance-aware loss\")")
+    if method is not None and key in UNSUPPORTED:  # one line whichever method lacks the key
+        return key, UNSUPPORTED[key](method)
     if method is not None and owners:
         return key, f"{key}: unknown key for draft.method {method} (a key of {' / '.join(owners)})"
     return key, f"{key}: unknown key"

@@ -310,6 +310,9 @@ def test_the_recipe_key_its_methods_and_the_served_temperature():
         with pytest.raises(RecipeError, match=rf"draft.accept_weighting: not supported by draft.method {method} "
                                               rf"\(supported: eagle3, dflash, dflash2;"):
             load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"])
+        with pytest.raises(RecipeError, match=rf"draft.opd: on-policy distillation is not supported by "
+                                              rf"draft.method {method} \(supported: eagle3, dflash, dflash2\)"):
+            load_recipe(None, [f"draft.method={method}", "draft.opd=hard"])
     with pytest.raises(RecipeError, match="Input should be 'none', 'hard' or 'soft'"):
         load_recipe(None, ["draft.accept_weighting=yes"])
     keys = {row["key"] for row in recipe_schema()}
