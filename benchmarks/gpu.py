@@ -92,7 +92,7 @@ step must compute, not what the kernels execute):
 Unless ``--no-capture``: the target's hidden-state capture at the same ``B x T`` (the online
 mode's per-micro-batch work) for each distinct dense target whose random bf16 weights fit the
 device (not gpt-oss-120b): ``target plain forward`` (logits over the full vocab), ``decoder only``
-and ``capture`` (:func:`~draftsmith.data_prep.capture.capture_batch`: the decoder with hooks on
+and ``capture`` (:func:`~draftsmith.target.capture.capture_batch`: the decoder with hooks on
 the aux layers), all under ``no_grad``; FLOPs ``2 * P_decoder * B*T`` plus causal attention
 ``4 * d * T (T + 1) / 2`` per layer and row, plus ``2 * P_lm_head * B*T`` for the plain forward.
 
@@ -738,8 +738,8 @@ def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namesp
                  peak: float | None) -> dict[str, Any]:
     """The target's plain forward, decoder-only forward and hidden-state capture at the recipe's
     ``B x T`` (module docstring), or why they were skipped."""
-    from draftsmith.data_prep.capture import capture_batch
-    from draftsmith.target import default_aux_layer_ids, text_config
+    from draftsmith.target.capture import capture_batch
+    from draftsmith.target import aux_layer_ids, text_config
 
     B, T = recipe.train.batch_size, recipe.data.max_length
     dtype = getattr(torch, recipe.target.dtype)
@@ -759,7 +759,7 @@ def capture_rows(recipe: Any, config_json: dict[str, Any], args: argparse.Namesp
                               f"{room / GiB:.0f} GiB")
             return out
         moe = any(getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-        aux_ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(int(text.num_hidden_layers)))
+        aux_ids = aux_layer_ids(recipe.data.aux_layer_ids, int(text.num_hidden_layers))
         target = build_target(config, dtype, dev)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, int(text.vocab_size), (B, T), generator=g).to(dev)

@@ -34,10 +34,10 @@ from typing import Iterator
 
 import torch
 
-from draftsmith.data_prep.capture import capture_batch
+from draftsmith.target.capture import capture_batch
 from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import ShardSpec, bytes_per_token
-from draftsmith.target import DEVICE_HELP, default_aux_layer_ids, load_target, resolve_target
+from draftsmith.target import DEVICE_HELP, aux_layer_ids, load_target, resolve_target
 from benchmarks import subprocess_env
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = load_target(path, getattr(torch, args.dtype), device=args.device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq)).to(model.device)
     att = torch.ones_like(ids)
-    layers = default_aux_layer_ids(model.config.num_hidden_layers)
+    layers = aux_layer_ids(None, model.config.num_hidden_layers)
     tokens = ids.numel()
 
     def plain():

@@ -448,7 +448,7 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
 
     from draftsmith.layout import RunLayout
     from draftsmith.methods import get_method
-    from draftsmith.target import TargetInfo, default_aux_layer_ids
+    from draftsmith.target import TargetInfo, aux_layer_ids
     from draftsmith.train import method_base
     from transformers import AutoConfig
 
@@ -462,7 +462,7 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
         H, V, n = geo["hidden_size"], geo["vocab_size"], geo["num_hidden_layers"]
         data = RunLayout(tmp / "run").data
         data.root.mkdir(parents=True)
-        ids = list(recipe.data.aux_layer_ids or default_aux_layer_ids(n))
+        ids = aux_layer_ids(recipe.data.aux_layer_ids, n)
         TargetInfo(name_or_path=recipe.target.name_or_path, verifier=recipe.target.name_or_path,
                    path=str(target_dir), architectures=list(getattr(config, "architectures", None) or []),
                    num_hidden_layers=n, hidden_size=H, vocab_size=V, aux_layer_ids=ids).write(data.target_info)

@@ -137,7 +137,7 @@ def load_setup(args: argparse.Namespace) -> dict[str, Any]:
     draftsmith builds for it and the documents of the row."""
     from draftsmith.models.eagle3.config import EAGLE31_OPTIONS, Eagle3Config
     from draftsmith.recipe import load_recipe
-    from draftsmith.target import default_aux_layer_ids
+    from draftsmith.target import aux_layer_ids
 
     from benchmarks.gpu import load_bench_recipe, target_config
     from benchmarks.memory import Precision
@@ -163,7 +163,7 @@ def load_setup(args: argparse.Namespace) -> dict[str, Any]:
 
     text = text_config(target)
     V, H, n_layers = int(text.vocab_size), int(text.hidden_size), int(text.num_hidden_layers)
-    aux = list(recipe.data.aux_layer_ids or default_aux_layer_ids(n_layers))
+    aux = aux_layer_ids(recipe.data.aux_layer_ids, n_layers)
     Vd = min(int(recipe.data.draft_vocab_size), V)
     draft = Eagle3Config.from_target(target, draft_vocab_size=Vd, aux_layer_ids=aux,
                                      norm_before_residual=recipe.draft.norm_before_residual,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..layout import DataPaths, RunLayout
-from ..target import TargetInfo, default_aux_layer_ids
+from ..target import TargetInfo, aux_layer_ids
 from .conversations import DataError
 from .fingerprint import describe_change, fingerprint, normalised_source
 
@@ -148,11 +148,9 @@ CONTENT_KEY = "data.sources.content"  # spec.json's tokenize entry: the sources'
 def wanted_aux_layer_ids(recipe: Any, info: TargetInfo | None) -> list[int] | None:
     """The aux layer ids the recipe asks for: its own, else the default of the target in
     ``info`` (``target.json``; None without it)."""
-    if recipe.data.aux_layer_ids:
-        return list(recipe.data.aux_layer_ids)
     if info is None or info.num_hidden_layers is None:
-        return None
-    return default_aux_layer_ids(int(info.num_hidden_layers))
+        return list(recipe.data.aux_layer_ids) if recipe.data.aux_layer_ids else None
+    return aux_layer_ids(recipe.data.aux_layer_ids, int(info.num_hidden_layers))
 
 
 def captured_aux_layer_ids(paths: DataPaths) -> list[int] | None:

@@ -1,6 +1,6 @@
 """The hidden-states stage: run a capture engine over tokenized records into the shard store.
 
-Engines and hooks are in :mod:`draftsmith.data_prep.capture`, the shard format, fp8 codec and
+Engines and hooks are in :mod:`draftsmith.target.capture`, the shard format, fp8 codec and
 manifests in :mod:`draftsmith.data_prep.shards`; this module drives them shard by shard
 (resumable, several ranks without overlap). The shard tools' command line is
 :mod:`draftsmith.cli.hidden_states`:
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..fileio import ShardError, atomic_write_bytes, check_free_space
-from .capture import TransformersCapture
+from ..target.capture import TransformersCapture
 from .scores import scores_entry
 from .shards import (
     FORMAT_VERSION,

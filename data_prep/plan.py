@@ -280,7 +280,7 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
 
     cap = None
     if d.hidden_states_mode == "offline" and (capture is None or capture):
-        from .vllm_hidden_states import resolve_engine as resolve_capture
+        from ..target.vllm_capture import resolve_engine as resolve_capture
 
         engine = capture_engine or ("vllm" if gpus and d.hidden_states_engine == "auto"
                                     else resolve_capture(d.hidden_states_engine))

@@ -18,12 +18,11 @@ from ..methods import get_method
 from ..models.common import LayerGeometry
 from ..recipe import Recipe
 from ..target import (
+    aux_layer_ids,
     check_lengths,
     config_from_json,
-    default_aux_layer_ids,
     num_decoder_layers,
     text_config,
-    validate_aux_layer_ids,
     validate_geometry,
 )
 from ..target.resolve import load_config_json
@@ -78,7 +77,7 @@ def preflight(recipe: Recipe, target_config: Path | None = None) -> Preflight:
     if window:
         raise ValueError(f"{window} ({source})")
     n = num_decoder_layers(config)
-    ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
+    ids = aux_layer_ids(recipe.data.aux_layer_ids, n)
     V = int(text.vocab_size)
     # a draft vocab above the target's is capped at it, as the vocab stage builds it
     Vd = min(recipe.data.draft_vocab_size, V)

@@ -49,7 +49,7 @@ from .agreement import (
     tokenize_keys,
     vocab_keys,
 )
-from .capture import CaptureEngine, LazyCapture, TransformersCapture
+from ..target.capture import CaptureEngine, LazyCapture, TransformersCapture
 from .plan import Cluster, DataPlan, build_plan
 from .preflight import preflight_run  # noqa: F401 (the CLI's checks before any stage)
 from ..fileio import atomic_write_bytes
@@ -72,8 +72,7 @@ def stage_target(recipe: Recipe, paths: DataPaths) -> TargetInfo:
     config = tgt.load_target_config(path, recipe.target.trust_remote_code)
     text = text_config(config)
     n = tgt.num_decoder_layers(config)
-    ids = recipe.data.aux_layer_ids or tgt.default_aux_layer_ids(n)
-    ids = tgt.validate_aux_layer_ids(ids, n)
+    ids = tgt.aux_layer_ids(recipe.data.aux_layer_ids, n)
     info = TargetInfo(
         name_or_path=recipe.target.name_or_path,
         verifier=tgt.verifier_name(recipe.target.name_or_path),
@@ -384,7 +383,7 @@ def stage_hidden_states(recipe: Recipe, paths: DataPaths, info: TargetInfo, reco
         DiskFullError: the file system holding the shards has less free space than the shards
             left to capture need.
     """
-    from . import vllm_hidden_states as vhs
+    from ..target import vllm_capture as vhs
     from ..fileio import check_free_space
     from .scores import SequenceScorer
     from .shards import bytes_per_token

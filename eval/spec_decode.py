@@ -37,7 +37,7 @@ Draft proposers (one per draft type, all behind :class:`Proposer`, each in its m
 
 - EAGLE-3 (:class:`~draftsmith.models.eagle3.proposer.Eagle3Proposer`): reads the target's aux hidden states (vLLM convention,
   docs/conventions.md, "Aux layer ids"; captured with the same pre-hooks as training,
-  :class:`draftsmith.data_prep.capture.AuxHiddenStateCapture`) and keeps its own KV
+  :class:`draftsmith.target.capture.AuxHiddenStateCapture`) and keeps its own KV
   cache: step-0 keys of committed positions persist, the keys of the chained steps are
   dropped after each proposal (vLLM overwrites those slots the same way).
 - Medusa (:class:`~draftsmith.models.medusa.proposer.MedusaProposer`): head k at the last committed position t proposes
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data_prep.capture import AuxHiddenStateCapture, decoder_layers
+from ..target.capture import AuxHiddenStateCapture, decoder_layers
 from ..layout import DraftLoadError, ExportError
 from ..layout import read_export_config as _read_config
 from ..methods import UnknownMethodError, method_of_export

@@ -50,6 +50,19 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def aux_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]:
+    """The aux layer ids a draft of a target with ``num_layers`` decoder layers reads: the recipe's
+    ``data.aux_layer_ids`` when given, else vLLM's default (:func:`default_aux_layer_ids`, the rule
+    vLLM 0.32's ``get_eagle3_aux_hidden_state_layers`` uses for every family it serves EAGLE-3 on:
+    Llama, Qwen3 / Qwen3-MoE / Qwen3.5, DeepSeek-V2/V3, gpt-oss), checked and sorted
+    (:func:`validate_aux_layer_ids`). The one place every stage resolves them.
+
+    Raises:
+        ValueError: as :func:`validate_aux_layer_ids`.
+    """
+    return validate_aux_layer_ids(list(requested) if requested else default_aux_layer_ids(num_layers), num_layers)
+
+
 def validate_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     """Check the ids follow vLLM's convention (input of layer L, ``0 <= L < N``).
 

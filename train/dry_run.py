@@ -46,12 +46,12 @@ from ..models.common import LayerGeometry
 from ..recipe import Recipe
 from ..target import (
     DTYPE_BYTES,
+    aux_layer_ids,
     config_from_json,
     default_aux_layer_ids,
     num_decoder_layers,
     target_weight_bytes,
     text_config,
-    validate_aux_layer_ids,
 )
 from ..data_prep.preflight import Preflight, parameter_counts, preflight  # noqa: F401 (re-exported)
 from .launchers import LauncherReport, draft_model_class, validate_launcher
@@ -342,7 +342,7 @@ def estimate_inputs(recipe: Recipe, config_json: dict[str, Any]) -> tuple[LayerG
     """``(geometry, parameter counts, V)`` of :func:`memory_estimate` from the target's ``config.json``."""
     config = config_from_json(config_json, recipe.target.trust_remote_code)
     n = num_decoder_layers(config)
-    ids = validate_aux_layer_ids(recipe.data.aux_layer_ids or default_aux_layer_ids(n), n)
+    ids = aux_layer_ids(recipe.data.aux_layer_ids, n)
     V = int(text_config(config).vocab_size)
     geometry = LayerGeometry.from_target(config, min(recipe.data.draft_vocab_size, V), ids)
     return geometry, parameter_counts(recipe, geometry, V), V

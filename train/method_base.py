@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..data_prep.capture import capture_batch
+from ..target.capture import capture_batch
 from ..data_prep.conversations import DataError
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe

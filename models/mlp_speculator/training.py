@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...data_prep.capture import capture_batch
+from ...target.capture import capture_batch
 from ...recipe import Recipe
 from ...train.dry_run import Shapes, fused_loss_bytes, head_estimate
 from ...train.method_base import HeadMethod

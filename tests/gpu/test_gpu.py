@@ -31,7 +31,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from draftsmith.data_prep.capture import TransformersCapture
+from draftsmith.target.capture import TransformersCapture
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.target import load_target
 from benchmarks import gpu as bench_gpu
@@ -631,7 +631,7 @@ def test_gptoss20b_capture_through_vllm_returns_all_four_states(tmp_path):
     """Two prompts through vLLM's extract_hidden_states on gpt-oss-20b (MXFP4): the three aux
     states and the state after the last layer (id N = 24) come back for every token, the final
     norm applied; vLLM's gpt-oss model emitting id N was never checked on a GPU before."""
-    from draftsmith.data_prep import vllm_hidden_states as vhs
+    from draftsmith.target import vllm_capture as vhs
     from draftsmith.recipe import VllmConfig
 
     path = _local_checkpoint(GPTOSS20B)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep.capture import capture_batch
+from draftsmith.target.capture import capture_batch
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.eval.export import export
 from draftsmith.models.eagle3.training import Eagle3Method

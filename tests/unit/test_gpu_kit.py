@@ -65,7 +65,7 @@ NOT_ON_MACHINE = {
                  {"layout.py", "data_prep/conversations.py", "data_prep/prepare.py", "train/data.py"}),
     "vllm": ("regeneration, hidden-state capture and acceptance through vLLM, which is not on the machine "
              "(and pins another torch); the checks capture nothing (--no-capture) and serve nothing",
-             {"data_prep/chat_engines.py", "data_prep/vllm_hidden_states.py", "eval/acceptance.py",
+             {"data_prep/chat_engines.py", "target/vllm_capture.py", "eval/acceptance.py",
               "vllm_bridge/spec_config.py", "vllm_bridge/weight_update.py", "tests/helpers/vllm_parity.py"}),
     "openai": ("the OpenAI-compatible client of regeneration against a server",
                {"data_prep/chat_engines.py"}),

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from draftsmith.data_prep.capture import capture_batch
+from draftsmith.target.capture import capture_batch
 from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import ShardSpec
 from draftsmith.fileio import ShardError

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from draftsmith.data_prep import vllm_hidden_states as vhs
+from draftsmith.target import vllm_capture as vhs
 from draftsmith.target import load_target
 
 

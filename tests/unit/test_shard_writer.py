@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from draftsmith import fileio
 from draftsmith.data_prep import shards as shards_mod
-from draftsmith.data_prep.capture import LazyCapture
+from draftsmith.target.capture import LazyCapture
 from draftsmith.data_prep.hidden_states import generate_hidden_states
 from draftsmith.data_prep.shards import (ShardReader, ShardSpec, bytes_per_token, load_manifest, read_safetensors_header,
                                          shard_bounds, verify_shards)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.data_prep.capture import capture_batch
+from draftsmith.target.capture import capture_batch
 from draftsmith.recipe import VllmConfig
 
 from helpers.tiny import build_tiny_gpt_oss
@@ -41,7 +41,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor, hidden: int) -> torch.
 def test_vllm_captures_gpt_oss_states_like_transformers(tmp_path, dtype):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.data_prep.vllm_hidden_states import VllmHiddenStateCapture
+    from draftsmith.target.vllm_capture import VllmHiddenStateCapture
 
     target = build_tiny_bf16_gpt_oss(tmp_path / "gpt_oss")
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.data_prep import vllm_hidden_states as vhs
-from draftsmith.data_prep.capture import TransformersCapture
+from draftsmith.target import vllm_capture as vhs
+from draftsmith.target.capture import TransformersCapture
 from draftsmith.train.data import HiddenStateDataset
 from draftsmith.data_prep.prepare import prepare
 from draftsmith.target import load_target

@@ -44,9 +44,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import target as tgt
-from ..target import text_config
 from ..recipe import VllmConfig
+from .facts import num_decoder_layers, text_config
+from .load import FINAL_NORM_NAMES, load_target_tensors
+from .resolve import load_target_config
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +134,18 @@ class VllmHiddenStateCapture:
         configure_vllm_env(engine)
         from vllm import LLM
 
-        config = tgt.load_target_config(Path(target_dir), trust_remote_code)
+        config = load_target_config(Path(target_dir), trust_remote_code)
         text = text_config(config)
         if str(getattr(text, "model_type", "")).startswith("gemma"):
             raise ValueError(f"{target_dir}: {text.model_type} final norm is (1 + w)-scaled; the vLLM engine "
                              "reproduces only a plain RMSNorm (use data.hidden_states_engine=transformers)")
         self.architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-        self.num_layers = tgt.num_decoder_layers(config)
+        self.num_layers = num_decoder_layers(config)
         self.layer_ids = list(layer_ids)
         self.batch_tokens = int(batch_tokens)
         self.eps = float(text.rms_norm_eps)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.final_norm = tgt.load_target_tensors(Path(target_dir), {"final_norm": tgt.FINAL_NORM_NAMES})[
+        self.final_norm = load_target_tensors(Path(target_dir), {"final_norm": FINAL_NORM_NAMES})[
             "final_norm"].to(self.device)
         self._own_dir = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="draftsmith-vllm-hs-")) if work_dir is None else Path(work_dir)

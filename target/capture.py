@@ -5,7 +5,7 @@ residual stream *after L decoder layers*, i.e. the input of decoder layer ``L`` 
 is the embedding output); it is taken with a forward pre-hook on ``layers[L]``, which works
 for any decoder stack (Llama, Qwen, gpt-oss). The final state is the base model's
 ``last_hidden_state`` (after the final norm); the target ``lm_head`` is never run.
-``data_prep/vllm_hidden_states.py`` is the second capture engine (vLLM); both are run by
+``target/vllm_capture.py`` is the second capture engine (vLLM); both are run by
 :func:`draftsmith.data_prep.hidden_states.generate_hidden_states`.
 """
 
