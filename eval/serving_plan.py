@@ -298,6 +298,57 @@ def _release(version: str) -> tuple[int, int]:
     return release_line(version)
 
 
+def predicted_at(plan: dict[str, Any], batch_size: int) -> dict[str, Any] | None:
+    """The plan's chosen prediction for ``batch_size``: that of the largest measured batch size at
+    or below it (the K the schedule runs there), None below the first."""
+    measured = sorted(int(b) for b in plan.get("chosen", {}))
+    below = [b for b in measured if b <= batch_size]
+    return plan["chosen"][str(below[-1])] if below else None
+
+
+def plan_check(plan: dict[str, Any], configs: dict[str, Any], k_sweep: dict[str, Any] | None,
+               tolerance: float = 0.97) -> dict[str, Any]:
+    """Predicted against measured: per concurrency level ``c`` (decoding batch ~ ``c``), the plan's
+    predicted output tok/s, the ``plan`` configuration's measured one and its error, the best
+    measured of the baseline and every fixed K (the trained draft's K sweep and its own K), and
+    whether the plan reached ``tolerance`` x that best and x the baseline.
+
+    ``configs``: serve-bench's ``results.json`` ``configs``; ``k_sweep``: its ``k_sweep`` (or None)."""
+    def tok_s(cfg: dict[str, Any] | None, c: int) -> float | None:
+        lv = ((cfg or {}).get("levels") or {}).get(c) or ((cfg or {}).get("levels") or {}).get(str(c)) or {}
+        return lv.get("output_tok_s")
+
+    plan_cfg, base_cfg = configs.get("plan"), configs.get("baseline")
+    rows, errors = {}, []
+    levels = sorted({int(c) for c in ((plan_cfg or base_cfg or {}).get("levels") or {})})
+    for c in levels:
+        predicted = predicted_at(plan, c)
+        measured = tok_s(plan_cfg, c) if plan_cfg else tok_s(base_cfg, c)  # no speculative config: the baseline
+        fixed = {"baseline": tok_s(base_cfg, c)}
+        for name, cfg in configs.items():
+            if name not in ("plan", "baseline") and cfg.get("k"):
+                fixed[f"{name} K={cfg['k']}"] = tok_s(cfg, c)
+        for k, sweep in ((k_sweep or {}).get("k") or {}).items():
+            fixed[f"{(k_sweep or {}).get('method')} K={k}"] = tok_s(sweep, c)
+        fixed = {n: v for n, v in fixed.items() if v}
+        best = max(fixed.items(), key=lambda kv: kv[1]) if fixed else (None, None)
+        err = None if not (predicted and measured) else abs(predicted["output_tok_s"] - measured) / measured
+        if err is not None:
+            errors.append(err)
+        rows[str(c)] = {"k": predicted["k"] if predicted else None,
+                        "predicted_tok_s": predicted["output_tok_s"] if predicted else None,
+                        "measured_tok_s": measured, "abs_error": err, "best_fixed": best[0], "best_fixed_tok_s": best[1],
+                        "vs_best": measured / best[1] if measured and best[1] else None,
+                        "vs_baseline": measured / fixed["baseline"] if measured and fixed.get("baseline") else None}
+    ok = [r for r in rows.values() if r["vs_best"] is not None]
+    errors.sort()
+    return {"levels": rows, "tolerance": tolerance,
+            "median_abs_error": errors[len(errors) // 2] if len(errors) % 2 else
+            (sum(errors[len(errors) // 2 - 1:len(errors) // 2 + 1]) / 2 if errors else None),
+            "within_tolerance_of_best": all(r["vs_best"] >= tolerance for r in ok) if ok else None,
+            "never_below_baseline": all((r["vs_baseline"] or 1.0) >= tolerance for r in ok) if ok else None}
+
+
 def write_plan(plan: dict[str, Any], path: Path) -> Path:
     """Write ``plan`` atomically (a stopped write leaves the previous file)."""
     with atomic_file(Path(path)) as fh:

@@ -139,3 +139,24 @@ def test_the_command_writes_the_plan_from_a_profile_and_a_cost_table(tmp_path, c
                         str(tmp_path / "costs.json"), "--out", str(out), "--temperature", "0.7"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and not out.exists() and len(err.splitlines()) == 1 and "temperature" in err
+
+
+def test_plan_check_compares_predicted_with_measured_and_with_every_fixed_k():
+    plan = sp.make_plan(profile([0.6, 0.4, 0.2]), table(memory_then_compute), {"method": "eagle3"}, max_batch_size=16)
+    pred = {c: sp.predicted_at(plan, c)["output_tok_s"] for c in (1, 2, 4, 8, 16)}
+    level = lambda v: {"output_tok_s": v}  # noqa: E731
+    configs = {
+        "baseline": {"k": 0, "levels": {c: level(100.0 * c) for c in pred}},
+        "eagle3": {"k": 3, "levels": {c: level(pred[c] * 1.02) for c in pred}},
+        "plan": {"k": 3, "levels": {c: level(pred[c] * 1.10) for c in pred}},
+    }
+    check = sp.plan_check(plan, configs, {"method": "eagle3", "k": {"1": {"levels": {1: level(150.0)}}}})
+    row = check["levels"]["1"]
+    assert row["predicted_tok_s"] == pytest.approx(pred[1]) and row["measured_tok_s"] == pytest.approx(pred[1] * 1.1)
+    assert row["abs_error"] == pytest.approx(0.1 / 1.1, rel=1e-6)
+    assert check["median_abs_error"] == pytest.approx(0.1 / 1.1, rel=1e-6)
+    assert row["best_fixed"] in ("eagle3 K=3", "baseline", "eagle3 K=1")
+    assert check["within_tolerance_of_best"] is True
+    # a plan that measures 10% under the best fixed K misses the 0.97 bar
+    configs["plan"]["levels"][4] = level(configs["eagle3"]["levels"][4]["output_tok_s"] * 0.9)
+    assert sp.plan_check(plan, configs, None)["within_tolerance_of_best"] is False
