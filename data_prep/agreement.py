@@ -109,6 +109,7 @@ def tokenize_keys(recipe: Any, chat_template_sha256: str | None) -> dict[str, An
             "data.max_samples": d.max_samples,
             "data.max_length": d.max_length, "data.overlong": d.overlong,
             "data.harmony_channels": list(d.harmony_channels), "data.regenerate.enabled": r.enabled,
+            **({"data.chat_template_kwargs": dict(d.chat_template_kwargs)} if d.chat_template_kwargs else {}),
             "chat_template_sha256": chat_template_sha256}
     if r.enabled:
         keys.update({"data.regenerate.max_new_tokens": r.max_new_tokens,
