@@ -64,6 +64,8 @@ class VllmChatEngine:
         ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
     """
 
+    template_kwargs: dict[str, Any] = {}  # read only; an instance sets its own
+
     def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False,
                  template_kwargs: dict | None = None):
         self.template_kwargs = dict(template_kwargs or {})
@@ -188,10 +190,17 @@ class ServerChatEngine:
     turns and asks for the replies turn by turn. Transient errors (connection errors, 408, 409,
     429, 5xx) are retried ``max_retries`` times with exponential backoff by the openai client;
     a request that still fails raises :class:`RegenerationRequestError` naming the URL.
+    ``template_kwargs`` (``data.chat_template_kwargs``) go with every request as vLLM's
+    ``chat_template_kwargs``; ``thinking``: each reply is kept with its reasoning split into
+    ``reasoning_content`` (requests carry only role and content, so the template renders
+    earlier replies as it renders history).
 
     Raises:
         ServerStartError: the started server did not become healthy (with its log tail).
     """
+
+    template_kwargs: dict[str, Any] = {}  # read only; an instance sets its own
+    thinking = False
 
     def __init__(self, target_dir: Path | None, seed: int = 0, engine: VllmConfig | None = None,
                  concurrency: int = 64, max_retries: int = 5, server_urls: list[str] | tuple = (),

@@ -152,3 +152,50 @@ def test_split_reasoning_keeps_whitespace_so_the_raw_reply_round_trips():
     reasoning, answer = st.split_reasoning(raw)
     assert (reasoning, answer) == (f"\n{R}\n", f"\n\n{A}")
     assert st.split_reasoning(A) == ("", A)
+
+
+class ThinkingEngine:
+    """Writes what Qwen3 generates with thinking on; records the conversations it is asked."""
+
+    def __init__(self):
+        self.asked: list[list[dict]] = []
+
+    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
+        self.asked += [list(c) for c in conversations]
+        return [f"<think>\nthought {len(c)}\n</think>\n\nanswer {len(c)}" for c in conversations]
+
+
+def test_regenerated_replies_keep_their_reasoning_and_tokenise_back_to_the_served_text(tmp_path):
+    from draftsmith.data_prep import regenerate as regen
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "old"},
+                                     {"role": "user", "content": "q2"}]}]
+    engine = ThinkingEngine()
+    base = {"chat_template_kwargs": {"enable_thinking": True}}
+    out = regen.regenerate(rows, tmp_path / "regen.jsonl", lambda: engine, [0.0], 64, progress=False,
+                           fingerprint_base=base, thinking=True)
+    first, second = out[0]["messages"][1], out[0]["messages"][3]
+    assert first == {"role": "assistant", "content": "\n\nanswer 1", "reasoning_content": "\nthought 1\n"}
+    assert engine.asked[1][1]["content"] == "\n\nanswer 1"  # the second turn's history holds the answer alone
+    assert out[0]["fingerprint"]["chat_template_kwargs"] == {"enable_thinking": True}
+    tok = tokenizer("qwen3")
+    enc = tokenize_conversation(tok, out[0]["messages"][:2], template_kwargs={"enable_thinking": True})
+    assert labelled(tok, enc) == ["<think>\nthought 1\n</think>\n\nanswer 1<|im_end|>"]  # the generated text
+    assert second["reasoning_content"] == "\nthought 3\n"
+    # a changed kwarg regenerates: the cached rows' fingerprint no longer matches
+    again = regen.regenerate(rows, tmp_path / "regen.jsonl", lambda: engine, [0.0], 64, progress=False,
+                             fingerprint_base={"chat_template_kwargs": {"enable_thinking": False}}, thinking=True)
+    assert len(engine.asked) == 4 and again[0]["fingerprint"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_server_reply_puts_a_parsed_reasoning_back_in_front_of_the_answer():
+    from types import SimpleNamespace
+
+    from draftsmith.data_prep.chat_engines import _reply_text
+
+    parsed = SimpleNamespace(content="\n\nFour.", reasoning_content="\nadd\n", model_extra={})
+    assert st.with_reasoning({"role": "assistant", "content": _reply_text(parsed)}) == {
+        "role": "assistant", "content": "\n\nFour.", "reasoning_content": "\nadd\n"}
+    newer = SimpleNamespace(content="Four.", model_extra={"reasoning": "add"})  # vLLM's newer field name
+    assert _reply_text(newer) == "<think>add</think>Four."
+    assert _reply_text(SimpleNamespace(content="Four.", model_extra={})) == "Four."
