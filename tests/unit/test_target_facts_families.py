@@ -173,3 +173,64 @@ def test_every_family_accepts_its_real_config_without_dense_only_keys():
         validate_geometry(real(hub_id), hub_id)
     # an all-MoE Qwen3.5 text config has no intermediate_size at all, and needs none
     validate_geometry(dict(TINY["qwen3_5_moe"]), "qwen3.5")
+
+
+def test_a_family_without_eagle3_in_vllm_is_refused_naming_the_key_and_what_works(tmp_path):
+    from draftsmith.data_prep.preflight import preflight
+    from draftsmith.recipe import load_recipe
+
+    target = tmp_path / "GLM-4.5-Air"
+    target.mkdir()
+    (target / "config.json").write_text(bundled_target_config("zai-org/GLM-4.5-Air").read_text())
+    recipe = load_recipe(None, [f"target.name_or_path={target}"])
+    with pytest.raises(ValueError) as err:
+        preflight(recipe)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"target.name_or_path={target}: architecture Glm4MoeForCausalLM")
+    assert "SupportsEagle3" in line and "method mtp" in line
+
+
+def test_the_eagle3_table_is_the_installed_vllm_sources():
+    """Re-derive :data:`EAGLE3_TARGET_ARCHITECTURES` from vLLM's registry and model files by the
+    AST (no vLLM import): a registered architecture whose class derives from SupportsEagle3."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from draftsmith.vllm_bridge.eagle3_targets import EAGLE3_TARGET_ARCHITECTURES
+    from draftsmith.vllm_bridge.releases import installed_vllm_version, release_line
+
+    spec = importlib.util.find_spec("vllm")
+    version = installed_vllm_version()
+    if spec is None or version is None or release_line(version) != (0, 32):
+        pytest.skip("the table is read from vLLM 0.32's sources")
+    models = Path(spec.submodule_search_locations[0]) / "model_executor" / "models"
+    archs = {}
+    for node in ast.parse((models / "registry.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") in ("_TEXT_GENERATION_MODELS",
+                                                                                  "_MULTIMODAL_MODELS"):
+            archs.update({k.value: v.elts[1].value for k, v in zip(node.value.keys, node.value.values)
+                          if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple)})
+    bases: dict[str, set[str]] = {}
+    for path in models.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(
+                    b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                    if isinstance(b, (ast.Name, ast.Attribute)))
+
+    def eagle3(name: str, seen: frozenset = frozenset()) -> bool:
+        return name == "SupportsEagle3" or (name not in seen and any(eagle3(b, seen | {name})
+                                                                    for b in bases.get(name, ())))
+
+    assert {arch for arch, cls in archs.items() if eagle3(cls)} == EAGLE3_TARGET_ARCHITECTURES
+
+
+def test_a_target_larger_than_a_node_says_how_many_nodes():
+    from draftsmith.data_prep.plan import Cluster, PlanError, nodes_needed, tensor_parallel_size
+
+    weights = target_weight_bytes(real("Qwen/Qwen3-235B-A22B"))["bytes"]  # 438 GiB in bf16
+    assert tensor_parallel_size(weights, Cluster(1, 8, 141), 0.9, 64) == 8  # one H200 node
+    assert nodes_needed(weights, Cluster(1, 8, 80), 0.85) == 2
+    with pytest.raises(PlanError, match=r"span 2 such nodes \(tensor_parallel_size 8 x pipeline_parallel_size 2\)"):
+        tensor_parallel_size(weights, Cluster(1, 8, 80), 0.85, 64)
