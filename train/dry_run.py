@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data_prep.plan import Cluster, build_plan
+from ..data_prep.plan import Cluster, PlanError, build_plan
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
 from ..methods import get_method
@@ -432,10 +432,13 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     online_bytes = target_weight_bytes(dense, recipe.target.dtype)["bytes"]
     nodes = launch.num_machines if launch is not None else 1
     gpus = max(1, (launch.num_processes or 8 * nodes) // nodes) if launch is not None else 1
-    plan = build_plan(recipe, config_json, Cluster(nodes, gpus, device_memory_gib),
-                      regenerate_engine=_gpu_engine(recipe.data.regenerate.engine),
-                      capture_engine="vllm" if recipe.data.hidden_states_engine == "auto"
-                      else recipe.data.hidden_states_engine)
+    try:  # the draft trains without the target; a data stage these GPUs cannot run is reported, not fatal
+        plan = build_plan(recipe, config_json, Cluster(nodes, gpus, device_memory_gib),
+                          regenerate_engine=_gpu_engine(recipe.data.regenerate.engine),
+                          capture_engine="vllm" if recipe.data.hidden_states_engine == "auto"
+                          else recipe.data.hidden_states_engine)
+    except PlanError as err:
+        plan = PlanRefusal(str(err))
     return {
         "target": recipe.target.name_or_path,
         "target_config": source,
@@ -466,6 +469,17 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     }
 
 
+@dataclass(frozen=True)
+class PlanRefusal:
+    """The data plan's one-line refusal on the GPUs the dry run assumes (``--device-memory-gib``),
+    in place of a :class:`~draftsmith.data_prep.plan.DataPlan`."""
+
+    reason: str
+
+    def format(self) -> str:
+        return f"data plan        refused on these GPUs (prepare refuses the same): {self.reason}"
+
+
 def _gpu_engine(engine: str) -> str:
     """``data.regenerate.engine`` as it resolves on a GPU node with vLLM installed."""
     return "vllm-server" if engine == "auto" else engine
@@ -489,7 +503,7 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     w = r["target_weights"]
     lines.append(f"target weights   {_gib(w['bytes'])} as vLLM holds them"
-                 + (f" ({w['quantization']} experts); {_gib(w['online_bytes'])} dequantised (online mode)"
+                 + (f" ({w['quantization']} {'experts' if w['quantization'] == 'mxfp4' else 'linears'}); {_gib(w['online_bytes'])} dequantised (online mode)"
                     if w["quantization"] else ""))
     lines += _launcher_lines(r)
     lines.append(
