@@ -43,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--draft", type=Path, help="the draft's export folder (its speculation_profile.json and "
                    "cost_table.json are the defaults)")
+    p.add_argument("--recipe", type=Path, help="recipe YAML: its target, served temperature (eval.temperature) and "
+                   "vllm engine settings are the defaults")
     p.add_argument("--method", default="draft", help="'draft' (the export's own method) or ngram")
     p.add_argument("--target", help="the served target (a folder or embedded:NAME); needed to measure costs")
     p.add_argument("--profile", type=Path, help="speculation_profile.json (default: DRAFT/speculation_profile.json)")
     p.add_argument("--costs", type=Path, help="cost_table.json to read, or to write when it does not fit "
                    "(default: DRAFT/cost_table.json)")
-    p.add_argument("--temperature", type=float, default=0.0, help="the served sampling temperature")
+    p.add_argument("--temperature", type=float, help="the served sampling temperature (default: --recipe's "
+                   "eval.temperature, else 0)")
     p.add_argument("--ks", type=int_list, help="K measured and planned (default: 0 to the profile's K)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16], help="batch sizes measured")
     p.add_argument("--max-batch-size", type=int, help="vLLM's max_num_seqs the plan is for (default: the largest "
@@ -98,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft is None and (args.method != "ngram" or args.profile is None or args.out is None):
         print("error: --draft DIR (or --method ngram with --profile and --out)", file=sys.stderr)
         return 2
+    recipe = None
+    if args.recipe is not None:
+        from ..recipe import load_recipe
+
+        try:
+            recipe = load_recipe(args.recipe)
+        except RecipeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        args.target = args.target or recipe.target.name_or_path
+    if args.temperature is None:
+        args.temperature = float(recipe.eval.temperature) if recipe is not None else 0.0
     profile_path = args.profile or args.draft / "speculation_profile.json"
     costs_path = args.costs or (args.draft / "cost_table.json" if args.draft else None)
     out = args.out or args.draft / sp.PLAN_FILE
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             from ..eval.serving_costs import measure_costs
             from ..target import resolve_target
-            engine = vllm_config_from_args(args)
+            engine = vllm_config_from_args(args, recipe.vllm if recipe is not None else None)
             table = measure_costs(resolve_target(args.target), fixed, ks, args.batch_sizes,
                                   prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                   temperature=args.temperature, engine=engine,
