@@ -28,6 +28,12 @@ LAYER_CONFIGS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwe
 LEGACY_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM",
                         "mla": "Eagle3DeepseekV2ForCausalLM"}
 
+#: Why an MLA draft needs ``q_lora_rank``: vLLM 0.32's ``deepseek_eagle3`` maps ``kv_a_proj_with_mqa``
+#: into ``fused_qkv_a_proj`` (``q_a_proj`` and it, stacked) whatever the config says, so a draft with a
+#: full-rank ``q_proj`` (``q_lora_rank`` null, DeepSeek-V2-Lite's layout) does not load.
+MLA_FULL_RANK_QUERY = ("vLLM 0.32's deepseek_eagle3 loads an MLA draft only with a low-rank query (it fuses "
+                       "kv_a_proj_with_mqa with q_a_proj); set draft.mla.q_lora_rank (e.g. the target's kv_lora_rank)")
+
 #: Layer config ``model_type`` values read as the MLA layer (the DeepSeek-V2 / V3 family, Kimi K2).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
@@ -69,6 +75,16 @@ class Eagle3Config(LlamaLayerConfig):
             p attends to keys at positions p' with ``p - p' < W`` only (vLLM's window, W keys
             counting its own); written and read as the layer config's ``sliding_window`` /
             ``layer_types`` / ``use_sliding_window`` (docs/formats.md, "EAGLE-3 sliding window").
+        layer: the decoder layer (``draft.layer``, :data:`~draftsmith.models.eagle3.recipe.DRAFT_LAYERS`):
+            ``llama``, ``qwen3`` (per-head ``q_norm`` / ``k_norm`` RMSNorms of width ``head_dim`` on q and k
+            before RoPE; q/k/v biases with ``attention_bias``, no ``o_proj`` bias) or ``mla`` (multi-head
+            latent attention, :mod:`draftsmith.models.eagle3.mla`).
+        q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: the ``mla``
+            layer's geometry (DeepSeek-V2 config keys, all required: :data:`MLA_FULL_RANK_QUERY` says
+            why ``q_lora_rank`` is); None for the other layers. With ``mla``, ``head_dim`` is the
+            query/key head width ``qk_nope_head_dim + qk_rope_head_dim`` and ``num_key_value_heads``
+            equals ``num_attention_heads`` (every head has its own keys and values, decompressed from
+            the latent).
     """
 
     hidden_size: int
@@ -136,6 +152,8 @@ class Eagle3Config(LlamaLayerConfig):
             if any(v is not None for v in mla.values()):
                 raise ValueError(f"layer {self.layer!r} has no MLA geometry, got {mla}")
             return
+        if not mla["q_lora_rank"]:
+            raise ValueError(f"q_lora_rank {mla['q_lora_rank']!r}: {MLA_FULL_RANK_QUERY}")
         missing = [k for k in MLA_KEYS[1:] if not mla[k]]
         if missing:
             raise ValueError(f"layer 'mla' needs {', '.join(missing)} (positive)")
@@ -167,8 +185,7 @@ class Eagle3Config(LlamaLayerConfig):
 
         ``sliding_window``: the draft's attention window (tokens; None: full attention).
         ``layer``: the decoder layer (``draft.layer``); ``mla``: with ``layer="mla"``, the recipe's
-        ``draft.mla`` (:data:`~draftsmith.models.eagle3.recipe.MLA_KEYS`, None = the target's; a
-        ``q_lora_rank`` of 0 = a full-rank ``q_proj``).
+        ``draft.mla`` (:data:`~draftsmith.models.eagle3.recipe.MLA_KEYS`, None = the target's).
         ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set.
 
         Raises:
@@ -189,7 +206,8 @@ class Eagle3Config(LlamaLayerConfig):
 
         Raises:
             ValueError: the target has no multi-head latent attention (no ``kv_lora_rank``): vLLM's
-                ``deepseek_eagle3`` is served next to a DeepSeek-V2/V3-style target only.
+                ``deepseek_eagle3`` is served next to a DeepSeek-V2/V3-style target only; or no query
+                LoRA rank in the target nor the overrides (:data:`MLA_FULL_RANK_QUERY`).
         """
         text = text_config(target_config)
         if not getattr(text, "kv_lora_rank", None):
@@ -198,7 +216,8 @@ class Eagle3Config(LlamaLayerConfig):
                              "kv_lora_rank in its config), and vLLM's deepseek_eagle3 drafts for DeepSeek-V2/V3-style "
                              "targets; use draft.layer llama or qwen3")
         fields = {k: overrides.get(k) if overrides.get(k) is not None else getattr(text, k, None) for k in MLA_KEYS}
-        fields["q_lora_rank"] = fields["q_lora_rank"] or None  # 0 / absent: a full-rank q_proj
+        if not fields["q_lora_rank"]:
+            raise ValueError(f"draft.mla.q_lora_rank: the target has none (a full-rank q_proj) and {MLA_FULL_RANK_QUERY}")
         fields["head_dim"] = (fields["qk_nope_head_dim"] or 0) + (fields["qk_rope_head_dim"] or 0)
         fields["num_key_value_heads"] = text.num_attention_heads
         return fields

@@ -90,21 +90,18 @@ def attention_weight_shapes(cfg: Eagle3Config, attn: str = "layers.0.self_attn."
     """The draft layer attention's weights (biases aside) under prefix ``attn``, by ``cfg.layer``:
     Llama's q/k/v/o projections (q/k/v read 2H); Qwen3's plus ``q_norm`` / ``k_norm`` ``[hd]``; MLA's
     ``q_a_proj [q_lora_rank, 2H]``, ``q_a_layernorm [q_lora_rank]``, ``q_b_proj [nh * hd_qk,
-    q_lora_rank]`` (or ``q_proj [nh * hd_qk, 2H]`` without ``q_lora_rank``), ``kv_a_proj_with_mqa
+    q_lora_rank]``, ``kv_a_proj_with_mqa
     [kv_lora_rank + r, 2H]``, ``kv_a_layernorm [kv_lora_rank]``, ``kv_b_proj [nh * (qk_nope_head_dim +
     v_head_dim), kv_lora_rank]``, ``o_proj [H, nh * v_head_dim]`` (DeepSeek-V2's names, which vLLM's
     ``deepseek_eagle3`` loads, fusing ``q_a_proj`` and ``kv_a_proj_with_mqa``)."""
     H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if cfg.layer == "mla":
         r_kv, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        out = {f"{attn}kv_a_proj_with_mqa.weight": (r_kv + r, 2 * H), f"{attn}kv_a_layernorm.weight": (r_kv,),
-               f"{attn}kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r_kv),
-               f"{attn}o_proj.weight": (H, nh * cfg.v_head_dim)}
-        if cfg.q_lora_rank:
-            return out | {f"{attn}q_a_proj.weight": (cfg.q_lora_rank, 2 * H),
-                          f"{attn}q_a_layernorm.weight": (cfg.q_lora_rank,),
-                          f"{attn}q_b_proj.weight": (nh * hd, cfg.q_lora_rank)}
-        return out | {f"{attn}q_proj.weight": (nh * hd, 2 * H)}
+        return {f"{attn}q_a_proj.weight": (cfg.q_lora_rank, 2 * H), f"{attn}q_a_layernorm.weight": (cfg.q_lora_rank,),
+                f"{attn}q_b_proj.weight": (nh * hd, cfg.q_lora_rank),
+                f"{attn}kv_a_proj_with_mqa.weight": (r_kv + r, 2 * H), f"{attn}kv_a_layernorm.weight": (r_kv,),
+                f"{attn}kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r_kv),
+                f"{attn}o_proj.weight": (H, nh * cfg.v_head_dim)}
     out = {f"{attn}q_proj.weight": (nh * hd, 2 * H), f"{attn}k_proj.weight": (nkv * hd, 2 * H),
            f"{attn}v_proj.weight": (nkv * hd, 2 * H), f"{attn}o_proj.weight": (H, nh * hd)}
     if cfg.layer == "qwen3":

@@ -3,7 +3,7 @@ attention (``layer: mla``), computed as vLLM's ``deepseek_eagle3`` draft compute
 
 The layer input ``x`` (``[norm(embeds) ; hidden_norm(g)]``, 2H wide) is projected to
 
-    q      = q_b_proj(q_a_layernorm(q_a_proj(x)))     # or q_proj(x) without q_lora_rank
+    q      = q_b_proj(q_a_layernorm(q_a_proj(x)))     # rank q_lora_rank
     c, kpe = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])
     k_nope, v = split(kv_b_proj(kv_a_layernorm(c)), [qk_nope_head_dim, v_head_dim])   # per head
 
@@ -23,7 +23,9 @@ RoPE is DeepSeek's: it rotates the ``qk_rope_head_dim`` channels in interleaved 
 
 Tensor names are the DeepSeek-V2/V3 checkpoints' (and vLLM's before it fuses ``q_a_proj`` with
 ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``): ``self_attn.{q_a_proj, q_a_layernorm,
-q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``.
+q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``. The full-rank query of
+DeepSeek-V2-Lite (``q_proj``) is not built: vLLM 0.32's ``deepseek_eagle3`` cannot load it
+(:data:`~draftsmith.models.eagle3.config.MLA_FULL_RANK_QUERY`).
 
 Shapes: B batch, T positions, H hidden size, nh heads, hd_qk = qk_nope_head_dim +
 qk_rope_head_dim, hd_v = v_head_dim, r = qk_rope_head_dim.
@@ -32,8 +34,6 @@ qk_rope_head_dim, hd_v = v_head_dim, r = qk_rope_head_dim.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -124,12 +124,9 @@ class MLAEagle3Attention(TTTAttention):
         self.kv_lora_rank = config.kv_lora_rank
         hd_qk = self.nope + self.rope
         eps = config.rms_norm_eps
-        if config.q_lora_rank:
-            self.q_a_proj = nn.Linear(d_in, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, self.nh * hd_qk, bias=False)
-        else:
-            self.q_proj = nn.Linear(d_in, self.nh * hd_qk, bias=False)
+        self.q_a_proj = nn.Linear(d_in, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.nh * hd_qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d_in, self.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.nh * (self.nope + self.hd_v), bias=False)
@@ -141,7 +138,7 @@ class MLAEagle3Attention(TTTAttention):
         """``x (B, T, 2H)``, RoPE ``cos`` / ``sin (B, T, r)`` -> q, k ``(B, nh, T, hd_qk)`` and v
         ``(B, nh, T, hd_v)``."""
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(B, T, self.nh, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.nh, -1).transpose(1, 2)
@@ -153,19 +150,16 @@ class MLAEagle3Attention(TTTAttention):
 
     def target_tensors(self, hidden_size: int) -> dict[str, torch.Tensor]:
         """:meth:`~draftsmith.models.eagle3.attention.Eagle3Attention.target_tensors` of the MLA
-        layer: the projections reading the layer input (``q_a_proj`` or ``q_proj``,
-        ``kv_a_proj_with_mqa``) take the target's into their ``g`` columns ``[:, H:]``; the latent
-        norms, ``q_b_proj``, ``kv_b_proj`` and ``o_proj`` are copied whole."""
+        layer: the projections reading the layer input (``q_a_proj``, ``kv_a_proj_with_mqa``) take the
+        target's into their ``g`` columns ``[:, H:]``; the latent norms, ``q_b_proj``, ``kv_b_proj`` and
+        ``o_proj`` are copied whole."""
         H = hidden_size
-        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
-        out: dict[str, Any] = {
-            f"self_attn.{'q_a_proj' if hasattr(self, 'q_a_proj') else 'q_proj'}.weight": first.weight[:, H:],
+        return {
+            "self_attn.q_a_proj.weight": self.q_a_proj.weight[:, H:],
+            "self_attn.q_a_layernorm.weight": self.q_a_layernorm.weight,
+            "self_attn.q_b_proj.weight": self.q_b_proj.weight,
             "self_attn.kv_a_proj_with_mqa.weight": self.kv_a_proj_with_mqa.weight[:, H:],
             "self_attn.kv_a_layernorm.weight": self.kv_a_layernorm.weight,
             "self_attn.kv_b_proj.weight": self.kv_b_proj.weight,
             "self_attn.o_proj.weight": self.o_proj.weight,
         }
-        if hasattr(self, "q_b_proj"):
-            out["self_attn.q_a_layernorm.weight"] = self.q_a_layernorm.weight
-            out["self_attn.q_b_proj.weight"] = self.q_b_proj.weight
-        return out

@@ -66,8 +66,9 @@ class MlaGeometry(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     q_lora_rank: int | None = Field(
-        None, ge=0, description="Rank of the query's low-rank projection (q_a_proj -> q_a_layernorm -> q_b_proj); "
-        "0: a full-rank q_proj (DeepSeek-V2-Lite's layout); null: the target's.")
+        None, ge=1, description="Rank of the query's low-rank projection (q_a_proj -> q_a_layernorm -> q_b_proj); "
+        "null: the target's. Required for a target without one (DeepSeek-V2-Lite): vLLM 0.32's deepseek_eagle3 "
+        "loads only the low-rank query layout.")
     kv_lora_rank: int | None = Field(
         None, ge=1, description="Width of the compressed key/value latent (kv_a_proj_with_mqa -> kv_a_layernorm -> "
         "kv_b_proj); null: the target's.")
