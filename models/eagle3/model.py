@@ -225,7 +225,9 @@ class Eagle3DraftModel(TargetSharedDraft):
                 copies[f"mlp.{name}.bias"] = proj.bias
         missing = sorted(set(copies) - set(layer))
         if missing:
-            raise KeyError(f"target layer tensors missing for the draft layer: {missing}")
+            moe = any(name.startswith("mlp.") for name in missing) and any(".experts." in name for name in layer)
+            raise KeyError(f"target layer tensors missing for the draft layer: {missing}"
+                           + (" (a mixture-of-experts layer: start from one of the target's dense layers)" if moe else ""))
         for name, into in copies.items():
             src = layer[name]
             if tuple(src.shape) != tuple(into.shape):
