@@ -110,6 +110,8 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "draft.norm_before_fc": _GEOMETRY,
     "draft.fc_norm": _GEOMETRY,
     "draft.norm_output": _GEOMETRY,
+    "draft.layer": _GEOMETRY,
+    "draft.mla": _GEOMETRY,
     "draft.num_heads": _GEOMETRY,
     "draft.num_layers": _GEOMETRY,
     "draft.n_predict": _GEOMETRY,

@@ -94,6 +94,8 @@ class Eagle3Method(DraftVocabMethod):
             aux_layer_ids=self.target_info.aux_layer_ids,
             norm_before_residual=recipe.draft.norm_before_residual,
             sliding_window=recipe.draft.sliding_window,
+            layer=recipe.draft.layer,
+            mla=recipe.draft.mla.model_dump(),
             **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS},
         )
         if self.init is not None:
@@ -383,7 +385,9 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     (:func:`activation_estimate`) instead."""
     logits_bytes = (recipe.draft.ttt_steps * recipe.train.batch_size * recipe.data.max_length
                     * geometry.draft_vocab_size * 4 * 3)
-    cfg = Eagle3Config(**geometry.fields(), **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
+    # the MLA layer's geometry is not in LayerGeometry: its draft is counted as a Llama layer of the same width
+    layer = recipe.draft.layer if recipe.draft.layer != "mla" else "llama"
+    cfg = Eagle3Config(**geometry.fields(), layer=layer, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
     return draft_parameter_count(cfg), logits_bytes
 
 
