@@ -5,7 +5,8 @@ For every K in ``ks`` one vLLM engine (K = 0: the target alone; K > 0: the draft
 prompt length together (``max_num_seqs`` = the largest ``b``, every request submitted at once):
 
 1. ``max_tokens=1``: the prefill of the ``b`` prompts (``t_prefill``, seconds);
-2. ``max_tokens=N`` with ``ignore_eos``: prefill plus decode (``t_all``).
+2. ``max_tokens=N`` with ``ignore_eos``: prefill plus decode (``t_all``; prefix caching is off, so
+   the prefill is paid again).
 
 The decode steps are ``N - 1`` at K = 0 (one token per step after the prefill's); with a draft
 they are the verify steps, read from vLLM's own counter: ``num_drafts`` counts one draft per
@@ -71,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
         spec = {**spec, "num_speculative_tokens": args.k}
     sizes = [int(b) for b in args.batch_sizes]
     llm = LLM(**llm_kwargs(engine.model_copy(update={"max_num_seqs": max(sizes)}), model=str(args.target),
-                           speculative_config=spec, disable_log_stats=False, seed=0))
+                           speculative_config=spec, disable_log_stats=False, seed=0,
+                           enable_prefix_caching=False))  # a cached prefill would shrink the second pass
     vocab = llm.get_tokenizer().vocab_size
     prompts = [TokensPrompt(prompt_token_ids=[(17 + 31 * i + 7 * j) % (vocab - 1) + 1 for j in range(args.prompt_tokens)])
                for i in range(max(sizes))]
@@ -87,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         llm.generate(prompts[:b], full, use_tqdm=False)
         t_all = time.perf_counter() - t0
-        drafts = _counter_delta(_spec_counters(llm), before).get("num_drafts", 0) if spec else 0
+        drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
         steps = steps_of(args.k, b, args.new_tokens, int(drafts))
         rows.append({"batch_size": b, "k": args.k, "step_s": max(t_all - t_prefill, 1e-9) / steps,
                      "steps": max(1, round(steps)), "prefill_s": t_prefill, "total_s": t_all})
