@@ -23,10 +23,10 @@ from ...recipe import Recipe
 from ...target import text_json
 from ...train.dry_run import Shapes, head_estimate
 from ...train.losses import LossSpec, TargetDraftHead
-from ...train.method_base import TargetDataMethod
+from ...train.method_base import MethodSetupError, TargetDataMethod
 from ..common import LayerGeometry
 from ..eagle3.training import eagle3_batch_plan, ttt_loss
-from .config import MTPConfig, check_mtp_target
+from .config import MTPConfig, MTPTargetError, check_mtp_target
 from .model import MTPDraftModel
 from .weights import load_mtp_state, read_target_mtp
 
@@ -80,7 +80,7 @@ class MTPMethod(TargetDataMethod):
     hidden states, ``draft.loss`` against the target's full-vocab distribution.
 
     Raises:
-        MTPTargetError: the target ships no MTP layer (one line).
+        MethodSetupError: the target ships no MTP layer (one line naming the key and the family).
     """
 
     name = "mtp"
@@ -89,7 +89,10 @@ class MTPMethod(TargetDataMethod):
     def __init__(self, recipe: Recipe, run_dir: Path):
         super().__init__(recipe, run_dir)
         self.check_target_vocab()
-        self.config = mtp_config_of(read_target_config(self.target_dir), str(self.target_dir))
+        try:
+            self.config = mtp_config_of(read_target_config(self.target_dir), str(self.target_dir))
+        except MTPTargetError as exc:  # one line before any step (the training commands exit 1)
+            raise MethodSetupError(str(exc)) from None
         self.loss = LossSpec.from_recipe(recipe.draft)
         self.target_head = TargetDraftHead(self.heads["lm_head"])  # the full vocab: MTP drafts over it
 

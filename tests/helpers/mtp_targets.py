@@ -54,9 +54,9 @@ def _mtp_tensors(draft, lm_head: torch.Tensor, embed: torch.Tensor, prefix: str,
 
 
 def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True) -> Path:
-    """A tiny DeepSeek-V3 (H=64, 2 layers: one dense, one MoE of 8 routed experts in 2 groups, top-2,
+    """A tiny DeepSeek-V3 (H=64, 3 layers: one dense, two MoE of 8 routed experts in 2 groups, top-2,
     one shared expert; MLA with q/kv LoRA ranks 32, rope dim 8, interleaved rope; noaux_tc sigmoid
-    routing) plus one random MTP layer (MoE) at ``model.layers.2.*``; ``with_mtp=False`` writes neither
+    routing) plus one random MTP layer (MoE) at ``model.layers.3.*``; ``with_mtp=False`` writes neither
     the weights nor ``num_nextn_predict_layers``."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -67,7 +67,7 @@ def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True
     torch.manual_seed(seed)
     tok = build_tokenizer(vocab_size=V)
     cfg = DeepseekV3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
         topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1 if with_mtp else 0,
@@ -83,7 +83,7 @@ def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True
         return _finish(directory, model, {}, extra)
     draft = MTPDraftModel(MTPConfig("deepseek_v3", {**cfg.to_dict(), **extra}))
     _randomize(draft.mtp, gen)
-    tensors = _mtp_tensors(draft, model.lm_head.weight, model.model.embed_tokens.weight, "model.layers.2.",
+    tensors = _mtp_tensors(draft, model.lm_head.weight, model.model.embed_tokens.weight, "model.layers.3.",
                            "deepseek_v3")
     return _finish(directory, model, tensors, extra)
 
