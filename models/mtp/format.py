@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...layout import DraftCheckpoint, ExportError
-from ..common import DraftCard, DraftFormat
+from ..common import DraftCard, DraftFit, DraftFormat
 from .config import FAMILIES, MTPConfig, family_of, shipped_layer_count
 from .model import MTPDraftModel
 from .weights import load_mtp_state, to_checkpoint
@@ -113,6 +113,15 @@ def mtp_card_facts(config: dict[str, Any]) -> list[str]:
             "and lm_head, shared at load time)"]
 
 
-MTP_FORMAT = DraftFormat(layout="MTP", detect=is_mtp_export, export=export_mtp, load=load_mtp,
+def mtp_fit(config: dict[str, Any]) -> DraftFit:
+    """What an MTP export must agree on with its target: hidden size, vocab (it computes with the
+    target's embedding and ``lm_head``) and architecture (the family's decoder layer)."""
+    return DraftFit(hidden_size=config.get("hidden_size"), target_hidden_size=None,
+                    vocab_size=config.get("vocab_size"), draft_vocab_size=None, aux_layer_ids=None,
+                    verifier={"architectures": config.get("architectures"),
+                              "name_or_path": (config.get("draftsmith") or {}).get("verifier")})
+
+
+MTP_FORMAT = DraftFormat(layout="MTP", detect=is_mtp_export, export=export_mtp, load=load_mtp, fit=mtp_fit,
                          card=DraftCard("MTP", "multi-token prediction (DeepSeek-V3, arXiv:2412.19437)",
                                         mtp_card_facts, lambda config: 1))

@@ -78,57 +78,57 @@ class _Module(nn.Module):
     """A named container (``shared_head``)."""
 
 
-class DeepSeekMTPLayer(nn.Module):
-    """DeepSeek-V3's MTP layer; parameter names are the checkpoint's under
-    ``model.layers.{num_hidden_layers + i}.`` (``mtp_block.`` stands for the decoder layer's own
-    names there, vLLM's naming; the MoE experts are transformers' fused ``gate_up_proj`` /
-    ``down_proj``, split per expert by :mod:`.weights`)."""
+class MTPLayer(nn.Module):
+    """One MTP layer of the target's family; parameter names are the checkpoint's under the
+    family's prefix (:mod:`.weights`).
+
+    DeepSeek-V3 (under ``model.layers.{num_hidden_layers + i}.``): ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and the decoder layer as ``mtp_block`` (vLLM's naming; the
+    checkpoint stores its tensors without that infix). Qwen3-Next (under ``mtp.``):
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc``, ``norm`` (zero-centred RMSNorms,
+    ``1 + weight``) and the decoder layer as ``layers.0``. The MoE experts are transformers'
+    fused ``gate_up_proj`` / ``down_proj``, split per expert on export.
+    """
 
     def __init__(self, cfg: MTPConfig, config: Any):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-
         super().__init__()
+        self.family = cfg.family
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.enorm = DeepseekV3RMSNorm(H, eps=eps)
-        self.hnorm = DeepseekV3RMSNorm(H, eps=eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.mtp_block = DeepseekV3DecoderLayer(config, layer_idx=cfg.num_hidden_layers)  # MoE past first_k_dense
-        self.mtp_block.self_attn.layer_idx = 0  # its own cache (MTPDraftModel.forward)
-        self.shared_head = _Module()
-        self.shared_head.norm = DeepseekV3RMSNorm(H, eps=eps)
+        if cfg.family == "deepseek_v3":
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        embeds = torch.where(position_ids.unsqueeze(-1) == 0, 0, embeds)  # vLLM: no embedding at position 0
-        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+            self.enorm = DeepseekV3RMSNorm(H, eps=eps)
+            self.hnorm = DeepseekV3RMSNorm(H, eps=eps)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+            # built at its own index: MoE past first_k_dense_replace, as the target's MTP layer is
+            self.mtp_block = DeepseekV3DecoderLayer(config, layer_idx=cfg.num_hidden_layers)
+            self.mtp_block.self_attn.layer_idx = 0  # its own cache (MTPDraftModel.forward)
+            self.shared_head = _Module()
+            self.shared_head.norm = DeepseekV3RMSNorm(H, eps=eps)
+        else:
+            from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
-    def output_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.norm(h)
-
-
-class Qwen3NextMTPLayer(nn.Module):
-    """Qwen3-Next's MTP layer; parameter names are the checkpoint's under ``mtp.`` (the decoder
-    layer under ``layers.0.``; zero-centred RMSNorms, ``1 + weight``)."""
-
-    def __init__(self, cfg: MTPConfig, config: Any):
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
-
-        super().__init__()
-        H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.pre_fc_norm_embedding = Qwen3NextRMSNorm(H, eps=eps)
-        self.pre_fc_norm_hidden = Qwen3NextRMSNorm(H, eps=eps)
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList([Qwen3NextDecoderLayer(config, layer_idx=0)])
-        self.norm = Qwen3NextRMSNorm(H, eps=eps)
+            self.pre_fc_norm_embedding = Qwen3NextRMSNorm(H, eps=eps)
+            self.pre_fc_norm_hidden = Qwen3NextRMSNorm(H, eps=eps)
+            self.fc = nn.Linear(2 * H, H, bias=False)
+            self.layers = nn.ModuleList([Qwen3NextDecoderLayer(config, layer_idx=0)])
+            self.norm = Qwen3NextRMSNorm(H, eps=eps)
 
     @property
-    def mtp_block(self) -> nn.Module:
-        return self.layers[0]
+    def block(self) -> nn.Module:
+        """The decoder layer."""
+        return self.mtp_block if self.family == "deepseek_v3" else self.layers[0]
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T, H)`` embedding of the next token and hidden state -> the decoder layer's input."""
+        if self.family == "deepseek_v3":
+            embeds = torch.where(position_ids.unsqueeze(-1) == 0, 0, embeds)  # vLLM: no embedding at position 0
+            return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
     def output_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+        """The decoder layer's output -> ``o``, the logits' input and the next step's hidden state."""
+        return self.shared_head.norm(h) if self.family == "deepseek_v3" else self.norm(h)
 
 
 class MTPDraftModel(nn.Module):
@@ -138,14 +138,13 @@ class MTPDraftModel(nn.Module):
     row t predicts ``x_{t+k+2}`` (rows past ``T - k - 2`` read padding and are not trained).
     """
 
-    _no_split_modules = ["DeepSeekMTPLayer", "Qwen3NextMTPLayer"]  # FSDP units
+    _no_split_modules = ["MTPLayer"]  # the FSDP unit
 
     def __init__(self, config: MTPConfig):
         super().__init__()
         self.config = config
         self.layer_config = layer_config(config)
-        cls = DeepSeekMTPLayer if config.family == "deepseek_v3" else Qwen3NextMTPLayer
-        self.mtp = cls(config, self.layer_config)
+        self.mtp = MTPLayer(config, self.layer_config)
         H, V = config.hidden_size, config.vocab_size
         self.register_buffer("embed_tokens", torch.zeros(V, H), persistent=False)
         self.lm_head = FrozenLMHead(V, H)
@@ -181,11 +180,11 @@ class MTPDraftModel(nn.Module):
         """One MTP step: ``tokens (B, T)`` (each row's next token), ``hidden (B, T, H)``,
         ``position_ids (B, T)``, ``mask`` bool ``(B, 1, T, S)`` over the ``S`` keys in ``cache``
         after this step's are appended; returns ``o (B, T, H)`` (post-norm)."""
-        dtype = self.mtp.mtp_block.input_layernorm.weight.dtype
+        dtype = self.mtp.block.input_layernorm.weight.dtype
         embeds = F.embedding(tokens, self.embed_tokens).to(dtype)
         u = self.mtp.fuse(embeds, hidden.to(dtype), position_ids)
         cos_sin = self.rotary_emb(u, position_ids)
-        h = self.mtp.mtp_block(u, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+        h = self.mtp.block(u, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                                position_embeddings=cos_sin, use_cache=True)
         return self.mtp.output_norm(h)
 

@@ -3,7 +3,6 @@ ships its MTP layer) loaded by :mod:`draftsmith.models.mtp.format`, and the expo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -72,20 +71,13 @@ def mtp_proposer(path: Path, target_model: Any | None = None) -> MTPProposer:
         raise DraftLoadError(f"{path}: {exc}") from exc
 
 
-FIT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")
-
-
 def check_target(export_dir: Path, target_dir: Path) -> dict[str, Any]:
-    """The export's ``config.json`` when it is the MTP layer of this target's architecture; returns it.
+    """:func:`~draftsmith.eval.acceptance.check_draft_matches_target` of an MTP export (its
+    :func:`~draftsmith.models.mtp.format.mtp_fit`); returns its ``config.json``.
 
     Raises:
-        DraftLoadError: a key of :data:`FIT_KEYS` differs (both values named).
+        DraftMismatchError: the export does not fit the target, or is another method's.
     """
-    export = json.loads((Path(export_dir) / "config.json").read_text())
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    target = {**target, **target.get("text_config", {})} if isinstance(target.get("text_config"), dict) else target
-    for key in FIT_KEYS:
-        if export.get(key) != target.get(key):
-            raise DraftLoadError(f"{export_dir}/config.json: {key} {export.get(key)!r}, but the target {target_dir} has "
-                                 f"{target.get(key)!r}: an MTP layer of another model")
-    return export
+    from ...eval.acceptance import check_draft_matches_target
+
+    return check_draft_matches_target(export_dir, target_dir, method="mtp")
