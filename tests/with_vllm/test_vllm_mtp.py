@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from helpers.mtp_targets import build_tiny_deepseek_v3
+from helpers.mtp_targets import build_tiny_deepseek_v3, build_tiny_qwen3_next
 
 T = 12
 TOL = 2e-5  # float32; see the module docstring for what is measured
@@ -147,9 +147,14 @@ def run_both(ours, vmodel, config):
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
+def vllm_state():
     with vllm_single_process():
-        yield build_tiny_deepseek_v3(tmp_path_factory.mktemp("mtp") / "target")
+        yield
+
+
+@pytest.fixture(scope="module")
+def deepseek(vllm_state, tmp_path_factory):
+    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("mtp") / "target")
 
 
 @pytest.mark.vllm
@@ -195,3 +200,47 @@ def test_a_trained_export_is_what_vllm_serves_with_model_set(deepseek, tmp_path)
     assert len(loaded) == len(vllm_deepseek_mtp(deepseek)[2])  # and every tensor vLLM loads from the target
     for name, (a, b) in run_both(tuned, vmodel, config).items():
         torch.testing.assert_close(a, b, rtol=0, atol=TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.vllm
+def test_warm_start_is_the_targets_own_mtp_layer_in_vllm_qwen3_next(vllm_state, tmp_path):
+    """Qwen3-Next (hybrid linear / full attention target; its MTP layer is one gated full-attention
+    MoE layer): our warm-started layer against vLLM's ``Qwen3NextMTP``, only vLLM's attention
+    kernel stood in for (:class:`helpers.vllm_parity.CausalSDPA`; the layer's q/k norms, partial
+    rope, output gate, MoE and shared-expert gate are vLLM's). Not bit for bit, for the MoE's reasons
+    above (about 5e-6 on logits of magnitude 14)."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP
+
+    from draftsmith.models.mtp.format import load_mtp
+    from draftsmith.target import checkpoint_weight_map, load_target_head_tensors, load_target_tensors
+    from helpers.vllm_parity import CausalSDPA
+
+    target = build_tiny_qwen3_next(tmp_path / "target")
+    model_config = ModelConfig(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+                             target_parallel_config=parallel)
+    assert spec.draft_model_config.hf_config.architectures == ["Qwen3NextMTP"]
+    config = VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=spec)
+    with set_current_vllm_config(config):
+        vmodel = Qwen3NextMTP(vllm_config=config)
+        loaded = vmodel.load_weights(load_target_tensors(target, {n: [n] for n in checkpoint_weight_map(target)}).items())
+        process_weights_after_loading(vmodel, spec.draft_model_config, torch.device("cpu"))
+    assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in loaded
+    attn = vmodel.model.layers[0].self_attn
+    attn.attn = CausalSDPA(attn)
+    heads = load_target_head_tensors(target)
+    ours = load_mtp(target, heads["embed_tokens"], heads["lm_head"])  # reads the shipped mtp.* as warm start does
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (1, T + 1), generator=gen)
+    hidden = torch.randn(1, T + 1, 64, generator=gen)
+    with torch.no_grad():
+        logits = ours(ids, hidden, steps=1)[0][0, :T]
+        with set_current_vllm_config(config), set_forward_context(None, config):
+            vlogits = vmodel.compute_logits(vmodel(ids[0, 1:], torch.arange(T), hidden[0, :T]))
+    print(f"qwen3_next logits: max |ours - vLLM| = {(logits - vlogits).abs().max().item():.3g} "
+          f"(max |value| {vlogits.abs().max().item():.3g})")
+    torch.testing.assert_close(logits, vlogits, rtol=0, atol=TOL)
