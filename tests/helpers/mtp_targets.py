@@ -53,11 +53,13 @@ def _mtp_tensors(draft, lm_head: torch.Tensor, embed: torch.Tensor, prefix: str,
     return tensors
 
 
-def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True) -> Path:
+def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True, kv_lora_rank: int = 32,
+                           qk_rope_head_dim: int = 8) -> Path:
     """A tiny DeepSeek-V3 (H=64, 3 layers: one dense, two MoE of 8 routed experts in 2 groups, top-2,
     one shared expert; MLA with q/kv LoRA ranks 32, rope dim 8, interleaved rope; noaux_tc sigmoid
     routing) plus one random MTP layer (MoE) at ``model.layers.3.*``; ``with_mtp=False`` writes neither
-    the weights nor ``num_nextn_predict_layers``."""
+    the weights nor ``num_nextn_predict_layers``. vLLM's MLA backends serve a latent of
+    ``kv_lora_rank + qk_rope_head_dim`` in (320, 512, 576) only: ``512, 64`` for a served target."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from draftsmith.models.mtp.config import MTPConfig
@@ -69,8 +71,8 @@ def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True
     cfg = DeepseekV3Config(
         vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-        topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1 if with_mtp else 0,
+        topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=16, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=16, num_nextn_predict_layers=1 if with_mtp else 0,
         max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = DeepseekV3ForCausalLM(cfg)

