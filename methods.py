@@ -1,7 +1,7 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A draft method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2, XPress, or
-a third-party one) is ONE package, ``models/<name>/`` for the built-in ones, whose
+A draft method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2, XPress, MTP,
+or a third-party one) is ONE package, ``models/<name>/`` for the built-in ones, whose
 ``__init__.py`` registers one :class:`DraftMethodSpec` (:func:`register`): its facts (name, the
 method vLLM serves it as, whether ``vllm serve`` serves it) and its parts, each a lazy
 ``"module:attr"`` string relative to the package:
@@ -57,6 +57,7 @@ METHOD_PACKAGES: tuple[str, ...] = (
     "draftsmith.models.dspark",
     "draftsmith.models.dflash2",
     "draftsmith.models.xpress",
+    "draftsmith.models.mtp",
 )
 """The built-in method packages, in registration order: importing each registers its method."""
 
