@@ -9,6 +9,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="mtp", package=__name__, vllm_method="mtp", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"), chain_drafts=True,  # vLLM reruns the one layer on its own output
     parts={
         "recipe_config": ".recipe:MTPDraftConfig",
         "config_class": ".config:MTPConfig",
