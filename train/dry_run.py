@@ -289,13 +289,16 @@ def trainable_parameters(counts: dict[str, int]) -> int:
 
 def frozen_bytes(recipe: Recipe, s: Shapes, counts: dict[str, int]) -> dict[str, int]:
     """The frozen tensors on every GPU of a draft-vocab method (its training method a
-    :class:`~draftsmith.train.method_base.DraftVocabMethod`; the full-vocab heads have none): the
+    :class:`~draftsmith.train.method_base.DraftVocabMethod`; a full-vocab method only its counted
+    ``frozen_embedding``, e.g. the MTP layer's target embedding and ``lm_head``): the
     target embedding (drafts that read it) and the teacher head over the draft vocab, both in the
     target's dtype, a frozen ``lm_head`` (a parameter: fp32, bf16 under DeepSpeed) and the vocab maps."""
     from .method_base import DraftVocabMethod
 
     if not issubclass(get_method(recipe.draft.method).training_method, DraftVocabMethod):
-        return {}
+        # a full-vocab method holds only what its estimator counts (MTP: the target's embedding and lm_head)
+        held = counts.get("frozen_embedding", 0)
+        return {"frozen_embedding": held * s.target_bytes} if held else {}
     return {"frozen_embedding": counts.get("frozen_embedding", 0) * s.target_bytes,
             "frozen_lm_head": counts.get("frozen_lm_head", 0) * s.param_bytes,
             "teacher_head": s.Vd * s.Ht * s.target_bytes, "vocab_maps": s.Vd * 8 + s.V}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ...draft_section import DraftSection, LossName
 
@@ -26,4 +26,14 @@ class MTPDraftConfig(DraftSection):
     distill_temperature: float = Field(
         1.0, gt=0, description="The target's logits are divided by this before the softmax of the training "
         "distribution (target side only).")
-    gradient_checkpointing: bool = Field(False, description="Recompute the MTP decoder layer in backward.")
+    gradient_checkpointing: bool = Field(
+        False, description="Not available for MTP (must stay false): the unrolled steps share one attention "
+        "cache, which a recomputed block would see in its final state; lower train.batch_size instead.")
+
+    @model_validator(mode="after")
+    def _no_checkpointing(self) -> "MTPDraftConfig":
+        if self.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing is not available for draft.method mtp: its unrolled steps share "
+                             "one attention cache that a recomputed layer would see in its final state; lower "
+                             "train.batch_size or data.max_length instead")
+        return self

@@ -153,12 +153,17 @@ def mtp_parameter_count(target_config: dict[str, Any]) -> int:
 
 def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int) -> tuple[dict[str, int], int]:
     """The MTP layer's parameters (from the target's ``config.json``, resolved as the dry run
-    resolves it) and ``draft.ttt_steps`` steps of full-vocab logits (:func:`~draftsmith.train.dry_run.head_estimate`)."""
+    resolves it), the target's embedding and ``lm_head`` it holds frozen (``frozen_embedding``: both
+    ``[V, H]``), and ``draft.ttt_steps`` steps of full-vocab logits
+    (:func:`~draftsmith.train.dry_run.head_estimate`)."""
     from ...target import load_config_json
 
     config, _ = load_config_json(recipe, None)
-    counts = {"mtp_layer": mtp_parameter_count(text_json(config))}
-    return head_estimate(counts, recipe.draft.ttt_steps, recipe, vocab_size)
+    counts, logits = head_estimate({"mtp_layer": mtp_parameter_count(text_json(config))}, recipe.draft.ttt_steps,
+                                   recipe, vocab_size)
+    # the target's embedding and lm_head, each [V, H], held frozen beside the layer (MTPDraftModel's buffers)
+    counts["frozen_embedding"] = 2 * vocab_size * geometry.hidden_size
+    return counts, logits
 
 
 def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
