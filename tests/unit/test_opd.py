@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from draftsmith.models.common import shift_left, ttt_prediction_mask
 from draftsmith.models.eagle3.training import eagle3_batch_plan, ttt_loss
 from draftsmith.recipe import RecipeError, load_recipe
-from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead
-from draftsmith.train.opd_loss import opd_group_distill, rejected_term
+from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead, chunked_distill
+from draftsmith.train.opd_loss import opd_distill, opd_group_distill
 
 from helpers import REPO
 from helpers.ttt_cases import FixedSteps, dflash_case, reference_acceptance, tiny_eagle3, ttt_batch
@@ -123,16 +123,36 @@ def test_each_row_gets_forward_kl_where_reached_and_decayed_reverse_kl_where_not
             torch.testing.assert_close(model.hidden[k].grad[0, t], want, rtol=1e-5, atol=1e-7, msg=f"step {k} row {t}")
 
 
-def test_the_rejected_term_alone():
+@pytest.mark.parametrize("accept", [AcceptSpec("hard", 0.0, 0, 0.8), AcceptSpec("soft", 0.6, 0, 0.8)])
+def test_one_call_gives_both_terms_and_both_row_losses(accept):
     torch.manual_seed(0)
     x, w, t = torch.randn(6, 5, requires_grad=True), torch.randn(9, 5), torch.randn(4, 9)
     idx = torch.tensor([0, 1, 2, 3, 0, 1])
     reach = torch.tensor([1.0, 0.0, 0.25, 1.0, 0.0, 0.5])
-    out = rejected_term(x, lambda h: F.linear(h, w), t, idx, torch.tensor(0.5), reach, 0.8,
-                        LossSpec(target_temperature=2.0), chunk_size=4, fused=False)
-    _, rkl = _fkl_rkl(t[idx], F.linear(x, w), 2.0)
-    torch.testing.assert_close(out.loss_sum, (0.5 * (1 - reach) * 0.8 * rkl).sum())
-    torch.testing.assert_close(out.row_loss, rkl.detach())
+    out = opd_distill(x, lambda h: F.linear(h, w), t, idx, torch.tensor(0.5), reach, 0.7,
+                      LossSpec(target_temperature=2.0), chunk_size=4, accept=accept, fused=False)
+    fkl, rkl = _fkl_rkl(t[idx], F.linear(x, w), 2.0)
+    want = (0.5 * reach * fkl + 0.5 * (1 - reach) * 0.7 * rkl).sum()
+    torch.testing.assert_close(out.loss_sum, want)
+    torch.testing.assert_close(out.row_loss, fkl.detach())
+    torch.testing.assert_close(out.row_rejected, rkl.detach())
+    assert (out.row_alpha is not None) == accept.soft
+    (got_grad,) = torch.autograd.grad(out.loss_sum, x)
+    (want_grad,) = torch.autograd.grad(want, x)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_the_rejected_weight_is_draft_opd_s_only():
+    x, t, idx = torch.randn(4, 3), torch.randn(2, 3), torch.zeros(4, dtype=torch.long)
+    for accept in (None, AcceptSpec("hard"), AcceptSpec("hard", 0.0, 2, 0.8)):  # not opd; opd over groups
+        with pytest.raises(ValueError, match="rejected_weight is draft.opd's rejected term without groups"):
+            chunked_distill(x, lambda h: h, t, idx, torch.ones(4), fused=False, accept=accept,
+                            rejected_weight=torch.ones(4))
+    with pytest.raises(ValueError, match=r"rejected_weight \(4,\) expected"):
+        chunked_distill(x, lambda h: h, t, idx, torch.ones(4), fused=False, accept=AcceptSpec("hard", 0.0, 0, 0.8),
+                        rejected_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="opd_distill needs draft.opd's AcceptSpec without a group"):
+        opd_distill(x, lambda h: h, t, idx, torch.ones(4), torch.ones(4), 0.8, accept=AcceptSpec("soft", 0.6))
 
 
 # --------------------------------------------------------------------------------------
@@ -274,11 +294,11 @@ def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
     assert not (run / "opd").exists()
 
 
-def test_the_dry_run_counts_the_rejected_term_s_fused_gradients(tmp_path):
+def test_the_dry_run_counts_the_fused_gradients_once_with_opd(tmp_path):
     from draftsmith.train.dry_run import dry_run
 
     config = tmp_path / "config.json"
     config.write_text((REPO / "recipes/targets/meta-llama/Llama-3.1-8B-Instruct/config.json").read_text())
     plain, opd = (dry_run(load_recipe(REPO / "recipes/llama3_1_8b.yaml", sets), config)["estimate"]["activations"]
                   for sets in ([], ["draft.opd=hard"]))
-    assert opd["fused_loss_gradients"] == 2 * plain["fused_loss_gradients"] > 0
+    assert opd["fused_loss_gradients"] == plain["fused_loss_gradients"] > 0  # one fused call per step, both terms
