@@ -365,8 +365,9 @@ class _FusedLinearDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
-                row_weight: torch.Tensor, rejected_weight: torch.Tensor | None, spec: LossSpec, labels: bool, rows: int,
-                need_x: bool, need_w: bool, accept: AcceptSpec | None) -> tuple[torch.Tensor, ...]:
+                row_weight: torch.Tensor, rejected_weight: torch.Tensor | None, row_rejected: torch.Tensor | None,
+                spec: LossSpec, labels: bool, rows: int, need_x: bool, need_w: bool,
+                accept: AcceptSpec | None) -> tuple[torch.Tensor, ...]:
         M, H = x.shape
         V = weight.shape[0]
         grad = need_x or need_w
@@ -379,10 +380,10 @@ class _FusedLinearDistill(torch.autograd.Function):
         reach = x.new_empty(M, dtype=torch.float32) if group else None
         untrained = row_weight <= 0 if group else None  # weight 0: no label, passes the chain on
         accept_temperature = float(accept.temperature) if soft else 0.0
-        # draft.opd: KL(q || p) beside D in the same kernel, weighted rejected_weight; over groups both
-        # weights need the chunk's reach first: w * reach and w * opd_gamma**j * (1 - reach) (below)
+        # draft.opd: KL(q || p) beside D in the same kernel, weighted rejected_weight, written to
+        # row_rejected (an out buffer, not an output: backward makes no zero gradient for it); over
+        # groups both weights need the chunk's reach first: w * reach and w * opd_gamma**j * (1 - reach)
         split = bool(group) and accept.opd
-        row_rejected = x.new_empty(M, dtype=torch.float32) if split or rejected_weight is not None else None
         if split:
             decayed = (row_weight.view(-1, group) * accept.slot_decay(x.device)).flatten()  # w * opd_gamma**j
             accepted_weight, rejected_weight = torch.empty_like(row_weight), torch.empty_like(row_weight)
@@ -425,7 +426,7 @@ class _FusedLinearDistill(torch.autograd.Function):
         if group and not split and need_x:  # each row's gradient times its reach, once for all chunks
             grad_x.mul_(reach[:, None].to(x.dtype))
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype))
-        outs = (row_loss, row_hit, row_alpha, reach, row_rejected)
+        outs = (row_loss, row_hit, row_alpha, reach)
         ctx.mark_non_differentiable(*(t for t in outs if t is not None))
         total = (accepted_weight if split else (row_weight * reach) if group else row_weight) * row_loss
         if row_rejected is not None:  # sum(w_f * D + w_r * R): one reduction
@@ -442,7 +443,7 @@ class _FusedLinearDistill(torch.autograd.Function):
         ctx.grads = None
         grad_x = None if grad_x is None else grad_x.mul_(grad_loss)
         grad_w = None if grad_w is None else grad_w.mul_(grad_loss)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
@@ -536,10 +537,11 @@ def fused_linear_distill(x: torch.Tensor, weight: torch.Tensor, teacher: torch.T
         rows = max(accept.group, rows // accept.group * accept.group)
     if rejected_weight is not None:
         rejected_weight = rejected_weight.detach().float().contiguous()
+    row_rejected = x.new_empty(M, dtype=torch.float32) if rejected else None
     with torch.autocast(kind, enabled=False):
-        loss_sum, row_loss, row_hit, row_alpha, reach, row_rejected = _FusedLinearDistill.apply(
-            x, weight, teacher, teacher_index.contiguous(), row_weight.float().contiguous(), rejected_weight, spec,
-            labels, rows, need_x, need_w, accept)
+        loss_sum, row_loss, row_hit, row_alpha, reach = _FusedLinearDistill.apply(
+            x, weight, teacher, teacher_index.contiguous(), row_weight.float().contiguous(), rejected_weight,
+            row_rejected, spec, labels, rows, need_x, need_w, accept)
     return DistillOut(loss_sum, row_loss, row_hit, row_alpha=row_alpha, row_reach=reach, row_rejected=row_rejected)
 
 

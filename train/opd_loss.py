@@ -43,7 +43,7 @@ def opd_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.
     Args:
         hidden: ``(M, H)`` draft rows (with grad); logits_fn, teacher, teacher_index, loss,
             chunk_size, fused: as :func:`~draftsmith.train.losses.chunked_distill`.
-        weight: ``(M,)`` or a 0-dim float, the rows' position weights (before the split).
+        weight: ``(M,)`` or 0-dim float tensor, the rows' position weights (before the split).
         reach: ``(M,)`` float32 in [0, 1], detached: the chain's acceptance before each row.
         decay: ``opd_gamma**k`` of the rows' draft position k.
         accept: ``draft.opd``'s :class:`AcceptSpec` (no group; soft: ``row_alpha`` too, for the
@@ -60,8 +60,9 @@ def opd_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.
     if accept is None or not accept.opd or accept.group:
         raise ValueError("opd_distill needs draft.opd's AcceptSpec without a group (EAGLE-3's TTT steps)")
     accepted = weight * reach
+    rejected = torch.sub(weight * decay, accepted, alpha=decay)  # w * (1 - reach) * decay in two small ops
     return chunked_distill(hidden, logits_fn, teacher, teacher_index, accepted, loss, chunk_size, fused=fused,
-                           accept=accept, rejected_weight=(weight * (1.0 - reach) * decay).expand(hidden.shape[0]))
+                           accept=accept, rejected_weight=rejected)
 
 
 def opd_group_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
