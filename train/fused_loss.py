@@ -6,7 +6,8 @@ Liger-Kernel's fused linear cross-entropy: per chunk of rows the logits come fro
 in the rows' dtype, one Triton kernel (:func:`_distill_rows_kernel`, one program per row, looping
 over the vocab in ``BLOCK_V`` tiles) reads them with the target logits and writes the row's loss,
 argmax hit (and, for ``draft.accept_weighting: soft``, the expected acceptance ``sum min(p_T, q_T)``
-at the served temperature, from the same passes) and ``weight * dD/dlogits`` over the logits
+at the served temperature, from the same passes; for ``draft.opd`` also ``KL(q || p)`` at a second
+row weight, :func:`_distill_rows_kernel`'s ``REVERSE``) and ``weight * dD/dlogits`` over the logits
 buffer, and two more matmuls turn that into the gradients of the rows and of the weight. The gradients are therefore computed in forward;
 backward only scales them by the incoming gradient. docs/fused_loss.md has the formulas.
 
@@ -391,14 +392,14 @@ class _FusedLinearDistill(torch.autograd.Function):
         single = M <= rows
         grad_w = None if single or not need_w else torch.zeros(V, H, dtype=torch.float32, device=x.device)
         buf = x.new_empty(min(rows, M), V)  # the one (C, V) logits / gradient buffer
+        scalars = (spec.kind, float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay), labels)
         for s in range(0, M, rows):
             e = min(s + rows, M)
             x_c, logits = x[s:e], buf[:e - s]
             torch.mm(x_c, weight.t(), out=logits)
             chunk = (row_loss[s:e], row_hit[s:e], None if row_alpha is None else row_alpha[s:e])
-            scalars = (spec.kind, float(spec.target_temperature), float(spec.lk_kl_scale), float(spec.lk_kl_decay),
-                       labels)
-            if split:  # the chain's factors first (no gradient), then both weighted terms with their gradient
+            if split:  # the chain's factors and both row losses first (no gradient: the weights do not matter),
+                # then, once the reach gives the two weights, the gradient of both terms
                 distill_rows(logits, teacher, teacher_index[s:e], row_weight[s:e], *chunk, decayed[s:e],
                              row_rejected[s:e], *scalars, False, accept_temperature)
                 group_reach(row_alpha[s:e] if soft else row_hit[s:e], untrained[s:e], group, out=reach[s:e])
