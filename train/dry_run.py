@@ -236,10 +236,9 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
     """The fused loss on a GPU (train/fused_loss.py) when the step takes it (:func:`fused_loss_on`):
     one ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step; the
     heads: one per head; DFlash, P-EAGLE: one) the gradients it computes in forward and holds to
-    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows; with ``draft.opd`` twice (the
-    rejected rows' reverse-KL term is a second call over the same rows, train/opd_loss.py; EAGLE-3's
-    step 0 has none: an upper bound). None when the step takes the chunked loss. Every method whose
-    loss runs through ``chunked_distill`` counts its loss with this."""
+    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows (``draft.opd``'s reverse-KL term
+    is computed in the same call, train/opd_loss.py: nothing more). None when the step takes the
+    chunked loss. Every method whose loss runs through ``chunked_distill`` counts its loss with this."""
     if not fused_loss_on(recipe, s, labels):
         return None
     import torch
@@ -251,9 +250,8 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
     C = min(fused_chunk_rows(V, dtype, recipe.train.loss_chunk_rows), max(1, rows_total))
     # several chunks: the lm_head gradient accumulates in fp32 (beside each chunk's bf16 product)
     accumulate = V * s.H * (4 + (s.act_bytes if s.act_bytes != 4 else 0)) if rows_total > C else 0
-    opd = 2 if not labels and getattr(recipe.draft, "opd", "none") != "none" else 1
     return {"loss_chunk": C * V * s.act_bytes + accumulate,
-            "fused_loss_gradients": opd * calls * (V * s.H + rows_total * s.H) * s.act_bytes}
+            "fused_loss_gradients": calls * (V * s.H + rows_total * s.H) * s.act_bytes}
 
 
 def input_cast(s: Shapes, n_aux: int) -> int:
