@@ -69,6 +69,9 @@ NOT_ON_MACHINE = {
               "vllm_bridge/spec_config.py", "vllm_bridge/weight_update.py", "tests/helpers/vllm_parity.py"}),
     "openai": ("the OpenAI-compatible client of regeneration against a server",
                {"data_prep/chat_engines.py"}),
+    "jinja2": ("the chat template's own variables (data.chat_template_kwargs checked against a thinking template): "
+               "the checks tokenise no conversation (torch requires jinja2, but the image's list was not read for it)",
+               {"data_prep/served_turns.py"}),
 }
 
 # where the checkout's top-level packages live (as the script makes them importable)

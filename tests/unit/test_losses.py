@@ -111,7 +111,7 @@ def test_recipe_takes_the_losses_and_refuses_them_for_hard_label_heads():
         load_recipe(None, ["draft.loss=l2"])
     # medusa / mlp_speculator heads train on hard labels: their sections have no loss key
     with pytest.raises(RecipeError, match=r"draft.loss: unknown key for draft.method medusa "
-                                          r"\(a key of eagle3 / dflash / peagle / dspark / dflash2 / xpress\)"):
+                                          r"\(a key of eagle3 / dflash / peagle / dspark / dflash2 / xpress / mtp\)"):
         load_recipe(None, ["draft.method=medusa", "draft.loss=jsd"])
 
 

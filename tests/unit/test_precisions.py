@@ -63,10 +63,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# methods that cannot train on the tiny Llama target, and where their steps are tested instead
+NOT_ON_A_LLAMA = {"mtp": "fine-tunes the MTP layer a target ships (DeepSeek-V3, Qwen3-Next): "
+                         "tests/integration/test_mtp_training.py trains it in fp32 on such a tiny target"}
+
+
 def test_every_registered_method_is_covered():
     from draftsmith.methods import registered_methods
 
-    assert set(registered_methods()) <= {name.split(".")[0] for name in METHODS}
+    assert set(registered_methods()) - set(NOT_ON_A_LLAMA) <= {name.split(".")[0] for name in METHODS}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
