@@ -1,0 +1,193 @@
+"""Tiny random targets of the model families vLLM serves beyond Llama / Qwen3 dense / gpt-oss,
+each built in code from its family's transformers config class (no Hub download).
+
+Every target is small (hidden size 64, 4 decoder layers, vocab 512, ChatML tokenizer of
+:func:`helpers.tiny.build_tokenizer`) but keeps what makes its family itself:
+
+===============  =======================================================================
+family           what is kept
+===============  =======================================================================
+qwen3_moe        routed experts (8, top-2, normalised top-k) in every layer, QK norm
+deepseek_v3      MLA (``q_lora_rank``, ``kv_lora_rank``, decoupled RoPE head, interleaved
+                 RoPE), one dense-first layer, routed experts with group-limited sigmoid
+                 routing and a correction bias, a shared expert, ``routed_scaling_factor``
+qwen3_next       hybrid stack: Gated DeltaNet linear attention (layers 0-2) and gated full
+                 attention (layer 3), experts + a gated shared expert, (1 + w) RMSNorm,
+                 partial RoPE
+qwen3_5_moe      the Qwen3.5 text model: the same hybrid Gated DeltaNet / full attention
+                 stack and experts as Qwen3-Next, its own classes (``Qwen3_5Moe*``)
+gemma4           the Gemma 4 text model: sliding-window (window 8) and global layers, a
+                 larger global head dim with proportional partial RoPE, keys as values on
+                 global layers, sqrt(H) embedding scale, tied embeddings, a final logit
+                 soft cap
+glm4_moe         one dense-first layer, routed experts with sigmoid routing and a correction
+                 bias, a shared expert, QK norm, partial RoPE (GLM-4.5)
+minimax_m2       routed experts with sigmoid routing and a correction bias in every layer,
+                 per-layer QK norm over all heads, partial RoPE (MiniMax-M2)
+===============  =======================================================================
+
+:func:`build_family_target` saves one as a local target directory (``config.json``,
+``model.safetensors``, tokenizer files) that ``prepare`` / ``train`` / ``export`` and the
+reference decoder load like a downloaded checkpoint; :data:`FAMILY_MODULES` names the module
+classes the built model must contain, so a config default that silently dropped a feature
+(no experts, no linear-attention layer) fails a test instead of passing for the family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from helpers.tiny import build_tokenizer
+
+FAMILY_LAYERS = 4  # decoder layers of every tiny family target
+FAMILY_AUX = [1, 2, 3]  # the aux layer ids their EAGLE-3 drafts read (vLLM's default needs N >= 6)
+FAMILY_VOCAB = 512
+_COMMON = dict(vocab_size=FAMILY_VOCAB, hidden_size=64, num_hidden_layers=FAMILY_LAYERS, num_attention_heads=4,
+               max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def _qwen3_moe(ids):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
+
+def _deepseek_v3(ids):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=4, moe_intermediate_size=32,
+                            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                            routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                            q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            rope_interleave=True, tie_word_embeddings=False)
+
+
+def _linear_hybrid(cls_name: str, **extra):
+    def build(ids):
+        import transformers
+
+        cls = getattr(transformers, cls_name)
+        return cls(**_COMMON, **ids, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False, **extra)
+
+    return build
+
+
+def _gemma4(ids):
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                            layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                         "full_attention"],
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=FAMILY_VOCAB,
+                            final_logit_softcapping=30.0, tie_word_embeddings=True)
+
+
+def _glm4_moe(ids):
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                         norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, tie_word_embeddings=False)
+
+
+def _minimax_m2(ids):
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(**_COMMON, **ids, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                           num_experts_per_tok=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                            "partial_rotary_factor": 0.5})
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny target family.
+
+    Attributes:
+        name: the family's transformers ``model_type`` (text model).
+        config: ``special token ids -> config`` of the tiny target (``eos_token_id``, ``pad_token_id``,
+            ``bos_token_id`` of the tokenizer).
+        modules: ``{module class name: least count}`` the built model must contain.
+        attrs: ``{module class name: attribute names}`` each such module must have (MLA's
+            ``kv_a_proj_with_mqa`` and ``q_a_proj``, a shared expert).
+    """
+
+    name: str
+    config: Callable[[Any], Any]
+    modules: dict[str, int]
+    attrs: dict[str, tuple[str, ...]]
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("qwen3_moe", _qwen3_moe, {"Qwen3MoeSparseMoeBlock": 4, "Qwen3MoeAttention": 4}, {
+        "Qwen3MoeSparseMoeBlock": ("gate", "experts"), "Qwen3MoeAttention": ("q_norm", "k_norm")}),
+    Family("deepseek_v3", _deepseek_v3, {"DeepseekV3Attention": 4, "DeepseekV3MLP": 2, "DeepseekV3MoE": 3}, {
+        "DeepseekV3Attention": ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+        "DeepseekV3MoE": ("shared_experts", "experts", "gate")}),
+    Family("qwen3_next", _linear_hybrid("Qwen3NextConfig"), {
+        "Qwen3NextGatedDeltaNet": 3, "Qwen3NextAttention": 1, "Qwen3NextSparseMoeBlock": 4}, {
+        "Qwen3NextSparseMoeBlock": ("shared_expert", "shared_expert_gate")}),
+    Family("qwen3_5_moe_text", _linear_hybrid("Qwen3_5MoeTextConfig"), {
+        "Qwen3_5MoeGatedDeltaNet": 3, "Qwen3_5MoeAttention": 1, "Qwen3_5MoeSparseMoeBlock": 4}, {
+        "Qwen3_5MoeSparseMoeBlock": ("shared_expert", "shared_expert_gate")}),
+    Family("gemma4_text", _gemma4, {"Gemma4TextAttention": 4, "Gemma4TextScaledWordEmbedding": 1}, {}),
+    Family("glm4_moe", _glm4_moe, {"Glm4MoeMoE": 3, "Glm4MoeMLP": 2, "Glm4MoeAttention": 4}, {
+        "Glm4MoeMoE": ("shared_experts", "experts", "gate"), "Glm4MoeAttention": ("q_norm", "k_norm")}),
+    Family("minimax_m2", _minimax_m2, {"MiniMaxM2SparseMoeBlock": 4, "MiniMaxM2Attention": 4}, {
+        "MiniMaxM2SparseMoeBlock": ("gate", "experts"), "MiniMaxM2Attention": ("q_norm", "k_norm")}),
+)}
+
+
+def build_family_model(name: str, seed: int = 0):
+    """``(model, tokenizer)``: the random tiny target of family ``name`` (:data:`FAMILIES`), fp32,
+    eval mode.
+
+    The embedding is scaled up and the ``lm_head`` peaked as in :func:`helpers.tiny.build_tiny_target`
+    (a random target otherwise repeats one token and is unsure of every next token); the MoE
+    routers are scaled up too, so routing is decided by clear margins (a near-tie between two
+    experts would let float rounding between a one-token and a many-token forward pick another
+    expert, which a real target's trained router does not do either)."""
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES[name]
+    tok = build_tokenizer()
+    cfg = family.config({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None})
+    torch.manual_seed(seed + list(FAMILIES).index(name))  # each family its own weights
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        if not hasattr(model.get_input_embeddings(), "embed_scale"):  # Gemma scales by sqrt(H) itself
+            model.get_input_embeddings().weight.mul_(50.0)
+        if not cfg.tie_word_embeddings:
+            model.lm_head.weight.mul_(20.0)
+        for mod_name, p in model.named_parameters():
+            if mod_name.endswith(("gate.weight", "router.proj.weight")) and p.dim() == 2 and p.shape[0] != cfg.hidden_size:
+                p.mul_(10.0)
+    return model.eval(), tok
+
+
+def build_family_target(name: str, directory: Path, seed: int = 0) -> Path:
+    """Save family ``name``'s tiny target (:func:`build_family_model`) and tokenizer to
+    ``directory`` (safetensors); returns ``directory``."""
+    model, tok = build_family_model(name, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def module_counts(model: torch.nn.Module) -> dict[str, int]:
+    """``{module class name: how many}`` over every submodule of ``model``."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return counts
