@@ -23,7 +23,8 @@ from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
 
 from helpers.families import FAMILIES, FAMILY_AUX, FAMILY_LAYERS, build_family_model, build_family_target, module_counts
-from helpers.recipes import tiny_recipe, write_prompts
+from helpers.recipes import PROMPTS, tiny_recipe
+from helpers.tiny import write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -73,13 +74,15 @@ def test_capture_is_the_input_of_each_aux_layer(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_prepare_train_export_decode_losslessly(name, tmp_path):
     target_dir = build_family_target(name, tmp_path / name)
-    recipe = tiny_recipe(target_dir, write_prompts(tmp_path / "prompts.jsonl"), max_steps=12)
+    recipe = tiny_recipe(target_dir, write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS[:6])]), max_steps=8)
     recipe.data.aux_layer_ids = list(FAMILY_AUX)
+    recipe.data.regenerate.temperatures = [0.0]
     run = tmp_path / "run"
     prepare(recipe, run)
     assert json.loads((run / "data" / "target.json").read_text())["aux_layer_ids"] == FAMILY_AUX
     result = fit(recipe, Eagle3Method(recipe, run), run, progress=False)
-    assert result.steps == 12
+    assert result.steps == 8
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
