@@ -131,7 +131,8 @@ def target_weight_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") ->
 
 
 def validate_geometry(config_json: dict[str, Any], source: str) -> None:
-    """Refuse a target config without a key the estimates read (:data:`GEOMETRY_KEYS`).
+    """Refuse a target config without a key the estimates read (:data:`GEOMETRY_KEYS`; an
+    all-MoE target's ``moe_intermediate_size`` stands for ``intermediate_size``).
 
     Raises:
         ValueError: one line naming the first missing / non-positive key and the file.
@@ -139,6 +140,8 @@ def validate_geometry(config_json: dict[str, Any], source: str) -> None:
     text = text_json(config_json)
     for key in GEOMETRY_KEYS:
         value = text.get(key)
+        if key == "intermediate_size" and value is None:  # all-MoE targets (Qwen3.5) state the expert width only
+            value = text.get("moe_intermediate_size")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             what = "missing" if value is None else f"{value!r} is not a positive integer"
             raise ValueError(f"{source}: target config key {key} {what} (needed for the memory estimate)")

@@ -17,7 +17,7 @@ from draftsmith.eval.export import export
 from draftsmith.eval.spec_decode import SpecCounters, Target, load_draft, plain_generate, speculative_generate
 from draftsmith.models.eagle3.proposer import Eagle3Proposer, target_check
 from draftsmith.models.eagle3.training import Eagle3Method
-from draftsmith.target import load_target
+from draftsmith.target import load_target, target_weight_bytes, validate_geometry
 from draftsmith.target.capture import capture_batch, decoder_layers
 from draftsmith.train.checkpoint import find_checkpoints
 from draftsmith.train.trainer import fit
@@ -43,6 +43,9 @@ def test_tiny_target_keeps_its_family_features(name):
         for m in (m for m in model.modules() if type(m).__name__ == cls):
             assert all(hasattr(m, a) for a in attrs), f"{name}: a {cls} without one of {attrs}"
     assert len(decoder_layers(model)) == FAMILY_LAYERS
+    config_json = model.config.to_dict()
+    validate_geometry(config_json, name)  # the preflight's and the data plan's reading of the config
+    assert target_weight_bytes(config_json, "float32")["parameters"] > 0
     types = getattr(model.config, "layer_types", None) or []
     if name in ("qwen3_next", "qwen3_5_moe_text"):
         assert {"linear_attention", "full_attention"} <= set(types)
