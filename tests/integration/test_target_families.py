@@ -78,9 +78,10 @@ def test_capture_is_the_input_of_each_aux_layer(name):
 def test_prepare_train_export_decode_losslessly(name, tmp_path):
     target_dir = build_family_target(name, tmp_path / name)
     recipe = tiny_recipe(target_dir, write_jsonl(tmp_path / "prompts.jsonl", [
-        {"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS[:6])]), max_steps=8)
+        {"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS[:4])]), max_steps=8)
     recipe.data.aux_layer_ids = list(FAMILY_AUX)
     recipe.data.regenerate.temperatures = [0.0]
+    recipe.data.regenerate.max_new_tokens = 16
     run = tmp_path / "run"
     prepare(recipe, run)
     assert json.loads((run / "data" / "target.json").read_text())["aux_layer_ids"] == FAMILY_AUX
