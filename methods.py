@@ -1,7 +1,7 @@
 """The draft-method registry: every place that depends on ``draft.method`` looks it up here.
 
-A draft method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2, XPress, or
-a third-party one) is ONE package, ``models/<name>/`` for the built-in ones, whose
+A draft method (EAGLE-3, Medusa, MLP speculator, DFlash, P-EAGLE, DSpark, DFlash2, XPress, MTP,
+or a third-party one) is ONE package, ``models/<name>/`` for the built-in ones, whose
 ``__init__.py`` registers one :class:`DraftMethodSpec` (:func:`register`): its facts (name, the
 method vLLM serves it as, whether ``vllm serve`` serves it) and its parts, each a lazy
 ``"module:attr"`` string relative to the package:
@@ -57,6 +57,7 @@ METHOD_PACKAGES: tuple[str, ...] = (
     "draftsmith.models.dspark",
     "draftsmith.models.dflash2",
     "draftsmith.models.xpress",
+    "draftsmith.models.mtp",
 )
 """The built-in method packages, in registration order: importing each registers its method."""
 
@@ -85,6 +86,18 @@ class DraftMethodSpec:
         vllm_method: ``speculative_config["method"]`` vLLM serves the export as.
         servable: ``vllm serve`` serves its exports (the serving benchmark, acceptance).
         vllm_extra: further ``speculative_config`` keys its exports need (``(key, value)`` pairs).
+        vllm_releases: the checked vLLM releases
+            (:data:`draftsmith.vllm_bridge.releases.CHECKED_RELEASES`) whose vLLM has the method (its
+            ``speculative_config`` method and model code), oldest first; None: not checked (a
+            third-party method that does not say).
+        vllm_remedy: what to do instead where installing the last release that has the method
+            does not serve it either (one clause of the refusal), else None.
+        architecture_releases: ``(architecture, releases)`` pairs for export ``architectures`` only
+            some checked releases load (XPress: ``Qwen3XPressModel``, 0.33 on).
+        chain_drafts: its K = n proposal is the first n tokens of its K = n + 1 proposal (EAGLE-3,
+            Medusa, the MLP speculator), so one measurement at K gives the acceptance of every
+            smaller K; False for block and parallel drafters, which plan all K slots together (a
+            speculation profile's ``accept_length_model``: ``chain_analytic`` or ``measured_per_k``).
         parts: part name (:data:`PARTS`) -> ``"module:attr"`` (module relative to ``package``,
             e.g. ``".model:DSparkDraftModel"``), or the object itself; a part left out is None.
 
@@ -117,6 +130,10 @@ class DraftMethodSpec:
     vllm_method: str
     servable: bool
     vllm_extra: tuple[tuple[str, Any], ...] = ()
+    vllm_releases: tuple[str, ...] | None = None
+    vllm_remedy: str | None = None
+    architecture_releases: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    chain_drafts: bool = False
     parts: dict[str, Any] = field(default_factory=dict, repr=False)
     _resolved: dict[str, tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
 

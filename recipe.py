@@ -122,6 +122,11 @@ class DataConfig(_Strict):
         ["analysis", "final"],
         description="gpt-oss (harmony templates): assistant channels that get loss; ignored for other templates.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables of the target's chat template, as the target is served "
+        "(vLLM's chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3 or {thinking: true} for DeepSeek-V3.1; "
+        "passed to regeneration and to tokenisation so the data is rendered as served. A name the template never "
+        "reads: an error.")
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="Conversations longer than max_length: cut to it, or dropped (counted).")
     draft_vocab_size: int = Field(32000, ge=1, description="Vd; capped at the target vocab size V.")

@@ -489,12 +489,12 @@ def offline_method(recipe: Any, config_json: dict[str, Any], head_dtype: torch.d
 
 def bench_recipe(recipe: Any, batch_size: int, max_length: int) -> Any:
     """A copy of ``recipe`` at ``batch_size x max_length`` that trains offline from step 0
-    (no warm start, stage 1 of the MLP speculator, no validation)."""
+    (no warm start, none from the target's MTP layer either, stage 1 of the MLP speculator, no validation)."""
     r = recipe.model_copy(deep=True)
     r.train.batch_size = batch_size
     r.data.max_length = max_length
     r.data.hidden_states_mode = "offline"
-    for key, value in (("init_from", None), ("stage2_start_step", None)):
+    for key, value in (("init_from", None), ("stage2_start_step", None), ("init_from_target", False)):
         if hasattr(r.draft, key):
             setattr(r.draft, key, value)
     return r

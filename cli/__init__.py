@@ -3,7 +3,7 @@
     draftsmith prepare RECIPE [--run-dir DIR]        data_prep: regenerate, tokenise, vocab, hidden states
     draftsmith train RECIPE [--run-dir DIR]          the recipe's draft.method (accelerate launch -m draftsmith.train works too)
     draftsmith export CKPT_OR_RUN --out DIR          vLLM-loadable draft
-    draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|serve-table|report|hub|synthesize|proxy|adapt|opd ...
+    draftsmith acceptance|long-context|simulate|spec-decode|compare|serve-bench|serve-table|plan|report|hub|synthesize|proxy|adapt|opd ...
     draftsmith recipe show|validate|schema [RECIPE]  the resolved recipe, a check, or every key with type/default/description
     draftsmith verify RUN_DIR                        hash every hidden-state shard against its manifest
     draftsmith bench memory RECIPE                   training memory of one step: measured (fake tensors) beside the dry run's estimate
@@ -36,6 +36,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "compare": ("draftsmith.cli.compare", "several trained drafts, one table"),
     "serve-bench": ("draftsmith.cli.serve_bench", "serving throughput / latency / cost with vllm bench serve"),
     "serve-table": ("draftsmith.cli.serve_table", "one serving table from several serve-bench runs"),
+    "plan": ("draftsmith.cli.plan", "per-batch-size serving plan (vLLM / SGLang K schedule) from the profile and "
+                                    "measured step costs"),
     "report": ("draftsmith.cli.report", "report.md and plots from a serving benchmark"),
     "adapt": ("draftsmith.cli.adapt", "continue a deployed draft on the traffic it served (draftsmith proxy's log)"),
     "opd": ("draftsmith.cli.opd", "on-policy distillation after SFT on a trained run directory (offline or replay)"),

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.serving.client import bench_worker, load_prompt_texts, split_prompts
-from ..eval.serving.run import Study, configurations, run_study
+from ..eval.serving.run import ServeConfiguration, Study, configurations, run_study
 from ..vllm_bridge.spec_config import served_method
 from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--price-per-hour", type=float, help="GPU (or machine) price in $/hour for cost per 1M tokens")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", default=None)
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for /health")
+    p.add_argument("--plan", type=Path, help="serving_plan.json (draftsmith plan): serve it as configuration 'plan' "
+                   "beside the baseline and every fixed K of --k-sweep at every level, and report predicted against "
+                   "measured (results.json plan_check)")
     p.add_argument("--out-dir", type=Path, required=True)
     add_vllm_arguments(p)
     return p
@@ -119,15 +122,29 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         check = served_method(args.draft).target_check
         if check is not None:
             check(args.draft, target)
+    plan, configs = None, configurations(args.draft, k, args.draft_model, pick(args.ngram, ev.compare_ngram),
+                                         ev.ngram_prompt_lookup_min, ev.ngram_prompt_lookup_max)
+    your_concurrency = pick(args.your_concurrency, serve.your_concurrency or min(levels))
+    if args.plan is not None:
+        import json
+
+        try:
+            plan = json.loads(args.plan.read_text())
+            spec = plan["vllm"]["speculative_config"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{args.plan}: not a serving plan ({exc})") from None
+        if spec is not None:
+            configs.append(ServeConfiguration("plan", spec, int(spec.get("num_speculative_tokens") or 0)))
+        # every fixed K at every level: the plan is checked against each
+        your_concurrency = pick(args.your_concurrency, max(levels))
     engine = vllm_config_from_args(args, recipe.vllm if recipe else None)
     # every level's requests must run at once: the server batches at least the highest concurrency
     engine = engine.model_copy(update={"max_num_seqs": max(engine.max_num_seqs, max(levels))})
     return Study(
         target=target, out_dir=args.out_dir, prompt_sets=prompt_sets,
-        configs=configurations(args.draft, k, args.draft_model, pick(args.ngram, ev.compare_ngram),
-                               ev.ngram_prompt_lookup_min, ev.ngram_prompt_lookup_max),
+        configs=configs, plan=plan,
         max_new_tokens=pick(args.max_new_tokens, serve.max_new_tokens),
-        k_sweep=pick(args.k_sweep, serve.k_sweep), your_concurrency=pick(args.your_concurrency, serve.your_concurrency or min(levels)),
+        k_sweep=pick(args.k_sweep, serve.k_sweep), your_concurrency=your_concurrency,
         temperatures=pick(args.temperatures, serve.temperatures), price_per_hour=pick(args.price_per_hour, serve.price_per_hour),
         server=ServerOptions(engine=engine,
                              startup_timeout_s=pick(args.startup_timeout, serve.startup_timeout_s)),

@@ -103,12 +103,14 @@ def target_keys(recipe: Any, aux_layer_ids: list[int]) -> dict[str, Any]:
 def tokenize_keys(recipe: Any, chat_template_sha256: str | None) -> dict[str, Any]:
     """The keys that fix the tokenised data: the sources and how many rows, the regeneration
     (its engine, batching and servers excepted: the regeneration cache keeps its own
-    fingerprints), the length and over-long policy, the harmony channels and the chat template."""
+    fingerprints), the length and over-long policy, the harmony channels, the chat template and the
+    kwargs it is rendered with (``data.chat_template_kwargs``, recorded when set)."""
     d, r = recipe.data, recipe.data.regenerate
     keys = {"data.sources": [normalised_source(s.model_dump(mode="json")) for s in d.sources],
             "data.max_samples": d.max_samples,
             "data.max_length": d.max_length, "data.overlong": d.overlong,
             "data.harmony_channels": list(d.harmony_channels), "data.regenerate.enabled": r.enabled,
+            **({"data.chat_template_kwargs": dict(d.chat_template_kwargs)} if d.chat_template_kwargs else {}),
             "chat_template_sha256": chat_template_sha256}
     if r.enabled:
         keys.update({"data.regenerate.max_new_tokens": r.max_new_tokens,

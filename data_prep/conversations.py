@@ -195,6 +195,9 @@ def normalise_row(row: Any, fmt: str, where: str) -> dict[str, Any]:
             msg = {"role": str(m["role"]), "content": m["content"]}
             if m.get("thinking"):  # harmony (gpt-oss) reasoning, rendered on the analysis channel
                 msg["thinking"] = m["thinking"]
+            reasoning = m.get("reasoning_content") or m.get("reasoning")  # <think> templates (vLLM's field names)
+            if reasoning:
+                msg["reasoning_content"] = reasoning
             messages.append(msg)
         if row.get("cut"):  # the last reply was cut by max_tokens (served traffic): no end-of-turn label
             validate_messages(messages, where)
@@ -336,43 +339,46 @@ def load_records(
     return records, report
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
-                         ) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages`` with the chat template and find each assistant reply's characters.
+def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False,
+                         template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The sequence to train on and the characters of ``messages`` that are labels: each
+    assistant reply as the target emits it when served (:mod:`~draftsmith.data_prep.served_turns`).
 
-    For assistant turn i the span runs from the end of ``render(messages[:i],
-    add_generation_prompt=True)`` to the end of ``render(messages[:i+1])`` less trailing
-    whitespace, so it covers the reply and the template's end-of-turn marker. ``cut``: the last
-    assistant reply was cut short (``max_tokens``): its span ends with its own text, so the
-    end-of-turn marker the template adds after it is not a label.
+    Reply i is rendered as the last turn of ``messages[:i+1]`` after the generation prompt
+    ``render(messages[:i], add_generation_prompt=True, **template_kwargs)``; its span covers the
+    reply (with its reasoning when the template thinks) and the end-of-turn marker, never the
+    generation prompt (R1's forced ``<think>\\n``, Qwen3's empty think block when thinking is off).
+    The text is the last reply's served sequence (the whole rendering when it extends it), so the
+    last reply is always labelled. An earlier reply is labelled where its served sequence is a
+    prefix of that text (every reply for templates that render history as they served it); a
+    template that rewrites history (Qwen3 drops past reasoning and think blocks, Kimi-K2-Thinking
+    empties them) shows earlier replies differently from how the target wrote them, so those
+    stay unlabelled context: the row trains what the target emits when serving the last turn,
+    given the history as the template renders it. ``cut``: the last reply was cut by
+    ``max_tokens``; its span ends with its own text, without the end-of-turn marker.
+
+    With a thinking template (``</think>`` in it) reasoning is read from ``reasoning_content``
+    or a ``<think>...</think>`` head of the content (:func:`~draftsmith.data_prep.served_turns.with_reasoning`).
 
     Raises:
-        DataError: the template renders a conversation prefix that is not a prefix of the
-            whole rendering (no assistant mask is possible from it).
+        DataError: the template gives no assistant mask (a reply it renders apart from its own
+            generation prompt), or a reply's reasoning has no place in it (thinking off).
     """
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DataError(
-                "chat template cannot produce an assistant mask: rendering the conversation up to "
-                f"turn {i} is not a prefix of the full rendering (template rewrites earlier turns)"
-            )
-        end = len(through.rstrip())
-        if cut and i == max(j for j, x in enumerate(messages) if x["role"] == "assistant"):
-            reply = str(m["content"]).rstrip()
-            at = through.find(reply, len(before)) if reply else -1
-            if at < 0:
-                raise DataError(f"the chat template rewrites the cut reply of turn {i}: its end cannot be "
-                                "located, so its end-of-turn marker cannot be left unlabelled")
-            end = at + len(reply)
-        if end > len(before):
-            spans.append((len(before), end))
-    return full, spans
+    from . import served_turns as st
+
+    if st.is_thinking_template(tokenizer):
+        messages = [st.with_reasoning(m) for m in messages]
+    full = st.render(tokenizer, messages, template_kwargs)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        return full, []
+    try:
+        served = [st.served_turn(tokenizer, messages, i, template_kwargs, cut=cut and i == turns[-1]) for i in turns]
+    except st.TemplateError as exc:
+        raise DataError(str(exc)) from None
+    text = full if full.startswith(served[-1].text) else served[-1].text
+    spans = [(len(t.prompt), len(t.text)) for t in served if t.reply and text.startswith(t.text)]
+    return text, spans
 
 
 _HARMONY_MESSAGE = re.compile(
@@ -409,7 +415,8 @@ def harmony_assistant_spans(text: str, channels: tuple[str, ...] = ("analysis", 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int | None = None,
                           harmony_channels: tuple[str, ...] | None = None,
-                          reasoning_effort: str | None = None, cut: bool = False) -> dict:
+                          reasoning_effort: str | None = None, cut: bool = False,
+                          template_kwargs: dict | None = None, where: str | None = None) -> dict:
     """Tokenise with the chat template; ``loss_mask[i] = 1`` iff token i overlaps an assistant span.
 
     ``harmony_channels`` (gpt-oss): select assistant messages by channel (``analysis``,
@@ -417,7 +424,9 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
     ``reasoning_effort`` is passed to the template (the effort the reply was regenerated at).
     ``cut``: the last assistant reply was cut by ``max_tokens``; the end-of-turn marker after it
     gets no label (see :func:`assistant_char_spans`; with harmony, the marker is left out of the
-    last span).
+    last span). ``template_kwargs``: ``data.chat_template_kwargs``, the kwargs the target is served
+    with (``{"enable_thinking": False}``), passed to every rendering. ``where`` (``row <id>``)
+    prefixes the errors.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int], "truncated": bool}``.
@@ -426,12 +435,17 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
         DataError: template problems (see :func:`assistant_char_spans`) or a slow tokenizer
             without offset mapping.
     """
+    kwargs = dict(template_kwargs or {})
     if harmony_channels is not None:
-        effort = {"reasoning_effort": reasoning_effort} if reasoning_effort else {}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **effort)
+        if reasoning_effort:
+            kwargs["reasoning_effort"] = reasoning_effort
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         spans = harmony_assistant_spans(text, harmony_channels, cut=cut)
     else:
-        text, spans = assistant_char_spans(tokenizer, messages, cut)
+        try:
+            text, spans = assistant_char_spans(tokenizer, messages, cut, kwargs or None)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}" if where else str(exc)) from None
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("assistant masks need a fast tokenizer (offset mapping); got a slow one")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

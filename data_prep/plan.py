@@ -9,7 +9,10 @@ The plan follows from the target's weight bytes against one device's memory
   and at most the node's GPUs) at which one GPU's share of the weights takes at most
   :data:`WEIGHT_SHARE` of vLLM's share of that GPU (``vllm.gpu_memory_utilization``), so the
   rest holds the KV cache of a useful batch. A target that needs more than one node's GPUs
-  is refused (no pipeline parallelism in the data stage).
+  is refused in one line that says how many nodes one engine would span (:func:`nodes_needed`:
+  TP over a node, pipeline parallel across nodes): the data stage's engines run within a node.
+- **expert parallelism** (MoE targets at TP > 1, :func:`expert_parallel`): whether vLLM's
+  ``enable_expert_parallel`` is on (``vllm.extra_engine_args``), whole experts per GPU.
 - **regeneration**: vLLM's OpenAI server with ``data_parallel_size`` = node GPUs / TP on
   every node (``data.regenerate.engine: vllm-server``; each node regenerates the
   conversations ``i % nodes == node``), or the offline engine at that TP (one engine; vLLM's
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import Recipe
-from ..target import target_weight_bytes, text_json
+from ..target import target_facts, target_weight_bytes, text_json
 
 WEIGHT_SHARE = 0.7  # most of vLLM's share of a GPU the weights may take; the rest is KV cache / activations
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
@@ -103,13 +106,26 @@ def gpu_memory_gib() -> float | None:
         return None
 
 
+def nodes_needed(weight_bytes: int, cluster: Cluster, utilization: float) -> int:
+    """Nodes of ``cluster``'s GPUs one engine needs to hold ``weight_bytes`` with the KV-cache room
+    :func:`tensor_parallel_size` keeps (tensor parallel over a node's GPUs, pipeline parallel
+    across nodes, as ``vllm serve --tensor-parallel-size G --pipeline-parallel-size N`` runs it);
+    1 on CPU."""
+    if not cluster.gpus_per_node:
+        return 1
+    node = WEIGHT_SHARE * utilization * cluster.device_memory_gib * 1024**3 * cluster.gpus_per_node
+    return max(1, -(-int(weight_bytes) // int(node)))
+
+
 def tensor_parallel_size(weight_bytes: int, cluster: Cluster, utilization: float, heads: int) -> int:
     """The smallest TP (a power of two dividing ``heads``, at most the node's GPUs) at which
     one GPU's share of ``weight_bytes`` takes at most :data:`WEIGHT_SHARE` of
     ``utilization`` x the GPU's memory; 1 on CPU.
 
     Raises:
-        PlanError: not even the whole node holds the target that way.
+        PlanError: not even the whole node holds the target that way: one line with the nodes an
+            engine would span (:func:`nodes_needed`) and what to do, since the data stage's
+            engines (regeneration, capture) run within one node.
     """
     if not cluster.gpus_per_node:
         return 1
@@ -119,10 +135,31 @@ def tensor_parallel_size(weight_bytes: int, cluster: Cluster, utilization: float
         if heads % tp == 0 and weight_bytes / tp <= budget:
             return tp
         tp *= 2
+    nodes = nodes_needed(weight_bytes, cluster, utilization)
+    per_gpu = weight_bytes / (WEIGHT_SHARE * utilization * cluster.gpus_per_node * 1024**3)
     raise PlanError(
         f"the target's {weight_bytes / 1024**3:.1f} GiB of weights do not fit one node: {cluster.gpus_per_node} GPUs x "
         f"{cluster.device_memory_gib:g} GiB x vllm.gpu_memory_utilization {utilization:g} x {WEIGHT_SHARE:g} (KV cache "
-        "room); the data stage has no pipeline parallelism across nodes")
+        f"room); one engine would span {nodes} such nodes (tensor_parallel_size {cluster.gpus_per_node} x "
+        f"pipeline_parallel_size {nodes}), but the data stage runs its engines within one node: use nodes of "
+        f"{cluster.gpus_per_node} GPUs with at least {per_gpu:.0f} GiB each (e.g. H200 141 GB), or regenerate with "
+        "your own multi-node servers (data.regenerate.server_urls) and capture with data.hidden_states_engine on such nodes")
+
+
+def expert_parallel(config_json: dict[str, Any], recipe: Recipe, tensor_parallel: int) -> dict[str, Any] | None:
+    """Expert parallelism for a MoE target sharded over ``tensor_parallel`` GPUs: vLLM's
+    ``enable_expert_parallel`` (set through ``vllm.extra_engine_args``, which every engine of
+    the data stage receives) places whole experts on each GPU instead of slicing every expert
+    ``tensor_parallel`` ways. None for a dense target or TP 1."""
+    facts = target_facts(config_json)
+    if not facts["moe"] or tensor_parallel < 2:
+        return None
+    on = bool(recipe.vllm.extra_engine_args.get("enable_expert_parallel"))
+    E = facts["moe"]["experts"]
+    return {"enabled": on, "experts": E, "experts_per_gpu": E / tensor_parallel,
+            "text": (f"expert parallel over {tensor_parallel} GPUs: {E / tensor_parallel:g} of {E} experts per GPU"
+                     if on else f"experts sliced {tensor_parallel} ways (tensor parallel); vllm.extra_engine_args: "
+                                "{enable_expert_parallel: true} places whole experts per GPU instead")}
 
 
 @dataclass
@@ -142,6 +179,7 @@ class DataPlan:
     shards: dict[str, Any]
     disk: dict[str, Any]
     read_bandwidth: dict[str, Any]
+    expert_parallel: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,9 +192,11 @@ class DataPlan:
         lines = [f"data plan        {self.recipe}: {where}",
                  f"target           {self.target}: {self.target_parameters / 1e9:.2f}B parameters, "
                  f"{_gib(self.target_weight_bytes)} of weights"
-                 + (f" ({self.quantization} experts)" if self.quantization else "")
+                 + (f" ({self.quantization} {'experts' if self.quantization == 'mxfp4' else 'linears'})" if self.quantization else "")
                  + (f"; smallest tensor-parallel size {self.min_tensor_parallel} "
                     f"({'fits one GPU' if self.fits_one_device else 'larger than one GPU'})" if c.gpus_per_node else "")]
+        if self.expert_parallel:
+            lines.append(f"experts          {self.expert_parallel['text']}")
         r = self.regenerate
         samples = r["samples_per_prompt"] if r else 1
         if r is None:
@@ -339,7 +379,8 @@ def build_plan(recipe: Recipe, config_json: dict[str, Any], cluster: Cluster, ru
     return DataPlan(recipe=recipe.name, cluster=cluster, target=recipe.target.name_or_path,
                     target_parameters=weights["parameters"], target_weight_bytes=weights["bytes"],
                     quantization=weights["quantization"], fits_one_device=tp_min == 1, min_tensor_parallel=tp_min,
-                    regenerate=regen, capture=cap, shards=shards, disk=disk, read_bandwidth=bw, notes=notes)
+                    regenerate=regen, capture=cap, shards=shards, disk=disk, read_bandwidth=bw,
+                    expert_parallel=expert_parallel(config_json, recipe, tp_min if gpus else 1), notes=notes)
 
 
 def parse_share(text: str, what: str) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from ..target import (
     validate_geometry,
 )
 from ..target.resolve import load_config_json
+from ..vllm_bridge.eagle3_targets import eagle3_target_problem
 
 
 def parameter_counts(recipe: Recipe, geometry: LayerGeometry, vocab_size: int) -> dict[str, int]:
@@ -71,6 +72,10 @@ def preflight(recipe: Recipe, target_config: Path | None = None) -> Preflight:
     validate_geometry(config_json, source)
     check_lengths(config_json, [recipe.data.max_length], source)
     config = config_from_json(config_json, recipe.target.trust_remote_code)
+    if get_method(recipe.draft.method).vllm_method == "eagle3":  # EAGLE-3 and P-EAGLE read aux hidden states
+        problem = eagle3_target_problem(config_json.get("architectures") or [], recipe.target.name_or_path)
+        if problem:
+            raise ValueError(f"{problem} ({source})")
     text = text_config(config)
     window = sliding_window_problem(getattr(recipe.draft, "sliding_window", None),
                                     getattr(text, "max_position_embeddings", None))

@@ -56,6 +56,7 @@ from ..fileio import atomic_write_bytes
 from .shards import MANIFEST, ShardSpec, distributed_rank
 from . import chat_engines
 from . import regenerate as regen
+from . import served_turns
 from .. import target as tgt
 from ..target import TargetInfo, text_config
 from . import vocab
@@ -129,14 +130,17 @@ def load_sources(recipe: Recipe) -> tuple[list[dict], list[str]]:
 
 
 def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None, log_path: Path | None = None,
-                    plan: DataPlan | None = None, record: Path | None = None):
+                    plan: DataPlan | None = None, record: Path | None = None, thinking: bool = False):
     """``() -> ChatEngine`` for ``data.regenerate.engine`` (``auto`` resolved by
     :func:`~draftsmith.data_prep.chat_engines.resolve_engine`): in-process vLLM or the vLLM
     server (with ``log_path`` for its log) with the recipe's ``vllm`` at the ``plan``'s
     tensor / data parallel sizes, or transformers on ``device``
     (:func:`draftsmith.target.default_device`). The factory's ``engine`` attribute
-    names the resolved engine; building it is noted in ``record`` (:func:`note_engine`)."""
+    names the resolved engine; building it is noted in ``record`` (:func:`note_engine`). Every
+    engine renders with ``data.chat_template_kwargs``; ``thinking``: the server engine splits each
+    reply's reasoning from its answer before the next turn's request."""
     cfg = recipe.data.regenerate
+    kwargs = dict(recipe.data.chat_template_kwargs)
     engine = chat_engines.resolve_engine(cfg.engine, recipe.vllm)
     log.info("regeneration engine: %s (data.regenerate.engine=%s)", engine, cfg.engine)
     vllm_cfg = recipe.vllm
@@ -152,14 +156,16 @@ def _engine_factory(recipe: Recipe, target_dir: Path, device: str | None = None,
     def _make():
         if engine == "vllm":
             return chat_engines.VllmChatEngine(target_dir, recipe.seed, vllm_cfg,
-                                               trust_remote_code=recipe.target.trust_remote_code)
+                                               trust_remote_code=recipe.target.trust_remote_code,
+                                               template_kwargs=kwargs)
         if engine == "vllm-server":
             return chat_engines.ServerChatEngine(target_dir, recipe.seed, vllm_cfg, concurrency=cfg.concurrency,
                                                  max_retries=cfg.max_retries, server_urls=cfg.server_urls,
-                                                 log_path=log_path, trust_remote_code=recipe.target.trust_remote_code)
+                                                 log_path=log_path, trust_remote_code=recipe.target.trust_remote_code,
+                                                 template_kwargs=kwargs, thinking=thinking)
         model, tok = tgt.load_target(target_dir, getattr(torch, recipe.target.dtype), recipe.target.trust_remote_code,
                                      device=device)
-        return chat_engines.TransformersChatEngine(model, tok, recipe.seed)
+        return chat_engines.TransformersChatEngine(model, tok, recipe.seed, template_kwargs=kwargs)
 
     make.engine, make.built = engine, None
     return make
@@ -189,18 +195,21 @@ def stage_regenerate(recipe: Recipe, paths: DataPaths, info: TargetInfo, device:
         tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=recipe.target.trust_remote_code)
         # only harmony (gpt-oss) templates read reasoning_effort
         harmony = conv.is_harmony_template(tok) if cfg.reasoning_effort else False
+        _check_template_kwargs(tok, recipe)
+        thinking = served_turns.is_thinking_template(tok)
         suffix = "" if share is None else f".node-{share[0]:03d}"
         factory = _engine_factory(recipe, Path(info.path), device, log_path=paths.root / f"regen_server{suffix}.log",
-                                  plan=plan, record=record)
+                                  plan=plan, record=record, thinking=thinking)
         base = {"target": regen.target_id(info.name_or_path, info.path),
                 "chat_template_sha256": regen.chat_template_sha256(tok),
-                "engine": chat_engines.ENGINE_FAMILY[factory.engine]}
+                "engine": chat_engines.ENGINE_FAMILY[factory.engine],
+                "chat_template_kwargs": dict(recipe.data.chat_template_kwargs) or None}
         if cfg.samples_per_prompt > 1:
             records = regen.repeat_prompts(records, cfg.samples_per_prompt)
         records = regen.iter_regenerated(
             records, paths.regen if share is None else node_cache(paths, *share), factory, cfg.temperatures,
             cfg.max_new_tokens, cfg.batch_size, reasoning_effort=cfg.reasoning_effort, harmony=harmony,
-            seed=recipe.seed, fingerprint_base=base, share=share,
+            seed=recipe.seed, fingerprint_base=base, share=share, thinking=thinking,
         )
         gpus = plan.regenerate["gpus"] if plan is not None and plan.regenerate else 0
         records = _measured(records, factory, gpus, stats if stats is not None else {})
@@ -222,13 +231,27 @@ def _measured(records: Iterator[dict], factory: Any, gpus: int, stats: dict) -> 
                  f" ({rate / gpus:.0f} tok/s per GPU over {gpus} GPUs)" if gpus else "")
 
 
+def _check_template_kwargs(tok: Any, recipe: Recipe) -> None:
+    """``data.chat_template_kwargs`` against the target's chat template
+    (:func:`~draftsmith.data_prep.served_turns.check_template_kwargs`).
+
+    Raises:
+        DataError: a kwarg the template never reads, named ``data.chat_template_kwargs.<name>``.
+    """
+    try:
+        served_turns.check_template_kwargs(tok, dict(recipe.data.chat_template_kwargs))
+    except served_turns.TemplateError as exc:
+        raise conv.DataError(str(exc)) from None
+
+
 class _TokenizeRow:
     """The tokenize stage's per-row function (``datasets.map``; picklable for ``num_proc``): one
     ``{"record": JSON}`` row -> the tokenised columns plus ``status`` (``ok`` or the skip reason),
     ``error``, ``truncated`` (counted as truncated) and ``assistant_tokens``."""
 
-    def __init__(self, tok, max_len: int, channels, vocab_size: int, overlong: str):
+    def __init__(self, tok, max_len: int, channels, vocab_size: int, overlong: str, template_kwargs: dict | None = None):
         self.tok, self.max_len, self.channels, self.vocab_size, self.overlong = tok, max_len, channels, vocab_size, overlong
+        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs: rendered as served
 
     def __call__(self, row: dict) -> dict:
         r = json.loads(row["record"])
@@ -251,7 +274,8 @@ class _TokenizeRow:
                     return dict(out, status="no_assistant_turn")
                 # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
                 t = conv.tokenize_conversation(self.tok, r["messages"], self.max_len, self.channels,
-                                               r.get("reasoning_effort"), cut=bool(r.get("cut")))
+                                               r.get("reasoning_effort"), cut=bool(r.get("cut")),
+                                               template_kwargs=self.template_kwargs, where=f"row {r['id']}")
         except conv.DataError as exc:
             return dict(out, status="invalid", error=str(exc))
         if t["truncated"]:
@@ -289,6 +313,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
     record_stage(paths, "tokenize", keys)
     max_len = recipe.data.max_length
     channels = tuple(recipe.data.harmony_channels) if conv.is_harmony_template(tok) else None
+    _check_template_kwargs(tok, recipe)
     if channels is not None:
         log.info("harmony chat template: loss on assistant channels %s", channels)
     remove_stale_tokenized_temps(paths)  # of a killed run: never taken as a finished dataset
@@ -311,7 +336,8 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
         features.update({"status": datasets.Value("string"), "error": datasets.Value("string"),
                          "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64")})
         num_proc = min(recipe.data.num_proc, max(1, len(raw)))
-        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info.vocab_size, recipe.data.overlong),
+        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info.vocab_size, recipe.data.overlong,
+                                      recipe.data.chat_template_kwargs),
                          remove_columns=["record"], features=features, num_proc=num_proc if num_proc > 1 else None,
                          new_fingerprint=uuid.uuid4().hex, desc="tokenize")
         meta = mapped.select_columns(["status", "truncated", "assistant_tokens", "length"]).with_format("numpy")[:]

@@ -40,6 +40,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .served_turns import with_reasoning
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,8 @@ def draw_reasoning_effort(row_id: str, mix: dict[str, float], seed: int) -> str:
 
 # --- fingerprints ------------------------------------------------------------------------------
 
-FINGERPRINT_KEYS = ("target", "chat_template_sha256", "temperature", "max_new_tokens", "reasoning_effort", "engine")
+FINGERPRINT_KEYS = ("target", "chat_template_sha256", "temperature", "max_new_tokens", "reasoning_effort", "engine",
+                    "chat_template_kwargs")
 
 
 def target_id(name_or_path: str, path: Path | str | None) -> str:
@@ -100,7 +103,8 @@ def chat_template_sha256(tokenizer: Any) -> str | None:
 
 def fingerprint(base: dict | None, temperature: float, max_new_tokens: int, reasoning_effort: str | None) -> dict:
     """The settings one cached row was generated with: ``base`` (``target``,
-    ``chat_template_sha256``, ``engine`` family; missing keys are None) plus the row's own.
+    ``chat_template_sha256``, ``engine`` family, ``chat_template_kwargs`` when any are set;
+    missing keys are None) plus the row's own.
 
     ``engine`` is the family (``vllm`` for both the in-process and the server path, or
     ``transformers``): the two vLLM paths run the same engine on the same prompts, so switching
@@ -109,6 +113,8 @@ def fingerprint(base: dict | None, temperature: float, max_new_tokens: int, reas
     fp = {"target": base.get("target"), "chat_template_sha256": base.get("chat_template_sha256"),
           "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
           "reasoning_effort": reasoning_effort, "engine": base.get("engine")}
+    if base.get("chat_template_kwargs"):  # absent when unset, so caches written before the key stay valid
+        fp["chat_template_kwargs"] = dict(base["chat_template_kwargs"])
     return fp
 
 
@@ -254,6 +260,7 @@ def iter_regenerated(
     fingerprint_base: dict | None = None,
     window: int = REGEN_WINDOW,
     share: tuple[int, int] | None = None,
+    thinking: bool = False,
 ) -> Iterator[dict]:
     """Regenerate the assistant turns of ``records`` (``{"id", "messages"}``), streaming: the
     records are taken ``window`` at a time, that window's missing or stale replies generated and
@@ -281,6 +288,12 @@ def iter_regenerated(
             :func:`target_id`, :func:`chat_template_sha256`,
             :data:`~draftsmith.data_prep.chat_engines.ENGINE_FAMILY`).
         window: conversations per window (:data:`REGEN_WINDOW`).
+        thinking: the target's chat template thinks (``</think>`` in it,
+            :func:`~draftsmith.data_prep.served_turns.is_thinking_template`): each reply is stored
+            with its reasoning in ``reasoning_content`` and the answer in ``content``
+            (:func:`~draftsmith.data_prep.served_turns.with_reasoning`, whitespace kept), so
+            tokenisation puts back the text the target generated; the next turn's request carries
+            the earlier replies as the template renders history.
         share: ``(node, nodes)``: only the records ``i % nodes == node`` (``i``: the position in
             ``records``, which also picks the temperature, so every node samples each record as
             one process would) are regenerated and yielded; the others are skipped. Each node
@@ -345,7 +358,7 @@ def iter_regenerated(
                     _drop_torn_tail(cache_path)
                 with cache_path.open("a", encoding="utf-8") as fh:
                     _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, reasoning_effort,
-                                     fingerprint_base, new, fh, bar)
+                                     fingerprint_base, new, fh, bar, thinking)
                 n_generated += len(todo)
             bar.update(len(win) - len(todo))
             following = list(itertools.islice(numbered, window))
@@ -374,12 +387,14 @@ def iter_regenerated(
 
 
 def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, reasoning_effort,
-                     fingerprint_base, new, fh, bar):
+                     fingerprint_base, new, fh, bar, thinking=False):
     """Generate the replies of ``todo`` (``(index, record)`` pairs) into ``new`` (id -> row),
     appending each row to the cache ``fh``."""
 
     def finish(i: int, r: dict, messages: list[dict], effort: str | None) -> None:
         fp = fingerprint(fingerprint_base, temp_of(i), max_new_tokens, effort)
+        if thinking:
+            messages = [with_reasoning(m) for m in messages]
         row = {"id": r["id"], "messages": messages, "temperature": temp_of(i)}
         if reasoning_effort:
             row["reasoning_effort"] = effort
@@ -407,10 +422,11 @@ def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_o
             os.fsync(fh.fileno())
     else:
         _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, bool(reasoning_effort),
-                            finish, fh, bar)
+                            finish, fh, bar, thinking)
 
 
-def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, with_efforts, finish, fh, bar):
+def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, with_efforts, finish, fh, bar,
+                        thinking=False):
     """The offline engines: each batch of conversations advances one user turn per
     ``engine.generate`` call; the batch is appended to the cache (flushed, fsynced) when done."""
     for start in range(0, len(todo), batch_size):
@@ -440,7 +456,8 @@ def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effor
             replies = engine.generate([outs[b] for b in active], [temps[b] for b in active], max_new_tokens,
                                       **extra)
             for b, text in zip(active, replies):
-                outs[b].append({"role": "assistant", "content": text})
+                reply = {"role": "assistant", "content": text}
+                outs[b].append(with_reasoning(reply) if thinking else reply)  # history: the template drops it
         for b, (i, r) in enumerate(batch):
             finish(i, r, outs[b], efforts[b] if efforts else None)
         fh.flush()

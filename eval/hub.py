@@ -33,6 +33,7 @@ import yaml
 from .profile import (PROFILE_FILE, WEIGHTS_FILE, ProfileError, SpeculationProfile, binding_mismatch, file_sha256,
                       read_profile)
 from .results import AcceptanceResult, ServeResults, read_acceptance
+from .serving_plan import PLAN_FILE
 from ..methods import DraftMethodSpec, UnknownMethodError, method_of_export
 from ..vllm_bridge import spec_config
 
@@ -162,6 +163,28 @@ def _profile_section(prof: SpeculationProfile | None) -> list[str]:
     return lines
 
 
+def _plan_section(plan: dict[str, Any] | None) -> list[str]:
+    """The serving plan (``serving_plan.json``, ``draftsmith plan``): the K to serve per batch size
+    and what it predicts (docs/serving_plan.md)."""
+    if not plan:
+        return []
+    price = plan.get("price_per_hour")
+    lines = [f"### Serving plan (`{PLAN_FILE}`)", "",
+             f"K per batch size from the speculation profile and step costs measured on the serving machine "
+             f"({(plan.get('sources') or {}).get('step_cost', 'source not recorded')}); predictions, not measurements.",
+             "", "| batch size | K | predicted output tok/s | TPOT (ms) |" + (" $ per 1M output tokens |" if price else ""),
+             "|---|---|---|---|" + ("---|" if price else "")]
+    for b, row in sorted((plan.get("chosen") or {}).items(), key=lambda kv: int(kv[0])):
+        cost = row.get("cost_per_1m_output_tokens")
+        lines.append(f"| {b} | {row['k']} | {row['output_tok_s']:.1f} | {row['tpot_ms']:.1f} |"
+                     + (f" {cost:.4f} |" if price and cost is not None else (" — |" if price else "")))
+    spec = (plan.get("vllm") or {}).get("speculative_config")
+    lines += ["", "Serve it with:" if spec else "Speculation did not pay at any measured batch size: serve without it.", ""]
+    if spec:
+        lines += ["```bash", f"vllm serve TARGET --speculative-config '{json.dumps(spec)}'", "```", ""]
+    return lines
+
+
 def _serve_section(serve: ServeResults | None) -> list[str]:
     if not serve:
         return []
@@ -186,7 +209,8 @@ def _serve_section(serve: ServeResults | None) -> list[str]:
 
 def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None = None,
                acceptance: dict[str, AcceptanceResult] | None = None, serve: ServeResults | None = None,
-               card_license: str | None = None, profile: SpeculationProfile | None = None) -> str:
+               card_license: str | None = None, profile: SpeculationProfile | None = None,
+               plan: dict[str, Any] | None = None) -> str:
     """The ``README.md`` of the Hub folder: YAML front matter (``base_model`` = the target,
     ``license``, ``datasets``, ``library_name``, ``tags``) and Markdown for the draft's method.
 
@@ -194,6 +218,7 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
         card_license: the card's ``license``; default: the target's when it is a local directory whose
             model card names one, else ``other``.
         profile: the draft's ``speculation_profile.json``, shown as a table.
+        plan: the draft's ``serving_plan.json`` (``draftsmith plan``), shown as a table.
 
     Raises:
         HubError: no registered method recognises ``cfg``.
@@ -223,7 +248,8 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
            "## Use with vLLM", "", *use, "",
            "## Draft", "", *card.facts(cfg), f"- target (verifier): `{target}`", "",
            "## Training data", ""] + _training_section(recipe) + [""]
-    measured = _acceptance_section(acceptance, target) + _profile_section(profile) + _serve_section(serve)
+    measured = (_acceptance_section(acceptance, target) + _profile_section(profile) + _plan_section(plan)
+                + _serve_section(serve))
     out += ["## Measured", ""] + (measured or ["No measurement was attached.", ""])
     return "\n".join(out)
 
@@ -269,10 +295,12 @@ def prepare_folder(draft: Path, out: Path, repo_id: str, recipe: Path | None = N
         except ProfileError as exc:
             raise HubError(str(exc)) from None
         check_profile_binding(draft, prof, _method(cfg).name)
+    plan = _read(draft / PLAN_FILE, "serving plan", lambda p: json.loads(p.read_text())) \
+        if (draft / PLAN_FILE).is_file() else None
     card = model_card(cfg, repo_id, rec, _read(acceptance, "acceptance result", read_acceptance),
-                      _read(serve, "serving results", ServeResults.read), card_license, prof)
+                      _read(serve, "serving results", ServeResults.read), card_license, prof, plan)
     out.mkdir(parents=True, exist_ok=True)
-    for name in (*DRAFT_FILES, PROFILE_FILE):
+    for name in (*DRAFT_FILES, PROFILE_FILE, PLAN_FILE):
         src, dst = draft / name, out / name
         if src.is_file():
             if not (dst.exists() and dst.samefile(src)):

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..fileio import atomic_file
 from ..layout import DraftLoadError
-from ..methods import UnknownMethodError, method_of_export
+from ..methods import UnknownMethodError, get_method, method_of_export
 
 SCHEMA_VERSION = "1.0"
 PROFILE_FILE = "speculation_profile.json"
@@ -41,10 +41,9 @@ WEIGHTS_FILE = "model.safetensors"
 _CHUNK = 1 << 20  # hash 1 MiB at a time: a draft's weights need not fit in memory
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 PRODUCER = "draftsmith acceptance"
-# Methods whose K=n draft is the first n tokens of their K=n+1 draft: one measurement gives the
-# AL of every smaller K (the proposal's "chain_analytic"). Block and parallel drafters (DFlash,
-# DSpark, P-EAGLE) plan all K slots together, so each K is its own measurement ("measured_per_k").
-CHAIN_METHODS = frozenset({"eagle3", "medusa", "mlp_speculator", "ngram"})
+# vLLM's own proposers (no draft method of ours) whose K=n draft is the first n tokens of their K=n+1
+# draft; a registered method says so itself (DraftMethodSpec.chain_drafts)
+CHAIN_PROPOSERS = frozenset({"ngram"})
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
@@ -155,6 +154,21 @@ def public_name(name: str | Path | None) -> str | None:
     its last two parts (no absolute path of this machine leaves it)."""
     parts = [p for p in str(name or "").replace("\\", "/").split("/") if p not in ("", ".")]
     return "/".join(parts[-2:]) or None
+
+
+def chain_drafts(method: str | None) -> bool:
+    """Whether ``method``'s K = n draft is the first n tokens of its K = n + 1 draft, so one
+    measurement gives the acceptance length of every smaller K (a profile's ``accept_length_model``
+    ``chain_analytic``); block and parallel drafters (DFlash, DSpark, P-EAGLE) plan all K slots
+    together, so each K is its own measurement (``measured_per_k``). ``method``: a registered draft
+    method (its spec's ``chain_drafts``) or one of vLLM's proposers (:data:`CHAIN_PROPOSERS`); an
+    unknown one is not a chain."""
+    if method in CHAIN_PROPOSERS:
+        return True
+    try:
+        return bool(get_method(method).chain_drafts) if method else False
+    except UnknownMethodError:
+        return False
 
 
 def prompts_sha256(conversations: list[Any]) -> str:
@@ -291,7 +305,7 @@ def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path 
         "marginal_accept_rates": [round(x, 6) for x in marginal],
         "mean_accept_length": None if al is None else round(al, 6),
         "mean_accept_length_per_request": None,  # the counters pool verify steps over requests
-        "accept_length_model": "chain_analytic" if method in CHAIN_METHODS else "measured_per_k",
+        "accept_length_model": "chain_analytic" if chain_drafts(method) else "measured_per_k",
         "accept_length_by_k": {str(k): round(al, 6)} if al is not None else {},
         "acceptance_length_histogram": length_histogram(counts),
         "per_category": {name: {"mean_accept_length": g.get("mean_acceptance_length"), "num_drafts": g.get("num_drafts"),

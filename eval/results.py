@@ -229,6 +229,8 @@ class ServeResults(_Result):
     configs: dict[str, ConfigResult]
     k_sweep: KSweep | None = None
     temperature_sweep: TemperatureSweep | None = None
+    plan_check: dict[str, Any] | None = Field(None, description="serve-bench --plan: predicted against measured "
+                                              "(draftsmith.eval.serving_plan.plan_check)")
 
     def write(self, path: Path) -> Path:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

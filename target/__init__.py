@@ -23,6 +23,8 @@ from .facts import (
     default_aux_layer_ids,
     load_config_only,
     num_decoder_layers,
+    required_geometry_keys,
+    target_facts,
     target_parameter_counts,
     target_weight_bytes,
     text_config,
@@ -64,7 +66,7 @@ __all__ = [
     "TargetInfo", "TargetInfoError", "aux_layer_ids", "bundled_target_config", "cache_dir", "check_lengths", "checkpoint_weight_map",
     "config_from_json", "default_aux_layer_ids", "default_device", "embedded_gguf_path", "load_config_json",
     "load_config_only", "load_target", "load_target_config", "load_target_head_tensors",
-    "load_target_layer_tensors", "load_target_tensors", "num_decoder_layers", "resolve_target",
-    "target_parameter_counts", "target_weight_bytes", "text_config", "text_json", "validate_aux_layer_ids",
+    "load_target_layer_tensors", "load_target_tensors", "num_decoder_layers", "required_geometry_keys",
+    "resolve_target", "target_facts", "target_parameter_counts", "target_weight_bytes", "text_config", "text_json", "validate_aux_layer_ids",
     "validate_geometry", "verifier_name",
 ]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data_prep.plan import Cluster, build_plan
+from ..data_prep.plan import Cluster, PlanError, build_plan
 from ..data_prep.plan import human_bytes as _human
 from ..data_prep.shards import bytes_per_token
 from ..methods import get_method
@@ -236,10 +236,9 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
     """The fused loss on a GPU (train/fused_loss.py) when the step takes it (:func:`fused_loss_on`):
     one ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step; the
     heads: one per head; DFlash, P-EAGLE: one) the gradients it computes in forward and holds to
-    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows; with ``draft.opd`` twice (the
-    rejected rows' reverse-KL term is a second call over the same rows, train/opd_loss.py; EAGLE-3's
-    step 0 has none: an upper bound). None when the step takes the chunked loss. Every method whose
-    loss runs through ``chunked_distill`` counts its loss with this."""
+    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows (``draft.opd``'s reverse-KL term
+    is computed in the same call, train/opd_loss.py: nothing more). None when the step takes the
+    chunked loss. Every method whose loss runs through ``chunked_distill`` counts its loss with this."""
     if not fused_loss_on(recipe, s, labels):
         return None
     import torch
@@ -251,9 +250,8 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
     C = min(fused_chunk_rows(V, dtype, recipe.train.loss_chunk_rows), max(1, rows_total))
     # several chunks: the lm_head gradient accumulates in fp32 (beside each chunk's bf16 product)
     accumulate = V * s.H * (4 + (s.act_bytes if s.act_bytes != 4 else 0)) if rows_total > C else 0
-    opd = 2 if not labels and getattr(recipe.draft, "opd", "none") != "none" else 1
     return {"loss_chunk": C * V * s.act_bytes + accumulate,
-            "fused_loss_gradients": opd * calls * (V * s.H + rows_total * s.H) * s.act_bytes}
+            "fused_loss_gradients": calls * (V * s.H + rows_total * s.H) * s.act_bytes}
 
 
 def input_cast(s: Shapes, n_aux: int) -> int:
@@ -289,13 +287,16 @@ def trainable_parameters(counts: dict[str, int]) -> int:
 
 def frozen_bytes(recipe: Recipe, s: Shapes, counts: dict[str, int]) -> dict[str, int]:
     """The frozen tensors on every GPU of a draft-vocab method (its training method a
-    :class:`~draftsmith.train.method_base.DraftVocabMethod`; the full-vocab heads have none): the
+    :class:`~draftsmith.train.method_base.DraftVocabMethod`; a full-vocab method only its counted
+    ``frozen_embedding``, e.g. the MTP layer's target embedding and ``lm_head``): the
     target embedding (drafts that read it) and the teacher head over the draft vocab, both in the
     target's dtype, a frozen ``lm_head`` (a parameter: fp32, bf16 under DeepSpeed) and the vocab maps."""
     from .method_base import DraftVocabMethod
 
     if not issubclass(get_method(recipe.draft.method).training_method, DraftVocabMethod):
-        return {}
+        # a full-vocab method holds only what its estimator counts (MTP: the target's embedding and lm_head)
+        held = counts.get("frozen_embedding", 0)
+        return {"frozen_embedding": held * s.target_bytes} if held else {}
     return {"frozen_embedding": counts.get("frozen_embedding", 0) * s.target_bytes,
             "frozen_lm_head": counts.get("frozen_lm_head", 0) * s.param_bytes,
             "teacher_head": s.Vd * s.Ht * s.target_bytes, "vocab_maps": s.Vd * 8 + s.V}
@@ -432,10 +433,13 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     online_bytes = target_weight_bytes(dense, recipe.target.dtype)["bytes"]
     nodes = launch.num_machines if launch is not None else 1
     gpus = max(1, (launch.num_processes or 8 * nodes) // nodes) if launch is not None else 1
-    plan = build_plan(recipe, config_json, Cluster(nodes, gpus, device_memory_gib),
-                      regenerate_engine=_gpu_engine(recipe.data.regenerate.engine),
-                      capture_engine="vllm" if recipe.data.hidden_states_engine == "auto"
-                      else recipe.data.hidden_states_engine)
+    try:  # the draft trains without the target; a data stage these GPUs cannot run is reported, not fatal
+        plan = build_plan(recipe, config_json, Cluster(nodes, gpus, device_memory_gib),
+                          regenerate_engine=_gpu_engine(recipe.data.regenerate.engine),
+                          capture_engine="vllm" if recipe.data.hidden_states_engine == "auto"
+                          else recipe.data.hidden_states_engine)
+    except PlanError as err:
+        plan = PlanRefusal(str(err))
     return {
         "target": recipe.target.name_or_path,
         "target_config": source,
@@ -466,6 +470,17 @@ def dry_run(recipe: Recipe, target_config: Path | None = None, launcher: str | P
     }
 
 
+@dataclass(frozen=True)
+class PlanRefusal:
+    """The data plan's one-line refusal on the GPUs the dry run assumes (``--device-memory-gib``),
+    in place of a :class:`~draftsmith.data_prep.plan.DataPlan`."""
+
+    reason: str
+
+    def format(self) -> str:
+        return f"data plan        refused on these GPUs (prepare refuses the same): {self.reason}"
+
+
 def _gpu_engine(engine: str) -> str:
     """``data.regenerate.engine`` as it resolves on a GPU node with vLLM installed."""
     return "vllm-server" if engine == "auto" else engine
@@ -489,7 +504,7 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     w = r["target_weights"]
     lines.append(f"target weights   {_gib(w['bytes'])} as vLLM holds them"
-                 + (f" ({w['quantization']} experts); {_gib(w['online_bytes'])} dequantised (online mode)"
+                 + (f" ({w['quantization']} {'experts' if w['quantization'] == 'mxfp4' else 'linears'}); {_gib(w['online_bytes'])} dequantised (online mode)"
                     if w["quantization"] else ""))
     lines += _launcher_lines(r)
     lines.append(

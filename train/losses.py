@@ -226,6 +226,11 @@ class AcceptSpec:
         """Whether rows need the expected acceptance (``soft`` at T > 0); else the argmax hit serves."""
         return self.mode == "soft" and self.temperature > 0
 
+    def slot_decay(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``(group,)`` float32 ``opd_gamma**j`` at slot j of a group: ``draft.opd``'s decay of the
+        rejected term over a block drafter's slots."""
+        return self.opd_gamma ** torch.arange(self.group, device=device, dtype=torch.float32)
+
     def factor(self, out: DistillOut) -> torch.Tensor:
         """``(M,)`` float32 per-row acceptance of ``out``: its ``row_alpha`` (soft, T > 0) or ``row_hit``."""
         return out.row_alpha if self.soft else out.row_hit
@@ -267,6 +272,9 @@ class DistillOut:
             ``sum_v min(p_T, q_T)`` of each row (detached); else None.
         row_reach: with an :class:`AcceptSpec` of a group, ``(M,)`` float32 the factor each row's
             weight was multiplied by (:func:`group_reach`, rows of weight 0 passing the chain on); else None.
+        row_rejected: with ``draft.opd``'s rejected term (a ``rejected_weight``, or its
+            :class:`AcceptSpec` over groups), ``(M,)`` float32 ``KL(q_m || p_m)`` per row (detached;
+            nats), whose weighted sum ``loss_sum`` includes beside ``D``'s; else None.
     """
 
     loss_sum: torch.Tensor
@@ -274,6 +282,7 @@ class DistillOut:
     row_hit: torch.Tensor
     row_alpha: torch.Tensor | None = field(default=None, kw_only=True)  # keyword-only: subclasses add fields
     row_reach: torch.Tensor | None = field(default=None, kw_only=True)
+    row_rejected: torch.Tensor | None = field(default=None, kw_only=True)
 
 
 def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
@@ -292,11 +301,13 @@ def _distill_chunk(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: t
 
 
 def _distill_chunk_accept(hidden: torch.Tensor, teacher: torch.Tensor, teacher_index: torch.Tensor,
-                          weight: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], loss: LossSpec,
+                          weight: torch.Tensor, rejected: torch.Tensor | None,
+                          logits_fn: Callable[[torch.Tensor], torch.Tensor], loss: LossSpec,
                           accept: AcceptSpec) -> tuple[torch.Tensor, ...]:
     """:func:`_distill_chunk` (soft labels) with ``accept``: also the rows' expected acceptance (soft,
-    from the chunk's own logits) and, for a group, the weights times :func:`group_reach` (the chunk
-    holds whole groups)."""
+    from the chunk's own logits), for a group the weights times :func:`group_reach` (the chunk
+    holds whole groups) and, with ``rejected`` ``(C,)``, ``sum rejected * KL(q || p)`` added
+    (``draft.opd``; over a group ``rejected`` is ``weight * opd_gamma**j``, times ``1 - reach`` here)."""
     logits = logits_fn(hidden).float()  # (C, V)
     target = teacher.index_select(0, teacher_index).float()  # (C, V)
     d = loss(target, logits)
@@ -306,7 +317,12 @@ def _distill_chunk_accept(hidden: torch.Tensor, teacher: torch.Tensor, teacher_i
     if accept.group:
         reach = group_reach(alpha if accept.soft else hit, weight <= 0, accept.group)
         weight = weight * reach
-    return (weight * d).sum(), d.detach(), hit, alpha, reach
+        rejected = None if rejected is None else rejected * (1.0 - reach)
+    total = (weight * d).sum()
+    if rejected is None:
+        return total, d.detach(), hit, alpha, reach, hit.new_zeros(0)
+    r = LossSpec("reverse_kl", target_temperature=loss.target_temperature)(target, logits)
+    return total + (rejected * r).sum(), d.detach(), hit, alpha, reach, r.detach()
 
 
 # the setting of the calls that pass none (fused=None): train.fused_loss reaches the loss as an
@@ -390,11 +406,37 @@ def _use_fused(hidden: torch.Tensor, logits_fn: Any, spec: LossSpec, labels: boo
     return None
 
 
+def resolve_accept(accept: AcceptSpec | None, rejected_weight: torch.Tensor | None, M: int, labels: bool,
+                   caller: str) -> AcceptSpec | None:
+    """The :class:`AcceptSpec` a call of M rows computes with (None: nothing beyond the plain loss:
+    ``none``, or ``hard`` without a group and without a rejected term, whose weights the caller
+    carries), after checking it and ``rejected_weight`` (``draft.opd``'s reverse-KL weights).
+
+    Raises:
+        ValueError: ``rejected_weight`` without ``draft.opd``'s spec, with a group (its weights then
+            come from the group's reach), or not ``(M,)``; ``accept`` with ``labels``; M not whole groups.
+    """
+    if rejected_weight is not None:
+        if accept is None or not accept.opd or accept.group:
+            raise ValueError(f"{caller}: rejected_weight is draft.opd's rejected term without groups (pass its "
+                             "AcceptSpec; over groups the weights come from the group's reach)")
+        if tuple(rejected_weight.shape) != (M,):
+            raise ValueError(f"{caller}: rejected_weight ({M},) expected, got {tuple(rejected_weight.shape)}")
+    elif accept is not None and (accept.mode == "none" or not (accept.soft or accept.group)):
+        return None
+    if accept is not None and labels:
+        raise ValueError(f"{caller}: accept weighting needs the target's distribution, not labels")
+    if accept is not None and accept.group and M % accept.group:
+        raise ValueError(f"{caller}: {M} rows are not whole groups of {accept.group}")
+    return accept
+
+
 def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
                     teacher: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
                     loss: LossSpec | None = None, chunk_size: int | None = None,
                     labels: bool = False, vocab_size: int | None = None,
-                    fused: str | bool | None = None, accept: AcceptSpec | None = None) -> DistillOut:
+                    fused: str | bool | None = None, accept: AcceptSpec | None = None,
+                    rejected_weight: torch.Tensor | None = None) -> DistillOut:
     """The weighted divergence of M draft rows against their target rows, computed in chunks of
     rows so that no ``(M, V)`` tensor exists: each chunk's logits and fp32 log-softmaxes live only
     inside the chunk and are recomputed in backward (non-reentrant activation checkpointing), so
@@ -428,37 +470,37 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
         accept: ``draft.accept_weighting`` (:class:`AcceptSpec`); None or ``none``: the plain loss.
             Soft at T > 0: ``row_alpha`` too (from each chunk's logits, or the fused kernel's).
             With a group: each row's weight times :func:`group_reach` of its group (chunks hold
-            whole groups), ``row_reach`` too. Not with ``labels``.
+            whole groups), ``row_reach`` too. Not with ``labels``. ``draft.opd`` (``accept.opd``)
+            over a group: also ``weight * (1 - reach) * opd_gamma**j * KL(q || p)`` at slot j
+            of each group (``row_rejected``), from the same logits.
+        rejected_weight: ``draft.opd`` without groups (EAGLE-3's TTT step, ``accept.opd``): ``(M,)``
+            float, detached, each row's weight of ``KL(q || p)``, added to ``loss_sum`` beside
+            ``weight * D`` from the same logits (``row_rejected``); None: no such term.
 
     Raises:
-        ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``; ``accept`` with ``labels``;
-            a group that does not divide M.
+        ValueError: ``labels`` without ``chunk_size`` or ``vocab_size``; ``accept`` or
+            ``rejected_weight`` as :func:`resolve_accept` refuses them.
 
     Returns:
         :class:`DistillOut`; its values and gradients equal the unchunked
-        ``sum(weight * divergence(teacher[teacher_index], logits_fn(hidden)))``.
+        ``sum(weight * divergence(teacher[teacher_index], logits_fn(hidden)))`` (plus the rejected
+        term's ``sum(rejected_weight * KL(q || p))``).
     """
     spec = loss or LossSpec()
     M = hidden.shape[0]
     if labels and not (chunk_size or vocab_size):
         raise ValueError("chunked_distill(labels=True) needs chunk_size or vocab_size")
-    if accept is not None and (accept.mode == "none" or not (accept.soft or accept.group)):
-        accept = None  # hard without a group: the caller's weights carry it, nothing more to compute
-    if accept is not None:
-        if labels:
-            raise ValueError("chunked_distill: accept weighting needs the target's distribution, not labels")
-        if accept.group and M % accept.group:
-            raise ValueError(f"chunked_distill: {M} rows are not whole groups of {accept.group}")
+    accept = resolve_accept(accept, rejected_weight, M, labels, "chunked_distill")
     fused = _use_fused(hidden, logits_fn, spec, labels, FUSED_LOSS if fused is None else fused)
     if fused is not None:  # train/fused_loss.py: one matmul, one kernel, two matmuls per chunk; grads in forward
         from .fused_loss import fused_linear_distill
 
         norm, lm_weight = fused
         return fused_linear_distill(hidden if norm is None else norm(hidden), lm_weight, teacher, teacher_index,
-                                    weight, spec, labels, chunk_size, accept=accept)
+                                    weight, spec, labels, chunk_size, accept=accept, rejected_weight=rejected_weight)
     rows = chunk_rows(vocab_size if labels else teacher.shape[-1], chunk_size)
     if accept is not None:
-        return _chunked_accept(hidden, logits_fn, teacher, teacher_index, weight, spec, rows, accept)
+        return _chunked_accept(hidden, logits_fn, teacher, teacher_index, weight, rejected_weight, spec, rows, accept)
     grad = torch.is_grad_enabled() and hidden.requires_grad
     sums, row_loss, row_hit = [], [], []
     for s in range(0, M, rows):
@@ -474,26 +516,34 @@ def chunked_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], to
 
 
 def _chunked_accept(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
-                    teacher_index: torch.Tensor, weight: torch.Tensor, spec: LossSpec, rows: int,
-                    accept: AcceptSpec) -> DistillOut:
-    """The torch path of :func:`chunked_distill` with an :class:`AcceptSpec` (chunks of whole groups)."""
-    if accept.group:
-        rows = max(accept.group, rows // accept.group * accept.group)
+                    teacher_index: torch.Tensor, weight: torch.Tensor, rejected_weight: torch.Tensor | None,
+                    spec: LossSpec, rows: int, accept: AcceptSpec) -> DistillOut:
+    """The torch path of :func:`chunked_distill` with an :class:`AcceptSpec` (chunks of whole groups)
+    and ``draft.opd``'s rejected term (``rejected_weight``, or over groups ``weight * opd_gamma**j``
+    times each row's ``1 - reach``)."""
+    M, group = hidden.shape[0], accept.group
+    if group:
+        rows = max(group, rows // group * group)
+    if group and accept.opd:
+        rejected_weight = (weight.view(-1, group) * accept.slot_decay(weight.device)).flatten()
+    rejected = rejected_weight is not None
     grad = torch.is_grad_enabled() and hidden.requires_grad
     parts: list[tuple[torch.Tensor, ...]] = []
-    for s in range(0, hidden.shape[0], rows):
-        args = (hidden[s:s + rows], teacher, teacher_index[s:s + rows], weight[s:s + rows], logits_fn, spec, accept)
+    for s in range(0, M, rows):
+        args = (hidden[s:s + rows], teacher, teacher_index[s:s + rows], weight[s:s + rows],
+                rejected_weight[s:s + rows].detach() if rejected else None, logits_fn, spec, accept)
         parts.append(checkpoint(_distill_chunk_accept, *args, use_reentrant=False) if grad
                      else _distill_chunk_accept(*args))
     if not parts:
         zero = logits_fn(hidden).sum() * 0.0
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return DistillOut(zero, empty, empty, row_alpha=empty if accept.soft else None,
-                          row_reach=empty if accept.group else None)
-    sums, row_loss, row_hit, alpha, reach = zip(*parts)
+                          row_reach=empty if group else None, row_rejected=empty if rejected else None)
+    sums, row_loss, row_hit, alpha, reach, reverse = zip(*parts)
     total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
     return DistillOut(total, torch.cat(row_loss), torch.cat(row_hit), row_alpha=torch.cat(alpha) if accept.soft else None,
-                      row_reach=torch.cat(reach) if accept.group else None)
+                      row_reach=torch.cat(reach) if group else None,
+                      row_rejected=torch.cat(reverse) if rejected else None)
 
 
 @dataclass

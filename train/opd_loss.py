@@ -14,16 +14,17 @@ accepted positions) and ``p``, ``q`` the target's and the draft's distributions 
 vocab (``p`` after ``draft.distill_temperature``). At hard, ``reach`` is 0 or 1: a position the
 chain reaches gets the forward KL only, one it does not reach the decayed reverse KL only.
 
-The reverse-KL term is a second :func:`~draftsmith.train.losses.chunked_distill` over the same
-rows with loss ``reverse_kl``, so it runs where the first runs: on the chunked torch path, or in
-the fused Triton kernel (its ``reverse_kl`` kind) where ``train.fused_loss`` takes it (one more
-logits matmul per chunk); where the fused loss cannot run, both terms fall back to the chunked
-path with the fused loss's own warning. Nothing changes at inference or in the export.
+Both terms come from ONE :func:`~draftsmith.train.losses.chunked_distill` call over the rows, with
+two per-row weights (``w * reach`` for ``D``, ``w * (1 - reach) * opd_gamma**k`` for the reverse
+KL; ``DistillOut.row_loss`` is ``D``, ``row_rejected`` the reverse KL): on the chunked torch path
+both divergences come from each chunk's logits, and in the fused Triton kernel (train.fused_loss)
+from one logits matmul per chunk, the row kernel summing ``KL(q || p)`` beside ``D`` in the same
+vocab passes and writing one gradient for both. Where the fused loss cannot run, the call takes the
+chunked path with the fused loss's own warning. Nothing changes at inference or in the export.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -31,36 +32,37 @@ import torch
 from .losses import AcceptSpec, DistillOut, LossSpec, chunked_distill
 
 
-def reverse_spec(loss: LossSpec | None) -> LossSpec:
-    """``KL(q || p)`` at ``loss``'s target temperature (``draft.distill_temperature``)."""
-    return LossSpec("reverse_kl", target_temperature=(loss or LossSpec()).target_temperature)
-
-
-def rejected_term(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
-                  teacher_index: torch.Tensor, weight: torch.Tensor, reach: torch.Tensor, decay: float | torch.Tensor,
-                  loss: LossSpec | None = None, chunk_size: int | None = None,
-                  fused: str | bool | None = None) -> DistillOut:
-    """The rejected rows' term ``sum_m weight_m * (1 - reach_m) * decay_m * KL(q_m || p_m)``.
+def opd_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
+                teacher_index: torch.Tensor, weight: torch.Tensor, reach: torch.Tensor, decay: float,
+                loss: LossSpec | None = None, chunk_size: int | None = None, *, accept: AcceptSpec,
+                fused: str | bool | None = None) -> DistillOut:
+    """One draft position's rows whose reach the caller carries (EAGLE-3's TTT step k >= 1):
+    ``sum_m weight_m * (reach_m * D_m + (1 - reach_m) * decay * KL(q_m || p_m))`` in one
+    :func:`~draftsmith.train.losses.chunked_distill` call.
 
     Args:
-        hidden: ``(M, H)`` draft rows (with grad); logits_fn, teacher, teacher_index, chunk_size,
-            fused: as :func:`~draftsmith.train.losses.chunked_distill`.
-        weight: ``(M,)`` or a 0-dim float, the rows' position weights (before the split).
+        hidden: ``(M, H)`` draft rows (with grad); logits_fn, teacher, teacher_index, loss,
+            chunk_size, fused: as :func:`~draftsmith.train.losses.chunked_distill`.
+        weight: ``(M,)`` or 0-dim float tensor, the rows' position weights (before the split).
         reach: ``(M,)`` float32 in [0, 1], detached: the chain's acceptance before each row.
-        decay: ``opd_gamma**k``: a float, or ``(M,)`` per row.
-        loss: the recipe's :class:`LossSpec` (its ``target_temperature`` is kept).
+        decay: ``opd_gamma**k`` of the rows' draft position k.
+        accept: ``draft.opd``'s :class:`AcceptSpec` (no group; soft: ``row_alpha`` too, for the
+            next step's reach).
 
     Returns:
-        :class:`DistillOut` of the reverse KL (``row_loss``: ``KL(q || p)`` per row, nats).
+        :class:`DistillOut`: ``loss_sum`` both terms, ``row_loss`` ``D`` and ``row_rejected``
+        ``KL(q || p)`` per row (nats), ``row_hit`` / ``row_alpha`` the rows' own acceptance.
+
+    Raises:
+        ValueError: ``accept`` is not on-policy distillation's, or has a group (block drafters:
+            :func:`opd_group_distill`).
     """
-    w = (weight * (1.0 - reach) * decay).expand(hidden.shape[0])
-    return chunked_distill(hidden, logits_fn, teacher, teacher_index, w, reverse_spec(loss), chunk_size, fused=fused)
-
-
-def with_rejected(accepted: DistillOut, rejected: DistillOut) -> DistillOut:
-    """``accepted`` with the rejected term added to its ``loss_sum`` (the rest is the accepted
-    term's: ``row_loss`` is ``D``, ``row_hit`` / ``row_alpha`` / ``row_reach`` the chain's)."""
-    return dataclasses.replace(accepted, loss_sum=accepted.loss_sum + rejected.loss_sum)
+    if accept is None or not accept.opd or accept.group:
+        raise ValueError("opd_distill needs draft.opd's AcceptSpec without a group (EAGLE-3's TTT steps)")
+    accepted = weight * reach
+    rejected = torch.sub(weight * decay, accepted, alpha=decay)  # w * (1 - reach) * decay in two small ops
+    return chunked_distill(hidden, logits_fn, teacher, teacher_index, accepted, loss, chunk_size, fused=fused,
+                           accept=accept, rejected_weight=rejected)
 
 
 def opd_group_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
@@ -68,19 +70,14 @@ def opd_group_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], 
                       chunk_size: int | None = None, *, accept: AcceptSpec,
                       fused: str | bool | None = None) -> DistillOut:
     """:func:`~draftsmith.train.losses.chunked_distill`'s signature for a block drafter's slots
-    (``accept.group`` = G slots per block, in order): the accepted term
-    (``chunked_distill(..., accept=accept)``, each row's weight times its ``row_reach``) plus
-    :func:`rejected_term` with ``decay = opd_gamma**j`` at slot index j (0..G-1) of its block.
+    (``accept.group`` = G slots per block, in order): one call that weights slot j (0..G-1) of a
+    block ``weight * reach`` for ``D`` and ``weight * (1 - reach) * opd_gamma**j`` for
+    ``KL(q || p)``, the reach computed in the call from the block's earlier slots (``row_reach``).
 
     Raises:
         ValueError: ``accept`` is not on-policy distillation's or has no group; M not whole groups.
     """
     if accept is None or not accept.opd or not accept.group:
         raise ValueError("opd_group_distill needs draft.opd's AcceptSpec with a group (a block's slots)")
-    out = chunked_distill(hidden, logits_fn, teacher, teacher_index, weight, loss, chunk_size, fused=fused,
-                          accept=accept)
-    G = accept.group
-    decay = (accept.opd_gamma ** torch.arange(G, device=hidden.device, dtype=torch.float32)).repeat(hidden.shape[0] // G)
-    rejected = rejected_term(hidden, logits_fn, teacher, teacher_index, weight, out.row_reach, decay, loss,
-                             chunk_size, fused)
-    return with_rejected(out, rejected)
+    return chunked_distill(hidden, logits_fn, teacher, teacher_index, weight, loss, chunk_size, fused=fused,
+                           accept=accept)

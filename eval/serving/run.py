@@ -62,6 +62,7 @@ class Study:
     server: ServerOptions = field(default_factory=ServerOptions)
     bench_timeout_s: float = 3600.0
     meta: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # serve-bench --plan: serving_plan.json, checked against what is measured
 
 
 def _measure_level(study: Study, server: dict[str, Any], cfg_name: str, concurrency: int, temperature: float,
@@ -218,6 +219,10 @@ def _finish(study: Study, results: dict[str, Any], runs: dict[str, dict[str, Any
                            f"{study.server.seed}, {len(study.prompt_sets[temp_level])} prompts",
             "temperatures": runs[draft_cfg.name]["temperatures"],
         }
+    if study.plan is not None:
+        from ..serving_plan import plan_check
+
+        results["plan_check"] = plan_check(study.plan, results["configs"], results.get("k_sweep"))
     _write_results(study, results)
 
 

@@ -9,6 +9,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="dflash", package=__name__, vllm_method="dflash", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"),
     parts={
         "recipe_config": ".recipe:DFlashDraftConfig",
         "config_class": ".config:DFlashConfig",

@@ -11,6 +11,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="dflash2", package=__name__, vllm_method="dflash", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"),  # served as dflash, architecture DFlash2DraftModel
     parts={
         "recipe_config": ".recipe:DFlash2DraftConfig",
         "config_class": ".config:DFlash2Config",

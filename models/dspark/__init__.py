@@ -11,6 +11,7 @@ from ...methods import DraftMethodSpec, register
 # vLLM serves it on a GPU only (V2 model runner); .proposer:check_vllm_serves says so
 register(DraftMethodSpec(
     name="dspark", package=__name__, vllm_method="dspark", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"),
     parts={
         "recipe_config": ".recipe:DSparkDraftConfig",
         "config_class": ".config:DSparkConfig",

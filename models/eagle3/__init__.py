@@ -10,6 +10,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="eagle3", package=__name__, vllm_method="eagle3", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"), chain_drafts=True,
     parts={
         "recipe_config": ".recipe:Eagle3DraftConfig",
         "config_class": ".config:Eagle3Config",

@@ -9,11 +9,43 @@ from typing import Any
 
 from transformers import LlamaConfig
 
+from ...target import text_config
 from ..common import LlamaLayerConfig, rope_theta_and_scaling
+from .recipe import DRAFT_LAYERS, MLA_KEYS, layer_option_problem
 
 #: The EAGLE-3.1 options: top-level ``config.json`` keys that vLLM 0.32's ``llama_eagle3`` reads
 #: (``norm_before_fc`` also from ``eagle_config``) and the speculators library writes.
 EAGLE31_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
+
+#: ``layer`` -> (``model_type``, ``architectures``) of the layer config an export writes. The MLA
+#: layer's is DeepSeek-V2's: vLLM 0.32 turns a draft config of ``model_type`` ``deepseek_v3`` into its
+#: MTP draft (``SpeculativeConfig.hf_config_override``), never into ``deepseek_eagle3``.
+LAYER_CONFIGS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                 "mla": ("deepseek_v2", "DeepseekV2ForCausalLM")}
+
+#: ``layer`` -> ``architectures`` of a legacy export, the draft class vLLM's registry maps to the
+#: layer's module (``llama_eagle3`` / ``qwen3_eagle3`` / ``deepseek_eagle3``).
+LEGACY_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM",
+                        "mla": "Eagle3DeepseekV2ForCausalLM"}
+
+#: Why an MLA draft needs ``q_lora_rank``: vLLM 0.32's ``deepseek_eagle3`` maps ``kv_a_proj_with_mqa``
+#: into ``fused_qkv_a_proj`` (``q_a_proj`` and it, stacked) whatever the config says, so a draft with a
+#: full-rank ``q_proj`` (``q_lora_rank`` null, DeepSeek-V2-Lite's layout) does not load.
+MLA_FULL_RANK_QUERY = ("vLLM 0.32's deepseek_eagle3 loads an MLA draft only with a low-rank query (it fuses "
+                       "kv_a_proj_with_mqa with q_a_proj); set draft.mla.q_lora_rank (e.g. the target's kv_lora_rank)")
+
+#: Layer config ``model_type`` values read as the MLA layer (the DeepSeek-V2 / V3 family, Kimi K2).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def layer_of(layer: dict[str, Any]) -> str:
+    """The draft layer (``llama`` / ``qwen3`` / ``mla``) of a layer config: ``qwen3`` for ``model_type``
+    ``qwen3``, ``mla`` for a DeepSeek-family config (:data:`MLA_MODEL_TYPES`) or one with a
+    ``kv_lora_rank``, else ``llama`` (vLLM's default for a speculators layer config without ``model_type``)."""
+    model_type = layer.get("model_type", "llama")
+    if model_type in MLA_MODEL_TYPES or layer.get("kv_lora_rank"):
+        return "mla"
+    return "qwen3" if model_type == "qwen3" else "llama"
 
 
 @dataclass
@@ -43,6 +75,16 @@ class Eagle3Config(LlamaLayerConfig):
             p attends to keys at positions p' with ``p - p' < W`` only (vLLM's window, W keys
             counting its own); written and read as the layer config's ``sliding_window`` /
             ``layer_types`` / ``use_sliding_window`` (docs/formats.md, "EAGLE-3 sliding window").
+        layer: the decoder layer (``draft.layer``, :data:`~draftsmith.models.eagle3.recipe.DRAFT_LAYERS`):
+            ``llama``, ``qwen3`` (per-head ``q_norm`` / ``k_norm`` RMSNorms of width ``head_dim`` on q and k
+            before RoPE; q/k/v biases with ``attention_bias``, no ``o_proj`` bias) or ``mla`` (multi-head
+            latent attention, :mod:`draftsmith.models.eagle3.mla`).
+        q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: the ``mla``
+            layer's geometry (DeepSeek-V2 config keys, all required: :data:`MLA_FULL_RANK_QUERY` says
+            why ``q_lora_rank`` is); None for the other layers. With ``mla``, ``head_dim`` is the
+            query/key head width ``qk_nope_head_dim + qk_rope_head_dim`` and ``num_key_value_heads``
+            equals ``num_attention_heads`` (every head has its own keys and values, decompressed from
+            the latent).
     """
 
     hidden_size: int
@@ -66,6 +108,12 @@ class Eagle3Config(LlamaLayerConfig):
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    layer: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +135,39 @@ class Eagle3Config(LlamaLayerConfig):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
             )
+        self._check_layer()
+
+    def _check_layer(self) -> None:
+        """Raise ValueError (one line naming the key) for a layer draftsmith does not build or vLLM
+        does not serve with these options, or an inconsistent MLA geometry."""
+        if self.layer not in DRAFT_LAYERS:
+            raise ValueError(f"layer {self.layer!r}: no EAGLE-3 draft layer vLLM serves (known: {', '.join(DRAFT_LAYERS)})")
+        problem = layer_option_problem(self.layer, "", norm_before_fc=self.norm_before_fc,
+                                       sliding_window=self.sliding_window, attention_bias=self.attention_bias,
+                                       mlp_bias=self.mlp_bias, hidden_act=self.hidden_act)
+        if problem:
+            raise ValueError(problem)
+        mla = {k: getattr(self, k) for k in MLA_KEYS}
+        if self.layer != "mla":
+            if any(v is not None for v in mla.values()):
+                raise ValueError(f"layer {self.layer!r} has no MLA geometry, got {mla}")
+            return
+        if not mla["q_lora_rank"]:
+            raise ValueError(f"q_lora_rank {mla['q_lora_rank']!r}: {MLA_FULL_RANK_QUERY}")
+        missing = [k for k in MLA_KEYS[1:] if not mla[k]]
+        if missing:
+            raise ValueError(f"layer 'mla' needs {', '.join(missing)} (positive)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates channel pairs, it must be even")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim != qk or self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"layer 'mla': head_dim must be qk_nope_head_dim + qk_rope_head_dim = {qk} (got "
+                             f"{self.head_dim}) and num_key_value_heads num_attention_heads = {self.num_attention_heads} "
+                             f"(got {self.num_key_value_heads})")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_scaling.rope_type {rope_type!r}: vLLM's deepseek_eagle3 (layer mla) rotates with "
+                             "DeepSeek's YaRN or no scaling")
 
     @classmethod
     def from_target(
@@ -96,15 +177,50 @@ class Eagle3Config(LlamaLayerConfig):
         aux_layer_ids: list[int],
         norm_before_residual: bool = True,
         sliding_window: int | None = None,
+        layer: str = "llama",
+        mla: dict[str, int | None] | None = None,
         **eagle31: bool,
     ) -> "Eagle3Config":
         """Build the draft geometry from a transformers target config (Llama-like or gpt-oss).
 
         ``sliding_window``: the draft's attention window (tokens; None: full attention).
-        ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set."""
-        return cls(**cls.target_geometry(target_config), draft_vocab_size=draft_vocab_size,
-                   aux_layer_ids=list(aux_layer_ids), norm_before_residual=norm_before_residual,
-                   sliding_window=sliding_window, **eagle31)
+        ``layer``: the decoder layer (``draft.layer``); ``mla``: with ``layer="mla"``, the recipe's
+        ``draft.mla`` (:data:`~draftsmith.models.eagle3.recipe.MLA_KEYS`, None = the target's).
+        ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set.
+
+        Raises:
+            ValueError: ``layer="mla"`` on a target without multi-head latent attention, or an option
+                vLLM does not serve with that layer (one line naming the key, the value and what works).
+        """
+        geometry = cls.target_geometry(target_config)
+        if layer == "mla":
+            geometry.update(cls.mla_geometry(target_config, mla or {}))
+        return cls(**geometry, draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids),
+                   norm_before_residual=norm_before_residual, sliding_window=sliding_window, layer=layer, **eagle31)
+
+    @staticmethod
+    def mla_geometry(target_config: Any, overrides: dict[str, int | None]) -> dict[str, Any]:
+        """The ``mla`` layer's fields from the target's MLA config keys, each overridden where
+        ``overrides`` (the recipe's ``draft.mla``) is not None; ``head_dim`` the query/key head width,
+        ``num_key_value_heads`` the query heads.
+
+        Raises:
+            ValueError: the target has no multi-head latent attention (no ``kv_lora_rank``): vLLM's
+                ``deepseek_eagle3`` is served next to a DeepSeek-V2/V3-style target only; or no query
+                LoRA rank in the target nor the overrides (:data:`MLA_FULL_RANK_QUERY`).
+        """
+        text = text_config(target_config)
+        if not getattr(text, "kv_lora_rank", None):
+            kind = getattr(text, "model_type", None) or type(text).__name__
+            raise ValueError(f"draft.layer=mla: the target ({kind}) has no multi-head latent attention (no "
+                             "kv_lora_rank in its config), and vLLM's deepseek_eagle3 drafts for DeepSeek-V2/V3-style "
+                             "targets; use draft.layer llama or qwen3")
+        fields = {k: overrides.get(k) if overrides.get(k) is not None else getattr(text, k, None) for k in MLA_KEYS}
+        if not fields["q_lora_rank"]:
+            raise ValueError(f"draft.mla.q_lora_rank: the target has none (a full-rank q_proj) and {MLA_FULL_RANK_QUERY}")
+        fields["head_dim"] = (fields["qk_nope_head_dim"] or 0) + (fields["qk_rope_head_dim"] or 0)
+        fields["num_key_value_heads"] = text.num_attention_heads
+        return fields
 
     def eagle31_options(self) -> dict[str, bool]:
         """``{option: value}`` of the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`), in that order."""
@@ -144,11 +260,15 @@ class Eagle3Config(LlamaLayerConfig):
     # Export formats (docs/formats.md, "EAGLE-3"): the writer and the reader of each live here.
 
     def to_layer_config(self) -> dict[str, Any]:
-        """The one-layer Llama config vLLM builds the draft layer from (``transformer_layer_config``
-        of the speculators format; the top level of the legacy format)."""
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+        """The one-layer config vLLM builds the draft layer from (``transformer_layer_config`` of the
+        speculators format; the top level of the legacy format): a Llama config, a Qwen3 config
+        (``model_type`` ``qwen3``: vLLM's speculators reader then builds ``Eagle3Qwen3ForCausalLM``;
+        no ``mlp_bias``, which Qwen3 has not) or, for ``mla``, a DeepSeek-V2 config carrying the
+        latent attention geometry (:data:`LAYER_CONFIGS`)."""
+        model_type, architecture = LAYER_CONFIGS[self.layer]
+        out = {
+            "model_type": model_type,
+            "architectures": [architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -168,6 +288,13 @@ class Eagle3Config(LlamaLayerConfig):
             "tie_word_embeddings": False,
             **self.sliding_window_keys(1),
         }
+        if self.layer == "qwen3":
+            del out["mlp_bias"]
+        if self.layer == "mla":  # transformers' DeepSeek config sets head_dim (its RoPE width) itself
+            for key in ("head_dim", "mlp_bias", "layer_types", "use_sliding_window", "sliding_window"):
+                del out[key]
+            out.update({k: getattr(self, k) for k in MLA_KEYS})
+        return out
 
     def sliding_window_keys(self, num_layers: int) -> dict[str, Any]:
         """The layer-config keys of :attr:`sliding_window` for ``num_layers`` draft layers, as the
@@ -231,10 +358,12 @@ class Eagle3Config(LlamaLayerConfig):
         }
 
     def to_legacy(self, dtype: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
-        """``config.json`` of the legacy ``LlamaForCausalLMEagle3`` format (weights ``midlayer.*``)."""
+        """``config.json`` of the legacy format (weights ``midlayer.*``): the layer config at the top
+        level, ``architectures`` the vLLM draft class (:data:`LEGACY_ARCHITECTURES`:
+        ``LlamaForCausalLMEagle3``, ``Eagle3Qwen3ForCausalLM``, ``Eagle3DeepseekV2ForCausalLM``)."""
         out = self.to_layer_config()
         out.update({
-            "architectures": ["LlamaForCausalLMEagle3"],
+            "architectures": [LEGACY_ARCHITECTURES[self.layer]],
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
             "norm_before_residual": self.norm_before_residual,
@@ -250,14 +379,21 @@ class Eagle3Config(LlamaLayerConfig):
     def from_layer_config(cls, layer: dict[str, Any], draft_vocab_size: int, aux_layer_ids: list[int],
                           target_hidden_size: int | None, norm_before_residual: bool,
                           **eagle31: bool) -> Eagle3Config:
-        """The config of a Llama-style layer config plus the EAGLE-3 fields (either format);
-        ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`)."""
+        """The config of a layer config (Llama, Qwen3 or DeepSeek-V2 MLA: :func:`layer_of`) plus the
+        EAGLE-3 fields (either format); ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`)."""
         rope_theta, rope_scaling = rope_theta_and_scaling(layer.get("rope_parameters"), layer.get("rope_theta"),
                                                           layer.get("rope_scaling"))
+        kind = layer_of(layer)
+        heads = layer["num_attention_heads"]
+        if kind == "mla":
+            attention = {k: layer.get(k) for k in MLA_KEYS} | {
+                "num_key_value_heads": heads, "head_dim": layer["qk_nope_head_dim"] + layer["qk_rope_head_dim"]}
+        else:
+            attention = {"num_key_value_heads": layer["num_key_value_heads"],
+                         "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads}
         return cls(
             hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            num_attention_heads=heads, layer=kind, **attention,
             vocab_size=layer["vocab_size"], draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids),
             target_hidden_size=target_hidden_size, norm_before_residual=norm_before_residual,
             rms_norm_eps=layer.get("rms_norm_eps", 1e-5), hidden_act=layer.get("hidden_act", "silu"),
@@ -277,7 +413,7 @@ class Eagle3Config(LlamaLayerConfig):
             ValueError: no aux layer ids, an inconsistent geometry, or a draft draftsmith's
                 EAGLE-3 layer cannot hold (:func:`refuse_foreign_speculators`).
         """
-        refuse_foreign_speculators(config, "eagle3", num_layers=1)
+        refuse_foreign_speculators(config, "eagle3", num_layers=1, layer_types=("llama", "qwen3"))
         facts = Eagle3ExportFacts.read(config, "speculators")
         if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")
@@ -383,11 +519,12 @@ class Eagle3ExportFacts:
 
 
 
-def refuse_foreign_speculators(config: dict[str, Any], model_type: str, num_layers: int | None = None) -> None:
+def refuse_foreign_speculators(config: dict[str, Any], model_type: str, num_layers: int | None = None,
+                               layer_types: tuple[str, ...] = ("llama",)) -> None:
     """Refuse a speculators ``config.json`` (a speculators 0.9 checkpoint or a draftsmith export)
     whose draft the ``model_type`` reader would read as something else: another
-    ``speculators_model_type``, a ``transformer_layer_config`` of another layer kind than Llama's
-    (the speculators library and vLLM also build Qwen3 layers, with ``q_norm`` / ``k_norm``), another
+    ``speculators_model_type``, a ``transformer_layer_config`` of a layer kind not in ``layer_types``
+    (``model_type``: the speculators library and vLLM build ``llama`` and ``qwen3`` layers), another
     number of decoder layers (``num_layers``; None: any), or a partial rotary embedding
     (``partial_rotary_factor`` below 1). docs/speculators_interop.md lists what is read and what is refused.
 
@@ -399,9 +536,9 @@ def refuse_foreign_speculators(config: dict[str, Any], model_type: str, num_laye
         raise ValueError(f"speculators_model_type {kind!r}: not a speculators {model_type!r} draft")
     layer = config.get("transformer_layer_config") or {}
     layer_type = layer.get("model_type", "llama")  # vLLM's default when absent
-    if layer_type != "llama":
+    if layer_type not in layer_types:
         raise ValueError(f"transformer_layer_config.model_type {layer_type!r}: draftsmith's {model_type} draft "
-                         "is built from Llama decoder layers")
+                         f"is built from {' or '.join(t.capitalize() for t in layer_types)} decoder layers")
     layers = layer.get("num_hidden_layers", 1)
     if num_layers is not None and layers != num_layers:
         raise ValueError(f"transformer_layer_config.num_hidden_layers {layers!r}: draftsmith's {model_type} draft "

@@ -13,6 +13,13 @@
 - legacy (``legacy=True``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
   ``eagle_config``, weights under ``midlayer.*``.
 
+The draft layer (``Eagle3Config.layer``, docs/formats.md, "EAGLE-3 draft layers") decides the layer
+config and the attention tensors: ``qwen3`` writes a Qwen3 layer config (speculators:
+``transformer_layer_config.model_type "qwen3"``; legacy: ``architectures ["Eagle3Qwen3ForCausalLM"]``)
+and adds ``self_attn.q_norm`` / ``k_norm``; ``mla`` is always written in the legacy layout, a
+``deepseek_v2`` config with ``architectures ["Eagle3DeepseekV2ForCausalLM"]`` and DeepSeek-V2's
+attention tensors (:func:`attention_weight_shapes`).
+
 The speculators library's own ``eagle3`` checkpoints are the speculators format too, read by the
 same loader (docs/speculators_interop.md): they also ship ``embed_tokens.weight`` (used when
 present), and no ``d2t`` / ``t2d`` when the draft vocab is the whole target vocab (read as the
@@ -32,7 +39,9 @@ import torch
 
 from ...layout import DraftCheckpoint, DraftLoadError, read_export
 from ..common import SPECULATORS_VERSION, DraftCard, DraftFit, DraftFormat, check_tensor_set, verifier_of, with_target_embedding
-from .config import Eagle3Config, Eagle3ExportFacts
+from .config import LEGACY_ARCHITECTURES, Eagle3Config, Eagle3ExportFacts, layer_of
+
+LAYER_NAMES = {"llama": "Llama", "qwen3": "Qwen3", "mla": "DeepSeek MLA"}  # the model card's words
 from .model import Eagle3DraftModel
 
 
@@ -49,10 +58,13 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
     """
     H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    attn = f"{prefix}self_attn."
     optional: dict[str, tuple[int, ...]] = {}
-    if cfg.attention_bias:
-        optional.update({f"{prefix}self_attn.q_proj.bias": (nh * hd,), f"{prefix}self_attn.k_proj.bias": (nkv * hd,),
-                         f"{prefix}self_attn.v_proj.bias": (nkv * hd,), f"{prefix}self_attn.o_proj.bias": (H,)})
+    if cfg.attention_bias:  # Qwen3's o_proj has no bias (vLLM's Qwen3Attention)
+        optional.update({f"{attn}q_proj.bias": (nh * hd,), f"{attn}k_proj.bias": (nkv * hd,),
+                         f"{attn}v_proj.bias": (nkv * hd,)})
+        if cfg.layer == "llama":
+            optional[f"{attn}o_proj.bias"] = (H,)
     if cfg.mlp_bias:
         optional.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
                          f"{prefix}mlp.down_proj.bias": (H,)})
@@ -60,12 +72,7 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
         optional["input_norm.weight"] = (3 * Ht,)
     if cfg.fc_norm:
         optional.update({f"fc_norm.{i}.weight": (Ht,) for i in range(3)})
-    return optional | {
-        "fc.weight": (H, 3 * Ht),
-        f"{prefix}self_attn.q_proj.weight": (nh * hd, 2 * H),
-        f"{prefix}self_attn.k_proj.weight": (nkv * hd, 2 * H),
-        f"{prefix}self_attn.v_proj.weight": (nkv * hd, 2 * H),
-        f"{prefix}self_attn.o_proj.weight": (H, nh * hd),
+    return optional | {"fc.weight": (H, 3 * Ht)} | attention_weight_shapes(cfg, attn) | {
         f"{prefix}mlp.gate_proj.weight": (I, H),
         f"{prefix}mlp.up_proj.weight": (I, H),
         f"{prefix}mlp.down_proj.weight": (H, I),
@@ -79,10 +86,33 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
     }
 
 
+def attention_weight_shapes(cfg: Eagle3Config, attn: str = "layers.0.self_attn.") -> dict[str, tuple[int, ...]]:
+    """The draft layer attention's weights (biases aside) under prefix ``attn``, by ``cfg.layer``:
+    Llama's q/k/v/o projections (q/k/v read 2H); Qwen3's plus ``q_norm`` / ``k_norm`` ``[hd]``; MLA's
+    ``q_a_proj [q_lora_rank, 2H]``, ``q_a_layernorm [q_lora_rank]``, ``q_b_proj [nh * hd_qk,
+    q_lora_rank]``, ``kv_a_proj_with_mqa
+    [kv_lora_rank + r, 2H]``, ``kv_a_layernorm [kv_lora_rank]``, ``kv_b_proj [nh * (qk_nope_head_dim +
+    v_head_dim), kv_lora_rank]``, ``o_proj [H, nh * v_head_dim]`` (DeepSeek-V2's names, which vLLM's
+    ``deepseek_eagle3`` loads, fusing ``q_a_proj`` and ``kv_a_proj_with_mqa``)."""
+    H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if cfg.layer == "mla":
+        r_kv, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        return {f"{attn}q_a_proj.weight": (cfg.q_lora_rank, 2 * H), f"{attn}q_a_layernorm.weight": (cfg.q_lora_rank,),
+                f"{attn}q_b_proj.weight": (nh * hd, cfg.q_lora_rank),
+                f"{attn}kv_a_proj_with_mqa.weight": (r_kv + r, 2 * H), f"{attn}kv_a_layernorm.weight": (r_kv,),
+                f"{attn}kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r_kv),
+                f"{attn}o_proj.weight": (H, nh * cfg.v_head_dim)}
+    out = {f"{attn}q_proj.weight": (nh * hd, 2 * H), f"{attn}k_proj.weight": (nkv * hd, 2 * H),
+           f"{attn}v_proj.weight": (nkv * hd, 2 * H), f"{attn}o_proj.weight": (H, nh * hd)}
+    if cfg.layer == "qwen3":
+        out |= {f"{attn}q_norm.weight": (hd,), f"{attn}k_norm.weight": (hd,)}
+    return out
+
+
 def is_eagle3_export(config: dict[str, Any]) -> bool:
     """True for the ``config.json`` of an EAGLE-3 export (speculators or legacy layout)."""
     return (config.get("speculators_model_type") == "eagle3"
-            or "LlamaForCausalLMEagle3" in (config.get("architectures") or []))
+            or bool(set(LEGACY_ARCHITECTURES.values()) & set(config.get("architectures") or [])))
 
 
 def export_eagle3(ckpt: DraftCheckpoint, dtype: str, version: str, legacy: bool = False,
@@ -91,7 +121,10 @@ def export_eagle3(ckpt: DraftCheckpoint, dtype: str, version: str, legacy: bool 
     """The export tensors and ``config.json`` of an EAGLE-3 checkpoint.
 
     Args:
-        legacy: the legacy ``LlamaForCausalLMEagle3`` layout instead of speculators.
+        legacy: the legacy layout (``LlamaForCausalLMEagle3`` / ``Eagle3Qwen3ForCausalLM``) instead of
+            speculators. An MLA draft is always written in the legacy layout
+            (``Eagle3DeepseekV2ForCausalLM``, a ``deepseek_v2`` config): vLLM 0.32's speculators
+            reader maps ``transformer_layer_config.model_type`` llama and qwen3 only.
         num_speculative_tokens: K written as the default proposal length.
         embed_tokens: optionally include the target embedding ``[V, H]`` (vLLM otherwise
             shares the target's).
@@ -100,6 +133,7 @@ def export_eagle3(ckpt: DraftCheckpoint, dtype: str, version: str, legacy: bool 
         ExportError: missing or mis-shaped tensors (tensors the layout does not have are left out).
     """
     cfg: Eagle3Config = ckpt.config
+    legacy = legacy or cfg.layer == "mla"  # vLLM 0.32's speculators reader builds llama / qwen3 layers only
     want = expected_weight_shapes(cfg)
     state = {k: v for k, v in ckpt.state.items() if k in want}
     check_tensor_set(state, want, str(ckpt.weights), "EAGLE-3")
@@ -167,8 +201,10 @@ def eagle3_fit(config: dict[str, Any]) -> DraftFit:
 def eagle3_card_facts(config: dict[str, Any]) -> list[str]:
     """The model card's lines about an EAGLE-3 export (either layout)."""
     facts = Eagle3ExportFacts.read(config)
-    fmt = "speculators" if facts.format == "speculators" else "legacy LlamaForCausalLMEagle3"
-    return [f"- method: EAGLE-3 (one Llama decoder layer over three target hidden states), format {fmt}",
+    archs = config.get("architectures") or []
+    fmt = "speculators" if facts.format == "speculators" else f"legacy {archs[0] if archs else ''}".strip()
+    layer = layer_of(config.get("transformer_layer_config") or {} if facts.format == "speculators" else config)
+    return [f"- method: EAGLE-3 (one {LAYER_NAMES[layer]} decoder layer over three target hidden states), format {fmt}",
             f"- aux hidden-state layer ids: {facts.aux_layer_ids} (vLLM convention: residual stream after L layers)",
             f"- draft vocab size: {facts.draft_vocab_size} of the target's {facts.vocab_size} tokens "
             "(d2t / t2d included)",

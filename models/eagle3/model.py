@@ -43,17 +43,23 @@ nh / nkv query / key-value heads, hd head dim.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding
 
-from ..attention import sdpa_with_mask
 from ..common import RMSNorm, TargetSharedDraft, resolve_attention_backend, ttt_prediction_mask
+from .attention import (  # noqa: F401 (re-exported where they were defined before)
+    Eagle3Attention,
+    Eagle3KVCache,
+    Qwen3Eagle3Attention,
+    TTTAttention,
+    ttt_attention,
+)
 from .config import Eagle3Config
+from .mla import DeepseekRotaryEmbedding, MLAEagle3Attention
 from .masks import (  # noqa: F401 (the masks, re-exported where they were defined before)
     TTTMask,
     document_last,
@@ -63,140 +69,26 @@ from .masks import (  # noqa: F401 (the masks, re-exported where they were defin
 )
 
 
-def ttt_attention(
-    q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    scale: float,
-    document_ids: torch.Tensor | None = None,
-    mask: TTTMask | None = None,
-) -> torch.Tensor:
-    """Attention of TTT step ``len(keys) - 1`` under :func:`ttt_attention_mask`: ONE attention call
-    over the step-major concatenation of every step's keys, memory linear in T (no ``T x T``
-    score matrix is materialised; SDPA's flash / memory-efficient kernels, or flex-attention).
-
-    Args:
-        q: ``[B, nh, T, hd]`` queries of the current step.
-        keys / values: one ``[B, nkv, T, hd]`` tensor per step so far (index 0 = step 0,
-            last = current step), already RoPE-rotated; ``nkv`` divides ``nh`` (GQA).
-        scale: softmax scale (1/sqrt(hd)).
-        document_ids: optional ``(B, T)`` document index per position (packed rows): the
-            step-0 part never crosses a document boundary. Ignored when ``mask`` is given.
-        mask: the unroll's :class:`TTTMask` (built once per forward); default: built here.
-
-    Returns:
-        ``[B, nh, T, hd]`` attention output.
-    """
-    T = q.shape[-2]
-    if mask is None:
-        mask = TTTMask.build(T, len(keys), q.device, document_ids)
-    k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)  # (B, nkv, (k+1)T, hd)
-    v = values[0] if len(values) == 1 else torch.cat(values, dim=2)
-    return mask.attend(q, k, v, scale)
+#: ``Eagle3Config.layer`` -> the draft layer's attention (the rest of the layer is the same for all).
+LAYER_ATTENTION: dict[str, type[TTTAttention]] = {
+    "llama": Eagle3Attention, "qwen3": Qwen3Eagle3Attention, "mla": MLAEagle3Attention}
 
 
-class Eagle3Attention(nn.Module):
-    """Self-attention whose q/k/v read ``[embedding ; hidden]`` (2H); queries of TTT step k
-    attend the keys/values of steps 0..k (``past`` plus this step's own).
-
-    ``input_size`` defaults to 2H (the EAGLE-3 layer); P-EAGLE's layers >= 1 read H. The config's
-    ``sliding_window`` applies at inference (:meth:`forward_cached`); in training the unroll's
-    :class:`TTTMask` carries it."""
-
-    def __init__(self, config: Eagle3Config, input_size: int | None = None):
-        super().__init__()
-        self.nh = config.num_attention_heads
-        self.nkv = config.num_key_value_heads
-        self.hd = config.head_dim
-        bias = config.attention_bias
-        d_in = input_size or 2 * config.hidden_size
-        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, config.hidden_size, bias=bias)
-        self.sliding_window = config.sliding_window
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-        mask: TTTMask | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Returns ``(output (B, T, H), this step's (key, value), each (B, nkv, T, hd))``.
-
-        ``past``: the earlier steps' keys / values; ``mask``: the unroll's :class:`TTTMask`
-        (default: plain TTT mask, no documents). A pure function of its inputs (the caller keeps
-        the per-step list), so activation checkpointing can recompute it in backward."""
-        q, k, v = self._qkv(x, cos, sin)
-        steps = (*past, (k, v))
-        out = ttt_attention(q, [c[0] for c in steps], [c[1] for c in steps], 1.0 / math.sqrt(self.hd), mask=mask)
-        return self._out(out), (k, v)  # (B, T, H)
-
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: "Eagle3KVCache") -> torch.Tensor:
-        """Inference: ``x (B, T, 2H)`` new positions appended to ``cache``; new query j
-        sees every earlier cached key and the new ones causally (cache index = position, as in
-        vLLM's KV cache), with a sliding window W only the keys less than W positions back.
-        -> ``(B, T, H)``."""
-        q, k, v = self._qkv(x, cos, sin)
-        keys, values = cache.append(k, v)  # (B, nkv, L, hd)
-        T, L = x.shape[1], keys.shape[2]
-        mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
-        if self.sliding_window is not None:  # query j is at position L - T + j
-            mask &= ~torch.ones_like(mask).tril(diagonal=L - T - self.sliding_window)
-        return self._out(sdpa_with_mask(q, keys, values, mask))
-
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x (B, T, 2H)`` -> RoPE-rotated q ``(B, nh, T, hd)``, k and v ``(B, nkv, T, hd)``."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def _out(self, attn: torch.Tensor) -> torch.Tensor:
-        """``(B, nh, T, hd)`` attention output -> ``o_proj`` ``(B, T, H)``."""
-        B, _, T, _ = attn.shape
-        return self.o_proj(attn.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-
-class Eagle3KVCache:
-    """Draft KV cache for inference (the reference decoder; vLLM keeps its own).
-
-    Holds the draft layer's keys/values ``(B, nkv, L, hd)`` of every position appended so
-    far; :meth:`crop` drops the tail (the chained steps of a proposal, or rejected drafts).
-    """
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``(B, nkv, T, hd)`` keys / values; returns all cached keys and values."""
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+def rotary_embedding(config: Eagle3Config) -> nn.Module:
+    """The draft layer's RoPE tables ``(x, position_ids) -> (cos, sin)``: Llama's (rotate-half layout,
+    head_dim wide; Qwen3 the same), or the MLA layer's (:class:`~draftsmith.models.eagle3.mla.DeepseekRotaryEmbedding`)."""
+    return DeepseekRotaryEmbedding(config) if config.layer == "mla" else LlamaRotaryEmbedding(config.llama_config())
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The single draft decoder layer (vLLM: ``layers.0`` / legacy ``midlayer``)."""
+    """The single draft decoder layer (vLLM: ``layers.0`` / legacy ``midlayer``): norms, residuals and
+    SiLU MLP as in every vLLM EAGLE-3 draft, the attention of ``config.layer`` (:data:`LAYER_ATTENTION`)."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
         lc = config.llama_config()
         self.norm_before_residual = config.norm_before_residual
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = LAYER_ATTENTION[config.layer](config)
         self.mlp = LlamaMLP(lc)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -279,7 +171,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.rotary_emb = rotary_embedding(config)
 
     @torch.no_grad()
     def init_fc_last_aux(self) -> None:
@@ -301,45 +193,47 @@ class Eagle3DraftModel(TargetSharedDraft):
 
         ``layer`` maps the target layer's tensor names without the ``model.layers.{i}.`` prefix
         (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ``input_layernorm.weight``, ...) to
-        tensors in the target's shapes: q/k/v ``[out, Ht]``, ``o_proj [H, H]``, the MLP, the two
-        norms ``[H]``. The draft's attention reads ``[input_layernorm(embeds) ; hidden_norm(g)]``
-        ``(.., 2H)``: the target's q/k/v go into the columns that read ``g`` (``[:, H:]``) and
-        ``hidden_norm`` takes the target's ``input_layernorm``, so the layer starts as the target's
-        own layer applied to the fused hidden state; the columns that read the next token's
-        embedding and ``input_layernorm`` keep their initialisation. ``o_proj``, the MLP and
-        ``post_attention_layernorm`` are copied; biases where the draft has them.
+        tensors in the target's shapes. The draft's attention reads ``[input_layernorm(embeds) ;
+        hidden_norm(g)]`` ``(.., 2H)``: the target's projections of the layer input (Llama / Qwen3:
+        q/k/v; MLA: ``q_a_proj`` or ``q_proj`` and ``kv_a_proj_with_mqa``) go into the columns that
+        read ``g`` (``[:, H:]``) and ``hidden_norm`` takes the target's ``input_layernorm``, so the
+        layer starts as the target's own layer applied to the fused hidden state; the columns that
+        read the next token's embedding and ``input_layernorm`` keep their initialisation. The rest
+        of the attention (``o_proj``; Qwen3's ``q_norm`` / ``k_norm``; MLA's latent norms,
+        ``q_b_proj``, ``kv_b_proj``), the MLP and ``post_attention_layernorm`` are copied; biases
+        where the draft has them.
 
         Returns:
             the names in ``layer`` the draft layer has no place for (e.g. Qwen3's ``q_norm`` /
-            ``k_norm``), so the started layer is then not exactly the target's.
+            ``k_norm`` under ``layer: llama``), so the started layer is then not exactly the target's.
 
         Raises:
-            KeyError: a tensor the draft layer needs is not in ``layer`` (named).
+            KeyError: a tensor the draft layer needs is not in ``layer`` (named; a mixture-of-experts
+                target layer has no dense ``mlp.*``: start from one of its dense layers).
             ValueError: a tensor's shape differs from the draft's (named, both shapes).
         """
         dst = self.layers[0]
         H = self.config.hidden_size
-        attn, mlp = dst.self_attn, dst.mlp
-        g_columns = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}
-        copies = {  # target name -> the draft tensor (or view) it is copied into
+        copies = dst.self_attn.target_tensors(H) | {  # target name -> the draft tensor (or view) it is copied into
             "input_layernorm.weight": dst.hidden_norm.weight,
             "post_attention_layernorm.weight": dst.post_attention_layernorm.weight,
         }
-        for name, proj in (("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
-                           ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
-                           ("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj),
-                           ("mlp.down_proj", mlp.down_proj)):
-            copies[f"{name}.weight"] = proj.weight[:, H:] if f"{name}.weight" in g_columns else proj.weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            proj = getattr(dst.mlp, name)
+            copies[f"mlp.{name}.weight"] = proj.weight
             if proj.bias is not None:
-                copies[f"{name}.bias"] = proj.bias
+                copies[f"mlp.{name}.bias"] = proj.bias
         missing = sorted(set(copies) - set(layer))
         if missing:
-            raise KeyError(f"target layer tensors missing for the draft layer: {missing}")
+            moe = any(name.startswith("mlp.") for name in missing) and any(".experts." in name for name in layer)
+            raise KeyError(f"target layer tensors missing for the draft layer: {missing}"
+                           + (" (a mixture-of-experts layer: start from one of the target's dense layers)" if moe else ""))
         for name, into in copies.items():
             src = layer[name]
             if tuple(src.shape) != tuple(into.shape):
+                g_columns = not into.is_contiguous()  # a [:, H:] view of a (out, 2H) weight
                 raise ValueError(f"target layer tensor {name} has shape {list(src.shape)}, the draft layer's "
-                                 f"{'g columns ([:, H:]) of ' if name in g_columns else ''}{name} is {list(into.shape)}")
+                                 f"{'g columns ([:, H:]) of ' if g_columns else ''}{name} is {list(into.shape)}")
             into.copy_(src.to(into.dtype))
         return sorted(set(layer) - set(copies))
 

@@ -31,7 +31,7 @@ from ...train.dry_run import (
 )
 from ...train.labels import ttt_prediction_masks
 from ...train.losses import AcceptSpec, LossSpec, chunk_rows, chunked_distill
-from ...train.opd_loss import rejected_term, with_rejected
+from ...train.opd_loss import opd_distill
 from ...train.method_base import DraftVocabMethod
 from ...train.validation import ValidationSpec, accepted_sums, chain_alphas, full_vocab_logits
 from ..common import LayerGeometry
@@ -94,6 +94,8 @@ class Eagle3Method(DraftVocabMethod):
             aux_layer_ids=self.target_info.aux_layer_ids,
             norm_before_residual=recipe.draft.norm_before_residual,
             sliding_window=recipe.draft.sliding_window,
+            layer=recipe.draft.layer,
+            mla=recipe.draft.mla.model_dump(),
             **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS},
         )
         if self.init is not None:
@@ -327,14 +329,15 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
             weight = (gamma**k / denominators[k]).expand(counts[k])
             return chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused)
         reach = chain[0].index_select(0, index[k]) if k else None  # (M_k,) prod_{j<k} a_j at each row's chain
-        weight = (gamma**k / denominators[k]) * reach if k else (gamma**k / denominators[k]).expand(counts[k])
-        out = chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused,
-                              accept=accept)
+        if k and accept.opd:  # draft.opd: one call, the rows the chain does not reach get the decayed reverse KL
+            out = opd_distill(h, logits_fn, teacher, teacher_index[k], gamma**k / denominators[k], reach,
+                              accept.opd_gamma**k, loss, chunk_size, accept=accept, fused=fused)
+        else:
+            weight = (gamma**k / denominators[k]) * reach if k else (gamma**k / denominators[k]).expand(counts[k])
+            out = chunked_distill(h, logits_fn, teacher, teacher_index[k], weight, loss, chunk_size, fused=fused,
+                                  accept=accept)
         if k:
             reach_sums.append(reach.sum())
-            if accept.opd:  # draft.opd: the rows the chain does not reach get the decayed reverse KL
-                out = with_rejected(out, rejected_term(h, logits_fn, teacher, teacher_index[k], gamma**k / denominators[k],
-                                                       reach, accept.opd_gamma**k, loss, chunk_size, fused))
         if k + 1 < steps:  # carry the chain: a_k at step k's rows (detached), times what they had
             factor = accept.factor(out)
             start = chain[0] if k else torch.ones(hidden.shape[0] * hidden.shape[1], device=h.device)
@@ -383,7 +386,9 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     (:func:`activation_estimate`) instead."""
     logits_bytes = (recipe.draft.ttt_steps * recipe.train.batch_size * recipe.data.max_length
                     * geometry.draft_vocab_size * 4 * 3)
-    cfg = Eagle3Config(**geometry.fields(), **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
+    # the MLA layer's geometry is not in LayerGeometry: its draft is counted as a Llama layer of the same width
+    layer = recipe.draft.layer if recipe.draft.layer != "mla" else "llama"
+    cfg = Eagle3Config(**geometry.fields(), layer=layer, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
     return draft_parameter_count(cfg), logits_bytes
 
 

@@ -12,7 +12,8 @@ Before anything is trained it must fit this run: its hidden size, aux-state widt
 size must be the target's, its aux layer ids the ones this run's hidden states were captured
 at (``RUN_DIR/data/target.json``), its verifier architecture (when recorded) the target's, and
 its draft vocab must share tokens with this run's. The draft keeps its own layer geometry
-(intermediate size, heads, attention window), ``norm_before_residual`` and EAGLE-3.1 options; its
+(decoder layer: Llama, Qwen3 or MLA; intermediate size, heads, attention window),
+``norm_before_residual`` and EAGLE-3.1 options; its
 ``lm_head`` rows are carried over by target token id into this run's draft vocab (``d2t``), rows of
 tokens it did not have keep the target's ``lm_head`` rows (``draft.init_lm_head_from_target``).
 """
@@ -170,9 +171,9 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
-    """The config to train: the init draft's geometry, residual norm, EAGLE-3.1 options and attention
-    window, this run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
-    for key in ("norm_before_residual", *EAGLE31_OPTIONS, "sliding_window"):
+    """The config to train: the init draft's layer (``draft.layer``) and geometry, residual norm,
+    EAGLE-3.1 options and attention window, this run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
+    for key in ("layer", "norm_before_residual", *EAGLE31_OPTIONS, "sliding_window"):
         if getattr(init.config, key) != getattr(run_config, key):
             log.warning("draft.init_from: %s=%s as the draft was trained (the recipe says %s)",
                         key, getattr(init.config, key), getattr(run_config, key))

@@ -8,6 +8,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="medusa", package=__name__, vllm_method="medusa", servable=True,
+    vllm_releases=("0.32.0",), chain_drafts=True,  # vLLM 0.33 removed the method and its model code
     parts={
         "recipe_config": ".recipe:MedusaDraftConfig",
         "config_class": ".model:MedusaConfig",

@@ -8,6 +8,9 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="mlp_speculator", package=__name__, vllm_method="mlp_speculator", servable=False,
+    vllm_releases=("0.32.0",), chain_drafts=True,  # 0.32 keeps the method and model code; its V1 engine does not route it
+    vllm_remedy="measure them with the reference decoder (draftsmith compare): vLLM 0.32's V1 engine does not "
+                "route them either",
     parts={
         "recipe_config": ".recipe:MLPSpeculatorDraftConfig",
         "config_class": ".model:MLPSpeculatorConfig",

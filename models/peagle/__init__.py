@@ -9,6 +9,7 @@ from ...methods import DraftMethodSpec, register
 
 register(DraftMethodSpec(
     name="peagle", package=__name__, vllm_method="eagle3", servable=True,
+    vllm_releases=("0.32.0", "0.33.0"),  # served as eagle3 with parallel_drafting
     vllm_extra=(("parallel_drafting", True),),
     parts={
         "recipe_config": ".recipe:PEagleDraftConfig",

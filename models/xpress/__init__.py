@@ -13,6 +13,8 @@ from ...methods import DraftMethodSpec, register
 # vLLM serves it from 0.33 on a GPU only (V2 model runner); .proposer:check_vllm_serves says so
 register(DraftMethodSpec(
     name="xpress", package=__name__, vllm_method="dflash", servable=True,
+    vllm_releases=("0.33.0",),  # served as dflash, architecture Qwen3XPressModel
+    architecture_releases=(("Qwen3XPressModel", ("0.33.0",)), ("DFlashQwen3XPressModel", ("0.33.0",))),
     parts={
         "recipe_config": ".recipe:XPressDraftConfig",
         "config_class": ".config:XPressConfig",

@@ -143,7 +143,8 @@ def vllm_eagle3_draft(export_dir: Path, target: Path):
     return model.eval(), config
 
 
-def run_eagle3_both(model, export_dir: Path, target: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def run_eagle3_both(model, export_dir: Path, target: Path,
+                    build=vllm_eagle3_draft) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{name: (ours, vLLM's)}`` of the first TTT step over one random sequence of T tokens:
 
     - ``g``: ours ``model.fuse`` vs vLLM's ``combine_hidden_states`` (EAGLE-3.1 ``input_norm`` /
@@ -153,11 +154,14 @@ def run_eagle3_both(model, export_dir: Path, target: Path) -> dict[str, tuple[to
       pre-norm sum, or the post-norm hidden with ``norm_output``);
     - ``logits``: ours ``compute_logits`` vs vLLM's ``compute_logits`` (which scatters the draft
       vocab into the target vocab with ``d2t``; read back at ``i + d2t[i]``).
+
+    ``build(export_dir, target) -> (vLLM model, its VllmConfig)``: :func:`vllm_eagle3_draft` (Llama)
+    or :func:`vllm_eagle3_layer_draft` (the class vLLM's registry picks: Qwen3, DeepSeek MLA).
     """
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
 
-    vmodel, config = vllm_eagle3_draft(export_dir, target)
+    vmodel, config = build(export_dir, target)
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, V, (1, T + 1), generator=gen)
     aux = torch.randn(1, T + 1, 3 * H, generator=gen)
@@ -201,3 +205,79 @@ def vllm_names(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         w.pop("t2d")
     out.update({(k if k.startswith("lm_head") else "model." + k): v for k, v in w.items()})
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 draft layers of other families (draft.layer qwen3 / mla): vLLM's qwen3_eagle3 and
+# deepseek_eagle3 built from our export by the class its model registry resolves
+
+class CausalMLA(torch.nn.Module):
+    """Stands in for vLLM's MLA attention kernel (``MultiHeadLatentAttentionWrapper.mla_attn``, an
+    ``MLAAttention`` that reads the engine's forward context and latent KV cache): ``(q [T, nh,
+    qk_nope + qk_rope], kv_c_normed [T, kv_lora_rank], k_pe [T, 1, qk_rope], output_shape) -> [T, nh *
+    v_head_dim]``, the decompressed form of vLLM's MLA prefill: ``kv_b_proj(kv_c_normed)`` split per
+    head into ``k_nope`` and ``v``, keys ``[k_nope ; k_pe]`` (``k_pe`` shared by the heads), causal
+    SDPA over the T tokens of one sequence at the layer's ``scaling`` (YaRN's mscale included).
+    Everything before it (fused_qkv_a_proj, the latent norms, q_b_proj, DeepSeek RoPE) and after it
+    (o_proj) is vLLM's own; ``kv_b_proj`` is the layer's own module too."""
+
+    def __init__(self, attn: torch.nn.Module):
+        super().__init__()
+        self.kv_b_proj, self.scale = attn.kv_b_proj, attn.scaling
+        self.nh, self.nope, self.hd_v = attn.num_local_heads, attn.qk_nope_head_dim, attn.v_head_dim
+
+    def forward(self, q, kv_c_normed, k_pe, output_shape, **_):
+        n = q.shape[0]
+        kv = self.kv_b_proj(kv_c_normed)[0].view(n, self.nh, self.nope + self.hd_v)
+        k_nope, v = kv.split([self.nope, self.hd_v], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(n, self.nh, k_pe.shape[-1])], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=self.scale)
+        return out.transpose(0, 1).reshape(output_shape)
+
+
+def eagle3_layer_draft_config(layer: str, **kw):
+    """A tiny EAGLE-3 draft of ``layer`` (``qwen3`` / ``mla``) over the verifier of
+    :func:`vllm_distributed`, fields ``kw``; the MLA one has 4 heads, query LoRA rank 24, latent 32,
+    qk 16 + 8 (RoPE), v 12."""
+    from draftsmith.models.eagle3.config import Eagle3Config
+
+    if layer != "mla":
+        return eagle3_draft_config(layer=layer, **kw)
+    kw = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12) | kw
+    return Eagle3Config(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NH,
+                        head_dim=kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"], vocab_size=V, draft_vocab_size=VD,
+                        aux_layer_ids=[0, 1, 3], max_position_embeddings=512, layer="mla", **kw)
+
+
+def vllm_eagle3_layer_draft(export_dir: Path, target: Path):
+    """vLLM's draft for ``export_dir`` as :func:`vllm_eagle3_draft` builds Llama's, its class the one
+    vLLM's model registry resolves from the draft config its ``SpeculativeConfig`` reads
+    (``Eagle3Qwen3ForCausalLM``, ``Eagle3DeepseekV2ForCausalLM``, ...); the attention kernel replaced
+    by :class:`CausalSDPA`, or in an MLA layer by :class:`CausalMLA`, with vLLM's rotary embedding
+    run through its ``forward_native`` (see the comment below)."""
+    from safetensors.torch import load_file
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_model_architecture, process_weights_after_loading
+
+    model_config = ModelConfig(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(model=str(export_dir), method="eagle3", num_speculative_tokens=3,
+                             target_model_config=model_config, target_parallel_config=parallel)
+    config = VllmConfig(model_config=model_config, parallel_config=parallel, speculative_config=spec)
+    cls, _ = get_model_architecture(spec.draft_model_config)
+    with set_current_vllm_config(config):
+        model = cls(vllm_config=config)
+        model.load_weights(load_file(str(export_dir / "model.safetensors")).items())
+        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+    attn = model.model.layers[0].self_attn
+    if hasattr(attn, "mla_attn"):
+        attn.mla_attn.mla_attn = CausalMLA(attn)
+        # vLLM's CPU rotary op (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates in place
+        # assuming contiguous heads; MLA hands it strided views (q[..., qk_nope:], k_pe split off the
+        # latent), which it misreads (a CUDA kernel takes the strides). Its PyTorch reference
+        # forward_native, the same rotation, runs instead.
+        attn.rotary_emb._forward_method = attn.rotary_emb.forward_native
+    else:
+        attn.attn = CausalSDPA(attn)
+    return model.eval(), config

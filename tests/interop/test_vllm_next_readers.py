@@ -25,7 +25,7 @@ import pytest
 
 from draftsmith.methods import get_method
 from draftsmith.vllm_bridge import spec_config
-from draftsmith.vllm_bridge.releases import ARCHITECTURE_RELEASES, METHOD_RELEASES
+from draftsmith.vllm_bridge.releases import architecture_releases, method_releases
 
 from helpers.method_exports import AUX, H, MASK_TOKEN_ID, K, V, build_export, draft_config, tiny_target_config
 from helpers.vllm_sources import literal_values, registered_architectures
@@ -144,12 +144,12 @@ def test_vllm_033_refuses_a_config_without_the_speculators_keys(speculators_conf
 def test_the_release_table_matches_vllm_033_sources(vllm_next_src, registry):
     vllm = vllm_next_src / "vllm"
     accepted = literal_values(vllm / "config" / "speculative.py", "SpeculativeMethod")
-    for method, served in METHOD_RELEASES.items():
+    for method, served in method_releases().items():
         vllm_method = get_method(method).vllm_method
         if RELEASE in served:
             assert vllm_method in accepted, method
         else:
             assert vllm_method not in accepted, method
             assert not (vllm / "model_executor" / "models" / f"{method}.py").exists(), method
-    for arch, served in ARCHITECTURE_RELEASES.items():
+    for arch, served in architecture_releases().items():
         assert (arch in registry) == (RELEASE in served), arch

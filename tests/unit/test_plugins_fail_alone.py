@@ -26,7 +26,7 @@ from draftsmith.methods import DraftMethodSpec, UnknownMethodError, get_method, 
 
 from helpers import REPO
 
-BUILTIN = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2", "xpress")
+BUILTIN = ("eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2", "xpress", "mtp")
 EAGLE3_RECIPE = REPO / "recipes" / "smollm2_135m.yaml"  # draft.method: eagle3 (the default)
 
 # a plug-in package registering the method NAME (its parts are not needed to register it)
@@ -96,10 +96,10 @@ def test_asking_for_the_failed_plugin_names_it_and_its_load_failure(tmp_path, fr
     assert str(exc.value) == (f"draft method 'toy' is not available: {MISSING}; fix or uninstall that plug-in "
                               f"(registered: {', '.join(BUILTIN)})")
     # another unknown name, or an export no method recognises, mentions the plug-in left out
-    with pytest.raises(UnknownMethodError, match=r"unknown draft method 'eagle4'; registered: eagle3, .*, xpress; "
+    with pytest.raises(UnknownMethodError, match=r"unknown draft method 'eagle4'; registered: eagle3, .*, mtp; "
                                                  r"method plug-ins not loaded: 'toy'$"):
         get_method("eagle4")
-    with pytest.raises(UnknownMethodError, match=r"is no registered draft format \(eagle3, .*, xpress; method "
+    with pytest.raises(UnknownMethodError, match=r"is no registered draft format \(eagle3, .*, mtp; method "
                                                  r"plug-ins not loaded: 'toy'\)$"):
         method_of_export({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
 

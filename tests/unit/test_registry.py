@@ -17,6 +17,7 @@ from draftsmith.models.dflash2.config import DFlash2Config
 from draftsmith.models.eagle3.config import Eagle3Config
 from draftsmith.models.medusa.model import MedusaConfig
 from draftsmith.models.mlp_speculator.model import MLPSpeculatorConfig
+from draftsmith.models.mtp.config import MTPConfig
 from draftsmith.models.peagle.config import PEagleConfig
 from draftsmith.models.xpress.config import XPressConfig
 from draftsmith.eval.export import export, load_export
@@ -48,6 +49,15 @@ TINY_CONFIGS = {
                            num_key_value_heads=1, head_dim=16, vocab_size=V, draft_vocab_size=V,
                            aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5, num_target_layers=6,
                            xpress_rank=4, xpress_topc=8),
+    # a DeepSeek-V3 target's MTP layer: MLA and a MoE of 4 experts in 2 groups
+    "mtp": MTPConfig("deepseek_v3", {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                     "hidden_size": H, "vocab_size": V, "num_hidden_layers": 2,
+                                     "num_nextn_predict_layers": 1, "intermediate_size": 64,
+                                     "moe_intermediate_size": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+                                     "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                                     "first_k_dense_replace": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                     "qk_rope_head_dim": 8, "v_head_dim": 8}),
 }
 # the methods whose drafts share the target's embedding (the loader takes it as its second argument)
 SHARED_EMBEDDING = {"eagle3", "dflash", "peagle", "dspark", "dflash2", "xpress"}

@@ -161,8 +161,10 @@ REFUSED = [  # (kind, what the config says, words of the one-line refusal)
      "its method is dflash, and draft.method eagle3"),
     ("peagle", {"speculators_model_type": "eagle3"},
      "its method is eagle3, and draft.method peagle starts from peagle"),
-    ("eagle3", {"layer.model_type": "qwen3"},
-     "transformer_layer_config.model_type 'qwen3': draftsmith's eagle3 draft"),
+    ("eagle3", {"layer.model_type": "gemma3"},  # qwen3 is read (draft.layer qwen3, tests/unit/test_eagle3_layers.py)
+     "transformer_layer_config.model_type 'gemma3': draftsmith's eagle3 draft is built from Llama or Qwen3 decoder"),
+    ("peagle", {"layer.model_type": "qwen3"},
+     "transformer_layer_config.model_type 'qwen3': draftsmith's peagle draft is built from Llama decoder layers"),
     ("eagle3", {"layer.num_hidden_layers": 2},
      "transformer_layer_config.num_hidden_layers 2: draftsmith's eagle3 draft has 1 decoder layer"),
     ("peagle", {"layer.partial_rotary_factor": 0.5}, "transformer_layer_config.partial_rotary_factor 0.5"),

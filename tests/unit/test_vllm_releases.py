@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from draftsmith.methods import METHOD_PACKAGES, get_method, registered_methods
 from draftsmith.vllm_bridge import releases
-from draftsmith.vllm_bridge.releases import (ARCHITECTURE_RELEASES, CHECKED_RELEASES, METHOD_RELEASES,
+from draftsmith.vllm_bridge.releases import (CHECKED_RELEASES, architecture_releases, method_releases,
                                              check_vllm_loads, check_vllm_serves_method, release_line)
 
 from helpers.method_exports import AUX, MASK_TOKEN_ID, VD, V, build_export, tiny_target_config
@@ -86,8 +86,8 @@ def test_the_installed_vllm_pins_the_torch_the_table_gives_its_release():
 
 def test_every_built_in_method_is_in_the_table():
     built_in = [m for m in registered_methods() if get_method(m).package in METHOD_PACKAGES]
-    assert sorted(built_in) == sorted(METHOD_RELEASES)
-    for served in (*METHOD_RELEASES.values(), *ARCHITECTURE_RELEASES.values()):
+    assert sorted(built_in) == sorted(method_releases())
+    for served in (*method_releases().values(), *architecture_releases().values()):
         assert served and set(served) <= set(CHECKED_RELEASES), served
 
 
@@ -106,9 +106,9 @@ def test_mlp_speculator_after_032_points_at_the_reference_decoder():
         check_vllm_serves_method("mlp_speculator", "0.33.0")
 
 
-@pytest.mark.parametrize("method", sorted(METHOD_RELEASES))
+@pytest.mark.parametrize("method", sorted(method_releases()))
 def test_each_release_passes_the_methods_it_serves(method):
-    for version in METHOD_RELEASES[method]:
+    for version in method_releases()[method]:
         check_vllm_serves_method(method, version)
         check_vllm_serves_method(method, version.rsplit(".", 1)[0])  # "0.32": the release line
 
@@ -148,14 +148,14 @@ def test_the_installed_vllm_has_what_the_table_says_its_release_has():
     accepted = literal_values(package / "config" / "speculative.py", "SpeculativeMethod")
     registry = registered_architectures(package / "model_executor" / "models" / "registry.py")
     release = Version(version).base_version
-    for method, served in METHOD_RELEASES.items():
+    for method, served in method_releases().items():
         vllm_method = get_method(method).vllm_method
         if release in served:
             assert vllm_method in accepted, (method, version)
         elif vllm_method == method:  # served under its own name: the release's config no longer has it
             assert vllm_method not in accepted, (method, version)
         # else served under another method's name (XPress: dflash): its architecture, below, decides
-    for arch, served in ARCHITECTURE_RELEASES.items():
+    for arch, served in architecture_releases().items():
         assert (arch in registry) == (release in served), (arch, version)
 
 
@@ -464,3 +464,26 @@ def test_export_tensor_names_are_the_ones_vllm_033_loads(exports, method):
     unknown = sorted(n for n in names if not accepted.fullmatch(n))
     assert not unknown, f"{method}: {MODEL_FILE[method]} has no parameter for {unknown}"
     assert not needed_tensors(method, config) - names, f"{method}: missing {sorted(needed_tensors(method, config) - names)}"
+
+
+def test_a_third_party_method_states_its_own_releases_and_chain(monkeypatch):
+    """The release table, the refusal's remedy and a profile's accept-length model come from the
+    method's registered spec (no name table elsewhere): a plug-in registering
+    ``vllm_releases=("0.33.0",)`` is refused on 0.32 with its own remedy, and its
+    ``chain_drafts`` decides ``chain_analytic``."""
+    from draftsmith import methods
+    from draftsmith.eval.profile import chain_drafts
+    from draftsmith.methods import DraftMethodSpec, register
+
+    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
+    register(DraftMethodSpec(name="toy_chain", package="toy_chain", vllm_method="eagle3", servable=True,
+                             vllm_releases=("0.33.0",), vllm_remedy="serve it through the toy server",
+                             architecture_releases=(("ToyDraftModel", ("0.33.0",)),), chain_drafts=True))
+    assert method_releases()["toy_chain"] == ("0.33.0",)
+    check_vllm_serves_method("toy_chain", "0.33.0")
+    with pytest.raises(ValueError, match=r"^vLLM 0\.32\.0 does not serve toy_chain drafts yet .*install vllm==0\.33\.0$"):
+        check_vllm_serves_method("toy_chain", "0.32.0")
+    with pytest.raises(ValueError, match=r"architectures \['ToyDraftModel'\]: vLLM 0\.32\.0 does not serve ToyDraftModel"):
+        check_vllm_loads("eagle3", {"architectures": ["ToyDraftModel"]}, "0.32.0")
+    assert chain_drafts("toy_chain") and chain_drafts("eagle3") and chain_drafts("ngram")
+    assert not chain_drafts("dflash") and not chain_drafts("peagle") and not chain_drafts("no_such_method")

@@ -92,10 +92,10 @@ def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,methods", [
-    ("ttt_steps", 3, "eagle3"), ("gamma", 0.5, "eagle3"), ("head_decay", 0.5, "medusa / mlp_speculator"),
-    ("loss", "jsd", "eagle3 / dflash / peagle / dspark / dflash2 / xpress"),
-    ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle / dspark / dflash2 / xpress"),
-    ("gradient_checkpointing", True, "eagle3 / dflash / peagle / dspark / dflash2 / xpress"),
+    ("ttt_steps", 3, "eagle3 / mtp"), ("gamma", 0.5, "eagle3 / mtp"), ("head_decay", 0.5, "medusa / mlp_speculator"),
+    ("loss", "jsd", "eagle3 / dflash / peagle / dspark / dflash2 / xpress / mtp"),
+    ("lk_kl_scale", 0.5, "eagle3 / dflash / peagle / dspark / dflash2 / xpress / mtp"),
+    ("gradient_checkpointing", True, "eagle3 / dflash / peagle / dspark / dflash2 / xpress / mtp"),
 ])
 def test_a_training_key_that_moved_to_the_draft_section_names_its_new_place(tmp_path, key, value, methods):
     f = tmp_path / "r.yaml"

@@ -1,0 +1,143 @@
+"""The serving machine's step costs: seconds per decode step by batch size and K, measured in vLLM.
+
+For every K in ``ks`` one vLLM engine (K = 0: the target alone; K > 0: the draft's
+``--speculative-config`` at that K) runs, for every batch size ``b``, ``b`` requests of the same
+prompt length together (``max_num_seqs`` = the largest ``b``, every request submitted at once):
+
+1. ``max_tokens=1``: the prefill of the ``b`` prompts (``t_prefill``, seconds);
+2. ``max_tokens=N`` with ``ignore_eos``: prefill plus decode (``t_all``; prefix caching is off, so
+   the prefill is paid again).
+
+The decode steps are ``N - 1`` at K = 0 (one token per step after the prefill's); with a draft
+they are the verify steps, read from vLLM's own counter: ``num_drafts`` counts one draft per
+running request per step, so a step of ``b`` requests adds ``b`` and ``steps = num_drafts / b``
+(the last steps, where some requests have finished, count as fractions). Then
+``T(b, K) = (t_all - t_prefill) / steps``: one target verification of ``b * (K + 1)`` positions
+plus ``K`` draft steps, with the engine's scheduling and sampling included, as served.
+
+The draft's acceptance changes how many steps a request needs, not what a step costs, so the
+table is measured on any prompts; the acceptance lengths come from the speculation profile.
+What the CPU engine cannot tell apart is the verify and the draft part of a step (vLLM 0.33's
+``vllm bench forward`` times them separately on a GPU); the table records the sum.
+Each engine runs in its own subprocess (as ``draftsmith acceptance`` does), so its memory is
+returned before the next K starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..recipe import VllmConfig
+from .serving_plan import CostTable, StepCost
+
+
+def steps_of(k: int, batch_size: int, new_tokens: int, num_drafts: int) -> float:
+    """Decode steps of a run of ``batch_size`` requests of ``new_tokens`` tokens each: ``new_tokens
+    - 1`` without a draft, ``num_drafts / batch_size`` with one (vLLM counts a draft per running
+    request per step).
+
+    Raises:
+        ValueError: a speculative run that counted no draft (the engine did not speculate).
+    """
+    if k == 0:
+        return float(max(new_tokens - 1, 1))
+    if num_drafts <= 0:
+        raise ValueError(f"K={k}, batch {batch_size}: vLLM counted no drafts (the engine did not speculate)")
+    return num_drafts / batch_size
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside the subprocess (``draftsmith plan --worker``, :func:`measure_costs`): one engine
+    at ``args.k``, every batch size, the figures to ``args.result``."""
+    from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
+
+    engine = VllmConfig.model_validate_json(args.engine_json)
+    configure_vllm_env(engine)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .acceptance import _counter_delta, _spec_counters
+
+    spec = json.loads(args.spec_json) if args.spec_json else None
+    if spec:
+        spec = {**spec, "num_speculative_tokens": args.k}
+    sizes = [int(b) for b in args.batch_sizes]
+    llm = LLM(**llm_kwargs(engine.model_copy(update={"max_num_seqs": max(sizes)}), model=str(args.target),
+                           speculative_config=spec, disable_log_stats=False, seed=0,
+                           enable_prefix_caching=False))  # a cached prefill would shrink the second pass
+    vocab = llm.get_tokenizer().vocab_size
+    prompts = [TokensPrompt(prompt_token_ids=[(17 + 31 * i + 7 * j) % (vocab - 1) + 1 for j in range(args.prompt_tokens)])
+               for i in range(max(sizes))]
+    first = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], full, use_tqdm=False)  # warm-up: the first step's one-off costs
+    rows = []
+    for b in sizes:
+        t0 = time.perf_counter()
+        llm.generate(prompts[:b], first, use_tqdm=False)
+        t_prefill = time.perf_counter() - t0
+        before = _spec_counters(llm)
+        t0 = time.perf_counter()
+        llm.generate(prompts[:b], full, use_tqdm=False)
+        t_all = time.perf_counter() - t0
+        drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
+        steps = steps_of(args.k, b, args.new_tokens, int(drafts))
+        rows.append({"batch_size": b, "k": args.k, "step_s": max(t_all - t_prefill, 1e-9) / steps,
+                     "steps": max(1, round(steps)), "prefill_s": t_prefill, "total_s": t_all})
+    Path(args.result).write_text(json.dumps(rows))
+
+
+def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: Sequence[int],
+                  batch_sizes: Sequence[int], *, prompt_tokens: int = 256, new_tokens: int = 64,
+                  temperature: float = 0.0, engine: VllmConfig | None = None, draft: str | None = None,
+                  method: str | None = None, log_dir: Path | None = None,
+                  timeout_s: float | None = None) -> CostTable:
+    """The cost table of ``target`` (and the draft of ``speculative_config``, without
+    ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``.
+
+    Raises:
+        ValueError: a K > 0 without a speculative config, or a batch size below 1.
+        RuntimeError: an engine failed (one line naming K and the log).
+        subprocess.TimeoutExpired: one engine ran past ``timeout_s``.
+    """
+    from ..vllm_bridge.engine import engine_env
+    from .acceptance import vllm_version
+
+    engine = engine or VllmConfig()
+    if any(k > 0 for k in ks) and not speculative_config:
+        raise ValueError("K > 0 needs the draft's speculative config (--draft)")
+    if min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes {list(batch_sizes)}: each must be at least 1")
+    costs: list[StepCost] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in sorted(set(ks)):
+            result = Path(tmp) / f"k{k}.json"
+            cmd = [sys.executable, "-m", "draftsmith.cli.plan", "--worker", "--result", str(result),
+                   "--target", str(target), "--k", str(k), "--batch-sizes", ",".join(map(str, batch_sizes)), "--engine-json", engine.model_dump_json(),
+                   "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+                   "--temperature", str(temperature), "--spec-json", json.dumps(speculative_config) if k > 0 else ""]
+            log = Path(log_dir or tmp) / f"costs_k{k}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as fh:
+                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
+            if proc.returncode != 0 or not result.is_file():
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+                raise RuntimeError(f"cost measurement at K={k} failed (exit {proc.returncode}): {tail[0]} "
+                                   f"(log: {log if log_dir else 'pass --log-dir to keep it'})")
+            costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps")})
+                      for r in json.loads(result.read_text())]
+    return CostTable(source="measured: vllm engine (offline LLM, every request submitted at once)",
+                     machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                              "cpus": os.cpu_count()},
+                     target=str(target), draft=draft, method=method, engine_version=vllm_version(),
+                     prompt_tokens=prompt_tokens, output_tokens=new_tokens, costs=costs)

@@ -1,0 +1,356 @@
+"""A per-batch-size serving plan from a draft's measured acceptance and the serving machine's step costs.
+
+Speculation pays where the extra tokens a verify step accepts outweigh what the K draft steps and
+the K + 1 verified positions cost, and that balance moves with the batch: at batch 1 the target is
+memory-bound and verifying K + 1 tokens costs about as much as verifying one; at a large batch it
+is compute-bound and every verified position is paid. So the best K is a function of the batch
+size, and vLLM (0.32 on) takes one: ``speculative_config.num_speculative_tokens_per_batch_size``,
+a list of inclusive ``(start, end, K)`` batch-size ranges starting at 1, K = 0 turning speculation
+off for that range (``vllm/v1/spec_decode/dynamic/utils.py``).
+
+The model (docs/serving_plan.md), for a batch of ``b`` sequences decoding at K draft tokens:
+
+    tokens per step   = b * AL(K)                    (AL: mean acceptance length, bonus token included)
+    seconds per step  = T(b, K)                      (one target verification of b * (K + 1) positions
+                                                      plus K draft steps: the cost table, measured)
+    output tok/s      = b * AL(K) / T(b, K)          (K = 0: b / T(b, 0), AL(0) = 1)
+
+``AL(K)`` comes from the draft's ``speculation_profile.json`` at the served temperature: for a chain
+drafter (its K = n draft is the first n tokens of its K = n + 1 draft: EAGLE-3, Medusa, the MLP
+speculator, ngram) ``AL(K) = 1 + sum(marginal_accept_rates[:K])`` for every K up to the measured
+one; for block and parallel drafters (DFlash, DSpark, P-EAGLE) only the K it was measured at
+(``accept_length_by_k``). ``T(b, K)`` comes from a :class:`CostTable` measured on the serving
+machine (:mod:`draftsmith.eval.serving_costs`).
+
+The plan picks the K of highest predicted tok/s at each measured batch size, keeps the previous
+range's K unless another beats it by more than ``hysteresis`` (so that two nearly equal Ks do not
+flap from one batch size to the next), and merges equal neighbours into ranges; a batch size
+between two measured ones takes the lower one's K (what vLLM's lookup does with a gap).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..fileio import atomic_file
+from .profile import SpeculationProfile, chain_drafts
+
+PLAN_FILE = "serving_plan.json"
+SCHEMA_VERSION = "1.0"
+PER_BATCH_SIZE_FROM = "0.32.0"
+"""The first vLLM release whose ``SpeculativeConfig`` reads ``num_speculative_tokens_per_batch_size``."""
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made from these inputs; one line naming the file and field."""
+
+
+class StepCost(BaseModel):
+    """The measured cost of one engine step at batch size ``batch_size`` and ``k`` draft tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(ge=1)
+    k: int = Field(ge=0)
+    step_s: float = Field(gt=0, allow_inf_nan=False, description="seconds per decode step (verify + K draft steps)")
+    steps: int | None = Field(None, ge=1, description="decode steps the figure is the mean of")
+
+
+class CostTable(BaseModel):
+    """``cost_table.json``: seconds per decode step by batch size and K, on one machine, for one
+    target, draft and engine version (:mod:`draftsmith.eval.serving_costs` measures it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: str = SCHEMA_VERSION
+    source: str = Field(description="'measured: vllm engine', 'vllm bench forward' or 'roofline (estimate)'")
+    machine: dict[str, Any]
+    target: str
+    draft: str | None
+    method: str | None
+    engine_version: str | None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    costs: list[StepCost]
+
+    def step_s(self, b: int, k: int) -> float | None:
+        """Seconds per step at batch ``b`` and ``k`` draft tokens, None where not measured."""
+        for c in self.costs:
+            if c.batch_size == b and c.k == k:
+                return c.step_s
+        return None
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted({c.batch_size for c in self.costs})
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted({c.k for c in self.costs})
+
+
+def read_cost_table(path: Path) -> CostTable:
+    """Raises:
+        PlanError: unreadable, or not a cost table (one line naming the file)."""
+    try:
+        return CostTable.model_validate_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        first = str(exc).splitlines()
+        raise PlanError(f"{path}: not a cost table ({' '.join(first[:3])})") from None
+
+
+def accept_lengths(profile: SpeculationProfile, max_k: int) -> dict[int, float]:
+    """``AL(K)`` for every K the profile gives, 0..``max_k`` (AL(0) = 1).
+
+    A chain drafter's profile measured at K gives every K' <= K: ``1 + sum(marginal[:K'])``;
+    another method's gives the Ks of its ``accept_length_by_k``. K above ``max_k`` is left out."""
+    out = {0: 1.0}
+    if chain_drafts(profile.method):
+        marginal = profile.marginal_accept_rates
+        for k in range(1, min(max_k, len(marginal)) + 1):
+            out[k] = 1.0 + sum(marginal[:k])
+    for key, al in (profile.accept_length_by_k or {}).items():
+        if 1 <= int(key) <= max_k:
+            out.setdefault(int(key), float(al))
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    batch_size: int
+    k: int
+    output_tok_s: float
+    tpot_ms: float  # time per output token of one sequence: step time / AL
+
+
+def predict(b: int, k: int, al: float, step_s: float) -> Prediction:
+    """Output tok/s of ``b`` sequences decoding at ``k`` draft tokens of mean acceptance length
+    ``al`` (bonus token included) when one step takes ``step_s`` seconds."""
+    return Prediction(b, k, b * al / step_s, 1e3 * step_s / al)
+
+
+def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03) -> list[tuple[int, int, list[Prediction]]]:
+    """``(batch size, chosen K, predictions for every K)`` at each measured batch size, smallest
+    first. The chosen K is the one of highest predicted tok/s, except that the previous batch
+    size's K is kept unless the best beats it by more than ``hysteresis`` (a fraction).
+
+    Raises:
+        PlanError: a batch size with no K both measured and in ``als`` (K = 0 is always in ``als``:
+            the table must hold it).
+    """
+    rows, previous = [], None
+    for b in table.batch_sizes:
+        preds = [predict(b, k, als[k], s) for k in table.ks if k in als and (s := table.step_s(b, k)) is not None]
+        if not preds:
+            raise PlanError(f"cost table: batch size {b} has no K that the profile gives an acceptance length for "
+                            f"(table K {table.ks}, profile K {sorted(als)})")
+        best = max(preds, key=lambda p: p.output_tok_s)
+        chosen = best
+        if previous is not None:
+            kept = next((p for p in preds if p.k == previous), None)
+            if kept is not None and best.output_tok_s <= kept.output_tok_s * (1 + hysteresis):
+                chosen = kept
+        rows.append((b, chosen.k, preds))
+        previous = chosen.k
+    return rows
+
+
+def schedule(rows: list[tuple[int, int, list[Prediction]]], max_batch_size: int) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size``: inclusive ``[start, end, K]`` ranges from
+    batch 1 to ``max_batch_size``, each measured batch size's K holding until the next measured
+    batch size, equal neighbours merged."""
+    ranges: list[list[int]] = []
+    points = [(b, k) for b, k, _ in rows]
+    for i, (b, k) in enumerate(points):
+        start = 1 if i == 0 else b
+        end = (points[i + 1][0] - 1) if i + 1 < len(points) else max(max_batch_size, b)
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, k])
+    return ranges
+
+
+def cost_per_million(output_tok_s: float, price_per_hour: float | None) -> float | None:
+    """Dollars per 1M output tokens at ``price_per_hour`` for the machine (None without a price)."""
+    if price_per_hour is None or output_tok_s <= 0:
+        return None
+    return 1e6 / output_tok_s * price_per_hour / 3600.0
+
+
+def check_binding(profile: SpeculationProfile, served: dict[str, Any], where: str) -> None:
+    """Refuse a profile measured at another temperature, target or draft than the one served.
+
+    ``served``: ``{"temperature", "target", "draft_sha256", "method"}`` (a None entry is not checked).
+
+    Raises:
+        PlanError: one line naming ``where`` and the field that differs.
+    """
+    conditions = profile.measurement_conditions or {}
+    t = served.get("temperature")
+    if t is not None and conditions.get("temperature") is not None and not math.isclose(float(conditions["temperature"]), float(t)):
+        raise PlanError(f"{where}: measurement_conditions.temperature is {conditions['temperature']}, the plan serves "
+                        f"temperature {t}: measure the profile at the served temperature "
+                        f"(draftsmith acceptance --temperature {t})")
+    target = served.get("target")
+    measured_target = (profile.target_model or {}).get("name_or_path")
+    if target and measured_target and _model_name(measured_target) != _model_name(target):
+        raise PlanError(f"{where}: target_model.name_or_path is {measured_target}, the plan serves {target}")
+    sha = served.get("draft_sha256")
+    measured_sha = (profile.draft_checkpoint or {}).get("weights_sha256")
+    if sha and measured_sha and sha != measured_sha:
+        raise PlanError(f"{where}: draft_checkpoint.weights_sha256 is {measured_sha[:12]}..., the served draft's "
+                        f"weights are {sha[:12]}...: measure the profile of the draft you serve")
+    method = served.get("method")
+    if method and profile.method and method != profile.method:
+        raise PlanError(f"{where}: method is {profile.method}, the plan serves {method}")
+
+
+def _model_name(name: Any) -> str:
+    """A model's own name, whatever names it: ``embedded:NAME``, a hub id ``org/NAME`` or a folder."""
+    return str(name).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+
+
+def sglang_config(ranges: list[list[int]]) -> dict[str, Any]:
+    """SGLang's adaptive speculation tiers (``--speculative-adaptive --speculative-adaptive-config``):
+    one tier per range, by its largest batch size, with its number of draft steps (0: off)."""
+    return {"tiers": [{"max_batch_size": end, "num_steps": k, "enabled": k > 0} for _, end, k in ranges]}
+
+
+def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config: dict[str, Any], *,
+              max_batch_size: int, hysteresis: float = 0.03, price_per_hour: float | None = None,
+              vllm_version: str | None = None, sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``serving_plan.json`` document (docs/serving_plan.md has its fields).
+
+    Args:
+        speculative_config: the fixed-K ``--speculative-config`` of the draft (its ``method``,
+            ``model``, ...); the plan sets ``num_speculative_tokens`` (the largest K any range uses)
+            and ``num_speculative_tokens_per_batch_size``.
+        max_batch_size: vLLM's ``max_num_seqs`` the plan is for (the last range ends there).
+        vllm_version: the serving vLLM; one older than :data:`PER_BATCH_SIZE_FROM` gets the best
+            fixed K instead of a schedule (``plan.kind`` says which).
+    """
+    k_measured = profile.max_supported_k or profile.num_speculative_tokens
+    als = accept_lengths(profile, max(table.ks))
+    rows = best_ks(table, als, hysteresis)
+    ranges = schedule(rows, max_batch_size)
+    predictions = {str(b): {str(p.k): _pred_json(p, price_per_hour) for p in preds} for b, _, preds in rows}
+    chosen = {str(b): _pred_json(next(p for p in preds if p.k == k), price_per_hour) for b, k, preds in rows}
+    # the one K that is best summed over the measured batch sizes (relative to each batch size's best):
+    # the fixed-K alternative, and the plan itself where the engine reads no schedule
+    fixed = max((k for k in table.ks if k in als),
+                key=lambda k: sum(_tok_s(preds, k) / max(p.output_tok_s for p in preds) for _, _, preds in rows))
+    top = max((k for _, _, k in ranges), default=0)
+    per_batch = vllm_version is None or _release(vllm_version) >= _release(PER_BATCH_SIZE_FROM)
+    vllm_plan: dict[str, Any] | None
+    if top == 0:
+        vllm_plan = None  # speculation never pays: serve without a speculative config
+    elif per_batch:
+        vllm_plan = {**speculative_config, "num_speculative_tokens": top,
+                     "num_speculative_tokens_per_batch_size": ranges}
+    else:
+        vllm_plan = {**speculative_config, "num_speculative_tokens": fixed} if fixed else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "per_batch_size" if per_batch else "fixed_k",
+        "why_fixed_k": None if per_batch else (f"vLLM {vllm_version} does not read num_speculative_tokens_per_batch_size "
+                                               f"(from {PER_BATCH_SIZE_FROM} on): the best fixed K instead"),
+        "vllm": {"speculative_config": vllm_plan,
+                 "fixed_k_alternative": ({**speculative_config, "num_speculative_tokens": fixed} if fixed else None),
+                 "cuda_graph_note": "a per-batch-size schedule makes vLLM's V1 GPU runner capture PIECEWISE instead of "
+                                    "FULL_AND_PIECEWISE CUDA graphs (vLLM issue #49548: about 14% slower single-stream); "
+                                    "where the schedule's predicted gain over fixed_k_alternative is smaller than that, "
+                                    "serve the fixed K"},
+        "sglang": sglang_config(ranges),
+        "schedule": ranges,
+        "hysteresis": hysteresis,
+        "max_batch_size": max_batch_size,
+        "chosen": chosen,
+        "predictions": predictions,
+        "accept_length_by_k": {str(k): round(v, 6) for k, v in sorted(als.items())},
+        "profile_k": k_measured,
+        "price_per_hour": price_per_hour,
+        "sources": {"accept_length": f"speculation profile ({profile.accept_length_model or 'unknown model'}, "
+                                     f"temperature {(profile.measurement_conditions or {}).get('temperature')})",
+                    "step_cost": table.source, **(sources or {})},
+    }
+
+
+def _tok_s(preds: list[Prediction], k: int) -> float:
+    return next((p.output_tok_s for p in preds if p.k == k), 0.0)
+
+
+def _pred_json(p: Prediction, price: float | None) -> dict[str, Any]:
+    cost = cost_per_million(p.output_tok_s, price)
+    return {"k": p.k, "output_tok_s": round(p.output_tok_s, 3), "tpot_ms": round(p.tpot_ms, 3),
+            "cost_per_1m_output_tokens": None if cost is None else round(cost, 4)}
+
+
+def _release(version: str) -> tuple[int, int]:
+    from ..vllm_bridge.releases import release_line
+
+    return release_line(version)
+
+
+def predicted_at(plan: dict[str, Any], batch_size: int) -> dict[str, Any] | None:
+    """The plan's chosen prediction for ``batch_size``: that of the largest measured batch size at
+    or below it (the K the schedule runs there), None below the first."""
+    measured = sorted(int(b) for b in plan.get("chosen", {}))
+    below = [b for b in measured if b <= batch_size]
+    return plan["chosen"][str(below[-1])] if below else None
+
+
+def plan_check(plan: dict[str, Any], configs: dict[str, Any], k_sweep: dict[str, Any] | None,
+               tolerance: float = 0.97) -> dict[str, Any]:
+    """Predicted against measured: per concurrency level ``c`` (decoding batch ~ ``c``), the plan's
+    predicted output tok/s, the ``plan`` configuration's measured one and its error, the best
+    measured of the baseline and every fixed K (the trained draft's K sweep and its own K), and
+    whether the plan reached ``tolerance`` x that best and x the baseline.
+
+    ``configs``: serve-bench's ``results.json`` ``configs``; ``k_sweep``: its ``k_sweep`` (or None)."""
+    def tok_s(cfg: dict[str, Any] | None, c: int) -> float | None:
+        lv = ((cfg or {}).get("levels") or {}).get(c) or ((cfg or {}).get("levels") or {}).get(str(c)) or {}
+        return lv.get("output_tok_s")
+
+    plan_cfg, base_cfg = configs.get("plan"), configs.get("baseline")
+    rows, errors = {}, []
+    levels = sorted({int(c) for c in ((plan_cfg or base_cfg or {}).get("levels") or {})})
+    for c in levels:
+        predicted = predicted_at(plan, c)
+        measured = tok_s(plan_cfg, c) if plan_cfg else tok_s(base_cfg, c)  # no speculative config: the baseline
+        fixed = {"baseline": tok_s(base_cfg, c)}
+        for name, cfg in configs.items():
+            if name not in ("plan", "baseline") and cfg.get("k"):
+                fixed[f"{name} K={cfg['k']}"] = tok_s(cfg, c)
+        for k, sweep in ((k_sweep or {}).get("k") or {}).items():
+            fixed[f"{(k_sweep or {}).get('method')} K={k}"] = tok_s(sweep, c)
+        fixed = {n: v for n, v in fixed.items() if v}
+        best = max(fixed.items(), key=lambda kv: kv[1]) if fixed else (None, None)
+        err = None if not (predicted and measured) else abs(predicted["output_tok_s"] - measured) / measured
+        if err is not None:
+            errors.append(err)
+        rows[str(c)] = {"k": predicted["k"] if predicted else None,
+                        "predicted_tok_s": predicted["output_tok_s"] if predicted else None,
+                        "measured_tok_s": measured, "abs_error": err, "best_fixed": best[0], "best_fixed_tok_s": best[1],
+                        "vs_best": measured / best[1] if measured and best[1] else None,
+                        "vs_baseline": measured / fixed["baseline"] if measured and fixed.get("baseline") else None}
+    ok = [r for r in rows.values() if r["vs_best"] is not None]
+    errors.sort()
+    return {"levels": rows, "tolerance": tolerance,
+            "median_abs_error": errors[len(errors) // 2] if len(errors) % 2 else
+            (sum(errors[len(errors) // 2 - 1:len(errors) // 2 + 1]) / 2 if errors else None),
+            "within_tolerance_of_best": all(r["vs_best"] >= tolerance for r in ok) if ok else None,
+            "never_below_baseline": all((r["vs_baseline"] or 1.0) >= tolerance for r in ok) if ok else None}
+
+
+def write_plan(plan: dict[str, Any], path: Path) -> Path:
+    """Write ``plan`` atomically (a stopped write leaves the previous file)."""
+    with atomic_file(Path(path)) as fh:
+        fh.write((json.dumps(plan, indent=1) + "\n").encode())
+    return Path(path)

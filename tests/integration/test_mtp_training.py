@@ -1,0 +1,97 @@
+"""The target's own MTP layer fine-tuned end to end on a tiny DeepSeek-V3 (MLA + MoE, one shipped
+MTP layer): prepare -> train (draft.method mtp, two unrolled steps) -> export -> reload; the
+warm start is the shipped layer; a target without MTP layers is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.eval.export import export
+from draftsmith.models.mtp.config import MTPConfig
+from draftsmith.models.mtp.format import load_mtp, mtp_weight_shapes
+from draftsmith.models.mtp.model import MTPDraftModel
+from draftsmith.models.mtp.recipe import MTPDraftConfig
+from draftsmith.models.mtp.weights import load_mtp_state, read_target_mtp
+from draftsmith.train.checkpoint import find_checkpoints
+from draftsmith.train.method_base import MethodSetupError
+from helpers.mtp_targets import build_tiny_deepseek_v3
+from helpers.recipes import tiny_recipe, write_prompts
+
+
+def mtp_recipe(target, where, **draft):
+    recipe = tiny_recipe(target, write_prompts(where / "prompts.jsonl"), max_steps=20, lr=3e-3)
+    recipe.draft = MTPDraftConfig(**draft)
+    recipe.data.aux_layer_ids = [0, 1, 2]  # the tiny target has 3 decoder layers
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def mtp_trained(tmp_path_factory):
+    """``(target dir, run dir)``: the tiny DeepSeek-V3's MTP layer trained 20 steps, 2 TTT steps."""
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.models.mtp.training import MTPMethod
+    from draftsmith.train.trainer import fit
+
+    root = tmp_path_factory.mktemp("mtp_run")
+    target = build_tiny_deepseek_v3(root / "target")
+    recipe = mtp_recipe(target, root, ttt_steps=2)
+    prepare(recipe, root / "run")
+    fit(recipe, MTPMethod(recipe, root / "run"), root / "run", progress=False)
+    return target, root / "run"
+
+
+@pytest.mark.integration
+def test_training_starts_from_the_shipped_layer_and_the_loss_goes_down(mtp_trained):
+    target, run = mtp_trained
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss_0", "loss_1", "acc_0", "acc_1"} <= set(metrics[0])
+    assert metrics[-1]["loss"] < 0.6 * metrics[0]["loss"]
+    assert metrics[-1]["acc_0"] > metrics[0]["acc_0"]
+    # the trained weights are the MTP layer's, moved away from the shipped ones the warm start loaded
+    cfg = MTPConfig("deepseek_v3", json.loads((target / "config.json").read_text()))
+    shipped = MTPDraftModel(cfg)
+    load_mtp_state(shipped, read_target_mtp(target, cfg))
+    trained = load_file(str(find_checkpoints(run / "checkpoints")[-1] / "model.safetensors"))
+    assert set(trained) == {k for k in shipped.state_dict() if k.startswith("mtp.")}
+    assert not torch.equal(trained["mtp.eh_proj.weight"], shipped.state_dict()["mtp.eh_proj.weight"])
+
+
+@pytest.mark.integration
+def test_export_is_the_target_config_and_the_shipped_names(mtp_trained, tmp_path):
+    target, run = mtp_trained
+    ckpt = find_checkpoints(run / "checkpoints")[-1]
+    out = export(ckpt, tmp_path / "mtp", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    shipped = json.loads((target / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k not in ("torch_dtype", "draftsmith")} == \
+        {k: v for k, v in shipped.items() if k != "torch_dtype"}
+    assert config["draftsmith"]["method"] == "mtp" and config["draftsmith"]["ttt_steps"] == 2
+    weights = load_file(str(out / "model.safetensors"))
+    cfg = MTPConfig("deepseek_v3", shipped)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == mtp_weight_shapes(cfg)
+    assert all(k.startswith("model.layers.3.") for k in weights)
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in weights  # per expert, as shipped
+    assert "model.layers.3.shared_head.head.weight" not in weights  # vLLM shares the target's
+    state = load_file(str(ckpt / "model.safetensors"))
+    reloaded = load_mtp(out).state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(reloaded[k], v, rtol=0, atol=0)
+
+
+@pytest.mark.integration
+def test_a_target_without_mtp_layers_is_one_line(tmp_path):
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.models.mtp.training import MTPMethod
+
+    target = build_tiny_deepseek_v3(tmp_path / "target", with_mtp=False)
+    recipe = mtp_recipe(target, tmp_path)
+    prepare(recipe, tmp_path / "run", ["target"])
+    with pytest.raises(MethodSetupError) as err:
+        MTPMethod(recipe, tmp_path / "run")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "num_nextn_predict_layers" in message and "deepseek_v3" in message and "eagle3" in message

@@ -1,0 +1,162 @@
+"""draftsmith plan: the per-batch-size K schedule from a speculation profile and a cost table
+(eval/serving_plan.py), on synthetic tables whose right answer is known by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.cli import plan as plan_cli
+from draftsmith.eval import serving_plan as sp
+from draftsmith.eval.profile import SpeculationProfile
+from draftsmith.eval.serving_costs import steps_of
+
+
+def profile(marginal, method="eagle3", temperature=0.0, target="embedded:SmolLM2-135M-Instruct", by_k=None):
+    k = len(marginal)
+    al = 1 + sum(marginal)
+    return SpeculationProfile.model_validate({
+        "schema_version": "1.0", "measured": True, "method": method, "num_speculative_tokens": k,
+        "target_model": {"name_or_path": target},
+        "conditional_accept_rates": [min(1.0, m / (marginal[i - 1] if i else 1)) for i, m in enumerate(marginal)],
+        "marginal_accept_rates": marginal, "mean_accept_length": al,
+        "accept_length_model": "chain_analytic" if method != "dflash" else "measured_per_k",
+        "accept_length_by_k": by_k or {str(k): al}, "acceptance_length_histogram": {1: 1},
+        "measurement_conditions": {"temperature": temperature}})
+
+
+def table(step):
+    """``step(b, k) -> seconds`` over b in 1, 2, 4, 8, 16 and k in 0..3."""
+    return sp.CostTable(source="synthetic", machine={}, target="t", draft="d", method="eagle3", engine_version=None,
+                        costs=[sp.StepCost(batch_size=b, k=k, step_s=step(b, k)) for b in (1, 2, 4, 8, 16)
+                               for k in range(4)])
+
+
+def memory_then_compute(b, k):
+    """A target that is memory-bound at small batches (verifying K + 1 positions costs little more than
+    one) and compute-bound at large ones (every position is paid), plus a draft step of 10% of a
+    batch-1 step per K."""
+    weights, per_position, draft = 10e-3, 0.5e-3, 1e-3
+    return max(weights, per_position * b * (k + 1)) + k * draft
+
+
+def test_acceptance_lengths_of_a_chain_drafter_give_every_smaller_k():
+    als = sp.accept_lengths(profile([0.6, 0.4, 0.2]), 3)
+    assert als == pytest.approx({0: 1.0, 1: 1.6, 2: 2.0, 3: 2.2})
+    # a block drafter gives only the K it was measured at
+    block = sp.accept_lengths(profile([0.6, 0.4, 0.2], method="dflash", by_k={"3": 2.2}), 3)
+    assert block == pytest.approx({0: 1.0, 3: 2.2})
+
+
+def test_speculation_pays_at_small_batches_and_is_switched_off_when_compute_bound():
+    prof = profile([0.6, 0.4, 0.2])
+    plan = sp.make_plan(prof, table(memory_then_compute), {"method": "eagle3", "model": "d"}, max_batch_size=64)
+    # by hand: b=1: K=3 gives 2.2 / 13 ms = 169 tok/s against 1 / 10 ms = 100; b=16 compute-bound: K=0
+    # 16 / 10 ms = 1600 against K=1 16 * 1.6 / 17 ms = 1506
+    assert plan["chosen"]["1"]["k"] == 3
+    assert plan["chosen"]["16"]["k"] == 0
+    ranges = plan["schedule"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 64 and ranges[-1][2] == 0
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, as vLLM requires
+    assert all(a[2] != b[2] for a, b in zip(ranges, ranges[1:]))  # equal neighbours merged
+    spec = plan["vllm"]["speculative_config"]
+    assert spec["num_speculative_tokens"] == 3 and spec["num_speculative_tokens_per_batch_size"] == ranges
+    assert plan["chosen"]["1"]["output_tok_s"] == pytest.approx(1 * 2.2 / 0.013, rel=1e-3)
+    # every chosen K is the best within the hysteresis at its batch size
+    for b, row in plan["predictions"].items():
+        best = max(v["output_tok_s"] for v in row.values())
+        assert plan["chosen"][b]["output_tok_s"] >= best / (1 + plan["hysteresis"]) - 1e-9
+
+
+def test_hysteresis_keeps_k_when_the_gain_is_within_it():
+    prof = profile([0.6, 0.4, 0.2])
+
+    def nearly_flat(b, k):  # at b >= 4, K=2 beats K=3 by about 1%
+        base = memory_then_compute(1, k)
+        return base * (1.0 if b < 4 or k != 3 else 2.2 / 2.0 * 1.01 * memory_then_compute(1, 2) / base)
+
+    rows = sp.best_ks(table(nearly_flat), sp.accept_lengths(prof, 3), hysteresis=0.03)
+    assert [k for _, k, _ in rows] == [3, 3, 3, 3, 3]
+    rows = sp.best_ks(table(nearly_flat), sp.accept_lengths(prof, 3), hysteresis=0.0)
+    assert [k for _, k, _ in rows] == [3, 3, 2, 2, 2]
+
+
+def test_an_old_vllm_gets_the_best_fixed_k_and_says_why():
+    plan = sp.make_plan(profile([0.6, 0.4, 0.2]), table(memory_then_compute), {"method": "eagle3"},
+                        max_batch_size=16, vllm_version="0.31.2")
+    assert plan["kind"] == "fixed_k" and "0.32.0" in plan["why_fixed_k"]
+    assert "num_speculative_tokens_per_batch_size" not in plan["vllm"]["speculative_config"]
+    assert plan["vllm"]["speculative_config"]["num_speculative_tokens"] >= 1
+
+
+def test_a_draft_that_never_pays_plans_no_speculation():
+    plan = sp.make_plan(profile([0.05, 0.01, 0.0]), table(lambda b, k: 10e-3 * (1 + k)), {"method": "eagle3"},
+                        max_batch_size=16)
+    assert plan["schedule"] == [[1, 16, 0]] and plan["vllm"]["speculative_config"] is None
+
+
+def test_cost_per_million_tokens():
+    assert sp.cost_per_million(1000.0, 3.6) == pytest.approx(1.0)
+    assert sp.cost_per_million(1000.0, None) is None
+
+
+@pytest.mark.parametrize("field, served, match", [
+    ("temperature", {"temperature": 1.0}, r"measurement_conditions\.temperature is 0\.0, the plan serves temperature 1\.0"),
+    ("target", {"target": "Qwen/Qwen3-8B"}, r"target_model\.name_or_path is embedded:SmolLM2-135M-Instruct"),
+    ("method", {"method": "dflash"}, r"method is eagle3, the plan serves dflash"),
+])
+def test_a_profile_of_another_temperature_target_or_method_is_refused_naming_the_field(field, served, match):
+    with pytest.raises(sp.PlanError, match=r"^prof\.json: " + match):
+        sp.check_binding(profile([0.6, 0.4, 0.2]), served, "prof.json")
+    # the same model named another way is not refused
+    sp.check_binding(profile([0.6]), {"temperature": 0.0, "target": "/models/SmolLM2-135M-Instruct"}, "p")
+
+
+def test_steps_from_vllm_draft_counter():
+    assert steps_of(0, 4, 64, 0) == 63
+    assert steps_of(3, 4, 64, 100) == 25
+    with pytest.raises(ValueError, match="counted no drafts"):
+        steps_of(3, 4, 64, 0)
+
+
+def test_the_command_writes_the_plan_from_a_profile_and_a_cost_table(tmp_path, capsys):
+    prof = profile([0.6, 0.4, 0.2], method="ngram")
+    (tmp_path / "profile.json").write_text(prof.model_dump_json())
+    (tmp_path / "costs.json").write_text(table(memory_then_compute).model_dump_json())
+    out = tmp_path / "plan.json"
+    rc = plan_cli.main(["--method", "ngram", "--profile", str(tmp_path / "profile.json"), "--costs",
+                        str(tmp_path / "costs.json"), "--out", str(out), "--price-per-hour", "3.6",
+                        "--max-batch-size", "32", "--vllm", "0.32.0"])
+    assert rc == 0, capsys.readouterr().err
+    plan = json.loads(out.read_text())
+    assert plan["vllm"]["speculative_config"]["method"] == "ngram"
+    assert plan["schedule"][-1][1] == 32 and plan["chosen"]["1"]["cost_per_1m_output_tokens"] > 0
+    assert "schedule (batch-size ranges, K)" in capsys.readouterr().out
+    # a profile at another temperature: one line, exit 1, nothing written
+    out.unlink()
+    rc = plan_cli.main(["--method", "ngram", "--profile", str(tmp_path / "profile.json"), "--costs",
+                        str(tmp_path / "costs.json"), "--out", str(out), "--temperature", "0.7"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and not out.exists() and len(err.splitlines()) == 1 and "temperature" in err
+
+
+def test_plan_check_compares_predicted_with_measured_and_with_every_fixed_k():
+    plan = sp.make_plan(profile([0.6, 0.4, 0.2]), table(memory_then_compute), {"method": "eagle3"}, max_batch_size=16)
+    pred = {c: sp.predicted_at(plan, c)["output_tok_s"] for c in (1, 2, 4, 8, 16)}
+    level = lambda v: {"output_tok_s": v}  # noqa: E731
+    configs = {
+        "baseline": {"k": 0, "levels": {c: level(100.0 * c) for c in pred}},
+        "eagle3": {"k": 3, "levels": {c: level(pred[c] * 1.02) for c in pred}},
+        "plan": {"k": 3, "levels": {c: level(pred[c] * 1.10) for c in pred}},
+    }
+    check = sp.plan_check(plan, configs, {"method": "eagle3", "k": {"1": {"levels": {1: level(150.0)}}}})
+    row = check["levels"]["1"]
+    assert row["predicted_tok_s"] == pytest.approx(pred[1]) and row["measured_tok_s"] == pytest.approx(pred[1] * 1.1)
+    assert row["abs_error"] == pytest.approx(0.1 / 1.1, rel=1e-6)
+    assert check["median_abs_error"] == pytest.approx(0.1 / 1.1, rel=1e-6)
+    assert row["best_fixed"] in ("eagle3 K=3", "baseline", "eagle3 K=1")
+    assert check["within_tolerance_of_best"] is True
+    # a plan that measures 10% under the best fixed K misses the 0.97 bar
+    configs["plan"]["levels"][4] = level(configs["eagle3"]["levels"][4]["output_tok_s"] * 0.9)
+    assert sp.plan_check(plan, configs, None)["within_tolerance_of_best"] is False
