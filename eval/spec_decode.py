@@ -24,7 +24,10 @@ with a KV cache. Each round:
    2023, arXiv:2302.01318): accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``,
    on the first rejection sample from ``norm(max(0, p_i - q_i))``; when all K are accepted
    sample a bonus token from ``p_{K+1}``;
-4. the target's KV cache is cropped to the committed tokens (rejected drafts dropped).
+4. the target's cache is cut back to the committed tokens (rejected drafts dropped): attention
+   layers are cropped, sliding-window layers too (they record their past for it), and the
+   recurrent state of linear-attention layers (Gated DeltaNet), which cannot be cropped, is
+   restored and recomputed over the kept tokens (:mod:`draftsmith.eval.target_cache`).
 
 The output is therefore exactly the target's greedy output at T=0 and distributed as the
 target's samples at T>0, whatever the draft. Counters follow vLLM's spec-decode metrics
@@ -68,6 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from ..target.capture import AuxHiddenStateCapture, decoder_layers
+from ..target.facts import text_config
+from .target_cache import crop_attention, new_target_cache, rollback, snapshot_linear_states
 from ..layout import DraftLoadError, ExportError
 from ..layout import read_export_config as _read_config
 from ..methods import UnknownMethodError, method_of_export
@@ -162,9 +167,23 @@ class Target:
         self.device = next(model.parameters()).device
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
+        """A cache for :meth:`forward` (:func:`draftsmith.eval.target_cache.new_target_cache`: sliding
+        windows recording their past, so a rejected suffix can be cropped)."""
+        return new_target_cache(self.model.config)
 
-        return DynamicCache(config=self.model.config)
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """``(T, V)`` float32 logits of final normed states ``(T, H)``: the ``lm_head``, then the
+        target's ``final_logit_softcapping`` ``c`` when it has one (Gemma: ``c * tanh(z / c)``, as
+        its ``forward`` does; the argmax is unchanged, the distributions sampled at T > 0 are not)."""
+        logits = self.model.lm_head(final).float()
+        cap = getattr(text_config(self.model.config), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.no_grad()
+    def extend(self, token_ids: torch.Tensor, cache: Any) -> None:
+        """Run the base model over ``(T,)`` tokens on ``cache`` (no capture, no logits): the
+        recomputation of :func:`draftsmith.eval.target_cache.rollback`."""
+        self.base(input_ids=token_ids.to(self.device).unsqueeze(0), past_key_values=cache, use_cache=True)
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, cache: Any, last_logits_only: bool = False
@@ -188,15 +207,14 @@ class Target:
                 final = self.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
             states = torch.cat([cap.captured[L][0] for L in self.aux_layer_ids], dim=-1)  # (T, 3H)
         final = final[0, -1:] if last_logits_only else final[0]
-        return self.model.lm_head(final).float(), states
+        return self.logits(final), states
 
 
 def crop_cache(cache: Any, length: int) -> None:
-    """Drop cached positions past ``length`` (a negative count is what transformers 5
-    ``DynamicCache.crop`` expects; older versions accept it too)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Drop cached positions past ``length`` in every attention layer
+    (:func:`draftsmith.eval.target_cache.crop_attention`; linear-attention states need
+    :func:`~draftsmith.eval.target_cache.rollback`)."""
+    crop_attention(cache, length)
 
 
 # --------------------------------------------------------------------------------------
@@ -348,11 +366,13 @@ def speculative_generate(target: Target, proposer: Proposer, prompt_ids: list[in
     while not _finished(out, max_new_tokens, stop_ids):
         proposal = proposer.propose(states, next_tokens, k, temperature, generator)
         committed = cache.get_seq_length()
-        logits, states = target.forward(torch.cat([torch.tensor([out[-1]]), proposal.token_ids]), cache)
+        fed = torch.cat([torch.tensor([out[-1]]), proposal.token_ids])  # pending token + drafts
+        saved = snapshot_linear_states(cache)  # None without linear-attention layers
+        logits, states = target.forward(fed, cache)
         n, nxt = verify(proposal, logits, temperature, generator)
         if counters is not None:
             counters.record(n)
-        crop_cache(cache, committed + 1 + n)  # pending token + accepted drafts
+        rollback(cache, committed, fed[: n + 1], saved, target.extend)  # pending token + accepted drafts
         if rejections is not None and n < k:
             rejections.append(len(out) + n)
         states = states[: n + 1]
@@ -372,6 +392,7 @@ def plain_generate(target: Target, prompt_ids: list[int], temperature: float = 0
     out = [choose(logits[-1], temperature, generator)[0]]
     while not _finished(out, max_new_tokens, stop_ids):
         logits, _ = target.forward(torch.tensor([out[-1]]), cache)
+        crop_cache(cache, cache.get_seq_length())  # trims sliding windows back to W - 1 positions
         out.append(choose(logits[-1], temperature, generator)[0])
     return _truncate(out, max_new_tokens, stop_ids)
 

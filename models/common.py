@@ -104,6 +104,36 @@ def rope_theta_and_scaling(rope_parameters: dict[str, Any] | None, rope_theta: f
 
 
 
+def global_value(text: Any, key: str) -> Any:
+    """``text.<key>`` (None when absent); of a config with per-layer geometry (transformers'
+    heterogeneous configs: Gemma 4's global layers have their own ``head_dim`` and
+    ``num_key_value_heads``) the config-wide value, that of the layers without an override
+    (Gemma 4's sliding layers), where reading the attribute raises."""
+    try:
+        return getattr(text, key, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: a per-layer attribute
+        return text.to_dict().get(key)
+
+
+def mlp_width(text: Any) -> int:
+    """The target's MLP width a draft layer copies: ``intermediate_size``, or for a target whose
+    decoder layers are all mixture-of-experts and that states no dense width (Qwen3.5-MoE) the
+    width a token passes through: ``num_experts_per_tok * moe_intermediate_size`` plus the shared
+    expert's ``shared_expert_intermediate_size``.
+
+    Raises:
+        ValueError: neither is in the config.
+    """
+    width = global_value(text, "intermediate_size")
+    if width:
+        return int(width)
+    per_expert, top_k = global_value(text, "moe_intermediate_size"), global_value(text, "num_experts_per_tok")
+    if not (per_expert and top_k):
+        raise ValueError(f"{type(text).__name__}: no intermediate_size, nor moe_intermediate_size and "
+                         "num_experts_per_tok, to size a draft layer's MLP from")
+    return int(top_k * per_expert + (global_value(text, "shared_expert_intermediate_size") or 0))
+
+
 class LlamaLayerConfig:
     """Base of the draft configs built from Llama-style decoder layers (EAGLE-3, P-EAGLE,
     DFlash): the geometry they copy from the target and RoPE in transformers >= 5's spelling.
@@ -124,10 +154,10 @@ class LlamaLayerConfig:
                                                           getattr(text, "rope_scaling", None))
         return dict(
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=mlp_width(text),
             num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            num_key_value_heads=global_value(text, "num_key_value_heads") or heads,
+            head_dim=global_value(text, "head_dim") or text.hidden_size // heads,
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,8 +150,10 @@ FINAL_NORM_NAMES = ["model.norm.weight", "model.language_model.norm.weight", "no
 
 def load_target_head_tensors(path: Path) -> dict[str, torch.Tensor]:
     """``embed_tokens [V, H]``, ``lm_head [V, H]`` (tied falls back to the embedding) and
-    ``final_norm [H]`` of a target checkpoint."""
-    return load_target_tensors(
+    ``final_norm [H]`` of a target checkpoint, the final norm as the scale it multiplies by
+    (``1 + w`` of a zero-centred norm, :func:`final_norm_offset`), the Llama ``w`` a draft's
+    norm holds."""
+    heads = load_target_tensors(
         path,
         {
             "embed_tokens": EMBED_NAMES,
@@ -158,3 +161,43 @@ def load_target_head_tensors(path: Path) -> dict[str, torch.Tensor]:
             "final_norm": FINAL_NORM_NAMES,
         },
     )
+    if (Path(path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        offset = final_norm_offset(AutoConfig.from_pretrained(path))
+        if offset:
+            heads["final_norm"] = heads["final_norm"] + offset
+    return heads
+
+
+def final_norm_offset(config: Any) -> float:
+    """What the target's final RMSNorm adds to its weight before scaling: 1.0 for a zero-centred
+    norm, ``x_hat * (1 + w)`` (Gemma 1-3, Qwen3-Next, Qwen3.5), 0.0 for Llama's ``x_hat * w``
+    (Llama, Qwen3, DeepSeek-V3, Gemma 4, gpt-oss, ...).
+
+    Read off the model's own norm class rather than a list of families: the text model is built
+    on the meta device (no memory), and its ``norm``'s class, instantiated at width 4 with a zero
+    weight, is run on ones (1.0 out: zero-centred).
+
+    Raises:
+        ValueError: the norm of the config's text model has no ``weight`` to probe, or gives
+            neither 0 nor 1.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .facts import text_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config(config))
+    norm_cls = type(model.get_decoder().norm)
+    norm = norm_cls(4)
+    if not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        raise ValueError(f"{norm_cls.__name__} has no weight: cannot tell its final-norm form")
+    with torch.no_grad():
+        norm.weight.zero_()
+        out = float(norm(torch.ones(1, 4)).mean())
+    if abs(out) < 1e-3:
+        return 0.0
+    if abs(out - 1.0) < 1e-3:
+        return 1.0
+    raise ValueError(f"{norm_cls.__name__}: ones through a zero-weight norm give {out}, neither 0 nor 1")

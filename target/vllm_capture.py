@@ -17,8 +17,8 @@ Two things this module adds:
 - The final (normed) state is not an aux output: vLLM's aux ids stop before the final norm.
   The engine asks for one more id, ``N`` (after the last decoder layer, pre-norm), and applies
   the target's final RMSNorm (weight and ``rms_norm_eps`` from the checkpoint) itself, in
-  fp32, as vLLM's ``RMSNorm`` does. Targets with another final-norm form (Gemma's ``1 + w``)
-  are refused.
+  fp32, as vLLM's ``RMSNorm`` does; a zero-centred norm (Qwen3-Next, Qwen3.5, Gemma 1-3:
+  ``x_hat * (1 + w)``, :func:`draftsmith.target.load.final_norm_offset`) with ``1 + w``.
 - On CPU the stock connector fails at the first finished request:
   ``RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no pinned
   memory allocator is available on this system.`` raised by ``torch.empty_like(...,
@@ -46,7 +46,7 @@ import torch
 
 from ..recipe import VllmConfig
 from .facts import num_decoder_layers, text_config
-from .load import FINAL_NORM_NAMES, load_target_tensors
+from .load import FINAL_NORM_NAMES, final_norm_offset, load_target_tensors
 from .resolve import load_target_config
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class VllmHiddenStateCapture:
         batch_tokens: prompt tokens per sub-batch (a longer record is a sub-batch of its own).
 
     Raises:
-        ValueError: a target whose final norm is not a plain RMSNorm, engine settings the
-            offline engine cannot run (``data_parallel_size > 1``), or ``batch_tokens < 1``.
+        ValueError: a target whose final-norm form cannot be told (:func:`~draftsmith.target.load.final_norm_offset`),
+            engine settings the offline engine cannot run (``data_parallel_size > 1``), or ``batch_tokens < 1``.
     """
 
     name = "vllm"
@@ -136,17 +136,15 @@ class VllmHiddenStateCapture:
 
         config = load_target_config(Path(target_dir), trust_remote_code)
         text = text_config(config)
-        if str(getattr(text, "model_type", "")).startswith("gemma"):
-            raise ValueError(f"{target_dir}: {text.model_type} final norm is (1 + w)-scaled; the vLLM engine "
-                             "reproduces only a plain RMSNorm (use data.hidden_states_engine=transformers)")
         self.architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         self.num_layers = num_decoder_layers(config)
         self.layer_ids = list(layer_ids)
         self.batch_tokens = int(batch_tokens)
         self.eps = float(text.rms_norm_eps)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.final_norm = load_target_tensors(Path(target_dir), {"final_norm": FINAL_NORM_NAMES})[
-            "final_norm"].to(self.device)
+        # the scale the norm multiplies by: 1 + w of a zero-centred norm (Qwen3-Next, Qwen3.5, Gemma 1-3)
+        self.final_norm = (load_target_tensors(Path(target_dir), {"final_norm": FINAL_NORM_NAMES})["final_norm"].float()
+                           + final_norm_offset(config)).to(self.device)
         self._own_dir = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="draftsmith-vllm-hs-")) if work_dir is None else Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)

@@ -62,3 +62,11 @@ def residual_stream_roundings(num_layers: int, engines: int = 2, summation: int 
     where they accumulate in the dtype itself (fp32: every partial sum is rounded, Higham's
     ``gamma_K`` of a dot product of ``K`` terms)."""
     return engines * (2 * num_layers * (1 + summation) + 1)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Per token and state: max |got - want| over the H channels over the reference state's L2
+    norm; ``(T, k*H)`` -> ``(T, k)``."""
+    T = len(want)
+    diff = (got.float() - want.float()).reshape(T, -1, hidden).abs().amax(-1)
+    return diff / want.float().reshape(T, -1, hidden).norm(dim=-1)

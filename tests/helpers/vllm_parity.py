@@ -281,3 +281,23 @@ def vllm_eagle3_layer_draft(export_dir: Path, target: Path):
     else:
         attn.attn = CausalSDPA(attn)
     return model.eval(), config
+
+
+def capture_with_vllm(target: Path, layer_ids: list[int], records: list[dict], dtype: str,
+                      work_dir: Path) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{record index: (aux (T, 3H), final (T, H))}`` on the CPU: ``records`` (``{"id",
+    "input_ids"}``) through :class:`draftsmith.target.vllm_capture.VllmHiddenStateCapture` of
+    ``target`` at ``dtype`` with this machine's engine settings (eager, max_model_len 256), the
+    engine closed after."""
+    from draftsmith.recipe import VllmConfig
+    from draftsmith.target.vllm_capture import VllmHiddenStateCapture
+
+    engine = VllmHiddenStateCapture(target, layer_ids, VllmConfig(
+        dtype=dtype, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256, max_num_seqs=8),
+        work_dir=work_dir)
+    try:
+        got = {j: (aux.cpu(), final.cpu()) for j, aux, final in engine.capture(records)}
+    finally:
+        engine.close()
+    assert sorted(got) == list(range(len(records)))
+    return got

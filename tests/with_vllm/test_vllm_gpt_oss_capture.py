@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from draftsmith.target.capture import capture_batch
-from draftsmith.recipe import VllmConfig
 
 from helpers.tiny import build_tiny_gpt_oss
-from helpers.tolerance import probable_relative_error, residual_stream_roundings, worst_relative_error
+from helpers.tolerance import probable_relative_error, relative_error, residual_stream_roundings, worst_relative_error
+from helpers.vllm_parity import capture_with_vllm
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
@@ -27,36 +27,18 @@ def build_tiny_bf16_gpt_oss(directory: Path) -> Path:
     return build_tiny_gpt_oss(directory, head_dim=64, dtype=torch.bfloat16)
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor, hidden: int) -> torch.Tensor:
-    """Per token and state: max |got - want| over the H channels over the reference state's L2
-    norm; ``(T, k*H)`` -> ``(T, k)``."""
-    T = len(want)
-    diff = (got.float() - want.float()).reshape(T, -1, hidden).abs().amax(-1)
-    return diff / want.float().reshape(T, -1, hidden).norm(dim=-1)
-
-
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vllm_captures_gpt_oss_states_like_transformers(tmp_path, dtype):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.target.vllm_capture import VllmHiddenStateCapture
-
     target = build_tiny_bf16_gpt_oss(tmp_path / "gpt_oss")
     g = torch.Generator().manual_seed(0)
     # longer than the sliding window (8), so both attention kinds matter
     records = [{"id": f"r{i}", "input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}
                for i, n in enumerate([20, 33, 9, 27])]
-    engine = VllmHiddenStateCapture(
-        target, AUX, VllmConfig(dtype=dtype, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256,
-                                max_num_seqs=8),
-        work_dir=tmp_path / "work")
-    try:
-        got = {j: (aux.cpu(), final.cpu()) for j, aux, final in engine.capture(records)}
-    finally:
-        engine.close()
-    assert sorted(got) == list(range(len(records)))
+    got = capture_with_vllm(target, AUX, records, dtype, tmp_path / "work")
 
     # the same (bf16) weights in both engines, computed at ``dtype``
     model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
