@@ -40,7 +40,7 @@ def target_config(name: str):
 
 # decoder layers N of each recipe's target (published configs; SmolLM2-135M: 30)
 TARGET_LAYERS = {"gptoss120b": 36, "gptoss20b": 24, "llama3_1_8b": 32, "qwen3_8b": 36, "smollm2_135m": 30,
-                 "qwen3_30b_a3b": 48, "qwen3_235b_a22b": 94, "qwen3_next_80b": 48, "deepseek_v3": 61}
+                 "qwen3_30b_a3b": 48, "qwen3_235b_a22b": 94, "qwen3_next_80b": 48, "deepseek_v3": 61, "gemma4_26b_a4b": 30}
 
 
 def target_of(path: Path) -> str:
