@@ -167,10 +167,44 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
 
 
 def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
-    """An upper bound of the step's activations: per TTT step and token the layer's residual
-    stream kept for backward (about 16 H-wide fp32 tensors across the fused input, attention and
-    MoE), and one loss chunk of full-vocab logits with its gradient."""
+    """The step's activations, counted from the MTP decoder layer's own geometry (the target's
+    ``config.json``), per TTT step k = 0..K-1 over the B*T tokens:
+
+    - the layer's tensors kept for backward, per token: the fused input (``cat`` of two normed
+      H-wide states, fp32) and its projection; the pre-attention and pre-MLP norms; q / k / v
+      (MLA: also the q / kv latents, their norms and ``kv_b_proj``'s output), their roped copies,
+      the attention output and ``o_proj``; the router logits and softmax; per routed expert slot
+      (``num_experts_per_tok``) its gate / up / product and the gathered input and weighted output;
+      the shared expert; the residual sums. Matmul outputs at the step's matmul width
+      (``act_bytes``), norms and sums in fp32.
+    - attention scores and probabilities, ``B * heads * T * (k+1)T`` fp32 each, where the q/k and v
+      head widths differ (MLA's 192 vs 128): CUDA's fused SDPA kernels take neither that nor the
+      unroll's mask, so the math path holds them (DeepSeek-V3: 24 GiB of the 29 GiB at B=1);
+    - one loss chunk of full-vocab logits with its gradient.
+
+    Within 10% of ``draftsmith bench memory`` on both MTP recipes (tests/integration/
+    test_bench_memory_measured.py)."""
+    from ...target import load_config_json
     from ...train.dry_run import loss_chunk_rows
 
-    K = recipe.draft.ttt_steps
-    return {"layer_activations": K * s.E * s.H * 16 * 4, "loss_chunk": 2 * loss_chunk_rows(recipe, s.E, s.V) * s.V * 4}
+    c = text_json(load_config_json(recipe, None)[0])
+    K, A, F = recipe.draft.ttt_steps, s.act_bytes, 4
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    if c.get("kv_lora_rank"):  # MLA (DeepSeek-V3 / Kimi)
+        qk, vd, nkv = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], nh
+        latent = ((c.get("q_lora_rank") or 0) + c["kv_lora_rank"] + c["qk_rope_head_dim"]) * (A + F)
+        extra = latent + nh * (c["qk_nope_head_dim"] + vd) * A
+        experts, shared = c["n_routed_experts"], (c.get("n_shared_experts") or 0) * c["moe_intermediate_size"]
+    else:  # Qwen3-Next: gated full attention (q_proj twice as wide)
+        hd = c.get("head_dim") or H // nh
+        qk = vd = hd
+        nkv = c["num_key_value_heads"]
+        extra = nh * hd * A
+        experts, shared = c["num_experts"], c.get("shared_expert_intermediate_size") or 0
+    top, inter = c["num_experts_per_tok"], c["moe_intermediate_size"]
+    per_token = (5 * H * F + H * A + 4 * H * F + (nh * qk + nkv * qk + nkv * vd) * A + (nh + nkv) * qk * F
+                 + nh * vd * A + H * A + H * F + extra + 2 * experts * F + top * (3 * inter * A + H * A + H * (A + F))
+                 + ((3 * shared + H) * A if shared else 0) + H * F)
+    scores = sum(s.B * nh * s.T * (k + 1) * s.T * F * 2 for k in range(K)) if qk != vd else 0
+    return {"layer_activations": K * s.E * per_token, "attention_scores": scores,
+            "loss_chunk": 2 * loss_chunk_rows(recipe, s.E, s.V) * s.V * 4}
