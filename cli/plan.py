@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "batch size)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the cost measurement")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request in the cost measurement")
+    p.add_argument("--repeats", type=int, default=3, help="passes per batch size and K in the cost measurement; "
+                   "the table keeps the median")
     p.add_argument("--hysteresis", type=float, default=0.03, help="keep the previous range's K unless another "
                    "beats it by more than this fraction")
     p.add_argument("--price-per-hour", type=float, help="the machine's price (dollars per hour): cost per 1M "
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             from ..target import resolve_target
             engine = vllm_config_from_args(args, recipe.vllm if recipe is not None else None)
             table = measure_costs(resolve_target(args.target), fixed, ks, args.batch_sizes,
-                                  prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                                  prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                                   temperature=args.temperature, engine=engine,
                                   draft=str(args.draft) if args.draft else method, method=method, log_dir=args.log_dir)
             table.target = str(args.target)

@@ -82,27 +82,33 @@ def worker(args: argparse.Namespace) -> None:
     llm.generate(prompts[:1], full, use_tqdm=False)  # warm-up: the first step's one-off costs
     rows = []
     for b in sizes:
-        t0 = time.perf_counter()
-        llm.generate(prompts[:b], first, use_tqdm=False)
-        t_prefill = time.perf_counter() - t0
-        before = _spec_counters(llm)
-        t0 = time.perf_counter()
-        llm.generate(prompts[:b], full, use_tqdm=False)
-        t_all = time.perf_counter() - t0
-        drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
-        steps = steps_of(args.k, b, args.new_tokens, int(drafts))
-        rows.append({"batch_size": b, "k": args.k, "step_s": max(t_all - t_prefill, 1e-9) / steps,
-                     "steps": max(1, round(steps)), "prefill_s": t_prefill, "total_s": t_all})
+        runs = []
+        for _ in range(max(1, args.repeats)):  # the median of a few: one pass is at the mercy of the machine
+            t0 = time.perf_counter()
+            llm.generate(prompts[:b], first, use_tqdm=False)
+            t_prefill = time.perf_counter() - t0
+            before = _spec_counters(llm)
+            t0 = time.perf_counter()
+            llm.generate(prompts[:b], full, use_tqdm=False)
+            t_all = time.perf_counter() - t0
+            drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
+            steps = steps_of(args.k, b, args.new_tokens, int(drafts))
+            runs.append((max(t_all - t_prefill, 1e-9) / steps, steps, t_prefill, t_all))
+        runs.sort()
+        step_s, steps, t_prefill, t_all = runs[len(runs) // 2]
+        rows.append({"batch_size": b, "k": args.k, "step_s": step_s, "steps": max(1, round(steps)),
+                     "step_s_runs": [r[0] for r in runs], "prefill_s": t_prefill, "total_s": t_all})
     Path(args.result).write_text(json.dumps(rows))
 
 
 def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: Sequence[int],
-                  batch_sizes: Sequence[int], *, prompt_tokens: int = 256, new_tokens: int = 64,
+                  batch_sizes: Sequence[int], *, prompt_tokens: int = 256, new_tokens: int = 64, repeats: int = 3,
                   temperature: float = 0.0, engine: VllmConfig | None = None, draft: str | None = None,
                   method: str | None = None, log_dir: Path | None = None,
                   timeout_s: float | None = None) -> CostTable:
     """The cost table of ``target`` (and the draft of ``speculative_config``, without
-    ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``.
+    ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``; each entry
+    the median step time of ``repeats`` passes.
 
     Raises:
         ValueError: a K > 0 without a speculative config, or a batch size below 1.
@@ -123,7 +129,7 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
             result = Path(tmp) / f"k{k}.json"
             cmd = [sys.executable, "-m", "draftsmith.cli.plan", "--worker", "--result", str(result),
                    "--target", str(target), "--k", str(k), "--batch-sizes", ",".join(map(str, batch_sizes)), "--engine-json", engine.model_dump_json(),
-                   "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+                   "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
                    "--temperature", str(temperature), "--spec-json", json.dumps(speculative_config) if k > 0 else ""]
             log = Path(log_dir or tmp) / f"costs_k{k}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
