@@ -22,7 +22,10 @@ def test_two_thousand_requests_at_concurrency_256_are_each_logged_once_with_no_t
     assert figures["torn_lines"] == 0
     assert (figures["logged_once"], figures["logged_more_than_once"], figures["not_logged"]) == (2000, 0, 0)
     assert figures["log_records"] == 2000 + 2 * 256 and figures["log_write_errors"] == 0  # + the warm-up
-    assert figures["fds_after"] <= figures["fds_before"] + 8  # the upstream pool was full before: no leak
+    # no leak: one fd per request (2,000) or per stream would show as hundreds; the upstream pool the
+    # warm-up filled can still grow by a few dozen connections when the load's timing differs from
+    # the warm-up's (it read 234 -> 262 and 253 -> 263 on one idle machine, on code of two sessions apart)
+    assert figures["fds_after"] <= figures["fds_before"] + 64
     assert figures["rss_mib_after"] - figures["rss_mib_before"] < 64
     # two CPU cores shared by the client, the stub and the proxy: a bound that catches a stall, not a regression
     assert figures["added_p99_ms"] < 5000

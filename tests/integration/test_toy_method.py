@@ -225,7 +225,7 @@ def test_a_method_from_outside_trains_exports_and_loads_back(tiny_target, tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"methods": ["eagle3", "medusa", "mlp_speculator", "dflash", "peagle", "dspark", "dflash2",
-                               "xpress", "toy"],
+                               "xpress", "mtp", "toy"],
                    "steps": 4, "type": "ToyDraftConfig", "export_method": "toy", "model": "ToyModel",
                    "proposer": "ToyProposer", "max_k": 2}
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "toy_heads"
@@ -263,4 +263,4 @@ def test_a_recipe_naming_a_method_not_installed_lists_the_installed_ones(tmp_pat
         load_recipe(tmp_path / "recipe.yaml")
     assert str(exc.value) == (f"{tmp_path / 'recipe.yaml'}: invalid recipe: draft: Input tag 'toy' found using "
                               "'method' does not match any of the expected tags: 'eagle3', 'medusa', "
-                              "'mlp_speculator', 'dflash', 'peagle', 'dspark', 'dflash2', 'xpress'")
+                              "'mlp_speculator', 'dflash', 'peagle', 'dspark', 'dflash2', 'xpress', 'mtp'")

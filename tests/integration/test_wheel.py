@@ -55,6 +55,13 @@ TINY_CONFIGS = {
     "xpress": dict(hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
                    head_dim=16, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3], block_size=4,
                    mask_token_id=5, num_target_layers=6, xpress_rank=4, xpress_topc=8),
+    # a DeepSeek-V3 target's MTP layer: MLA and a MoE of 4 experts in 2 groups
+    "mtp": dict(family="deepseek_v3", target_config={
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H, "vocab_size": V,
+        "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "first_k_dense_replace": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}),
 }
 
 # run by the installed code: where it was imported from, every shipped recipe by name, the
