@@ -4,7 +4,6 @@ and the ``data.hidden_states_engine`` selection."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import time
 from pathlib import Path
