@@ -251,3 +251,16 @@ def write_fp8_shards(model, directory: Path) -> tuple[Path, int, int]:
     generate_hidden_states(model, records, directory, ShardSpec(model.config.hidden_size, TINY_AUX, "float8_e4m3fn"),
                            sequences_per_shard=3, progress=False)
     return directory, len(records), model.config.hidden_size
+
+
+def masked_text(tok, enc) -> list[str]:
+    """The text of each maximal run of loss-masked tokens of a ``tokenize_conversation`` result
+    ``enc`` (``input_ids``, ``loss_mask``), decoded by ``tok`` (special tokens kept)."""
+    runs, cur = [], []
+    for t, m in zip(enc["input_ids"], enc["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])

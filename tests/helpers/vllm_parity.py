@@ -20,11 +20,9 @@ H, NH, NKV, HD, I, V, VD = 64, 4, 2, 16, 96, 256, 128
 
 
 @contextmanager
-def vllm_distributed(target: Path):
-    """Writes a tiny target config to ``target`` (vLLM's ``ModelConfig`` of the verifier), sets up
-    vLLM's single-process distributed state (tensor parallel 1, gloo) and tears it down on exit."""
-    from transformers import LlamaConfig
-
+def vllm_single_process():
+    """vLLM's single-process distributed state (tensor parallel 1, gloo, a free loopback port),
+    torn down on exit (the process group too, unless one was up before)."""
     from draftsmith.vllm_bridge.engine import configure_vllm_env
 
     configure_vllm_env()
@@ -36,11 +34,6 @@ def vllm_distributed(target: Path):
         init_distributed_environment,
     )
 
-    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=NH,
-                num_key_value_heads=NKV, head_dim=HD, max_position_embeddings=512,
-                tie_word_embeddings=False).save_pretrained(target)
-    build_tokenizer(vocab_size=V).save_pretrained(target)
-
     already = torch.distributed.is_available() and torch.distributed.is_initialized()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,10 +42,24 @@ def vllm_distributed(target: Path):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         ensure_model_parallel_initialized(1, 1)
-    yield target
+    yield
     destroy_model_parallel()
     if not already:
         destroy_distributed_environment()
+
+
+@contextmanager
+def vllm_distributed(target: Path):
+    """Writes a tiny target config to ``target`` (vLLM's ``ModelConfig`` of the verifier) and sets up
+    :func:`vllm_single_process` for the block."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=NH,
+                num_key_value_heads=NKV, head_dim=HD, max_position_embeddings=512,
+                tie_word_embeddings=False).save_pretrained(target)
+    build_tokenizer(vocab_size=V).save_pretrained(target)
+    with vllm_single_process():
+        yield target
 
 
 class CausalSDPA(torch.nn.Module):

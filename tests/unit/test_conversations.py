@@ -11,7 +11,7 @@ from draftsmith.data_prep.conversations import (
     tokenize_conversation,
 )
 
-from helpers.tiny import write_jsonl
+from helpers.tiny import masked_text, write_jsonl
 
 CONV = [
     {"role": "system", "content": "You are terse."},
@@ -20,20 +20,6 @@ CONV = [
     {"role": "user", "content": "And a dog?"},
     {"role": "assistant", "content": "The lazy dog."},
 ]
-
-
-def masked_text(tok, enc) -> list[str]:
-    """Decode each maximal run of masked tokens."""
-    runs, cur = [], []
-    for t, m in zip(enc["input_ids"], enc["loss_mask"]):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    if cur:
-        runs.append(tok.decode(cur))
-    return runs
 
 
 def test_chatml_mask_covers_exactly_the_assistant_replies_and_end_marker(chatml_tokenizer):

@@ -11,7 +11,7 @@ import pytest
 from draftsmith.data_prep import served_turns as st
 from draftsmith.data_prep.conversations import DataError, normalise_row, tokenize_conversation
 
-from helpers.tiny import build_tokenizer
+from helpers.tiny import build_tokenizer, masked_text
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 SPECIALS = ["<think>", "</think>", "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
@@ -30,18 +30,6 @@ def tokenizer(name: str):
     return tok
 
 
-def labelled(tok, enc) -> list[str]:
-    """The text of each maximal run of labelled tokens (special tokens kept)."""
-    runs, cur = [], []
-    for t, m in zip(enc["input_ids"], enc["loss_mask"]):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    return runs + ([tok.decode(cur)] if cur else [])
-
-
 def conv(reasoning: bool = True, turns: int = 1) -> list[dict]:
     out = [{"role": "system", "content": "Be brief."}]
     for q, r, a in [("What is 2+2?", R, A), ("And doubled?", R2, A2)][:turns]:
@@ -54,7 +42,7 @@ def conv(reasoning: bool = True, turns: int = 1) -> list[dict]:
 def test_qwen3_thinking_labels_the_reasoning_answer_and_end_of_turn():
     tok = tokenizer("qwen3")
     enc = tokenize_conversation(tok, conv(), template_kwargs={"enable_thinking": True})
-    assert labelled(tok, enc) == [f"<think>\n{R}\n</think>\n\n{A}<|im_end|>"]
+    assert masked_text(tok, enc) == [f"<think>\n{R}\n</think>\n\n{A}<|im_end|>"]
 
 
 def test_qwen3_thinking_off_leaves_the_empty_think_block_to_the_prompt():
@@ -62,7 +50,7 @@ def test_qwen3_thinking_off_leaves_the_empty_think_block_to_the_prompt():
     enc = tokenize_conversation(tok, conv(reasoning=False), template_kwargs={"enable_thinking": False})
     text = tok.decode(enc["input_ids"])
     assert text.endswith(f"<|im_start|>assistant\n<think>\n\n</think>\n\n{A}<|im_end|>\n")  # as served
-    assert labelled(tok, enc) == [f"{A}<|im_end|>"]
+    assert masked_text(tok, enc) == [f"{A}<|im_end|>"]
 
 
 @pytest.mark.parametrize("thinking", [True, False])
@@ -74,7 +62,7 @@ def test_qwen3_multi_turn_no_longer_raises_and_trains_the_last_reply_as_served(t
     assert f"<|im_start|>assistant\n{A}<|im_end|>" in text and R not in text
     # ... and is context: the target never wrote it in this form; the last reply is the label
     last = f"<think>\n{R2}\n</think>\n\n{A2}<|im_end|>" if thinking else f"{A2}<|im_end|>"
-    assert labelled(tok, enc) == [last]
+    assert masked_text(tok, enc) == [last]
 
 
 def test_qwen3_reasoning_held_in_the_content_is_split_out():
@@ -82,7 +70,7 @@ def test_qwen3_reasoning_held_in_the_content_is_split_out():
     messages = conv(reasoning=False)
     messages[-1]["content"] = f"<think>\n{R}\n</think>\n\n{A}"  # the raw generated text
     enc = tokenize_conversation(tok, messages)
-    assert labelled(tok, enc) == [f"<think>\n{R}\n</think>\n\n{A}<|im_end|>"]
+    assert masked_text(tok, enc) == [f"<think>\n{R}\n</think>\n\n{A}<|im_end|>"]
 
 
 def test_deepseek_r1_forced_think_opening_is_prompt_and_the_reasoning_is_label():
@@ -92,35 +80,35 @@ def test_deepseek_r1_forced_think_opening_is_prompt_and_the_reasoning_is_label()
     enc = tokenize_conversation(tok, messages)
     text = tok.decode(enc["input_ids"])
     assert text == f"<｜begin▁of▁sentence｜>Be brief.<｜User｜>What is 2+2?<｜Assistant｜><think>\n{R}\n</think>\n\n{A}<｜end▁of▁sentence｜>"
-    assert labelled(tok, enc) == [f"{R}\n</think>\n\n{A}<｜end▁of▁sentence｜>"]
+    assert masked_text(tok, enc) == [f"{R}\n</think>\n\n{A}<｜end▁of▁sentence｜>"]
 
 
 def test_deepseek_v3_1_thinking_on_and_off():
     tok = tokenizer("deepseek_v3_1")
     on = tokenize_conversation(tok, conv(), template_kwargs={"thinking": True})
     assert tok.decode(on["input_ids"]).endswith(f"<｜Assistant｜><think>{R}</think>{A}<｜end▁of▁sentence｜>")
-    assert labelled(tok, on) == [f"{R}</think>{A}<｜end▁of▁sentence｜>"]
+    assert masked_text(tok, on) == [f"{R}</think>{A}<｜end▁of▁sentence｜>"]
     off = tokenize_conversation(tok, conv(reasoning=False), template_kwargs={"thinking": False})
     assert tok.decode(off["input_ids"]).endswith(f"<｜Assistant｜></think>{A}<｜end▁of▁sentence｜>")
-    assert labelled(tok, off) == [f"{A}<｜end▁of▁sentence｜>"]
+    assert masked_text(tok, off) == [f"{A}<｜end▁of▁sentence｜>"]
 
 
 def test_deepseek_v3_1_multi_turn_thinking():
     tok = tokenizer("deepseek_v3_1")
     enc = tokenize_conversation(tok, conv(turns=2), template_kwargs={"thinking": True})
-    assert labelled(tok, enc) == [f"{R2}</think>{A2}<｜end▁of▁sentence｜>"]
+    assert masked_text(tok, enc) == [f"{R2}</think>{A2}<｜end▁of▁sentence｜>"]
 
 
 def test_kimi_k2_thinking_refills_the_empty_think_block_of_the_last_reply():
     tok = tokenizer("kimi_k2_thinking")
     enc = tokenize_conversation(tok, conv())
-    assert labelled(tok, enc) == [f"<think>{R}</think>{A}<|im_end|>"]
+    assert masked_text(tok, enc) == [f"<think>{R}</think>{A}<|im_end|>"]
 
 
 def test_kimi_k2_labels_every_reply_of_a_multi_turn_conversation():
     tok = tokenizer("kimi_k2")  # K2-Instruct renders history as served: one row, every reply labelled
     enc = tokenize_conversation(tok, conv(reasoning=False, turns=2))
-    assert labelled(tok, enc) == [f"{A}<|im_end|>", f"{A2}<|im_end|>"]
+    assert masked_text(tok, enc) == [f"{A}<|im_end|>", f"{A2}<|im_end|>"]
 
 
 @pytest.mark.parametrize("name, kwargs", [("qwen3", {"enable_thinking": False}), ("deepseek_v3_1", {"thinking": False})])
@@ -180,7 +168,7 @@ def test_regenerated_replies_keep_their_reasoning_and_tokenise_back_to_the_serve
     assert out[0]["fingerprint"]["chat_template_kwargs"] == {"enable_thinking": True}
     tok = tokenizer("qwen3")
     enc = tokenize_conversation(tok, out[0]["messages"][:2], template_kwargs={"enable_thinking": True})
-    assert labelled(tok, enc) == ["<think>\nthought 1\n</think>\n\nanswer 1<|im_end|>"]  # the generated text
+    assert masked_text(tok, enc) == ["<think>\nthought 1\n</think>\n\nanswer 1<|im_end|>"]  # the generated text
     assert second["reasoning_content"] == "\nthought 3\n"
     # a changed kwarg regenerates: the cached rows' fingerprint no longer matches
     again = regen.regenerate(rows, tmp_path / "regen.jsonl", lambda: engine, [0.0], 64, progress=False,

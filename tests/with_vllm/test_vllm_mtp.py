@@ -23,8 +23,6 @@ order). Measured max |diff| of the logits: about 6e-6 on logits of magnitude abo
 from __future__ import annotations
 
 import json
-import socket
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,37 +31,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from helpers.mtp_targets import build_tiny_deepseek_v3, build_tiny_qwen3_next
+from helpers.vllm_parity import vllm_single_process
 
 T = 12
 TOL = 2e-5  # float32; see the module docstring for what is measured
 
-
-@contextmanager
-def vllm_single_process():
-    """vLLM's single-process distributed state (tensor parallel 1, gloo), torn down on exit."""
-    from draftsmith.vllm_bridge.engine import configure_vllm_env
-
-    configure_vllm_env()
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-
-    already = torch.distributed.is_available() and torch.distributed.is_initialized()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-    yield
-    destroy_model_parallel()
-    if not already:
-        destroy_distributed_environment()
 
 
 class MLAPrefillSDPA(torch.nn.Module):
