@@ -90,6 +90,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from draftsmith.hardware import GPUS, H200, Gpu
 from benchmarks.memory import (MemoryTracker, Precision, _device_batch, bench_recipe, cuda_attention_policy,
                                cuda_autocast_policy, offline_method, prepare_model, random_batch, trainer_step)
 
@@ -101,21 +102,7 @@ TOP = 15  # top_ops: the ops listed by count and by bytes
 # the GPUs and the fitted constants
 
 
-@dataclass(frozen=True)
-class Gpu:
-    """Datasheet figures of one GPU: dense tensor-core peaks (TFLOP/s) and HBM bandwidth (TB/s)."""
-
-    name: str
-    bf16_tflops: float
-    tf32_tflops: float
-    fp32_tflops: float
-    hbm_tbps: float
-
-
-# NVIDIA's H100 / H200 SXM datasheets (dense, no sparsity): bf16 989, TF32 494.7, fp32 (CUDA cores) 66.9
-H100 = Gpu("H100 SXM", 989.0, 494.7, 66.9, 3.35)
-H200 = Gpu("H200", 989.0, 494.7, 66.9, 4.8)
-GPUS = {"h100": H100, "h200": H200}
+# the GPUs' datasheet figures: draftsmith.hardware (shared with draftsmith plan --roofline)
 
 
 @dataclass(frozen=True)

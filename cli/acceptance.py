@@ -16,6 +16,7 @@ from ..eval import acceptance, profile
 from ..eval.profile import ProfileError
 from ..recipe import RecipeError, load_recipe
 from ..runtime import HelpFormatter
+from ..target.resolve import EMBEDDED_PREFIX, resolve_target
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 
 
@@ -64,8 +65,8 @@ def description() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description(), formatter_class=HelpFormatter)
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory (or a Hub id vLLM "
-                   "downloads)")
+    p.add_argument("--target", type=Path, required=True, help="target checkpoint directory, embedded:NAME (the "
+                   "bundled default target) or a Hub id vLLM downloads")
     p.add_argument("--recipe", type=Path, help="recipe YAML whose vllm section gives the engine settings "
                    "(the vLLM flags below override it)")
     p.add_argument("--draft", type=Path, help="exported draft directory (draftsmith export), any method vLLM serves; "
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     temps = served_temperatures(args.temperature, recipe.eval.temperature if recipe else None)
     try:
+        if str(args.target).startswith(EMBEDDED_PREFIX):  # the bundled target, unpacked once into the cache
+            args.target = resolve_target(str(args.target))
         acceptance.check_target(args.target)
         if args.draft is not None and not args.draft.is_dir():
             raise FileNotFoundError(f"--draft {args.draft}: no such directory; pass the folder `draftsmith export` "

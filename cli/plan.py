@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "batch size)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the cost measurement")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request in the cost measurement")
+    p.add_argument("--output-tokens", type=int, help="the served requests' output length: predictions include "
+                   "their prefill, as a serving benchmark measures (default: --new-tokens)")
     p.add_argument("--repeats", type=int, default=3, help="passes per batch size and K in the cost measurement; "
                    "the table keeps the median")
     p.add_argument("--hysteresis", type=float, default=0.03, help="keep the previous range's K unless another "
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm", help="the serving vLLM's version (default: the installed one)")
     p.add_argument("--ngram-min", type=int, default=2, help="--method ngram: shortest n-gram matched")
     p.add_argument("--ngram-max", type=int, default=4, help="--method ngram: longest n-gram matched")
+    p.add_argument("--roofline", metavar="GPU", help="estimate the cost table from GPU's datasheet (a100, h100, h200) "
+                   "instead of measuring it: a labelled lower bound for a machine not at hand "
+                   "(draftsmith.eval.serving_roofline); the context is --prompt-tokens + --new-tokens / 2")
     p.add_argument("--log-dir", type=Path, help="keep the cost measurement's engine logs here")
     p.add_argument("--out", type=Path, help="serving_plan.json (default: DRAFT/serving_plan.json)")
     add_vllm_arguments(p)
@@ -84,6 +89,31 @@ def _fits(table, target: str, draft: str | None, engine_version: str | None) -> 
                "cpus": os.cpu_count()}
     return (table.machine == machine and Path(table.target).name == Path(target).name
             and (table.draft or None) == (draft or None) and table.engine_version == engine_version)
+
+
+def roofline_table(args: argparse.Namespace, recipe, method: str, ks: list[int]):
+    """The cost table ``--roofline GPU`` estimates for ``--target`` and ``--draft`` (not written to
+    ``--costs``: that file holds measurements).
+
+    Raises:
+        PlanError: an unknown GPU, or no --target.
+    """
+    from ..eval.profile import chain_drafts
+    from ..eval.serving_plan import PlanError
+    from ..eval.serving_roofline import gpu_named, roofline_costs
+    from ..target import resolve_target
+    from ..target.resolve import bundled_target_config
+    from ..vllm_bridge.engine import vllm_config_from_args
+
+    gpu = gpu_named(args.roofline)
+    if not args.target:
+        raise PlanError("--roofline needs the target's config.json: pass --target (or --recipe)")
+    shipped = bundled_target_config(args.target)  # a GPU target's config.json ships in recipes/targets
+    config_json = json.loads((shipped or resolve_target(args.target) / "config.json").read_text())
+    engine = vllm_config_from_args(args, recipe.vllm if recipe is not None else None)
+    return roofline_costs(config_json, gpu, ks, args.batch_sizes, draft=args.draft if method != "ngram" else None,
+                          chain=chain_drafts(method), context_tokens=args.prompt_tokens + args.new_tokens // 2,
+                          tensor_parallel_size=engine.tensor_parallel_size, target=str(args.target), method=method)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed = {k: v for k, v in (spec or {}).items() if k != "num_speculative_tokens"}
         installed = vllm_version()
         table = None
-        if costs_path is not None and costs_path.is_file():
+        if args.roofline:
+            table = roofline_table(args, recipe, method, ks)
+        elif costs_path is not None and costs_path.is_file():
             table = sp.read_cost_table(costs_path)
             if args.target and not _fits(table, args.target, str(args.draft) if args.draft else method, installed):
                 print(f"{costs_path}: measured on another machine, target, draft or vLLM: measuring again", file=sys.stderr)
@@ -157,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                 costs_path.write_text(table.model_dump_json(indent=1) + "\n")
         plan = sp.make_plan(profile, table, fixed, max_batch_size=args.max_batch_size or max(table.batch_sizes),
                             hysteresis=args.hysteresis, price_per_hour=args.price_per_hour,
+                            output_tokens=args.output_tokens or args.new_tokens,
                             vllm_version=args.vllm or installed_vllm_version(),
-                            sources={"profile": str(profile_path), "cost_table": str(costs_path or "measured")})
+                            sources={"profile": str(profile_path),
+                                     "cost_table": f"roofline {args.roofline}" if args.roofline else str(costs_path or "measured")})
     except (sp.PlanError, ProfileError, RecipeError, ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     sp.write_plan(plan, out)
+    print(f"step costs: {table.source}")
     print(f"schedule (batch-size ranges, K): {json.dumps(plan['schedule'])}")
     for b, row in plan["chosen"].items():
-        print(f"  batch {b:>3}: K={row['k']}  {row['output_tok_s']:.1f} tok/s predicted  TPOT {row['tpot_ms']:.1f} ms")
+        print(f"  batch {b:>3}: K={row['k']}  {row['output_tok_s']:.4g} tok/s predicted  TPOT {row['tpot_ms']:.3g} ms")
     print(f"wrote {out}")
     return 0
 

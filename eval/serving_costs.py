@@ -4,15 +4,17 @@ For every K in ``ks`` one vLLM engine (K = 0: the target alone; K > 0: the draft
 ``--speculative-config`` at that K) runs, for every batch size ``b``, ``b`` requests of the same
 prompt length together (``max_num_seqs`` = the largest ``b``, every request submitted at once):
 
-1. ``max_tokens=1``: the prefill of the ``b`` prompts (``t_prefill``, seconds);
-2. ``max_tokens=N`` with ``ignore_eos``: prefill plus decode (``t_all``; prefix caching is off, so
-   the prefill is paid again).
+``max_tokens=N`` with ``ignore_eos``. vLLM's per-request engine timestamps split the pass into the
+prefill of the ``b`` prompts (first scheduling to the last first token: ``prefill_s``, the draft's
+own prefill included) and the decode (from there to the last token); where the engine keeps no
+timestamps, a ``max_tokens=1`` pass of the same prompts times the prefill instead (prefix caching
+is off, so it is paid again).
 
 The decode steps are ``N - 1`` at K = 0 (one token per step after the prefill's); with a draft
 they are the verify steps, read from vLLM's own counter: ``num_drafts`` counts one draft per
 running request per step, so a step of ``b`` requests adds ``b`` and ``steps = num_drafts / b``
 (the last steps, where some requests have finished, count as fractions). Then
-``T(b, K) = (t_all - t_prefill) / steps``: one target verification of ``b * (K + 1)`` positions
+``T(b, K) = decode seconds / steps``: one target verification of ``b * (K + 1)`` positions
 plus ``K`` draft steps, with the engine's scheduling and sampling included, as served.
 
 The draft's acceptance changes how many steps a request needs, not what a step costs, so the
@@ -55,6 +57,26 @@ def steps_of(k: int, batch_size: int, new_tokens: int, num_drafts: int) -> float
     return num_drafts / batch_size
 
 
+def prefill_and_decode(stats: Sequence[Any]) -> tuple[float, float] | None:
+    """``(prefill seconds, decode seconds)`` of requests that ran together, from vLLM's per-request
+    engine timestamps (``RequestOutput.metrics``: ``scheduled_ts``, ``first_token_ts``,
+    ``last_token_ts``, one monotonic clock): the prefill from the first scheduling to the last
+    first token, the decode from there to the last token. None when the engine kept no timestamps
+    (stats logging off)."""
+    if not stats or any(not getattr(s, "first_token_ts", 0) or not getattr(s, "last_token_ts", 0) for s in stats):
+        return None
+    first = max(s.first_token_ts for s in stats)
+    return first - min(s.scheduled_ts for s in stats), max(s.last_token_ts for s in stats) - first
+
+
+def synthetic_prompt(i: int, length: int, vocab: int, method: str | None) -> list[int]:
+    """Prompt ``i`` of ``length`` token ids below ``vocab``. For ngram a 16-token cycle repeated,
+    so that the prompt lookup finds a match and drafts at every step (a step without a draft
+    would be timed but not counted, ``num_drafts``); otherwise a sequence without repeats."""
+    period = 16 if method == "ngram" else length
+    return [(17 + 31 * i + 7 * (j % period)) % (vocab - 1) + 1 for j in range(length)]
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess (``draftsmith plan --worker``, :func:`measure_costs`): one engine
     at ``args.k``, every batch size, the figures to ``args.result``."""
@@ -75,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
                            speculative_config=spec, disable_log_stats=False, seed=0,
                            enable_prefix_caching=False))  # a cached prefill would shrink the second pass
     vocab = llm.get_tokenizer().vocab_size
-    prompts = [TokensPrompt(prompt_token_ids=[(17 + 31 * i + 7 * j) % (vocab - 1) + 1 for j in range(args.prompt_tokens)])
+    prompts = [TokensPrompt(prompt_token_ids=synthetic_prompt(i, args.prompt_tokens, vocab, (spec or {}).get("method")))
                for i in range(max(sizes))]
     first = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
@@ -84,16 +106,19 @@ def worker(args: argparse.Namespace) -> None:
     for b in sizes:
         runs = []
         for _ in range(max(1, args.repeats)):  # the median of a few: one pass is at the mercy of the machine
-            t0 = time.perf_counter()
-            llm.generate(prompts[:b], first, use_tqdm=False)
-            t_prefill = time.perf_counter() - t0
             before = _spec_counters(llm)
             t0 = time.perf_counter()
-            llm.generate(prompts[:b], full, use_tqdm=False)
+            outputs = llm.generate(prompts[:b], full, use_tqdm=False)
             t_all = time.perf_counter() - t0
             drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
             steps = steps_of(args.k, b, args.new_tokens, int(drafts))
-            runs.append((max(t_all - t_prefill, 1e-9) / steps, steps, t_prefill, t_all))
+            split = prefill_and_decode([o.metrics for o in outputs])
+            if split is None:  # no per-request timestamps: time a prefill-only pass of the same prompts
+                t0 = time.perf_counter()
+                llm.generate(prompts[:b], first, use_tqdm=False)
+                t_prefill = time.perf_counter() - t0
+                split = (t_prefill, t_all - t_prefill)
+            runs.append((max(split[1], 1e-9) / steps, steps, split[0], t_all))
         runs.sort()
         step_s, steps, t_prefill, t_all = runs[len(runs) // 2]
         rows.append({"batch_size": b, "k": args.k, "step_s": step_s, "steps": max(1, round(steps)),
@@ -140,7 +165,7 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
                 raise RuntimeError(f"cost measurement at K={k} failed (exit {proc.returncode}): {tail[0]} "
                                    f"(log: {log if log_dir else 'pass --log-dir to keep it'})")
-            costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps")})
+            costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps", "prefill_s")})
                       for r in json.loads(result.read_text())]
     return CostTable(source="measured: vllm engine (offline LLM, every request submitted at once)",
                      machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

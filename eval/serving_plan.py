@@ -15,6 +15,11 @@ The model (docs/serving_plan.md), for a batch of ``b`` sequences decoding at K d
                                                       plus K draft steps: the cost table, measured)
     output tok/s      = b * AL(K) / T(b, K)          (K = 0: b / T(b, 0), AL(0) = 1)
 
+and, for requests of N output tokens whose prompts the table says take P(b, K) to prefill together
+(what a serving benchmark measures, each request paying its prefill and (N - 1) / AL steps):
+
+    output tok/s      = b * N / (P(b, K) + (N - 1) * T(b, K) / AL(K))
+
 ``AL(K)`` comes from the draft's ``speculation_profile.json`` at the served temperature: for a chain
 drafter (its K = n draft is the first n tokens of its K = n + 1 draft: EAGLE-3, Medusa, the MLP
 speculator, ngram) ``AL(K) = 1 + sum(marginal_accept_rates[:K])`` for every K up to the measured
@@ -60,6 +65,8 @@ class StepCost(BaseModel):
     k: int = Field(ge=0)
     step_s: float = Field(gt=0, allow_inf_nan=False, description="seconds per decode step (verify + K draft steps)")
     steps: int | None = Field(None, ge=1, description="decode steps the figure is the mean of")
+    prefill_s: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                    description="seconds to prefill the batch's prompts together (the table's prompt_tokens each)")
 
 
 class CostTable(BaseModel):
@@ -81,10 +88,11 @@ class CostTable(BaseModel):
 
     def step_s(self, b: int, k: int) -> float | None:
         """Seconds per step at batch ``b`` and ``k`` draft tokens, None where not measured."""
-        for c in self.costs:
-            if c.batch_size == b and c.k == k:
-                return c.step_s
-        return None
+        cost = self.cost(b, k)
+        return cost.step_s if cost else None
+
+    def cost(self, b: int, k: int) -> StepCost | None:
+        return next((c for c in self.costs if c.batch_size == b and c.k == k), None)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -121,6 +129,20 @@ def accept_lengths(profile: SpeculationProfile, max_k: int) -> dict[int, float]:
     return out
 
 
+def drafted_fraction(profile: SpeculationProfile) -> float:
+    """The share of decode steps that carried a draft in the profile's measurement (ngram drafts
+    only where the prompt lookup matched; a trained draft at every step): ``D / (D + U)``, ``U``
+    the tokens decoded beyond what ``D`` drafted steps of mean length AL account for
+    (``output_tokens - prompts - D * AL``, each prompt's first token coming from its prefill).
+    1.0 where the profile does not record its output tokens."""
+    counts, cond = profile.counts, profile.measurement_conditions or {}
+    out, n, al = cond.get("output_tokens"), (cond.get("prompts") or {}).get("count"), profile.mean_accept_length
+    if not (counts and counts.num_drafts and out and n and al):
+        return 1.0
+    undrafted = max(0.0, out - n - counts.num_drafts * al)
+    return counts.num_drafts / (counts.num_drafts + undrafted)
+
+
 @dataclass(frozen=True)
 class Prediction:
     batch_size: int
@@ -129,16 +151,27 @@ class Prediction:
     tpot_ms: float  # time per output token of one sequence: step time / AL
 
 
-def predict(b: int, k: int, al: float, step_s: float) -> Prediction:
+def predict(b: int, k: int, al: float, step_s: float, prefill_s: float | None = None,
+            output_tokens: int | None = None) -> Prediction:
     """Output tok/s of ``b`` sequences decoding at ``k`` draft tokens of mean acceptance length
-    ``al`` (bonus token included) when one step takes ``step_s`` seconds."""
+    ``al`` (bonus token included) when one step takes ``step_s`` seconds: ``b AL / step_s``, the
+    decode rate. With ``prefill_s`` (the ``b`` prompts prefilled together) and ``output_tokens``
+    (``N`` per request), the rate a serving benchmark of such requests measures, each paying its
+    prefill (which yields the first token) and ``(N - 1) / AL`` steps:
+    ``b N / (prefill_s + (N - 1) step_s / AL)``."""
+    if prefill_s is not None and output_tokens:
+        return Prediction(b, k, b * output_tokens / (prefill_s + (output_tokens - 1) * step_s / al), 1e3 * step_s / al)
     return Prediction(b, k, b * al / step_s, 1e3 * step_s / al)
 
 
-def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03) -> list[tuple[int, int, list[Prediction]]]:
+def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03,
+            output_tokens: int | None = None, drafted: float = 1.0) -> list[tuple[int, int, list[Prediction]]]:
     """``(batch size, chosen K, predictions for every K)`` at each measured batch size, smallest
     first. The chosen K is the one of highest predicted tok/s, except that the previous batch
     size's K is kept unless the best beats it by more than ``hysteresis`` (a fraction).
+    ``output_tokens``: the served requests' length, with the table's prefill times (:func:`predict`);
+    None: the decode rate. ``drafted``: the share of steps that carry a draft
+    (:func:`drafted_fraction`); the others decode one token at the cost of a K = 0 step.
 
     Raises:
         PlanError: a batch size with no K both measured and in ``als`` (K = 0 is always in ``als``:
@@ -146,7 +179,9 @@ def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03) -
     """
     rows, previous = [], None
     for b in table.batch_sizes:
-        preds = [predict(b, k, als[k], s) for k in table.ks if k in als and (s := table.step_s(b, k)) is not None]
+        plain = table.step_s(b, 0)
+        preds = [predict(b, k, *_mixed(k, als[k], c.step_s, plain, drafted), c.prefill_s, output_tokens)
+                 for k in table.ks if k in als and (c := table.cost(b, k)) is not None]
         if not preds:
             raise PlanError(f"cost table: batch size {b} has no K that the profile gives an acceptance length for "
                             f"(table K {table.ks}, profile K {sorted(als)})")
@@ -159,6 +194,14 @@ def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03) -
         rows.append((b, chosen.k, preds))
         previous = chosen.k
     return rows
+
+
+def _mixed(k: int, al: float, step_s: float, plain_s: float | None, drafted: float) -> tuple[float, float]:
+    """``(AL, seconds)`` of a mean step when a share ``drafted`` of steps carry a K-token draft
+    and the rest decode one token at the K = 0 cost ``plain_s``."""
+    if k == 0 or drafted >= 1.0:
+        return al, step_s
+    return drafted * al + (1 - drafted), drafted * step_s + (1 - drafted) * (plain_s or step_s)
 
 
 def schedule(rows: list[tuple[int, int, list[Prediction]]], max_batch_size: int) -> list[list[int]]:
@@ -225,7 +268,8 @@ def sglang_config(ranges: list[list[int]]) -> dict[str, Any]:
 
 def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config: dict[str, Any], *,
               max_batch_size: int, hysteresis: float = 0.03, price_per_hour: float | None = None,
-              vllm_version: str | None = None, sources: dict[str, str] | None = None) -> dict[str, Any]:
+              vllm_version: str | None = None, sources: dict[str, str] | None = None,
+              output_tokens: int | None = None) -> dict[str, Any]:
     """The ``serving_plan.json`` document (docs/serving_plan.md has its fields).
 
     Args:
@@ -235,10 +279,15 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
         max_batch_size: vLLM's ``max_num_seqs`` the plan is for (the last range ends there).
         vllm_version: the serving vLLM; one older than :data:`PER_BATCH_SIZE_FROM` gets the best
             fixed K instead of a schedule (``plan.kind`` says which).
+        output_tokens: the served requests' output length: predictions are then what a serving
+            benchmark of such requests measures, prefill included (where the table has prefill
+            times); None: the decode rate.
     """
     k_measured = profile.max_supported_k or profile.num_speculative_tokens
     als = accept_lengths(profile, max(table.ks))
-    rows = best_ks(table, als, hysteresis)
+    prefill = output_tokens is not None and all(c.prefill_s is not None for c in table.costs)
+    drafted = drafted_fraction(profile)
+    rows = best_ks(table, als, hysteresis, output_tokens, drafted)
     ranges = schedule(rows, max_batch_size)
     predictions = {str(b): {str(p.k): _pred_json(p, price_per_hour) for p in preds} for b, _, preds in rows}
     chosen = {str(b): _pred_json(next(p for p in preds if p.k == k), price_per_hour) for b, k, preds in rows}
@@ -274,8 +323,11 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
         "chosen": chosen,
         "predictions": predictions,
         "accept_length_by_k": {str(k): round(v, 6) for k, v in sorted(als.items())},
+        "drafted_fraction": round(drafted, 6),
         "profile_k": k_measured,
         "price_per_hour": price_per_hour,
+        "predicts": (f"output tok/s of requests of {output_tokens} tokens after a {table.prompt_tokens}-token prompt, "
+                     "prefill included, as a serving benchmark measures" if prefill else "the decode rate b * AL / step_s"),
         "sources": {"accept_length": f"speculation profile ({profile.accept_length_model or 'unknown model'}, "
                                      f"temperature {(profile.measurement_conditions or {}).get('temperature')})",
                     "step_cost": table.source, **(sources or {})},

@@ -154,13 +154,17 @@ def target_weight_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") ->
       ``ignored_layers`` names stay at ``dtype``.
 
     Returns:
-        ``{"parameters", "bytes", "quantization"}`` (``quantization`` is None or the method).
+        ``{"parameters", "bytes", "bytes_by_part", "quantization"}`` (``bytes_by_part``: the
+        parts of :func:`target_parameter_counts`; ``quantization`` is None or the method).
     """
     per = DTYPE_BYTES.get(dtype, 2)
     quant = quantization(config_json)
     tensors = weight_tensors(text_json(config_json))
-    total = sum(_tensor_bytes(x, per, quant) for x in tensors)
-    return {"parameters": sum(x.numel for x in tensors), "bytes": int(total),
+    by_part: dict[str, float] = {}
+    for x in tensors:
+        by_part[x.part] = by_part.get(x.part, 0.0) + _tensor_bytes(x, per, quant)
+    return {"parameters": sum(x.numel for x in tensors), "bytes": int(sum(by_part.values())),
+            "bytes_by_part": {part: int(b) for part, b in by_part.items()},
             "quantization": quant.get("quant_method")}
 
 

@@ -170,6 +170,18 @@ def load_target_head_tensors(path: Path) -> dict[str, torch.Tensor]:
     return heads
 
 
+def final_logit_softcap(path: Path) -> float | None:
+    """The target's ``final_logit_softcapping`` (Gemma 2-4: logits ``c * tanh(z / c)`` before
+    sampling) from its ``config.json`` (a multimodal config's ``text_config``), None without one."""
+    from .facts import text_json
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    cap = text_json(json.loads(config.read_text())).get("final_logit_softcapping")
+    return float(cap) if cap else None
+
+
 def final_norm_offset(config: Any) -> float:
     """What the target's final RMSNorm adds to its weight before scaling: 1.0 for a zero-centred
     norm, ``x_hat * (1 + w)`` (Gemma 1-3, Qwen3-Next, Qwen3.5), 0.0 for Llama's ``x_hat * w``

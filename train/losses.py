@@ -136,27 +136,35 @@ class TargetDraftHead(nn.Module):
     target computes: vLLM runs the target's ``lm_head`` in its dtype and samples from those
     logits; every loss reads its chunk of rows in float32, so an fp32 copy of all ``N x Vd`` would
     hold the same values at twice the memory); on the CPU the product is taken and returned in float32.
+
+    ``softcap``: the target's ``final_logit_softcapping`` ``c`` (Gemma 2-4), applied as the target
+    applies it before sampling, ``c * tanh(z / c)``: element-wise, so exact on the draft-vocab rows.
     """
 
-    def __init__(self, lm_head_draft_rows: torch.Tensor):
+    def __init__(self, lm_head_draft_rows: torch.Tensor, softcap: float | None = None):
         super().__init__()
         self.register_buffer("weight", lm_head_draft_rows.detach().clone(), persistent=False)
+        self.softcap = float(softcap) if softcap else None
 
     @classmethod
-    def from_full(cls, lm_head: torch.Tensor, t2d: torch.Tensor) -> TargetDraftHead:
+    def from_full(cls, lm_head: torch.Tensor, t2d: torch.Tensor, softcap: float | None = None) -> TargetDraftHead:
         """Gather the draft rows of a full target ``lm_head [V, H]`` with ``t2d bool [V]``."""
         if lm_head.shape[0] != t2d.shape[0]:
             raise ValueError(
                 f"target lm_head has {lm_head.shape[0]} rows but t2d covers {t2d.shape[0]} target ids"
             )
-        return cls(lm_head[t2d])
+        return cls(lm_head[t2d], softcap)
 
     @torch.no_grad()
     def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype != torch.float32 and teacher_in_target_dtype(w.device):
-            return F.linear(final_hidden.to(w.dtype), w)
-        return F.linear(final_hidden.float(), w.float())
+            logits = F.linear(final_hidden.to(w.dtype), w)
+        else:
+            logits = F.linear(final_hidden.float(), w.float())
+        if self.softcap is not None:  # in place: no second (N, Vd) tensor
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
 
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk: 128 MiB per fp32 (C, V) copy

@@ -26,6 +26,7 @@ from ..data_prep.conversations import DataError
 from ..layout import DraftCheckpointConfig, RunLayout, read_tokenized, read_vocab
 from ..recipe import Recipe
 from ..target import TargetInfo, load_target, load_target_head_tensors
+from ..target.load import final_logit_softcap
 from .data import HiddenStateDataset, TokenizedDataset
 from .labels import head_targets
 from .losses import LossSpec, StepMetrics, TargetDraftHead, head_loss
@@ -65,6 +66,7 @@ class TargetDataMethod:
             self.target_info.aux_layer_ids = self.captured_aux_layer_ids(recipe, run_dir)
         self.target_dir = Path(self.target_info.path)
         self.heads = load_target_head_tensors(self.target_dir)
+        self.logit_softcap = final_logit_softcap(self.target_dir)  # Gemma: the teacher's logits as served
         self.target, self.tokenizer = None, None
         if recipe.data.hidden_states_mode == "online" or load_target_model:
             # frozen target in the same job; its states never touch the disk
@@ -211,7 +213,7 @@ class DraftVocabMethod(TargetDataMethod):
                 f"{self.heads['lm_head'].shape[0]} rows (vocab built for another target?)"
             )
         self.d2t, self.t2d = d2t, t2d
-        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"], t2d)
+        self.target_head = TargetDraftHead.from_full(self.heads["lm_head"], t2d, self.logit_softcap)
 
     def init_draft(self, model: nn.Module) -> nn.Module:
         """``model`` with the target's embedding, (``draft.init_lm_head_from_target``) its

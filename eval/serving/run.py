@@ -161,7 +161,7 @@ def run_study(study: Study) -> ServeResults:
                  "target": str(study.target)},
         "configs": {}, "k_sweep": None, "temperature_sweep": None,
     }
-    draft_cfg = next((c for c in study.configs if c.name in served_methods()), None)
+    draft_cfg = swept_configuration(study)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cfg in study.configs:
@@ -182,6 +182,17 @@ def run_study(study: Study) -> ServeResults:
     finally:
         _write_results(study, results)
     return ServeResults.model_validate(_strip_texts(results))
+
+
+def swept_configuration(study: Study) -> ServeConfiguration | None:
+    """The configuration the K sweep and the temperature sweep serve: the trained draft; without
+    one, ngram when the plan (``serve-bench --plan``) is ngram's, so that the plan is checked
+    against every fixed K of the method it schedules."""
+    draft = next((c for c in study.configs if c.name in served_methods()), None)
+    if draft is not None or study.plan is None:
+        return draft
+    planned = ((study.plan.get("vllm") or {}).get("speculative_config") or {}).get("method")
+    return next((c for c in study.configs if c.name == "ngram" and planned == "ngram"), None)
 
 
 def _finish(study: Study, results: dict[str, Any], runs: dict[str, dict[str, Any]], draft_cfg: ServeConfiguration | None,

@@ -94,7 +94,7 @@ class MTPMethod(TargetDataMethod):
         except MTPTargetError as exc:  # one line before any step (the training commands exit 1)
             raise MethodSetupError(str(exc)) from None
         self.loss = LossSpec.from_recipe(recipe.draft)
-        self.target_head = TargetDraftHead(self.heads["lm_head"])  # the full vocab: MTP drafts over it
+        self.target_head = TargetDraftHead(self.heads["lm_head"], self.logit_softcap)  # the full vocab: MTP drafts over it
 
     def build_model(self) -> MTPDraftModel:
         """The MTP layer with the target's embedding and ``lm_head``; its weights the target's own

@@ -329,3 +329,24 @@ def test_uses_fused_loss_is_one_predicate_for_the_step_and_the_dry_run(monkeypat
     assert not ok and "triton" in why
     monkeypatch.setattr(losses, "fused_device_ok", lambda device: False)
     assert uses_fused_loss("auto", "cuda", torch.bfloat16, runtime=False) == (False, "")
+
+
+def test_the_teacher_of_a_soft_capped_target_is_capped_as_the_target_samples(tmp_path):
+    """Gemma's ``final_logit_softcapping`` c: the target samples from ``c * tanh(z / c)``, so the
+    teacher logits over the draft vocab are capped the same way (element-wise, exact on the rows)."""
+    import json
+
+    from draftsmith.target.load import final_logit_softcap
+    from draftsmith.train.losses import TargetDraftHead
+
+    torch.manual_seed(0)
+    lm_head, hidden = torch.randn(12, 8) * 10, torch.randn(5, 8)
+    t2d = torch.tensor([True, False] * 6)
+    plain = TargetDraftHead.from_full(lm_head, t2d)(hidden)
+    capped = TargetDraftHead.from_full(lm_head, t2d, softcap=30.0)(hidden)
+    assert plain.abs().max() > 30  # the cap binds on these logits
+    torch.testing.assert_close(capped, 30.0 * torch.tanh(plain / 30.0))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": {"final_logit_softcapping": 30.0}}))
+    assert final_logit_softcap(tmp_path) == 30.0
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "final_logit_softcapping": None}))
+    assert final_logit_softcap(tmp_path) is None

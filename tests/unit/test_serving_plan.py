@@ -9,7 +9,7 @@ import pytest
 
 from draftsmith.cli import plan as plan_cli
 from draftsmith.eval import serving_plan as sp
-from draftsmith.eval.profile import SpeculationProfile
+from draftsmith.eval.profile import ProfileCounts, SpeculationProfile
 from draftsmith.eval.serving_costs import steps_of
 
 
@@ -160,3 +160,68 @@ def test_plan_check_compares_predicted_with_measured_and_with_every_fixed_k():
     # a plan that measures 10% under the best fixed K misses the 0.97 bar
     configs["plan"]["levels"][4] = level(configs["eagle3"]["levels"][4]["output_tok_s"] * 0.9)
     assert sp.plan_check(plan, configs, None)["within_tolerance_of_best"] is False
+
+
+def test_an_ngram_plan_without_a_draft_is_checked_against_every_fixed_k_of_ngram(tmp_path):
+    """serve-bench --plan with no trained draft: the K sweep serves ngram, the plan's own method,
+    so that plan_check has every fixed K to compare with; without a plan nothing is swept."""
+    from draftsmith.eval.serving import run as runner
+
+    configs = runner.configurations(None, 3, ngram=True)
+    plan = {"vllm": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}}
+    study = runner.Study(target=tmp_path, out_dir=tmp_path, prompt_sets={1: ["hi"]}, configs=configs, plan=plan)
+    assert runner.swept_configuration(study).name == "ngram"
+    study.plan = None
+    assert runner.swept_configuration(study) is None
+    study.plan = {"vllm": {"speculative_config": None}}  # a plan that never speculates sweeps nothing
+    assert runner.swept_configuration(study) is None
+
+
+def test_predictions_with_prefill_are_what_a_serving_benchmark_of_n_token_requests_measures():
+    # 4 sequences, AL 1.5, 0.1 s per step, 0.6 s to prefill the 4 prompts, 64 tokens each:
+    # 4 * 64 / (0.6 + 63 * 0.1 / 1.5) = 256 / 4.8
+    p = sp.predict(4, 2, 1.5, 0.1, prefill_s=0.6, output_tokens=64)
+    assert p.output_tok_s == pytest.approx(256 / 4.8) and p.tpot_ms == pytest.approx(100 / 1.5)
+    assert sp.predict(4, 2, 1.5, 0.1).output_tok_s == pytest.approx(60.0)  # the decode rate without them
+    t = table(memory_then_compute)
+    for c in t.costs:
+        c.prefill_s = 0.01 * c.batch_size
+    with_prefill = sp.make_plan(profile([0.6, 0.4, 0.2]), t, {"method": "eagle3"}, max_batch_size=16, output_tokens=32)
+    decode_only = sp.make_plan(profile([0.6, 0.4, 0.2]), t, {"method": "eagle3"}, max_batch_size=16)
+    assert with_prefill["predicts"].startswith("output tok/s of requests of 32 tokens")
+    assert decode_only["predicts"].startswith("the decode rate")
+    assert with_prefill["chosen"]["1"]["output_tok_s"] < decode_only["chosen"]["1"]["output_tok_s"]
+
+
+def test_prefill_and_decode_split_a_pass_by_the_engines_request_timestamps():
+    from types import SimpleNamespace as S
+
+    from draftsmith.eval.serving_costs import prefill_and_decode
+
+    stats = [S(scheduled_ts=10.0, first_token_ts=10.4, last_token_ts=13.0),
+             S(scheduled_ts=10.0, first_token_ts=10.5, last_token_ts=13.5)]
+    assert prefill_and_decode(stats) == pytest.approx((0.5, 3.0))
+    assert prefill_and_decode([None]) is None and prefill_and_decode([]) is None  # stats logging off
+
+
+def test_steps_without_a_draft_lower_what_ngram_is_predicted_to_gain():
+    """ngram drafts only where its lookup matched: 80 prompts decoded 80 * 63 = 5040 tokens, 1000
+    drafted steps of AL 2.0 account for 2000, so 3040 steps decoded one token without a draft:
+    1000 of 4040 steps drafted. A trained draft's profile (every step drafted) gives 1.0."""
+    prof = profile([0.6, 0.4], method="ngram")
+    prof.mean_accept_length = 2.0
+    prof.counts = ProfileCounts(
+        num_drafts=1000, num_accepted_tokens=1000, accepted_per_position=[600, 400], reached_per_position=[1000, 600])
+    prof.measurement_conditions = {"temperature": 0.0, "output_tokens": 80 * 64, "prompts": {"count": 80}}
+    assert sp.drafted_fraction(prof) == pytest.approx(1000 / 4040)
+    prof.measurement_conditions["output_tokens"] = 80 + 1000 * 2  # every decoded token came from a drafted step
+    assert sp.drafted_fraction(prof) == 1.0
+    assert sp.drafted_fraction(profile([0.6, 0.4])) == 1.0  # no output tokens recorded: every step drafted
+    # a quarter of the steps drafted: K=2's AL and step time are mixed with K=0's
+    t = table(memory_then_compute)
+    full = sp.best_ks(t, {0: 1.0, 2: 2.0}, 0.0)
+    quarter = sp.best_ks(t, {0: 1.0, 2: 2.0}, 0.0, drafted=0.25)
+    step0, step2 = t.step_s(1, 0), t.step_s(1, 2)
+    assert next(p for p in quarter[0][2] if p.k == 2).output_tok_s == pytest.approx(
+        (0.25 * 2.0 + 0.75) / (0.25 * step2 + 0.75 * step0))
+    assert next(p for p in full[0][2] if p.k == 2).output_tok_s == pytest.approx(2.0 / step2)

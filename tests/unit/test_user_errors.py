@@ -141,6 +141,10 @@ def test_acceptance_of_paths_that_do_not_exist_says_so(tmp_path, capsys):
     code, _, err = run(capsys, "acceptance", "--target", str(target), "--draft", str(tmp_path / "nope"))
     assert (code, err) == (1, f"error: --draft {tmp_path / 'nope'}: no such directory; pass the folder "
                               "`draftsmith export` wrote\n")
+    # the bundled default target is named as every other command names it, and resolved to its folder
+    code, _, err = run(capsys, "acceptance", "--target", "embedded:SmolLM2-135M-Instruct", "--draft", str(tmp_path / "nope"))
+    assert (code, err) == (1, f"error: --draft {tmp_path / 'nope'}: no such directory; pass the folder "
+                              "`draftsmith export` wrote\n")
 
 
 def test_hub_of_a_draft_that_does_not_exist_says_so(tmp_path, capsys):
