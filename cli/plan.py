@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, help="the served requests' output length: predictions include "
                    "their prefill, as a serving benchmark measures (default: --new-tokens)")
     p.add_argument("--repeats", type=int, default=3, help="passes per batch size and K in the cost measurement; "
-                   "the table keeps the median")
+                   "the table keeps the fastest")
     p.add_argument("--hysteresis", type=float, default=0.03, help="keep the previous range's K unless another "
                    "beats it by more than this fraction")
     p.add_argument("--price-per-hour", type=float, help="the machine's price (dollars per hour): cost per 1M "
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the cost measurement's worker subprocess (draftsmith.eval.serving_costs.measure_costs)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--k", type=int, help=argparse.SUPPRESS)
+
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
     p.add_argument("--spec-json", default="", help=argparse.SUPPRESS)
     return p

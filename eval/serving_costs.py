@@ -28,6 +28,7 @@ returned before the next K starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -79,61 +80,82 @@ def synthetic_prompt(i: int, length: int, vocab: int, method: str | None) -> lis
 
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess (``draftsmith plan --worker``, :func:`measure_costs`): one engine
-    at ``args.k``, every batch size, the figures to ``args.result``."""
-    from ..vllm_bridge.engine import configure_vllm_env, llm_kwargs
+    per K of ``args.ks`` in turn (each shut down before the next starts), every batch size, the
+    figures to ``args.result``."""
+    from ..vllm_bridge.engine import configure_vllm_env
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
+    spec = json.loads(args.spec_json) if args.spec_json else None
+    rows = []
+    for k in args.ks:
+        rows += _measure_k(args, engine, {**spec, "num_speculative_tokens": k} if spec and k > 0 else None, k)
+    Path(args.result).write_text(json.dumps(rows))
+
+
+def _measure_k(args: argparse.Namespace, engine: VllmConfig, spec: dict[str, Any] | None, k: int) -> list[dict[str, Any]]:
+    """One engine at ``k`` draft tokens (``spec`` None: the target alone): every batch size's row."""
+    import gc
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from ..vllm_bridge.engine import llm_kwargs
     from .acceptance import _counter_delta, _spec_counters
 
-    spec = json.loads(args.spec_json) if args.spec_json else None
-    if spec:
-        spec = {**spec, "num_speculative_tokens": args.k}
     sizes = [int(b) for b in args.batch_sizes]
     llm = LLM(**llm_kwargs(engine.model_copy(update={"max_num_seqs": max(sizes)}), model=str(args.target),
                            speculative_config=spec, disable_log_stats=False, seed=0,
                            enable_prefix_caching=False))  # a cached prefill would shrink the second pass
-    vocab = llm.get_tokenizer().vocab_size
-    prompts = [TokensPrompt(prompt_token_ids=synthetic_prompt(i, args.prompt_tokens, vocab, (spec or {}).get("method")))
-               for i in range(max(sizes))]
-    first = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
-    full = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], full, use_tqdm=False)  # warm-up: the first step's one-off costs
-    rows = []
-    for b in sizes:
-        runs = []
-        for _ in range(max(1, args.repeats)):  # the median of a few: one pass is at the mercy of the machine
-            before = _spec_counters(llm)
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts[:b], full, use_tqdm=False)
-            t_all = time.perf_counter() - t0
-            drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
-            steps = steps_of(args.k, b, args.new_tokens, int(drafts))
-            split = prefill_and_decode([o.metrics for o in outputs])
-            if split is None:  # no per-request timestamps: time a prefill-only pass of the same prompts
+    try:
+        vocab = llm.get_tokenizer().vocab_size
+        prompts = [TokensPrompt(prompt_token_ids=synthetic_prompt(i, args.prompt_tokens, vocab, (spec or {}).get("method")))
+                   for i in range(max(sizes))]
+        first = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
+        llm.generate(prompts[:1], full, use_tqdm=False)  # warm-up: the first step's one-off costs
+        rows = []
+        for b in sizes:
+            runs = []
+            for _ in range(max(1, args.repeats)):  # the fastest of a few: the machine's noise only adds time
+                before = _spec_counters(llm)
                 t0 = time.perf_counter()
-                llm.generate(prompts[:b], first, use_tqdm=False)
-                t_prefill = time.perf_counter() - t0
-                split = (t_prefill, t_all - t_prefill)
-            runs.append((max(split[1], 1e-9) / steps, steps, split[0], t_all))
-        runs.sort()
-        step_s, steps, t_prefill, t_all = runs[len(runs) // 2]
-        rows.append({"batch_size": b, "k": args.k, "step_s": step_s, "steps": max(1, round(steps)),
-                     "step_s_runs": [r[0] for r in runs], "prefill_s": t_prefill, "total_s": t_all})
-    Path(args.result).write_text(json.dumps(rows))
+                outputs = llm.generate(prompts[:b], full, use_tqdm=False)
+                t_all = time.perf_counter() - t0
+                drafts = _counter_delta(_spec_counters(llm), before).get("drafts", 0) if spec else 0
+                steps = steps_of(k, b, args.new_tokens, int(drafts))
+                split = prefill_and_decode([o.metrics for o in outputs])
+                if split is None:  # no per-request timestamps: time a prefill-only pass of the same prompts
+                    t0 = time.perf_counter()
+                    llm.generate(prompts[:b], first, use_tqdm=False)
+                    t_prefill = time.perf_counter() - t0
+                    split = (t_prefill, t_all - t_prefill)
+                runs.append((max(split[1], 1e-9) / steps, steps, split[0], t_all))
+            step_s, steps, t_prefill, t_all = min(runs)
+            rows.append({"batch_size": b, "k": k, "step_s": step_s, "steps": max(1, round(steps)),
+                         "step_s_runs": [r[0] for r in runs], "prefill_s": t_prefill, "total_s": t_all})
+        return rows
+    finally:  # the engine core's process and the model go before the next K's engine starts
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
 
 def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: Sequence[int],
                   batch_sizes: Sequence[int], *, prompt_tokens: int = 256, new_tokens: int = 64, repeats: int = 3,
                   temperature: float = 0.0, engine: VllmConfig | None = None, draft: str | None = None,
                   method: str | None = None, log_dir: Path | None = None,
-                  timeout_s: float | None = None) -> CostTable:
+                  timeout_s: float | None = None, one_process: bool | None = None) -> CostTable:
     """The cost table of ``target`` (and the draft of ``speculative_config``, without
     ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``; each entry
-    the median step time of ``repeats`` passes.
+    the fastest of ``repeats`` passes (another process on the machine only adds time).
+
+    ``one_process``: every K's engine in turn in one subprocess (each shut down before the next:
+    one Python and vLLM import instead of one per K, about 10 s each on 2 CPU cores); False: a
+    subprocess per K, so that all of an engine's memory is returned to the system before the next
+    starts (what a GPU needs: its caching allocator keeps freed blocks). None: one process where
+    no CUDA device is visible.
 
     Raises:
         ValueError: a K > 0 without a speculative config, or a batch size below 1.
@@ -148,22 +170,30 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
         raise ValueError("K > 0 needs the draft's speculative config (--draft)")
     if min(batch_sizes) < 1:
         raise ValueError(f"batch sizes {list(batch_sizes)}: each must be at least 1")
+    if one_process is None:
+        import torch
+
+        one_process = not torch.cuda.is_available()
+    ks = sorted(set(ks))
+    groups = [ks] if one_process else [[k] for k in ks]
     costs: list[StepCost] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for k in sorted(set(ks)):
-            result = Path(tmp) / f"k{k}.json"
+        for group in groups:
+            name = "_".join(map(str, group))
+            result = Path(tmp) / f"k{name}.json"
             cmd = [sys.executable, "-m", "draftsmith.cli.plan", "--worker", "--result", str(result),
-                   "--target", str(target), "--k", str(k), "--batch-sizes", ",".join(map(str, batch_sizes)), "--engine-json", engine.model_dump_json(),
+                   "--target", str(target), "--ks", ",".join(map(str, group)), "--batch-sizes", ",".join(map(str, batch_sizes)),
+                   "--engine-json", engine.model_dump_json(),
                    "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
-                   "--temperature", str(temperature), "--spec-json", json.dumps(speculative_config) if k > 0 else ""]
-            log = Path(log_dir or tmp) / f"costs_k{k}.log"
+                   "--temperature", str(temperature), "--spec-json", json.dumps(speculative_config) if speculative_config else ""]
+            log = Path(log_dir or tmp) / f"costs_k{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with log.open("w") as fh:
                 proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
             if proc.returncode != 0 or not result.is_file():
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
-                raise RuntimeError(f"cost measurement at K={k} failed (exit {proc.returncode}): {tail[0]} "
+                raise RuntimeError(f"cost measurement at K={name.replace('_', ',')} failed (exit {proc.returncode}): {tail[0]} "
                                    f"(log: {log if log_dir else 'pass --log-dir to keep it'})")
             costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps", "prefill_s")})
                       for r in json.loads(result.read_text())]

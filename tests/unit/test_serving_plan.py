@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +226,28 @@ def test_steps_without_a_draft_lower_what_ngram_is_predicted_to_gain():
     assert next(p for p in quarter[0][2] if p.k == 2).output_tok_s == pytest.approx(
         (0.25 * 2.0 + 0.75) / (0.25 * step2 + 0.75 * step0))
     assert next(p for p in full[0][2] if p.k == 2).output_tok_s == pytest.approx(2.0 / step2)
+
+
+@pytest.mark.parametrize("one_process, commands", [(True, [[0, 1, 2]]), (False, [[0], [1], [2]])])
+def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monkeypatch, one_process, commands):
+    """On CPU every K's engine runs in turn in one worker (one Python and vLLM import); on a GPU
+    each in its own, so that its memory is returned before the next starts."""
+    import subprocess
+
+    from draftsmith.eval import serving_costs
+
+    seen, real_run = [], subprocess.run
+
+    def fake_run(cmd, **kw):
+        if "--worker" not in cmd:  # anything else the measurement runs (the vLLM version lookup)
+            return real_run(cmd, **kw)
+        ks = [int(k) for k in cmd[cmd.index("--ks") + 1].split(",")]
+        seen.append(ks)
+        rows = [{"batch_size": b, "k": k, "step_s": 0.01 * (k + 1), "steps": 7, "prefill_s": 0.1} for k in ks for b in (1, 2)]
+        Path(cmd[cmd.index("--result") + 1]).write_text(json.dumps(rows))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(serving_costs.subprocess, "run", fake_run)
+    table = serving_costs.measure_costs(tmp_path, {"method": "ngram"}, [2, 0, 1], [1, 2], one_process=one_process)
+    assert seen == commands
+    assert len(table.costs) == 6 and table.step_s(2, 2) == pytest.approx(0.03) and table.cost(1, 0).prefill_s == 0.1
