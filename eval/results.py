@@ -124,6 +124,7 @@ class LevelResult(_Result):
     failed: int | None = None
     duration_s: float | None = None
     output_tokens: int | None = None
+    input_tokens: int | None = Field(None, description="prompt tokens over all requests")
     output_tok_s: float | None = Field(None, description="output tokens/s")
     total_tok_s: float | None = Field(None, description="input + output tokens/s")
     request_per_s: float | None = None

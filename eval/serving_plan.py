@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,11 @@ class Prediction:
     k: int
     output_tok_s: float
     tpot_ms: float  # time per output token of one sequence: step time / AL
+    # what it was computed from (predict_for_traffic re-evaluates it at a measured traffic's lengths)
+    accept_length: float | None = None
+    step_s: float | None = None
+    prefill_s: float | None = None
+    output_tokens: int | None = None
 
 
 def predict(b: int, k: int, al: float, step_s: float, prefill_s: float | None = None,
@@ -160,8 +166,22 @@ def predict(b: int, k: int, al: float, step_s: float, prefill_s: float | None = 
     prefill (which yields the first token) and ``(N - 1) / AL`` steps:
     ``b N / (prefill_s + (N - 1) step_s / AL)``."""
     if prefill_s is not None and output_tokens:
-        return Prediction(b, k, b * output_tokens / (prefill_s + (output_tokens - 1) * step_s / al), 1e3 * step_s / al)
-    return Prediction(b, k, b * al / step_s, 1e3 * step_s / al)
+        return Prediction(b, k, b * output_tokens / (prefill_s + (output_tokens - 1) * step_s / al), 1e3 * step_s / al,
+                          al, step_s, prefill_s, output_tokens)
+    return Prediction(b, k, b * al / step_s, 1e3 * step_s / al, al, step_s)
+
+
+def predict_for_traffic(chosen: dict[str, Any], batch_size: int, prompt_tokens: float, output_tokens: float,
+                        table_prompt_tokens: int | None) -> float | None:
+    """A plan's prediction (``chosen`` of :func:`make_plan`, with its ``model``) re-evaluated at a
+    measured traffic's mean prompt and output lengths: the prefill scaled by ``prompt_tokens /
+    table_prompt_tokens`` (prefill cost grows with the prompt), ``output_tokens`` per request.
+    None where the plan kept no prefill time (a decode-rate prediction) or the lengths are missing."""
+    model = chosen.get("model") or {}
+    if model.get("prefill_s") is None or not (table_prompt_tokens and prompt_tokens and output_tokens):
+        return None
+    prefill = model["prefill_s"] * prompt_tokens / table_prompt_tokens
+    return batch_size * output_tokens / (prefill + (output_tokens - 1) * model["step_s"] / model["accept_length"])
 
 
 def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03,
@@ -324,6 +344,8 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
         "predictions": predictions,
         "accept_length_by_k": {str(k): round(v, 6) for k, v in sorted(als.items())},
         "drafted_fraction": round(drafted, 6),
+        "prompt_tokens": table.prompt_tokens,
+        "output_tokens": output_tokens if prefill else None,
         "profile_k": k_measured,
         "price_per_hour": price_per_hour,
         "predicts": (f"output tok/s of requests of {output_tokens} tokens after a {table.prompt_tokens}-token prompt, "
@@ -341,7 +363,9 @@ def _tok_s(preds: list[Prediction], k: int) -> float:
 def _pred_json(p: Prediction, price: float | None) -> dict[str, Any]:
     cost = cost_per_million(p.output_tok_s, price)
     return {"k": p.k, "output_tok_s": round(p.output_tok_s, 3), "tpot_ms": round(p.tpot_ms, 3),
-            "cost_per_1m_output_tokens": None if cost is None else round(cost, 4)}
+            "cost_per_1m_output_tokens": None if cost is None else round(cost, 4),
+            "model": {"accept_length": p.accept_length, "step_s": p.step_s, "prefill_s": p.prefill_s,
+                      "output_tokens": p.output_tokens}}
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -367,11 +391,10 @@ def plan_check(plan: dict[str, Any], configs: dict[str, Any], k_sweep: dict[str,
 
     ``configs``: serve-bench's ``results.json`` ``configs``; ``k_sweep``: its ``k_sweep`` (or None)."""
     def tok_s(cfg: dict[str, Any] | None, c: int) -> float | None:
-        lv = ((cfg or {}).get("levels") or {}).get(c) or ((cfg or {}).get("levels") or {}).get(str(c)) or {}
-        return lv.get("output_tok_s")
+        return _level(cfg, c).get("output_tok_s")
 
     plan_cfg, base_cfg = configs.get("plan"), configs.get("baseline")
-    rows, errors = {}, []
+    rows, errors, traffic_errors = {}, [], []
     levels = sorted({int(c) for c in ((plan_cfg or base_cfg or {}).get("levels") or {})})
     for c in levels:
         predicted = predicted_at(plan, c)
@@ -387,18 +410,36 @@ def plan_check(plan: dict[str, Any], configs: dict[str, Any], k_sweep: dict[str,
         err = None if not (predicted and measured) else abs(predicted["output_tok_s"] - measured) / measured
         if err is not None:
             errors.append(err)
+        # the same prediction at the level's own mean prompt and output lengths (its prompts are its own)
+        level = _level(plan_cfg or base_cfg, c)
+        done = level.get("completed") or 0
+        traffic = None if not (predicted and done) else predict_for_traffic(
+            predicted, c, (level.get("input_tokens") or 0) / done, (level.get("output_tokens") or 0) / done,
+            plan.get("prompt_tokens"))
+        traffic_err = None if not (traffic and measured) else abs(traffic - measured) / measured
+        if traffic_err is not None:
+            traffic_errors.append(traffic_err)
         rows[str(c)] = {"k": predicted["k"] if predicted else None,
                         "predicted_tok_s": predicted["output_tok_s"] if predicted else None,
-                        "measured_tok_s": measured, "abs_error": err, "best_fixed": best[0], "best_fixed_tok_s": best[1],
+                        "measured_tok_s": measured, "abs_error": err,
+                        "predicted_for_traffic_tok_s": traffic, "abs_error_for_traffic": traffic_err,
+                        "best_fixed": best[0], "best_fixed_tok_s": best[1],
                         "vs_best": measured / best[1] if measured and best[1] else None,
                         "vs_baseline": measured / fixed["baseline"] if measured and fixed.get("baseline") else None}
     ok = [r for r in rows.values() if r["vs_best"] is not None]
-    errors.sort()
     return {"levels": rows, "tolerance": tolerance,
-            "median_abs_error": errors[len(errors) // 2] if len(errors) % 2 else
-            (sum(errors[len(errors) // 2 - 1:len(errors) // 2 + 1]) / 2 if errors else None),
+            "median_abs_error": _median(errors), "median_abs_error_for_traffic": _median(traffic_errors),
             "within_tolerance_of_best": all(r["vs_best"] >= tolerance for r in ok) if ok else None,
             "never_below_baseline": all((r["vs_baseline"] or 1.0) >= tolerance for r in ok) if ok else None}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _level(cfg: dict[str, Any] | None, c: int) -> dict[str, Any]:
+    levels = (cfg or {}).get("levels") or {}
+    return levels.get(c) or levels.get(str(c)) or {}
 
 
 def write_plan(plan: dict[str, Any], path: Path) -> Path:

@@ -79,6 +79,7 @@ def level_metrics(bench: dict[str, Any], counters: dict[str, Any] | None, k: int
         "failed": bench.get("failed"),
         "duration_s": bench.get("duration"),
         "output_tokens": bench.get("total_output_tokens"),
+        "input_tokens": bench.get("total_input_tokens"),
         "output_tok_s": bench.get("output_throughput"),
         "total_tok_s": bench.get("total_token_throughput"),
         "request_per_s": bench.get("request_throughput"),

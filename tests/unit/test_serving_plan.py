@@ -251,3 +251,25 @@ def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monke
     table = serving_costs.measure_costs(tmp_path, {"method": "ngram"}, [2, 0, 1], [1, 2], one_process=one_process)
     assert seen == commands
     assert len(table.costs) == 6 and table.step_s(2, 2) == pytest.approx(0.03) and table.cost(1, 0).prefill_s == 0.1
+
+
+def test_plan_check_also_predicts_at_each_levels_own_prompt_and_reply_lengths():
+    """Each concurrency level is served its own prompts: a level whose prompts are twice the
+    table's length pays twice the prefill. The check re-evaluates the plan's model there."""
+    t = table(memory_then_compute)
+    for c in t.costs:
+        c.prefill_s = 0.05 * c.batch_size
+    t.prompt_tokens = 100
+    plan = sp.make_plan(profile([0.6, 0.4, 0.2]), t, {"method": "eagle3"}, max_batch_size=16, output_tokens=64)
+    chosen = plan["chosen"]["4"]
+    m = chosen["model"]
+    assert chosen["output_tok_s"] == pytest.approx(4 * 64 / (m["prefill_s"] + 63 * m["step_s"] / m["accept_length"]), rel=1e-4)
+    long = sp.predict_for_traffic(chosen, 4, 200, 32, plan["prompt_tokens"])
+    assert long == pytest.approx(4 * 32 / (2 * m["prefill_s"] + 31 * m["step_s"] / m["accept_length"]))
+    level = {"output_tok_s": long, "completed": 8, "input_tokens": 8 * 200, "output_tokens": 8 * 32}
+    check = sp.plan_check(plan, {"baseline": {"k": 0, "levels": {4: level}}, "plan": {"k": 3, "levels": {4: level}}}, None)
+    row = check["levels"]["4"]
+    assert row["abs_error_for_traffic"] == pytest.approx(0.0, abs=1e-9) and row["abs_error"] > 0.1
+    assert check["median_abs_error_for_traffic"] == pytest.approx(0.0, abs=1e-9)
+    # a decode-rate plan (no prefill times) has no traffic prediction
+    assert sp.predict_for_traffic({"model": {"prefill_s": None}}, 4, 200, 32, 100) is None
