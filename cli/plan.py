@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result", help=argparse.SUPPRESS)
 
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
+    p.add_argument("--worker-ks", help=argparse.SUPPRESS)  # e.g. 0,1,2,off (off: K = 0 inside the draft's engine)
     p.add_argument("--spec-json", default="", help=argparse.SUPPRESS)
     return p
 
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.write_plan(plan, out)
     print(f"step costs: {table.source}")
     print(f"schedule (batch-size ranges, K): {json.dumps(plan['schedule'])}")
+    print("options (sum over batch sizes of tok/s relative to the best there): "
+          + ", ".join(f"{n} {o['score']:.3f}" for n, o in plan["options"].items()) + f"; serving: {plan['choice']}")
     for b, row in plan["chosen"].items():
         print(f"  batch {b:>3}: K={row['k']}  {row['output_tok_s']:.4g} tok/s predicted  TPOT {row['tpot_ms']:.3g} ms")
     print(f"wrote {out}")

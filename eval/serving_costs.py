@@ -78,6 +78,10 @@ def synthetic_prompt(i: int, length: int, vocab: int, method: str | None) -> lis
     return [(17 + 31 * i + 7 * (j % period)) % (vocab - 1) + 1 for j in range(length)]
 
 
+SCHEDULED_OFF = -1
+"""K = 0 scheduled inside the draft's engine (``off`` in the worker's ``--worker-ks``)."""
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess (``draftsmith plan --worker``, :func:`measure_costs`): one engine
     per K of ``args.ks`` in turn (each shut down before the next starts), every batch size, the
@@ -88,8 +92,13 @@ def worker(args: argparse.Namespace) -> None:
     configure_vllm_env(engine)
     spec = json.loads(args.spec_json) if args.spec_json else None
     rows = []
-    for k in args.ks:
-        rows += _measure_k(args, engine, {**spec, "num_speculative_tokens": k} if spec and k > 0 else None, k)
+    for k in (SCHEDULED_OFF if k == "off" else int(k) for k in args.worker_ks.split(",")):
+        if k == SCHEDULED_OFF:  # K = 0 for every batch size, inside the draft's engine
+            off = {**spec, "num_speculative_tokens": 1,
+                   "num_speculative_tokens_per_batch_size": [[1, max(args.batch_sizes), 0]]}
+            rows += [{**r, "scheduled_off": True} for r in _measure_k(args, engine, off, 0)]
+        else:
+            rows += _measure_k(args, engine, {**spec, "num_speculative_tokens": k} if spec and k > 0 else None, k)
     Path(args.result).write_text(json.dumps(rows))
 
 
@@ -146,7 +155,8 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
                   batch_sizes: Sequence[int], *, prompt_tokens: int = 256, new_tokens: int = 64, repeats: int = 3,
                   temperature: float = 0.0, engine: VllmConfig | None = None, draft: str | None = None,
                   method: str | None = None, log_dir: Path | None = None,
-                  timeout_s: float | None = None, one_process: bool | None = None) -> CostTable:
+                  timeout_s: float | None = None, one_process: bool | None = None,
+                  scheduled_off: bool | None = None) -> CostTable:
     """The cost table of ``target`` (and the draft of ``speculative_config``, without
     ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``; each entry
     the fastest of ``repeats`` passes (another process on the machine only adds time).
@@ -156,6 +166,11 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
     subprocess per K, so that all of an engine's memory is returned to the system before the next
     starts (what a GPU needs: its caching allocator keeps freed blocks). None: one process where
     no CUDA device is visible.
+
+    ``scheduled_off``: also measure K = 0 inside the draft's engine (a per-batch-size schedule of
+    K = 0 everywhere; the entries marked ``scheduled_off``): what a plan's K = 0 range costs, which
+    is more than the target alone where the drafter still runs (EAGLE keeps its KV cache current).
+    None: where the installed vLLM reads per-batch-size K.
 
     Raises:
         ValueError: a K > 0 without a speculative config, or a batch size below 1.
@@ -175,14 +190,22 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
 
         one_process = not torch.cuda.is_available()
     ks = sorted(set(ks))
+    if scheduled_off is None:
+        from ..vllm_bridge.releases import installed_vllm_version, release_line
+        from .serving_plan import PER_BATCH_SIZE_FROM
+
+        installed = installed_vllm_version()
+        scheduled_off = bool(installed) and release_line(installed) >= release_line(PER_BATCH_SIZE_FROM)
+    if speculative_config and 0 in ks and scheduled_off:
+        ks.append(SCHEDULED_OFF)
     groups = [ks] if one_process else [[k] for k in ks]
     costs: list[StepCost] = []
     with tempfile.TemporaryDirectory() as tmp:
         for group in groups:
-            name = "_".join(map(str, group))
+            name = "_".join("off" if k == SCHEDULED_OFF else str(k) for k in group)
             result = Path(tmp) / f"k{name}.json"
             cmd = [sys.executable, "-m", "draftsmith.cli.plan", "--worker", "--result", str(result),
-                   "--target", str(target), "--ks", ",".join(map(str, group)), "--batch-sizes", ",".join(map(str, batch_sizes)),
+                   "--target", str(target), "--worker-ks", name.replace("_", ","), "--batch-sizes", ",".join(map(str, batch_sizes)),
                    "--engine-json", engine.model_dump_json(),
                    "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
                    "--temperature", str(temperature), "--spec-json", json.dumps(speculative_config) if speculative_config else ""]
@@ -195,7 +218,8 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
                 raise RuntimeError(f"cost measurement at K={name.replace('_', ',')} failed (exit {proc.returncode}): {tail[0]} "
                                    f"(log: {log if log_dir else 'pass --log-dir to keep it'})")
-            costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps", "prefill_s")})
+            costs += [StepCost(**{key: r[key] for key in ("batch_size", "k", "step_s", "steps", "prefill_s")},
+                               scheduled_off=bool(r.get("scheduled_off")))
                       for r in json.loads(result.read_text())]
     return CostTable(source="measured: vllm engine (offline LLM, every request submitted at once)",
                      machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

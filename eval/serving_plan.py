@@ -68,6 +68,9 @@ class StepCost(BaseModel):
     steps: int | None = Field(None, ge=1, description="decode steps the figure is the mean of")
     prefill_s: float | None = Field(None, ge=0, allow_inf_nan=False,
                                     description="seconds to prefill the batch's prompts together (the table's prompt_tokens each)")
+    scheduled_off: bool = Field(False, description="K = 0 scheduled inside the draft's engine (a per-batch-size range "
+                                "with K = 0): the target's step plus what the drafter still does there (an EAGLE "
+                                "drafter keeps its KV cache up to date)")
 
 
 class CostTable(BaseModel):
@@ -92,8 +95,9 @@ class CostTable(BaseModel):
         cost = self.cost(b, k)
         return cost.step_s if cost else None
 
-    def cost(self, b: int, k: int) -> StepCost | None:
-        return next((c for c in self.costs if c.batch_size == b and c.k == k), None)
+    def cost(self, b: int, k: int, scheduled_off: bool = False) -> StepCost | None:
+        """The entry at batch ``b`` and ``k``; ``scheduled_off``: K = 0 inside the draft's engine."""
+        return next((c for c in self.costs if c.batch_size == b and c.k == k and c.scheduled_off == scheduled_off), None)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -185,13 +189,16 @@ def predict_for_traffic(chosen: dict[str, Any], batch_size: int, prompt_tokens: 
 
 
 def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03,
-            output_tokens: int | None = None, drafted: float = 1.0) -> list[tuple[int, int, list[Prediction]]]:
+            output_tokens: int | None = None, drafted: float = 1.0,
+            in_schedule: bool = False) -> list[tuple[int, int, list[Prediction]]]:
     """``(batch size, chosen K, predictions for every K)`` at each measured batch size, smallest
     first. The chosen K is the one of highest predicted tok/s, except that the previous batch
     size's K is kept unless the best beats it by more than ``hysteresis`` (a fraction).
     ``output_tokens``: the served requests' length, with the table's prefill times (:func:`predict`);
     None: the decode rate. ``drafted``: the share of steps that carry a draft
     (:func:`drafted_fraction`); the others decode one token at the cost of a K = 0 step.
+    ``in_schedule``: K = 0 is a range of a schedule, served by the draft's engine: its cost is the
+    table's ``scheduled_off`` entry where it has one.
 
     Raises:
         PlanError: a batch size with no K both measured and in ``als`` (K = 0 is always in ``als``:
@@ -201,7 +208,7 @@ def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03,
     for b in table.batch_sizes:
         plain = table.step_s(b, 0)
         preds = [predict(b, k, *_mixed(k, als[k], c.step_s, plain, drafted), c.prefill_s, output_tokens)
-                 for k in table.ks if k in als and (c := table.cost(b, k)) is not None]
+                 for k in table.ks if k in als and (c := _entry(table, b, k, in_schedule)) is not None]
         if not preds:
             raise PlanError(f"cost table: batch size {b} has no K that the profile gives an acceptance length for "
                             f"(table K {table.ks}, profile K {sorted(als)})")
@@ -214,6 +221,12 @@ def best_ks(table: CostTable, als: dict[int, float], hysteresis: float = 0.03,
         rows.append((b, chosen.k, preds))
         previous = chosen.k
     return rows
+
+
+def _entry(table: CostTable, b: int, k: int, in_schedule: bool) -> StepCost | None:
+    if k == 0 and in_schedule:
+        return table.cost(b, 0, scheduled_off=True) or table.cost(b, 0)
+    return table.cost(b, k)
 
 
 def _mixed(k: int, al: float, step_s: float, plain_s: float | None, drafted: float) -> tuple[float, float]:
@@ -307,24 +320,36 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
     als = accept_lengths(profile, max(table.ks))
     prefill = output_tokens is not None and all(c.prefill_s is not None for c in table.costs)
     drafted = drafted_fraction(profile)
-    rows = best_ks(table, als, hysteresis, output_tokens, drafted)
-    ranges = schedule(rows, max_batch_size)
-    predictions = {str(b): {str(p.k): _pred_json(p, price_per_hour) for p in preds} for b, _, preds in rows}
-    chosen = {str(b): _pred_json(next(p for p in preds if p.k == k), price_per_hour) for b, k, preds in rows}
-    # the one K that is best summed over the measured batch sizes (relative to each batch size's best):
-    # the fixed-K alternative, and the plan itself where the engine reads no schedule
-    fixed = max((k for k in table.ks if k in als),
-                key=lambda k: sum(_tok_s(preds, k) / max(p.output_tok_s for p in preds) for _, _, preds in rows))
-    top = max((k for _, _, k in ranges), default=0)
     per_batch = vllm_version is None or _release(vllm_version) >= _release(PER_BATCH_SIZE_FROM)
+    rows = best_ks(table, als, hysteresis, output_tokens, drafted)  # each K served alone (K = 0: no draft)
+    sched_rows = best_ks(table, als, hysteresis, output_tokens, drafted, in_schedule=True)
+    ranges = schedule(sched_rows, max_batch_size)
+    predictions = {str(b): {str(p.k): _pred_json(p, price_per_hour) for p in preds} for b, _, preds in rows}
+    # the options, each predicted at every measured batch size: the schedule (its K = 0 ranges
+    # served by the draft's engine), no speculation, and every fixed K; the one with the highest
+    # sum over the batch sizes of its tok/s relative to the best option there is served
+    options: dict[str, dict[int, Prediction]] = {"none": {b: next(p for p in preds if p.k == 0) for b, _, preds in rows}}
+    for k in (k for k in table.ks if k > 0 and k in als):
+        options[f"fixed K={k}"] = {b: next(p for p in preds if p.k == k) for b, _, preds in rows}
+    if per_batch and any(k for _, _, k in ranges):
+        options["schedule"] = {b: next(p for p in preds if p.k == k) for b, k, preds in sched_rows}
+    best_at = {b: max(o[b].output_tok_s for o in options.values()) for b, _, _ in rows}
+    score = {name: sum(o[b].output_tok_s / best_at[b] for b in best_at) for name, o in options.items()}
+    order = ["none", *(n for n in options if n.startswith("fixed")), "schedule"]  # ties go to the simpler
+    choice = next(n for n in order if n in options and score[n] >= max(score.values()) - 1e-9)
+    fixed_k = max((int(n.split("=")[1]) for n in options if n.startswith("fixed")),
+                  key=lambda k: score[f"fixed K={k}"], default=None)
+    chosen = {str(b): _pred_json(p, price_per_hour) for b, p in options[choice].items()}
+    top = max((k for _, _, k in ranges), default=0)
     vllm_plan: dict[str, Any] | None
-    if top == 0:
-        vllm_plan = None  # speculation never pays: serve without a speculative config
-    elif per_batch:
+    if choice == "none":
+        vllm_plan = None  # speculation does not pay over these batch sizes: serve without a speculative config
+    elif choice == "schedule":
         vllm_plan = {**speculative_config, "num_speculative_tokens": top,
                      "num_speculative_tokens_per_batch_size": ranges}
     else:
-        vllm_plan = {**speculative_config, "num_speculative_tokens": fixed} if fixed else None
+        vllm_plan = {**speculative_config, "num_speculative_tokens": int(choice.split("=")[1])}
+    fixed = fixed_k
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "per_batch_size" if per_batch else "fixed_k",
@@ -337,6 +362,9 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
                                     "where the schedule's predicted gain over fixed_k_alternative is smaller than that, "
                                     "serve the fixed K"},
         "sglang": sglang_config(ranges),
+        "choice": choice,
+        "options": {n: {"score": round(score[n], 4), "output_tok_s": {str(b): round(p.output_tok_s, 3) for b, p in o.items()}}
+                    for n, o in options.items()},
         "schedule": ranges,
         "hysteresis": hysteresis,
         "max_batch_size": max_batch_size,

@@ -228,10 +228,13 @@ def test_steps_without_a_draft_lower_what_ngram_is_predicted_to_gain():
     assert next(p for p in full[0][2] if p.k == 2).output_tok_s == pytest.approx(2.0 / step2)
 
 
-@pytest.mark.parametrize("one_process, commands", [(True, [[0, 1, 2]]), (False, [[0], [1], [2]])])
-def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monkeypatch, one_process, commands):
+@pytest.mark.parametrize("one_process, off, commands", [
+    (True, False, [["0", "1", "2"]]), (False, False, [["0"], ["1"], ["2"]]),
+    (True, True, [["0", "1", "2", "off"]]), (False, True, [["0"], ["1"], ["2"], ["off"]])])
+def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monkeypatch, one_process, off, commands):
     """On CPU every K's engine runs in turn in one worker (one Python and vLLM import); on a GPU
-    each in its own, so that its memory is returned before the next starts."""
+    each in its own, so that its memory is returned before the next starts. Where vLLM reads a
+    per-batch-size K, K = 0 is also measured inside the draft's engine (``off``)."""
     import subprocess
 
     from draftsmith.eval import serving_costs
@@ -241,16 +244,20 @@ def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monke
     def fake_run(cmd, **kw):
         if "--worker" not in cmd:  # anything else the measurement runs (the vLLM version lookup)
             return real_run(cmd, **kw)
-        ks = [int(k) for k in cmd[cmd.index("--ks") + 1].split(",")]
+        ks = cmd[cmd.index("--worker-ks") + 1].split(",")
         seen.append(ks)
-        rows = [{"batch_size": b, "k": k, "step_s": 0.01 * (k + 1), "steps": 7, "prefill_s": 0.1} for k in ks for b in (1, 2)]
+        rows = [{"batch_size": b, "k": 0 if k == "off" else int(k), "step_s": 0.01 * (1 + (k == "off") + int(k != "off" and k)),
+                 "steps": 7, "prefill_s": 0.1, **({"scheduled_off": True} if k == "off" else {})} for k in ks for b in (1, 2)]
         Path(cmd[cmd.index("--result") + 1]).write_text(json.dumps(rows))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(serving_costs.subprocess, "run", fake_run)
-    table = serving_costs.measure_costs(tmp_path, {"method": "ngram"}, [2, 0, 1], [1, 2], one_process=one_process)
+    table = serving_costs.measure_costs(tmp_path, {"method": "ngram"}, [2, 0, 1], [1, 2], one_process=one_process,
+                                        scheduled_off=off)
     assert seen == commands
-    assert len(table.costs) == 6 and table.step_s(2, 2) == pytest.approx(0.03) and table.cost(1, 0).prefill_s == 0.1
+    assert len(table.costs) == 6 + 2 * off and table.step_s(2, 2) == pytest.approx(0.03) and table.cost(1, 0).prefill_s == 0.1
+    assert table.step_s(1, 0) == pytest.approx(0.01)
+    assert (table.cost(1, 0, scheduled_off=True) is not None) == off
 
 
 def test_plan_check_also_predicts_at_each_levels_own_prompt_and_reply_lengths():
@@ -273,3 +280,29 @@ def test_plan_check_also_predicts_at_each_levels_own_prompt_and_reply_lengths():
     assert check["median_abs_error_for_traffic"] == pytest.approx(0.0, abs=1e-9)
     # a decode-rate plan (no prefill times) has no traffic prediction
     assert sp.predict_for_traffic({"model": {"prefill_s": None}}, 4, 200, 32, 100) is None
+
+
+def test_a_schedule_whose_off_ranges_cost_more_than_the_target_alone_is_weighed_against_serving_without_one():
+    """A K = 0 range is served by the draft's engine, where an EAGLE drafter still runs: with
+    that cost measured (``scheduled_off``), the plan compares the schedule with no speculation and
+    every fixed K over the batch sizes, and serves the best of them."""
+    prof = profile([0.6, 0.4, 0.2])
+    cheap = table(memory_then_compute)  # speculation pays at b <= 8 (2.2x at b=1), not at 16
+    for b in (1, 2, 4, 8, 16):
+        cheap.costs.append(sp.StepCost(batch_size=b, k=0, step_s=1.05 * memory_then_compute(b, 0), scheduled_off=True))
+    plan = sp.make_plan(prof, cheap, {"method": "eagle3"}, max_batch_size=16)
+    assert plan["choice"] == "schedule" and plan["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"]
+    # at 16, compute-bound, serving without a draft is best: the schedule pays there for its draft
+    assert plan["options"]["schedule"]["output_tok_s"]["16"] < plan["options"]["none"]["output_tok_s"]["16"]
+    assert plan["options"]["none"]["output_tok_s"]["16"] == pytest.approx(16 / memory_then_compute(16, 0), rel=1e-4)
+
+    def small_gain(b, k):  # speculation pays 10% at batch 1 only; the off ranges cost 30% more
+        return memory_then_compute(b, k) * (1.0 if k == 0 else (2.2 / 1.1 if b == 1 else 3.0))
+
+    costly = table(small_gain)
+    for b in (1, 2, 4, 8, 16):
+        costly.costs.append(sp.StepCost(batch_size=b, k=0, step_s=1.3 * small_gain(b, 0), scheduled_off=True))
+    plan = sp.make_plan(prof, costly, {"method": "eagle3"}, max_batch_size=16)
+    assert plan["choice"] == "none" and plan["vllm"]["speculative_config"] is None
+    assert plan["options"]["none"]["score"] > plan["options"]["schedule"]["score"]
+    assert all(row["k"] == 0 for row in plan["chosen"].values())
