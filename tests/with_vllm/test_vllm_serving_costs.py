@@ -1,6 +1,7 @@
 """draftsmith plan's cost measurement against the real engine (eval/serving_costs.py): one vLLM
-engine per K on the tiny target, every batch size, prefill split off by vLLM's own request
-timestamps. The plan arithmetic on top of it is tests/unit/test_serving_plan.py."""
+engine per K on the tiny target, in turn in one worker process, every batch size, prefill split
+off by vLLM's own request timestamps, and K = 0 scheduled inside the speculative engine. The plan
+arithmetic on top of it is tests/unit/test_serving_plan.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def test_the_cost_table_of_the_target_and_ngram_at_every_batch_size(tiny_target,
     table = measure_costs(tiny_target, ngram, [0, 2], [1, 2], prompt_tokens=16, new_tokens=8, repeats=1,
                           engine=VllmConfig(**{**CPU_VLLM, "max_model_len": 512}), draft="ngram", method="ngram",
                           log_dir=tmp_path)
-    assert sorted((c.batch_size, c.k) for c in table.costs) == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    # vLLM 0.32 reads a per-batch-size K: K = 0 is also measured inside the speculative engine
+    assert sorted((c.batch_size, c.k, c.scheduled_off) for c in table.costs) == [
+        (1, 0, False), (1, 0, True), (1, 2, False), (2, 0, False), (2, 0, True), (2, 2, False)]
     for c in table.costs:
         assert c.step_s > 0 and c.steps >= 1
         # the engine kept its request timestamps: the prefill came from them, not from a second pass
