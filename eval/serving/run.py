@@ -186,12 +186,14 @@ def run_study(study: Study) -> ServeResults:
 
 def swept_configuration(study: Study) -> ServeConfiguration | None:
     """The configuration the K sweep and the temperature sweep serve: the trained draft; without
-    one, ngram when the plan (``serve-bench --plan``) is ngram's, so that the plan is checked
-    against every fixed K of the method it schedules."""
+    one, ngram when the plan (``serve-bench --plan``) is ngram's (its schedule's or, where it
+    serves no speculation, its fixed-K alternative's method), so that the plan is checked against
+    every fixed K of the method it weighed."""
     draft = next((c for c in study.configs if c.name in served_methods()), None)
     if draft is not None or study.plan is None:
         return draft
-    planned = ((study.plan.get("vllm") or {}).get("speculative_config") or {}).get("method")
+    served = study.plan.get("vllm") or {}
+    planned = (served.get("speculative_config") or served.get("fixed_k_alternative") or {}).get("method")
     return next((c for c in study.configs if c.name == "ngram" and planned == "ngram"), None)
 
 

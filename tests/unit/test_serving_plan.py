@@ -174,8 +174,11 @@ def test_an_ngram_plan_without_a_draft_is_checked_against_every_fixed_k_of_ngram
     assert runner.swept_configuration(study).name == "ngram"
     study.plan = None
     assert runner.swept_configuration(study) is None
-    study.plan = {"vllm": {"speculative_config": None}}  # a plan that never speculates sweeps nothing
+    study.plan = {"vllm": {"speculative_config": None}}  # a plan of nothing speculative sweeps nothing
     assert runner.swept_configuration(study) is None
+    # a plan that chose to serve without speculation still weighed ngram's fixed Ks: they are swept
+    study.plan = {"vllm": {"speculative_config": None, "fixed_k_alternative": {"method": "ngram", "num_speculative_tokens": 1}}}
+    assert runner.swept_configuration(study).name == "ngram"
 
 
 def test_predictions_with_prefill_are_what_a_serving_benchmark_of_n_token_requests_measures():
