@@ -12,16 +12,23 @@ import pytest
 from draftsmith.eval.serving_costs import measure_costs
 from draftsmith.recipe import VllmConfig
 from draftsmith.vllm_bridge import spec_config
+from draftsmith.vllm_bridge.spec_config import served_method
 
 from helpers.tiny import CPU_VLLM
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_the_cost_table_of_the_target_and_ngram_at_every_batch_size(tiny_target, tmp_path):
-    ngram = {k: v for k, v in spec_config.ngram(2, 2, 4).items() if k != "num_speculative_tokens"}
-    table = measure_costs(tiny_target, ngram, [0, 2], [1, 2], prompt_tokens=16, new_tokens=8, repeats=1,
-                          engine=VllmConfig(**{**CPU_VLLM, "max_model_len": 512}), draft="ngram", method="ngram",
+def test_the_cost_table_of_the_target_and_an_eagle3_draft_at_every_batch_size(tiny_target, tmp_path):
+    """An EAGLE-3 draft drafts at every step (ngram only where the target repeats itself, which a
+    random tiny target does not)."""
+    from helpers.recipes import tiny_deployed_draft
+
+    draft = tiny_deployed_draft(tiny_target, tmp_path)[3]
+    spec = {k: v for k, v in spec_config.for_export(served_method(draft), str(draft), 2).items()
+            if k != "num_speculative_tokens"}
+    table = measure_costs(tiny_target, spec, [0, 2], [1, 2], prompt_tokens=16, new_tokens=8, repeats=1,
+                          engine=VllmConfig(**{**CPU_VLLM, "max_model_len": 512}), draft=str(draft), method="eagle3",
                           log_dir=tmp_path)
     # vLLM 0.32 reads a per-batch-size K: K = 0 is also measured inside the speculative engine
     assert sorted((c.batch_size, c.k, c.scheduled_off) for c in table.costs) == [
