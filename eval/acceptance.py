@@ -60,6 +60,7 @@ from typing import Any, Sequence
 
 from ..layout import DraftLoadError
 from ..methods import DraftMethodSpec, get_method, registered_methods
+from ..procs import bound_command, install_child_reaper
 from ..recipe import VllmConfig
 from ..vllm_bridge import spec_config
 from ..vllm_bridge.engine import configure_vllm_env, engine_env, llm_kwargs
@@ -200,6 +201,7 @@ def worker(args: argparse.Namespace) -> None:
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
+    install_child_reaper()  # the EngineCore and its worker die with this process, SIGKILL included
     from vllm import LLM, SamplingParams
 
     from ..data_prep.conversations import load_records
@@ -379,7 +381,7 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
         log_path = Path(log_path) if kept else Path(tmp) / "vllm.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(bound_command(cmd), stdout=log_file, stderr=subprocess.STDOUT,  # dies with us
                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
             _follow(proc, log_path, timeout_s, f"acceptance ({method})")
         if proc.returncode != 0 or not result_path.is_file():

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..procs import bound_command, install_child_reaper
 from ..recipe import VllmConfig
 from .serving_plan import CostTable, StepCost
 
@@ -90,6 +91,7 @@ def worker(args: argparse.Namespace) -> None:
 
     engine = VllmConfig.model_validate_json(args.engine_json)
     configure_vllm_env(engine)
+    install_child_reaper()  # each engine's EngineCore and worker die with this process, SIGKILL included
     spec = json.loads(args.spec_json) if args.spec_json else None
     rows = []
     for k in (SCHEDULED_OFF if k == "off" else int(k) for k in args.worker_ks.split(",")):
@@ -212,7 +214,7 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
             log = Path(log_dir or tmp) / f"costs_k{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with log.open("w") as fh:
-                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
+                proc = subprocess.run(bound_command(cmd), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1", **engine_env(engine)))
             if proc.returncode != 0 or not result.is_file():
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]

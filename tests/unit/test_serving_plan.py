@@ -247,6 +247,7 @@ def test_the_cost_engines_run_in_one_worker_process_or_one_per_k(tmp_path, monke
     def fake_run(cmd, **kw):
         if "--worker" not in cmd:  # anything else the measurement runs (the vLLM version lookup)
             return real_run(cmd, **kw)
+        assert cmd[1:3] == ["-m", "draftsmith.procs"]  # the worker (and its engines) die with this process
         ks = cmd[cmd.index("--worker-ks") + 1].split(",")
         seen.append(ks)
         rows = [{"batch_size": b, "k": 0 if k == "off" else int(k), "step_s": 0.01 * (1 + (k == "off") + int(k != "off" and k)),
