@@ -78,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     # the cost measurement's worker subprocess (draftsmith.eval.serving_costs.measure_costs)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-
     p.add_argument("--engine-json", help=argparse.SUPPRESS)
     p.add_argument("--worker-ks", help=argparse.SUPPRESS)  # e.g. 0,1,2,off (off: K = 0 inside the draft's engine)
     p.add_argument("--spec-json", default="", help=argparse.SUPPRESS)

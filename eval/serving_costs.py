@@ -85,8 +85,8 @@ SCHEDULED_OFF = -1
 
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess (``draftsmith plan --worker``, :func:`measure_costs`): one engine
-    per K of ``args.ks`` in turn (each shut down before the next starts), every batch size, the
-    figures to ``args.result``."""
+    per entry of ``args.worker_ks`` in turn (a K, or ``off``: K = 0 inside the draft's engine; each
+    shut down before the next starts), every batch size, the figures to ``args.result``."""
     from ..vllm_bridge.engine import configure_vllm_env
 
     engine = VllmConfig.model_validate_json(args.engine_json)

@@ -328,17 +328,17 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
     # the options, each predicted at every measured batch size: the schedule (its K = 0 ranges
     # served by the draft's engine), no speculation, and every fixed K; the one with the highest
     # sum over the batch sizes of its tok/s relative to the best option there is served
-    options: dict[str, dict[int, Prediction]] = {"none": {b: next(p for p in preds if p.k == 0) for b, _, preds in rows}}
-    for k in (k for k in table.ks if k > 0 and k in als):
-        options[f"fixed K={k}"] = {b: next(p for p in preds if p.k == k) for b, _, preds in rows}
+    fixed_ks = {f"fixed K={k}": k for k in table.ks if k > 0 and k in als}
+    options: dict[str, dict[int, Prediction]] = {
+        name: {b: next(p for p in preds if p.k == k) for b, _, preds in rows}
+        for name, k in {"none": 0, **fixed_ks}.items()}
     if per_batch and any(k for _, _, k in ranges):
         options["schedule"] = {b: next(p for p in preds if p.k == k) for b, k, preds in sched_rows}
     best_at = {b: max(o[b].output_tok_s for o in options.values()) for b, _, _ in rows}
     score = {name: sum(o[b].output_tok_s / best_at[b] for b in best_at) for name, o in options.items()}
-    order = ["none", *(n for n in options if n.startswith("fixed")), "schedule"]  # ties go to the simpler
-    choice = next(n for n in order if n in options and score[n] >= max(score.values()) - 1e-9)
-    fixed_k = max((int(n.split("=")[1]) for n in options if n.startswith("fixed")),
-                  key=lambda k: score[f"fixed K={k}"], default=None)
+    choice = next(n for n in options if score[n] >= max(score.values()) - 1e-9)  # ties go to the simpler (earlier)
+    # the best fixed K: the fixed-K alternative, and what is served when a fixed K is the choice
+    fixed = fixed_ks[max(fixed_ks, key=score.get)] if fixed_ks else None
     chosen = {str(b): _pred_json(p, price_per_hour) for b, p in options[choice].items()}
     top = max((k for _, _, k in ranges), default=0)
     vllm_plan: dict[str, Any] | None
@@ -348,8 +348,7 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
         vllm_plan = {**speculative_config, "num_speculative_tokens": top,
                      "num_speculative_tokens_per_batch_size": ranges}
     else:
-        vllm_plan = {**speculative_config, "num_speculative_tokens": int(choice.split("=")[1])}
-    fixed = fixed_k
+        vllm_plan = {**speculative_config, "num_speculative_tokens": fixed}
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "per_batch_size" if per_batch else "fixed_k",
@@ -382,10 +381,6 @@ def make_plan(profile: SpeculationProfile, table: CostTable, speculative_config:
                                      f"temperature {(profile.measurement_conditions or {}).get('temperature')})",
                     "step_cost": table.source, **(sources or {})},
     }
-
-
-def _tok_s(preds: list[Prediction], k: int) -> float:
-    return next((p.output_tok_s for p in preds if p.k == k), 0.0)
 
 
 def _pred_json(p: Prediction, price: float | None) -> dict[str, Any]:
