@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request in the cost measurement")
     p.add_argument("--output-tokens", type=int, help="the served requests' output length: predictions include "
                    "their prefill, as a serving benchmark measures (default: --new-tokens)")
-    p.add_argument("--repeats", type=int, default=3, help="passes per batch size and K in the cost measurement; "
-                   "the table keeps the fastest")
+    p.add_argument("--repeats", type=int, default=3, help="most passes per batch size and K in the cost measurement; "
+                   "the table keeps the fastest, and two passes within 2%% of each other settle an entry")
     p.add_argument("--hysteresis", type=float, default=0.03, help="keep the previous range's K unless another "
                    "beats it by more than this fraction")
     p.add_argument("--price-per-hour", type=float, help="the machine's price (dollars per hour): cost per 1M "

@@ -127,8 +127,10 @@ def _measure_k(args: argparse.Namespace, engine: VllmConfig, spec: dict[str, Any
         llm.generate(prompts[:1], full, use_tqdm=False)  # warm-up: the first step's one-off costs
         rows = []
         for b in sizes:
-            runs = []
+            runs: list[tuple[float, float, float, float]] = []
             for _ in range(max(1, args.repeats)):  # the fastest of a few: the machine's noise only adds time
+                if repeats_settled([r[0] for r in runs]):
+                    break
                 before = _spec_counters(llm)
                 t0 = time.perf_counter()
                 outputs = llm.generate(prompts[:b], full, use_tqdm=False)
@@ -147,10 +149,24 @@ def _measure_k(args: argparse.Namespace, engine: VllmConfig, spec: dict[str, Any
                          "step_s_runs": [r[0] for r in runs], "prefill_s": t_prefill, "total_s": t_all})
         return rows
     finally:  # the engine core's process and the model go before the next K's engine starts
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        with contextlib.suppress(Exception):  # no grace period: nothing of the engine is needed any more (its
+            llm.llm_engine.engine_core.shutdown(timeout=0)  # worker dies with it, draftsmith.procs)
         del llm
         gc.collect()
+
+
+#: two passes of a (batch size, K) entry within this fraction of each other settle it: a further pass
+#: of the fastest-of-``repeats`` would change the entry by less than the machine's noise
+SETTLED = 0.02
+
+
+def repeats_settled(step_s: Sequence[float], tolerance: float = SETTLED) -> bool:
+    """Whether the passes so far settle an entry: its two fastest seconds per step within
+    ``tolerance`` (a fraction) of each other. Fewer than two passes never do."""
+    if len(step_s) < 2:
+        return False
+    a, b = sorted(step_s)[:2]
+    return b - a <= tolerance * a
 
 
 def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: Sequence[int],
@@ -161,7 +177,8 @@ def measure_costs(target: Path, speculative_config: dict[str, Any] | None, ks: S
                   scheduled_off: bool | None = None) -> CostTable:
     """The cost table of ``target`` (and the draft of ``speculative_config``, without
     ``num_speculative_tokens``) at every K of ``ks`` and batch size of ``batch_sizes``; each entry
-    the fastest of ``repeats`` passes (another process on the machine only adds time).
+    the fastest of at most ``repeats`` passes (another process on the machine only adds time),
+    stopping at two that agree within :data:`SETTLED` (:func:`repeats_settled`).
 
     ``one_process``: every K's engine in turn in one subprocess (each shut down before the next:
     one Python and vLLM import instead of one per K, about 10 s each on 2 CPU cores); False: a

@@ -11,7 +11,7 @@ import pytest
 from draftsmith.cli import plan as plan_cli
 from draftsmith.eval import serving_plan as sp
 from draftsmith.eval.profile import ProfileCounts, SpeculationProfile
-from draftsmith.eval.serving_costs import steps_of
+from draftsmith.eval.serving_costs import repeats_settled, steps_of
 
 
 def profile(marginal, method="eagle3", temperature=0.0, target="embedded:SmolLM2-135M-Instruct", by_k=None):
@@ -310,3 +310,11 @@ def test_a_schedule_whose_off_ranges_cost_more_than_the_target_alone_is_weighed_
     assert plan["choice"] == "none" and plan["vllm"]["speculative_config"] is None
     assert plan["options"]["none"]["score"] > plan["options"]["schedule"]["score"]
     assert all(row["k"] == 0 for row in plan["chosen"].values())
+
+
+def test_two_passes_that_agree_settle_a_cost_entry_and_a_noisy_one_takes_another():
+    assert not repeats_settled([])
+    assert not repeats_settled([0.050])  # one pass never settles
+    assert repeats_settled([0.0500, 0.0505])  # within 2%
+    assert not repeats_settled([0.050, 0.060])  # 20% apart: the third pass may be the fast one
+    assert repeats_settled([0.060, 0.050, 0.0509])  # the two fastest decide
