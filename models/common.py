@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..layout import DraftLoadError, ExportError
 from ..target import text_config
+from ..target.families import MLA_KEYS
 
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -196,6 +197,10 @@ class LayerGeometry:
             target's (:meth:`LlamaLayerConfig.target_geometry`).
         draft_vocab_size: Vd, rows of a draft-vocab ``lm_head``.
         aux_layer_ids: the vLLM aux layer ids the hidden states are captured at, ascending.
+        mla: a multi-head latent attention target's ``q_lora_rank``, ``kv_lora_rank``,
+            ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` (DeepSeek-V2/V3, Kimi K2);
+            None for other targets. Not a draft config field (:meth:`fields` leaves it out): the
+            dry run reads it for EAGLE-3's ``draft.layer: mla``.
     """
 
     hidden_size: int
@@ -212,18 +217,22 @@ class LayerGeometry:
     max_position_embeddings: int
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
+    mla: dict[str, Any] | None = None
 
     @classmethod
     def from_target(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> LayerGeometry:
-        """The geometry of a transformers target config (Llama-like, Qwen3 or gpt-oss), with the
-        run's draft vocab size and aux layer ids."""
+        """The geometry of a transformers target config (Llama-like, Qwen3, gpt-oss, DeepSeek's
+        MLA), with the run's draft vocab size and aux layer ids."""
+        text = text_config(target_config)
+        mla = ({k: getattr(text, k, None) for k in MLA_KEYS} if getattr(text, "kv_lora_rank", None)
+               else None)
         return cls(**LlamaLayerConfig.target_geometry(target_config), draft_vocab_size=int(draft_vocab_size),
-                   aux_layer_ids=tuple(aux_layer_ids))
+                   aux_layer_ids=tuple(aux_layer_ids), mla=mla)
 
     def fields(self) -> dict[str, Any]:
-        """The fields as keyword arguments of a draft config (``aux_layer_ids`` a list), e.g.
-        ``Eagle3Config(**geometry.fields())``."""
-        return {**{name: getattr(self, name) for name in self.__dataclass_fields__},
+        """The draft config fields as keyword arguments (``aux_layer_ids`` a list; ``mla`` left
+        out), e.g. ``Eagle3Config(**geometry.fields())``."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "mla"},
                 "aux_layer_ids": list(self.aux_layer_ids)}
 
 

@@ -93,6 +93,10 @@ def model_type(t: dict[str, Any]) -> str:
     return str(t.get("model_type") or "")
 
 
+#: A multi-head latent attention config's geometry keys, in the order vLLM's ``DeepseekV2MLAAttention``
+#: takes them (the MLA draft layer's ``draft.mla`` keys too).
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm_moe_dsa")
 """``model_type`` of the multi-head latent attention families (a config of one without the MLA keys is refused)."""
 

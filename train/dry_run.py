@@ -185,8 +185,11 @@ def shapes_of(recipe: Recipe, geometry: LayerGeometry, vocab_size: int, precisio
     bf16 = precision in ("amp-bf16", "bf16")
     hs = recipe.data.hidden_states_dtype
     g = geometry
+    nkv, hd = g.num_key_value_heads, g.head_dim
+    if getattr(recipe.draft, "layer", None) == "mla" and g.mla:  # a key and a (padded) value per head, hd_qk wide
+        nkv, hd = g.num_attention_heads, (g.mla["qk_nope_head_dim"] or 0) + (g.mla["qk_rope_head_dim"] or 0)
     return Shapes(B=recipe.train.batch_size, T=recipe.data.max_length, H=g.hidden_size, Ht=g.target_hidden_size,
-                  I=g.intermediate_size, nh=g.num_attention_heads, nkv=g.num_key_value_heads, hd=g.head_dim,
+                  I=g.intermediate_size, nh=g.num_attention_heads, nkv=nkv, hd=hd,
                   Vd=g.draft_vocab_size, V=vocab_size, n_aux=len(g.aux_layer_ids), precision=precision,
                   param_bytes=2 if precision == "bf16" else 4, act_bytes=2 if bf16 else 4,
                   hidden_state_bytes=4 if hs == "float8_e4m3fn" else DTYPE_BYTES[hs],  # fp8 shards decode to fp32

@@ -10,8 +10,9 @@ from typing import Any
 from transformers import LlamaConfig
 
 from ...target import text_config
+from ...target.families import MLA_KEYS
 from ..common import LlamaLayerConfig, rope_theta_and_scaling
-from .recipe import DRAFT_LAYERS, MLA_KEYS, layer_option_problem
+from .recipe import DRAFT_LAYERS, layer_option_problem
 
 #: The EAGLE-3.1 options: top-level ``config.json`` keys that vLLM 0.32's ``llama_eagle3`` reads
 #: (``norm_before_fc`` also from ``eagle_config``) and the speculators library writes.
@@ -185,7 +186,7 @@ class Eagle3Config(LlamaLayerConfig):
 
         ``sliding_window``: the draft's attention window (tokens; None: full attention).
         ``layer``: the decoder layer (``draft.layer``); ``mla``: with ``layer="mla"``, the recipe's
-        ``draft.mla`` (:data:`~draftsmith.models.eagle3.recipe.MLA_KEYS`, None = the target's).
+        ``draft.mla`` (:data:`~draftsmith.target.families.MLA_KEYS`, None = the target's).
         ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set.
 
         Raises:

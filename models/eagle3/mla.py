@@ -109,11 +109,23 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def pad_values(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v (..., hd_v)`` zero-padded to ``(..., width)``: the attention's output over padded values
+    is the true output in its first ``hd_v`` channels and zeros after them, and with q, k and v of one
+    width every fused attention kernel takes the call (torch's flash and memory-efficient SDPA
+    kernels, the CPU's flash kernel, flex-attention). With DeepSeek-V3's widths (192 against 128)
+    SDPA otherwise falls back to the math path, which materialises the ``T x (k+1)T`` scores of every
+    head (docs/targets.md). The padding costs 50% more value bytes and PV work; its gradient is
+    sliced off by ``F.pad``'s backward."""
+    return v if v.shape[-1] >= width else torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+
+
 class MLAEagle3Attention(TTTAttention):
     """Multi-head latent attention over ``[embedding ; hidden]`` (2H) for the EAGLE-3 draft layer
     (module docstring). Each step's keys ``(B, nh, T, hd_qk)`` and values ``(B, nh, T, hd_v)`` are
-    the decompressed ones (the TTT cache and :class:`~draftsmith.models.eagle3.attention.Eagle3KVCache`
-    keep those). No biases (vLLM's MLA has none)."""
+    the decompressed ones, the values zero-padded to ``hd_qk`` (:func:`pad_values`; the TTT cache
+    and :class:`~draftsmith.models.eagle3.attention.Eagle3KVCache` keep them padded). No biases
+    (vLLM's MLA has none)."""
 
     def __init__(self, config: Eagle3Config, input_size: int | None = None):
         super().__init__()
@@ -135,8 +147,8 @@ class MLAEagle3Attention(TTTAttention):
         self.sliding_window = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x (B, T, 2H)``, RoPE ``cos`` / ``sin (B, T, r)`` -> q, k ``(B, nh, T, hd_qk)`` and v
-        ``(B, nh, T, hd_v)``."""
+        """``x (B, T, 2H)``, RoPE ``cos`` / ``sin (B, T, r)`` -> q, k and v, each ``(B, nh, T, hd_qk)``:
+        v is the ``hd_v`` values zero-padded to ``hd_qk`` (:func:`pad_values`)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(B, T, self.nh, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
@@ -146,7 +158,12 @@ class MLAEagle3Attention(TTTAttention):
         k_pe = apply_interleaved_rope(k_pe.unsqueeze(1), cos, sin)  # (B, 1, T, r): one for all heads
         q = torch.cat([q_nope, apply_interleaved_rope(q_pe, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(B, self.nh, T, self.rope)], dim=-1)
-        return q, k, v
+        return q, k, pad_values(v, self.nope + self.rope)
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        """``(B, nh, T, hd_qk)`` attention over the padded values -> their first ``hd_v`` channels
+        (the rest are the zero padding's) -> ``o_proj`` ``(B, T, H)``."""
+        return super()._out(attn[..., : self.hd_v])
 
     def target_tensors(self, hidden_size: int) -> dict[str, torch.Tensor]:
         """:meth:`~draftsmith.models.eagle3.attention.Eagle3Attention.target_tensors` of the MLA

@@ -26,9 +26,6 @@ DRAFT_LAYERS = {
     "mla": ("deepseek_eagle3", "Eagle3DeepseekV2ForCausalLM"),
 }
 
-#: The multi-head latent attention geometry of ``draft.layer: mla`` (DeepSeek-V2 / V3, Kimi K2
-#: config keys), in the order vLLM's ``DeepseekV2MLAAttention`` takes them.
-MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def layer_option_problem(layer: str, prefix: str = "draft.", *, norm_before_fc: bool = False,

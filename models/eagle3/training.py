@@ -368,11 +368,16 @@ def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
+    attention, norms = 2 * H * (q + 2 * kv) + q * H, 4 * H
+    if cfg.layer == "mla":  # q_a, q_b, kv_a_proj_with_mqa, kv_b, o_proj (models/eagle3/mla.py) and the two latent norms
+        nh, ql, kvl, v = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.v_head_dim
+        attention = 2 * H * (ql + kvl + cfg.qk_rope_head_dim) + ql * q + kvl * nh * (cfg.qk_nope_head_dim + v) + nh * v * H
+        norms += ql + kvl
     return {
         "fc": 3 * Ht * H,
-        "attention": 2 * H * (q + 2 * kv) + q * H,
+        "attention": attention,
         "mlp": 3 * H * I,
-        "norms": 4 * H + 3 * Ht * (int(cfg.norm_before_fc) + int(cfg.fc_norm)),
+        "norms": norms + 3 * Ht * (int(cfg.norm_before_fc) + int(cfg.fc_norm)),
         "lm_head": cfg.draft_vocab_size * H,
         "frozen_embedding": cfg.vocab_size * H,
     }
@@ -386,10 +391,27 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     (:func:`activation_estimate`) instead."""
     logits_bytes = (recipe.draft.ttt_steps * recipe.train.batch_size * recipe.data.max_length
                     * geometry.draft_vocab_size * 4 * 3)
-    # the MLA layer's geometry is not in LayerGeometry: its draft is counted as a Llama layer of the same width
-    layer = recipe.draft.layer if recipe.draft.layer != "mla" else "llama"
-    cfg = Eagle3Config(**geometry.fields(), layer=layer, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
+    fields = geometry.fields()
+    if recipe.draft.layer == "mla":  # the latent attention's own projections (geometry.mla, draft.mla's overrides)
+        fields.update(mla_fields(recipe, geometry))
+    cfg = Eagle3Config(**fields, layer=recipe.draft.layer, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
     return draft_parameter_count(cfg), logits_bytes
+
+
+def mla_fields(recipe: Recipe, geometry: LayerGeometry) -> dict[str, Any]:
+    """The MLA draft layer's config fields (``draft.layer: mla``): the target's latent attention
+    geometry (:attr:`LayerGeometry.mla`) with ``draft.mla``'s overrides, ``head_dim`` the query / key
+    width ``qk_nope_head_dim + qk_rope_head_dim`` and one key / value head per query head.
+
+    Raises:
+        ValueError: the target has no multi-head latent attention (the recipe's check names the key).
+    """
+    if not geometry.mla:
+        raise ValueError("draft.layer=mla: the target has no multi-head latent attention (no kv_lora_rank in its config)")
+    overrides = recipe.draft.mla.model_dump()
+    out = {k: overrides.get(k) if overrides.get(k) is not None else geometry.mla.get(k) for k in geometry.mla}
+    return {**out, "head_dim": (out["qk_nope_head_dim"] or 0) + (out["qk_rope_head_dim"] or 0),
+            "num_key_value_heads": geometry.num_attention_heads}
 
 
 # EAGLE-3, per TTT step: the layer's tensors kept for backward (no checkpointing). Under bf16

@@ -235,3 +235,56 @@ def test_a_speculators_layer_of_another_family_is_still_refused(tmp_path):
         read_init_draft(out)
     assert one_line(caught.value).endswith("transformer_layer_config.model_type 'gemma3': draftsmith's eagle3 draft is "
                                            "built from Llama or Qwen3 decoder layers")
+
+
+# ------------------------------------------------------------------------------------------
+# The MLA layer at GPU shapes: a fused attention kernel, and the dry run's geometry
+
+
+def test_mla_attention_takes_the_fused_kernel_and_equals_the_unpadded_attention():
+    """q / k (24 wide) and v (12) differ in width: the values are zero-padded to 24 so that SDPA takes
+    its fused kernel (on this CPU, flash; on CUDA, the memory-efficient one) instead of the math path,
+    which materialises every head's scores; the output is the same attention."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from draftsmith.models.eagle3.mla import pad_values
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = model_of(config("mla", norm_before_residual=False))
+    ids, hidden = torch.randint(0, V, (2, T)), torch.randn(2, T, 3 * H)
+    with Ops() as ops:
+        loss = model(ids, hidden, ttt_steps=2)[0].float().square().mean()
+        loss.backward()
+    assert any(n.startswith("_scaled_dot_product_flash_attention_for_cpu") for n in ops.names)
+    assert not any("softmax" in n for n in ops.names), "the math path materialised the attention scores"
+    q, k, v = torch.randn(1, 4, T, 24), torch.randn(1, 4, 2 * T, 24), torch.randn(1, 4, 2 * T, 12)
+    mask = torch.ones(T, 2 * T, dtype=torch.bool).tril(diagonal=T)
+    padded = F.scaled_dot_product_attention(q, k, pad_values(v, 24), attn_mask=mask)
+    torch.testing.assert_close(padded[..., :12], F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert padded[..., 12:].abs().max() == 0
+
+
+def test_the_dry_run_counts_the_mla_layer_as_built():
+    from draftsmith.models.common import LayerGeometry
+    from draftsmith.models.eagle3.training import parameter_estimate
+
+    target = tiny_deepseek()
+    geometry = LayerGeometry.from_target(target, VD, [0, 1, 1])
+    assert geometry.mla == MLA and "mla" not in geometry.fields()
+    recipe = load_recipe(None, ["draft.layer=mla", "draft.norm_before_fc=false"])
+    counts, _ = parameter_estimate(recipe, geometry, V)
+    draft = Eagle3DraftModel(Eagle3Config.from_target(target, VD, [0, 1, 1], layer="mla",
+                                                      norm_before_residual=recipe.draft.norm_before_residual))
+    built = {n: p.numel() for n, p in draft.named_parameters()}
+    assert counts["attention"] == sum(v for n, v in built.items() if ".self_attn." in n and "layernorm" not in n)
+    trainable = sum(v for k, v in counts.items() if not k.startswith("frozen_"))
+    assert trainable == sum(p.numel() for n, p in draft.named_parameters() if p.requires_grad)
+    assert LayerGeometry.from_target(Qwen3Config(vocab_size=V, hidden_size=H, num_attention_heads=4), VD, [0, 1, 1]).mla is None
