@@ -8,13 +8,17 @@ scalable one on GPUs) and ``transformers`` (:class:`TransformersChatEngine`: ``g
 fallback when vLLM is missing). :func:`resolve_engine` picks one for ``auto``;
 :data:`ENGINE_FAMILY` is the family a cached row's fingerprint records.
 
-Every engine answers :class:`ChatEngine`'s ``generate``; ``template_kwargs``
+Every engine answers :class:`ChatEngine`'s ``generate`` with one :class:`Reply` per conversation:
+its text and whether ``max_new_tokens`` cut it (offline vLLM: the output's ``finish_reason`` is
+``"length"``; the server: the choice's ``finish_reason`` is; transformers: the reply filled
+``max_new_tokens`` without an end-of-sequence token). Rows carry it as ``"cut"``, so the
+end-of-turn marker the target never emitted there is not labelled. ``template_kwargs``
 (``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``) reach the chat template of
 every request, and a reasoning effort (gpt-oss's harmony template) joins them as
 ``reasoning_effort``. Replies are the generated text with its reasoning (``<think>...</think>``)
 kept; the server's separate reasoning field, when it runs a reasoning parser, is put back in front
-of the answer, so the rows' side (:mod:`~draftsmith.data_prep.regenerate`) splits every engine's
-reply the same way.
+of the answer (closed by ``</think>`` unless the cut came inside it), so the rows' side
+(:mod:`~draftsmith.data_prep.regenerate`) splits every engine's reply the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import gc
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -37,9 +42,24 @@ from .served_turns import THINK_CLOSE, THINK_OPEN, with_reasoning
 log = logging.getLogger("draftsmith.data_prep.regenerate")  # the stage's logger name, as before the split
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One generated reply: ``text`` (reasoning kept) and ``cut``, whether ``max_new_tokens``
+    stopped it (the target would have gone on)."""
+
+    text: str
+    cut: bool = False
+
+    @staticmethod
+    def of(reply: Reply | str) -> Reply:
+        """``reply`` as a :class:`Reply`; a plain string (an engine that does not report how its
+        replies ended) is an uncut one."""
+        return reply if isinstance(reply, Reply) else Reply(reply)
+
+
 class ChatEngine(Protocol):
     def generate(self, conversations: list[list[dict]], temperatures: list[float], max_new_tokens: int,
-                 reasoning_efforts: list[str | None] | None = None) -> list[str]:
+                 reasoning_efforts: list[str | None] | None = None) -> list[Reply]:
         """One reply per conversation (ending in a user turn). ``reasoning_efforts`` (harmony
         templates only; passed only when a mix is configured): the chat template's
         ``reasoning_effort`` per conversation."""
@@ -107,19 +127,21 @@ class VllmChatEngine:
         groups: dict[str | None, list[int]] = {}
         for i, e in enumerate(efforts):
             groups.setdefault(e, []).append(i)
-        out: dict[int, str] = {}
+        out: dict[int, Reply] = {}
         for effort, idx in groups.items():
             params = [SamplingParams(temperature=temperatures[i], max_tokens=max_new_tokens) for i in idx]
             outs = self.llm.chat([conversations[i] for i in idx], params, use_tqdm=False,
                                  chat_template_kwargs=_template_kwargs(effort, self.template_kwargs) or None)
-            out.update((i, o.outputs[0].text) for i, o in zip(idx, outs))
+            out.update((i, Reply(o.outputs[0].text, o.outputs[0].finish_reason == "length")) for i, o in zip(idx, outs))
         return [out[i] for i in range(len(conversations))]
 
 
 class TransformersChatEngine:
     """transformers ``generate`` with left padding; the fallback when vLLM is missing. Runs
     on the model's device (inputs moved there, replies decoded on CPU); ``template_kwargs``
-    (``data.chat_template_kwargs``) reach every ``apply_chat_template``."""
+    (``data.chat_template_kwargs``) reach every ``apply_chat_template``. A reply is cut when it
+    holds ``max_new_tokens`` tokens and none of them ends the sequence (the model's generation
+    config's ``eos_token_id``, or the tokenizer's)."""
 
     def __init__(self, model: Any, tokenizer: Any, seed: int, template_kwargs: dict | None = None):
         self.model, self.tok = model, tokenizer
@@ -135,7 +157,8 @@ class TransformersChatEngine:
         groups: dict[float, list[int]] = {}
         for i, t in enumerate(temperatures):
             groups.setdefault(t, []).append(i)
-        out: dict[int, str] = {}
+        out: dict[int, Reply] = {}
+        ends = self._end_ids()
         for t, idx in groups.items():
             texts = [self.tok.apply_chat_template(conversations[i], tokenize=False, add_generation_prompt=True,
                                                   **_template_kwargs(efforts[i], self.template_kwargs)) for i in idx]
@@ -153,20 +176,30 @@ class TransformersChatEngine:
                 pad_token_id=self.tok.pad_token_id,
             )
             for i, row in zip(idx, gen[:, enc["input_ids"].shape[1]:].cpu()):
-                out[i] = self.tok.decode(row, skip_special_tokens=True)
-        replies = [out[i] for i in range(len(conversations))]
-        return replies
+                cut = len(row) >= max_new_tokens and not any(int(x) in ends for x in row)
+                out[i] = Reply(self.tok.decode(row, skip_special_tokens=True), cut)
+        return [out[i] for i in range(len(conversations))]
+
+    def _end_ids(self) -> set[int]:
+        """The token ids that end a reply: what ``generate`` stops on (the generation config's
+        ``eos_token_id``, an id or a list) and the tokenizer's end-of-sequence token."""
+        ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+        return ids | ({self.tok.eos_token_id} if self.tok.eos_token_id is not None else set())
 
 
-def _reply_text(message: Any) -> str:
+def _reply_text(message: Any, cut: bool = False) -> str:
     """The generated text of an OpenAI chat message: its content, preceded by
     ``<think>{reasoning}</think>`` when the server's reasoning parser returned the reasoning apart
-    (``reasoning_content``; ``reasoning`` in newer vLLM)."""
+    (``reasoning_content``; ``reasoning`` in newer vLLM). ``cut`` (``finish_reason == "length"``)
+    with reasoning and no content: the cut came inside the reasoning, so no ``</think>``."""
     extra = getattr(message, "model_extra", None) or {}
     reasoning = (getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
                  or extra.get("reasoning_content") or extra.get("reasoning"))
     content = message.content or ""
-    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{content}" if reasoning else content
+    if not reasoning:
+        return content
+    return f"{THINK_OPEN}{reasoning}" if cut and not content else f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{content}"
 
 
 class RegenerationRequestError(RuntimeError):
@@ -191,9 +224,9 @@ class ServerChatEngine:
     429, 5xx) are retried ``max_retries`` times with exponential backoff by the openai client;
     a request that still fails raises :class:`RegenerationRequestError` naming the URL.
     ``template_kwargs`` (``data.chat_template_kwargs``) go with every request as vLLM's
-    ``chat_template_kwargs``; ``thinking``: each reply is kept with its reasoning split into
-    ``reasoning_content`` (requests carry only role and content, so the template renders
-    earlier replies as it renders history).
+    ``chat_template_kwargs``; ``thinking``: the earlier replies a request carries are their
+    answers alone, reasoning split off (requests carry only role and content, so the template
+    renders earlier replies as it renders history).
 
     Raises:
         ServerStartError: the started server did not become healthy (with its log tail).
@@ -250,11 +283,12 @@ class ServerChatEngine:
             turn = itertools.count()
 
             async def complete(messages: list[dict], temperature: float, max_new_tokens: int,
-                               effort: str | None) -> str:
+                               effort: str | None) -> Reply:
                 k = next(turn) % len(clients)
                 kwargs = _template_kwargs(effort, self.template_kwargs)
                 extra = {"extra_body": {"chat_template_kwargs": kwargs}} if kwargs else {}
-                sent = [{"role": m["role"], "content": m["content"]} for m in messages]  # reasoning stays out
+                sent = [{"role": m["role"], "content": (with_reasoning(m) if self.thinking else m)["content"]}
+                        for m in messages]  # reasoning stays out
                 try:
                     r = await clients[k].chat.completions.create(model=models[k], messages=sent,
                                                                  temperature=temperature, max_tokens=max_new_tokens,
@@ -264,7 +298,8 @@ class ServerChatEngine:
                                                    f"(after up to {self.max_retries} retries): {exc}") from exc
                 if r.usage is not None:
                     self.completion_tokens += r.usage.completion_tokens or 0
-                return _reply_text(r.choices[0].message)
+                cut = r.choices[0].finish_reason == "length"
+                return Reply(_reply_text(r.choices[0].message, cut), cut)
 
             yield complete
         finally:
@@ -273,7 +308,7 @@ class ServerChatEngine:
                     await client.close()
 
     def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
-        """One reply per conversation (the :class:`ChatEngine` protocol)."""
+        """One :class:`Reply` per conversation (the :class:`ChatEngine` protocol)."""
         efforts = reasoning_efforts or [None] * len(conversations)
 
         async def main():
@@ -288,11 +323,12 @@ class ServerChatEngine:
         return list(asyncio.run(main()))
 
     def run_conversations(self, jobs: list[tuple[Any, list[dict], float, str | None]], max_new_tokens: int,
-                          on_done: Callable[[Any, list[dict]], None]) -> None:
+                          on_done: Callable[[Any, list[dict], bool], None]) -> None:
         """Regenerate ``jobs`` (``(key, prompt turns, temperature, effort)``) turn by turn,
-        ``concurrency`` conversations at a time; ``on_done(key, messages)`` runs as each finishes.
-        Turns before a user turn are kept; turns after the last user turn are dropped (the same
-        conversation shape the batched path produces).
+        ``concurrency`` conversations at a time; ``on_done(key, messages, cut)`` runs as each
+        finishes, with the replies as generated (reasoning not split off) and ``cut``: whether
+        ``max_new_tokens`` cut the last one. Turns before a user turn are kept; turns after the
+        last user turn are dropped (the same conversation shape the batched path produces).
 
         Raises:
             RegenerationRequestError: a request failed after its retries; the conversations in
@@ -302,22 +338,21 @@ class ServerChatEngine:
             queue = collections.deque(jobs)
             async with self._session() as complete:
                 async def conversation(turns, temperature, effort):
-                    out, pending = [], []
+                    out, pending, reply = [], [], Reply("")
                     for m in turns:
                         if m["role"] != "user":
                             pending.append(m)
                             continue
                         out += pending + [m]
                         pending = []
-                        reply = {"role": "assistant",
-                                 "content": await complete(list(out), temperature, max_new_tokens, effort)}
-                        out.append(with_reasoning(reply) if self.thinking else reply)
-                    return out
+                        reply = await complete(list(out), temperature, max_new_tokens, effort)
+                        out.append({"role": "assistant", "content": reply.text})
+                    return out, reply.cut
 
                 async def worker():
                     while queue:
                         key, turns, temperature, effort = queue.popleft()
-                        on_done(key, await conversation(turns, temperature, effort))
+                        on_done(key, *await conversation(turns, temperature, effort))
 
                 workers = [asyncio.create_task(worker()) for _ in range(min(self.concurrency, len(jobs)))]
                 try:

@@ -355,10 +355,15 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
     empties them) shows earlier replies differently from how the target wrote them, so those
     stay unlabelled context: the row trains what the target emits when serving the last turn,
     given the history as the template renders it. ``cut``: the last reply was cut by
-    ``max_tokens``; its span ends with its own text, without the end-of-turn marker.
+    ``max_tokens``; its span ends with its own text, without the end-of-turn marker (and, cut
+    inside its reasoning, without ``</think>`` or an answer); the text ends there too when the
+    template's rendering of the whole conversation does not continue it. Earlier replies cut by
+    ``max_tokens`` are history, rendered as the template renders it.
 
     With a thinking template (``</think>`` in it) reasoning is read from ``reasoning_content``
-    or a ``<think>...</think>`` head of the content (:func:`~draftsmith.data_prep.served_turns.with_reasoning`).
+    or a ``<think>...</think>`` head of the content (:func:`~draftsmith.data_prep.served_turns.with_reasoning`;
+    a cut last reply's raw text is read by :func:`~draftsmith.data_prep.served_turns.served_turn`,
+    where ``<think>`` without ``</think>`` is reasoning, not answer).
 
     Raises:
         DataError: the template gives no assistant mask (a reply it renders apart from its own
@@ -366,10 +371,10 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
     """
     from . import served_turns as st
 
-    if st.is_thinking_template(tokenizer):
-        messages = [st.with_reasoning(m) for m in messages]
-    full = st.render(tokenizer, messages, template_kwargs)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if st.is_thinking_template(tokenizer):  # a cut last reply is split by served_turn, which knows it was cut
+        messages = [m if cut and turns and k == turns[-1] else st.with_reasoning(m) for k, m in enumerate(messages)]
+    full = st.render(tokenizer, messages, template_kwargs)
     if not turns:
         return full, []
     try:

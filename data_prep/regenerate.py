@@ -26,6 +26,16 @@ gpt-oss (harmony chat template) can regenerate with a mix of reasoning efforts
 recipe seed and its row id (:func:`draw_reasoning_effort`), and both engines pass it to the
 chat template as ``reasoning_effort`` (gpt-oss renders "Reasoning: <effort>" into its system
 message); the row records the effort it used.
+
+A reply cut by ``max_new_tokens`` is not a finished reply: an engine reports it
+(:class:`~draftsmith.data_prep.chat_engines.Reply`), and a row whose *last* reply was cut carries
+``"cut": true``, as rows of served traffic do, so tokenisation labels it only as far as the
+target wrote it (no end-of-turn marker; cut inside its reasoning, no ``</think>`` either; see
+:func:`~draftsmith.data_prep.served_turns.served_turn`). That reply is stored as generated, its
+reasoning not split off: whether its ``<think>`` was closed is read from the text. An earlier reply
+that was cut stays in the row as history, rendered by the template as served history would be,
+and the row does not say so. Rows of caches written before ``cut`` existed have no key and are
+tokenised as uncut, as before.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .chat_engines import Reply
 from .served_turns import with_reasoning
 
 log = logging.getLogger(__name__)
@@ -301,7 +312,8 @@ def iter_regenerated(
 
     Yields:
         Records in input order with the target's replies (``"temperature"``, ``"fingerprint"``,
-        ``"fingerprint_id"`` and, with a mix, ``"reasoning_effort"`` noted per row).
+        ``"fingerprint_id"``, with a mix ``"reasoning_effort"``, and ``"cut": true`` when
+        ``max_new_tokens`` cut the last reply, noted per row).
 
     Raises:
         ValueError: ``reasoning_effort`` set for a non-harmony target (other chat templates
@@ -391,11 +403,15 @@ def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_o
     """Generate the replies of ``todo`` (``(index, record)`` pairs) into ``new`` (id -> row),
     appending each row to the cache ``fh``."""
 
-    def finish(i: int, r: dict, messages: list[dict], effort: str | None) -> None:
+    def finish(i: int, r: dict, messages: list[dict], effort: str | None, cut: bool) -> None:
+        """The row of ``messages`` (replies as generated); ``cut``: the last one was cut, and is
+        kept as generated (whether its reasoning was closed is read from its text)."""
         fp = fingerprint(fingerprint_base, temp_of(i), max_new_tokens, effort)
         if thinking:
-            messages = [with_reasoning(m) for m in messages]
+            messages = [m if cut and k == len(messages) - 1 else with_reasoning(m) for k, m in enumerate(messages)]
         row = {"id": r["id"], "messages": messages, "temperature": temp_of(i)}
+        if cut:
+            row["cut"] = True
         if reasoning_effort:
             row["reasoning_effort"] = effort
         row["fingerprint"], row["fingerprint_id"] = fp, fingerprint_id(fp)
@@ -405,9 +421,9 @@ def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_o
     if hasattr(engine, "run_conversations"):
         written = [0]
 
-        def on_done(key: int, messages: list[dict]) -> None:
+        def on_done(key: int, messages: list[dict], cut: bool) -> None:
             i, r = todo[key]
-            finish(i, r, messages, effort_of(r))
+            finish(i, r, messages, effort_of(r), cut)
             fh.flush()  # a kill loses only the conversations in flight
             written[0] += 1
             if written[0] % FSYNC_EVERY == 0:
@@ -428,14 +444,16 @@ def _generate_window(engine, todo, batch_size, max_new_tokens, temp_of, effort_o
 def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effort_of, with_efforts, finish, fh, bar,
                         thinking=False):
     """The offline engines: each batch of conversations advances one user turn per
-    ``engine.generate`` call; the batch is appended to the cache (flushed, fsynced) when done."""
+    ``engine.generate`` call (earlier replies with their reasoning split off when ``thinking``);
+    the batch is appended to the cache (flushed, fsynced) when done."""
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         convs = [prompt_turns(r["messages"]) for _, r in batch]
         temps = [temp_of(i) for i, _ in batch]
         efforts = [effort_of(r) for _, r in batch] if with_efforts else None
         n_rounds = max(sum(m["role"] == "user" for m in c) for c in convs)
-        outs: list[list[dict]] = [[] for _ in batch]
+        outs: list[list[dict]] = [[] for _ in batch]  # the replies as generated
+        cut = [False] * len(batch)  # whether the last reply was cut
         cursor = [0] * len(batch)
         for _ in range(n_rounds):
             active = []
@@ -453,13 +471,13 @@ def _regenerate_batched(engine, todo, batch_size, max_new_tokens, temp_of, effor
                 break
             # engines are asked about efforts only when a mix is set
             extra = {"reasoning_efforts": [efforts[b] for b in active]} if efforts else {}
-            replies = engine.generate([outs[b] for b in active], [temps[b] for b in active], max_new_tokens,
-                                      **extra)
-            for b, text in zip(active, replies):
-                reply = {"role": "assistant", "content": text}
-                outs[b].append(with_reasoning(reply) if thinking else reply)  # history: the template drops it
+            asked = [[with_reasoning(m) for m in outs[b]] if thinking else outs[b] for b in active]
+            replies = engine.generate(asked, [temps[b] for b in active], max_new_tokens, **extra)
+            for b, reply in zip(active, map(Reply.of, replies)):
+                outs[b].append({"role": "assistant", "content": reply.text})
+                cut[b] = reply.cut
         for b, (i, r) in enumerate(batch):
-            finish(i, r, outs[b], efforts[b] if efforts else None)
+            finish(i, r, outs[b], efforts[b] if efforts else None, cut[b])
         fh.flush()
         os.fsync(fh.fileno())
         bar.update(len(batch))

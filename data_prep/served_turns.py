@@ -23,6 +23,14 @@ the served text is put together from the reasoning, ``</think>``, the answer and
 end-of-turn marker. Reasoning is carried in an assistant message's ``reasoning_content`` (the
 field vLLM's reasoning parsers return and Qwen3's and Kimi's templates read); a reply that still
 holds ``<think>...</think>`` in its content is split by :func:`split_reasoning`.
+
+A reply cut by ``max_tokens`` (``cut``) is served as the text the target emitted and nothing
+after it: no end-of-turn marker and, when it was cut inside its reasoning, no ``</think>`` and
+no answer. Such a reply has ``<think>`` (or a generation prompt that opened it) but no
+``</think>``; :func:`split_reasoning` with ``cut`` reads it as reasoning with an empty answer.
+A reply *not* marked cut is read as before: without ``</think>`` its whole text is the answer
+(the rare reply that finished inside its reasoning, and the cut replies of regeneration caches
+written before rows carried ``cut``, keep the rendering they had).
 """
 
 from __future__ import annotations
@@ -82,15 +90,18 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict | None, key: str = "data.
                                 "use the name the template reads")
 
 
-def split_reasoning(text: str) -> tuple[str, str]:
+def split_reasoning(text: str, cut: bool = False) -> tuple[str, str]:
     """``(reasoning, answer)`` of a raw reply: the text before the first ``</think>`` (less a
     leading ``<think>``) and the text after it, whitespace kept, so ``reasoning + "</think>" +
-    answer`` is the generated text again; ``("", text)`` without ``</think>``."""
+    answer`` is the generated text again; ``("", text)`` without ``</think>``. ``cut``: the reply
+    was cut by ``max_tokens``, so a ``<think>`` head without ``</think>`` is reasoning the cut
+    interrupted: ``(text after <think>, "")``."""
     head, close, tail = text.partition(THINK_CLOSE)
-    if not close:
-        return "", text
     at = head.find(THINK_OPEN)
-    return (head[at + len(THINK_OPEN):] if at >= 0 and not head[:at].strip() else head), tail
+    opened = at >= 0 and not head[:at].strip()
+    if not close:
+        return (head[at + len(THINK_OPEN):], "") if cut and opened else ("", text)
+    return (head[at + len(THINK_OPEN):] if opened else head), tail
 
 
 def with_reasoning(message: dict) -> dict:
@@ -132,12 +143,40 @@ class ServedTurn:
         return self.prompt + self.reply
 
 
+def _cut_reply(message: dict, open_think: bool) -> tuple[dict, bool]:
+    """A reply cut by ``max_tokens`` with its reasoning in ``reasoning_content`` and its answer in
+    ``content``, and whether the cut came inside the reasoning (``</think>`` never emitted).
+
+    Reasoning given apart (a reasoning parser's field) means the answer is what came after
+    ``</think>``: blank, the reply was still reasoning. Otherwise the raw text decides: a
+    ``</think>`` closes the reasoning; a ``<think>`` head without it, or no marker at all after a
+    generation prompt that left ``<think>`` open (``open_think``: DeepSeek-R1, V3.1 thinking), is
+    reasoning the cut interrupted; anything else is a plain answer."""
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    raw = message["content"]
+    if reasoning:
+        content, thinking = raw, not raw.strip()
+    elif THINK_CLOSE in raw or raw.lstrip().startswith(THINK_OPEN):
+        (reasoning, content), thinking = split_reasoning(raw, cut=True), THINK_CLOSE not in raw
+    elif open_think:
+        reasoning, content, thinking = raw, "", True
+    else:
+        content, thinking = raw, False
+    out = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+    out["content"] = content
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out, thinking
+
+
 def served_turn(tokenizer: Any, messages: list[dict], i: int, template_kwargs: dict | None = None,
                 cut: bool = False) -> ServedTurn:
     """Assistant turn ``i`` of ``messages`` (reasoning in ``reasoning_content``, see
     :func:`with_reasoning`) as the target emits it after ``messages[:i]``, rendered with
     ``template_kwargs``. ``cut``: the reply was cut by ``max_tokens``; it ends with its own text,
-    without the end-of-turn marker.
+    without the end-of-turn marker. With a thinking template a cut reply's content may be the raw
+    generated text (see :func:`_cut_reply`); one cut inside its reasoning is served as the
+    generation prompt and that reasoning, ending where the text ended: no ``</think>``, no answer.
 
     Raises:
         TemplateError: the reply carries reasoning the template, rendered this way, gives no place
@@ -145,9 +184,12 @@ def served_turn(tokenizer: Any, messages: list[dict], i: int, template_kwargs: d
             in a way that does not continue its own generation prompt and is not a think block
             left open by it (no assistant mask is possible from it).
     """
-    m = messages[i]
-    reasoning, content = m.get("reasoning_content") or "", m["content"]
     prompt = render(tokenizer, messages[:i], template_kwargs, add_generation_prompt=True)
+    m, thinking = messages[i], False
+    if cut and is_thinking_template(tokenizer):
+        m, thinking = _cut_reply(m, open_think=prompt.rstrip().endswith(THINK_OPEN))
+        messages = [*messages[:i], m]
+    reasoning, content = m.get("reasoning_content") or "", m["content"]
     through = render(tokenizer, messages[: i + 1], template_kwargs)
     kw = f" with chat_template_kwargs {template_kwargs}" if template_kwargs else ""
     unplaced = TemplateError(f"turn {i} carries reasoning (reasoning_content) that the chat template{kw} gives no "
@@ -161,11 +203,18 @@ def served_turn(tokenizer: Any, messages: list[dict], i: int, template_kwargs: d
                 raise unplaced
             reply = THINK_OPEN + reasoning + THINK_CLOSE + reply[empty.end():]
         if cut:
-            at = reply.rfind(content.rstrip()) if content.strip() else -1
+            # the last text the target emitted: its reasoning when cut inside it, else its answer
+            if thinking:
+                mark = reasoning.strip() or THINK_OPEN
+            elif content.strip():
+                mark = content.rstrip()
+            else:  # cut right after </think>
+                mark = THINK_CLOSE if reasoning else ""
+            at = reply.rfind(mark) if mark else -1
             if at < 0:
                 raise TemplateError(f"the chat template rewrites the cut reply of turn {i}: its end cannot be located, "
                                     "so its end-of-turn marker cannot be left unlabelled")
-            reply = reply[: at + len(content.rstrip())]
+            reply = reply[: at + len(mark)]
         return ServedTurn(i, prompt, reply)
     if not prompt.rstrip().endswith(THINK_OPEN):
         if reasoning.strip():
@@ -173,6 +222,10 @@ def served_turn(tokenizer: Any, messages: list[dict], i: int, template_kwargs: d
         raise TemplateError("chat template cannot produce an assistant mask: rendering the conversation up to turn "
                             f"{i} does not continue its own generation prompt (the template rewrites the reply)")
     # the prompt leaves <think> open (DeepSeek-R1, V3.1 thinking): reasoning, </think>, answer, end marker
+    if thinking:  # cut inside the reasoning: what the target emitted after the prompt's <think>
+        return ServedTurn(i, prompt, reasoning.rstrip())
+    if cut and not content.strip():  # cut right after </think>
+        return ServedTurn(i, prompt, reasoning + THINK_CLOSE)
     at = through.rfind(content) if content else -1
     if at < 0:
         raise TemplateError(f"the chat template rewrites the answer of turn {i}: it cannot be located in the rendering")

@@ -24,9 +24,11 @@ assistant turn) and skips, with a count per reason and the first offending ``fil
 
 A reply cut by ``max_tokens`` (``finish_reason == "length"``) is kept: every token of it is the
 target's own output. It is marked ``"cut": true`` and counted apart (``TrafficReport.cut``); the
-tokenizer then gives the template's end-of-turn marker after it no label
-(:func:`draftsmith.data_prep.conversations.tokenize_conversation`), so the draft is not taught to
-end a reply where the target would have gone on. ``keep_cut=False`` skips them instead
+tokenizer then gives the template's end-of-turn marker after it no label (nor, for a reply cut
+inside its reasoning, a ``</think>`` it never wrote;
+:func:`draftsmith.data_prep.conversations.tokenize_conversation`), so the draft is not taught to
+end a reply where the target would have gone on. Regenerated rows carry the same mark
+(:mod:`draftsmith.data_prep.regenerate`). ``keep_cut=False`` skips them instead
 (``cut by max_tokens``).
 
 :func:`holdout_split` then holds out a seeded, hash-chosen share of prompts for evaluation.

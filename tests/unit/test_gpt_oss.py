@@ -97,14 +97,15 @@ def test_vllm_engine_passes_the_effort_as_chat_template_kwargs():
             for c in conversations:
                 self.prompts.append(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
                                                             **(chat_template_kwargs or {})))
-                outs.append(SimpleNamespace(outputs=[SimpleNamespace(text=f"reply to {c[-1]['content']}")]))
+                outs.append(SimpleNamespace(outputs=[SimpleNamespace(text=f"reply to {c[-1]['content']}",
+                                                                      finish_reason="stop")]))
             return outs
 
     engine = VllmChatEngine.__new__(VllmChatEngine)  # no vLLM start: only the call it makes
     engine.llm = FakeLLM()
     convs = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
     replies = engine.generate(convs, [0.0, 1.0, 0.0, 1.0], 8, ["low", "high", "low", None])
-    assert replies == [f"reply to q{i}" for i in range(4)]  # in input order despite grouping
+    assert [r.text for r in replies] == [f"reply to q{i}" for i in range(4)]  # in input order despite grouping
     assert [effort_in(p) for p in engine.llm.prompts] == ["low", "low", "high", "medium"]
 
 

@@ -30,10 +30,11 @@ def cached_rows(path: Path) -> list[dict]:
 
 class FakeServer:
     """``/v1/models`` and ``/v1/chat/completions`` on loopback. Chat requests fail with 503
-    while ``fail(n)`` (n: the 0-based chat request number) is true; replies echo the turn."""
+    while ``fail(n)`` (n: the 0-based chat request number) is true; replies echo the turn, or are
+    ``answer(body)`` (``(message, finish_reason)``) when given."""
 
-    def __init__(self, fail=lambda n: False):
-        self.fail, self.requests, self.lock = fail, [], threading.Lock()
+    def __init__(self, fail=lambda n: False, answer=None):
+        self.fail, self.answer, self.requests, self.lock = fail, answer, [], threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -64,9 +65,10 @@ class FakeServer:
                     return
                 n_asst = sum(m["role"] == "assistant" for m in body["messages"])
                 text = f"reply {n_asst + 1} to {body['messages'][-1]['content']}"
+                message, finish = (({"role": "assistant", "content": text}, "stop") if outer.answer is None
+                                   else outer.answer(body))
                 self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                                 "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": text}}],
+                                 "choices": [{"index": 0, "finish_reason": finish, "message": message}],
                                  "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -82,8 +84,8 @@ class FakeServer:
 def fake_server():
     servers = []
 
-    def start(fail=lambda n: False):
-        servers.append(FakeServer(fail))
+    def start(fail=lambda n: False, answer=None):
+        servers.append(FakeServer(fail, answer))
         return servers[-1]
 
     yield start
@@ -127,6 +129,35 @@ def test_failing_server_names_its_url_and_keeps_finished_rows(fake_server, tmp_p
     out = regen.regenerate(records, cache, lambda: chat_engines.ServerChatEngine(None, server_urls=[server.url]),
                            [0.0], 8, progress=False)
     assert len(server.requests) - before == 3 and [r["id"] for r in out] == [r["id"] for r in records]
+
+
+def test_a_reply_the_server_cut_marks_its_row_cut(fake_server, tmp_path):
+    """``finish_reason == "length"`` on the last turn: the row is ``cut``; a reasoning parser's
+    reasoning without an answer is reasoning the cut interrupted (no ``</think>`` put back)."""
+    def answer(body):
+        q = body["messages"][-1]["content"]
+        if q == "think":  # cut inside the reasoning, which the server's parser returned apart
+            return {"role": "assistant", "content": None, "reasoning_content": "\nstill"}, "length"
+        return {"role": "assistant", "content": f"to {q}"}, "length" if q.startswith("cut") else "stop"
+
+    server = fake_server(answer=answer)
+    def user(q):
+        return {"role": "user", "content": q}
+
+    records = [{"id": "a", "messages": [user("cut me")]}, {"id": "b", "messages": [user("fine")]},
+               {"id": "c", "messages": [user("cut first"), {"role": "assistant", "content": "x"}, user("fine")]},
+               {"id": "d", "messages": [user("think")]}]
+    out = regen.regenerate(records, tmp_path / "regen.jsonl",
+                           lambda: chat_engines.ServerChatEngine(None, server_urls=[server.url], thinking=True),
+                           [0.0], 8, progress=False, thinking=True)
+    assert [r.get("cut", False) for r in out] == [True, False, False, True]  # c: only an earlier reply was cut
+    assert out[3]["messages"][-1] == {"role": "assistant", "content": "<think>\nstill"}  # as generated
+    assert {r["id"]: r.get("cut", False) for r in cached_rows(tmp_path / "regen.jsonl")} == {
+        "a": True, "b": False, "c": False, "d": True}
+    # a rerun reads the rows, their cut included, back from the cache
+    again = regen.regenerate(records, tmp_path / "regen.jsonl", lambda: pytest.fail("engine built"), [0.0], 8,
+                             progress=False, thinking=True)
+    assert again == out
 
 
 def test_unreachable_server_is_named(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from draftsmith.data_prep import served_turns as st
 from draftsmith.data_prep.conversations import DataError, normalise_row, tokenize_conversation
+from draftsmith.data_prep.served_turns import THINK_CLOSE
 
 from helpers.tiny import build_tokenizer, masked_text
 
@@ -187,3 +188,103 @@ def test_the_server_reply_puts_a_parsed_reasoning_back_in_front_of_the_answer():
     newer = SimpleNamespace(content="Four.", model_extra={"reasoning": "add"})  # vLLM's newer field name
     assert _reply_text(newer) == "<think>add</think>Four."
     assert _reply_text(SimpleNamespace(content="Four.", model_extra={})) == "Four."
+
+
+# --- replies cut by max_tokens ----------------------------------------------------------------
+
+CUT_R = "Two and two"  # reasoning the cut interrupted
+
+
+def cut_conv(content: str) -> list[dict]:
+    return conv(reasoning=False)[:-1] + [{"role": "assistant", "content": content}]
+
+
+@pytest.mark.parametrize("name, kwargs, raw, prompt_end, label", [
+    # Qwen3 / Kimi: the target writes <think> itself; R1 / V3.1: the generation prompt opened it
+    ("qwen3", {"enable_thinking": True}, f"<think>\n{CUT_R}", "assistant\n", f"<think>\n{CUT_R}"),
+    ("kimi_k2_thinking", None, f"<think>{CUT_R}", "<|im_middle|>", f"<think>{CUT_R}"),
+    ("deepseek_r1", None, CUT_R, "<｜Assistant｜><think>\n", CUT_R),
+    ("deepseek_r1", None, f"<think>{CUT_R}", "<｜Assistant｜><think>\n", CUT_R),  # the server's parsed reasoning
+    ("deepseek_v3_1", {"thinking": True}, CUT_R, "<｜Assistant｜><think>", CUT_R),
+])
+def test_a_reply_cut_inside_its_reasoning_is_labelled_as_far_as_the_target_wrote_it(name, kwargs, raw, prompt_end,
+                                                                                     label):
+    tok = tokenizer(name)
+    enc = tokenize_conversation(tok, cut_conv(raw), cut=True, template_kwargs=kwargs)
+    assert masked_text(tok, enc) == [label]  # the reasoning: no </think>, no answer, no end of turn
+    text = tok.decode(enc["input_ids"])
+    assert text.endswith(prompt_end + label) and THINK_CLOSE not in text  # the row ends where the reply did
+
+
+@pytest.mark.parametrize("name, kwargs, raw, label, uncut", [
+    ("qwen3", {"enable_thinking": True}, f"<think>\n{R}\n</think>\n\nFo", f"<think>\n{R}\n</think>\n\nFo",
+     f"<think>\n{R}\n</think>\n\nFo<|im_end|>"),
+    ("qwen3", {"enable_thinking": True}, f"<think>\n{R}\n</think>", f"<think>\n{R}\n</think>",  # cut after </think>
+     f"<think>\n{R}\n</think>\n\n<|im_end|>"),
+    ("deepseek_r1", None, f"{R}\n</think>\n\nFo", f"{R}\n</think>\n\nFo", f"{R}\n</think>\n\nFo<｜end▁of▁sentence｜>"),
+    ("deepseek_v3_1", {"thinking": True}, f"{R}</think>Fo", f"{R}</think>Fo", f"{R}</think>Fo<｜end▁of▁sentence｜>"),
+])
+def test_a_reply_cut_in_its_answer_ends_at_its_text(name, kwargs, raw, label, uncut):
+    tok = tokenizer(name)
+    enc = tokenize_conversation(tok, cut_conv(raw), cut=True, template_kwargs=kwargs)
+    assert masked_text(tok, enc) == [label]
+    whole = tokenize_conversation(tok, cut_conv(raw), template_kwargs=kwargs)  # not cut: as before, end labelled
+    assert masked_text(tok, whole) == [uncut]
+
+
+def test_an_uncut_reply_with_an_unclosed_think_keeps_its_rendering():
+    """Not cut, ``<think>`` never closed (a reply that stopped inside its reasoning, or a cut one
+    from a cache written before rows said so): read as an answer, as before."""
+    tok = tokenizer("qwen3")
+    enc = tokenize_conversation(tok, cut_conv(f"<think>\n{CUT_R}"), template_kwargs={"enable_thinking": True})
+    assert masked_text(tok, enc) == [f"<think>\n\n</think>\n\n<think>\n{CUT_R}<|im_end|>"]
+
+
+def test_split_reasoning_of_a_cut_reply_reads_an_unclosed_think_as_reasoning():
+    assert st.split_reasoning(f"<think>\n{CUT_R}", cut=True) == (f"\n{CUT_R}", "")
+    assert st.split_reasoning(f"<think>\n{CUT_R}") == ("", f"<think>\n{CUT_R}")  # not cut: as before
+    assert st.split_reasoning(f"<think>\n{R}\n</think>\n\nFo", cut=True) == (f"\n{R}\n", "\n\nFo")
+    assert st.split_reasoning("Fo", cut=True) == ("", "Fo")
+
+
+class CutThinkingEngine:
+    """Qwen3 with thinking on, cut by max_tokens on the turns listed in ``cut_turns`` (1-based)."""
+
+    def __init__(self, cut_turns):
+        self.cut_turns, self.asked = cut_turns, []
+
+    def generate(self, conversations, temperatures, max_new_tokens, reasoning_efforts=None):
+        from draftsmith.data_prep.chat_engines import Reply
+
+        self.asked += [list(c) for c in conversations]
+        out = []
+        for c in conversations:
+            turn = sum(m["role"] == "user" for m in c)
+            cut = turn in self.cut_turns
+            out.append(Reply(f"<think>\n{CUT_R} {turn}" if cut else f"<think>\n{R}\n</think>\n\n{A}", cut))
+        return out
+
+
+@pytest.mark.parametrize("cut_turns", [{2}, {1}, {1, 2}])
+def test_a_regenerated_row_is_cut_when_its_last_reply_was(tmp_path, cut_turns):
+    from draftsmith.data_prep import regenerate as regen
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "old"},
+                                     {"role": "user", "content": "q2"}]}]
+    engine = CutThinkingEngine(cut_turns)
+    out = regen.regenerate(rows, tmp_path / "regen.jsonl", lambda: engine, [0.0], 8, progress=False, thinking=True)
+    row, kwargs = out[0], {"enable_thinking": True}
+    assert row.get("cut", False) == (2 in cut_turns)  # only the last reply decides
+    first, last = row["messages"][1], row["messages"][3]
+    # an earlier cut reply is history as generated (no </think> to split at), the next request carries it
+    assert first == ({"role": "assistant", "content": f"<think>\n{CUT_R} 1"} if 1 in cut_turns else
+                     {"role": "assistant", "content": f"\n\n{A}", "reasoning_content": f"\n{R}\n"})
+    assert engine.asked[1][1]["content"] == first["content"]
+    tok = tokenizer("qwen3")
+    enc = tokenize_conversation(tok, row["messages"], cut=bool(row.get("cut")), template_kwargs=kwargs)
+    if 2 in cut_turns:
+        assert last == {"role": "assistant", "content": f"<think>\n{CUT_R} 2"}  # stored as generated
+        assert masked_text(tok, enc)[-1] == f"<think>\n{CUT_R} 2"
+        assert tok.decode(enc["input_ids"]).endswith(f"<|im_start|>assistant\n<think>\n{CUT_R} 2")
+    else:
+        assert masked_text(tok, enc)[-1] == f"<think>\n{R}\n</think>\n\n{A}<|im_end|>"
