@@ -104,8 +104,9 @@ class SlidingWindowSection(BaseModel):
         return self
 
 
-#: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss)
-ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2")
+#: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss,
+#: DSpark's dspark_loss, XPress's xpress_loss)
+ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2", "dspark", "xpress")
 AcceptWeighting = Literal["none", "hard", "soft"]
 
 
@@ -119,16 +120,17 @@ def accept_weighting_field() -> Any:
     """The ``draft.accept_weighting`` field (declared by each section that takes it, beside its
     position decay)."""
     return Field(
-        "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2: block slot k) "
-        "by whether the chain reaches it at inference: a detached product over the positions j < k of the same "
-        "chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
+        "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2, xpress: block "
+        "slot k; dspark: block slot k, the anchor's slot 0 included) by whether the chain reaches it at inference: a "
+        "detached product over the positions j < k of the same chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
         "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
-        "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
-        "decay alone.")
+        "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. "
+        "DSpark weights its CE and divergence terms, not the confidence head's BCE; XPress its three parts, by the "
+        "teacher-forced refined logits' chain. none: the fixed position decay alone.")
 
 
 #: the methods whose loss applies draft.opd (on-policy distillation's split, the same chains as
-#: draft.accept_weighting): EAGLE-3's TTT steps, DFlash / DFlash2's block slots
+#: draft.accept_weighting): EAGLE-3's TTT steps, the block slots of DFlash / DFlash2 / DSpark / XPress
 OPD_METHODS = ACCEPT_WEIGHTING_METHODS
 OpdSplit = Literal["none", "hard", "soft"]
 
@@ -140,7 +142,8 @@ def opd_field() -> Any:
         "position k of a chain counts as accepted when the draft's own earlier positions of that chain were accepted "
         "(hard: argmax hits; soft: expected acceptance sum min(p_T, q_T) at the served T = "
         "train.eval_temperatures[0] or eval.temperature, a weight in [0, 1]). Accepted positions train on draft.loss (forward KL by default), the others on reverse "
-        "KL(q || p) weighted opd_gamma**k. none: off. Not with draft.accept_weighting.")
+        "KL(q || p) weighted opd_gamma**k (dspark: in place of its divergence term, at distill_weight; xpress: of "
+        "each part's divergence terms, at their summed loss_weights). none: off. Not with draft.accept_weighting.")
 
 
 def opd_gamma_field() -> Any:
@@ -154,7 +157,7 @@ class AcceptWeightingSection(BaseModel):
     the DFlash family's block slots): the loss of a later draft position weighted by whether the
     draft's own earlier positions of the same chain would have been accepted (docs/training.md,
     "Acceptance-aware loss"). A section of a method not in :data:`ACCEPT_WEIGHTING_METHODS` that
-    inherits the key (DSpark, XPress) refuses any value but ``none``."""
+    inherits the key (a method built on DFlash whose loss does not apply it) refuses any value but ``none``."""
 
     @model_validator(mode="after")
     def _accept_weighting_method(self):

@@ -12,7 +12,7 @@ import yaml
 from .draft_section import ACCEPT_WEIGHTING_METHODS, opd_unsupported
 
 # draft keys some methods take and the others do not have: their one line for a method without the
-# key (the methods that declare it to refuse it, DSpark and XPress, say the same from their section)
+# key (a method that inherits the key and refuses it says the same from its section)
 UNSUPPORTED = {
     "draft.accept_weighting": lambda method: (
         f"draft.accept_weighting: not supported by draft.method {method} (supported: "

@@ -13,7 +13,7 @@ from the last OPD checkpoint (replay rows already written are kept); ``--overwri
 
 - ``offline``: the run's own data (``opd/data`` links to ``RUN_DIR/data``), trained with
   ``draft.opd`` (:mod:`draftsmith.train.opd_loss`): on the teacher-forced TTT steps (EAGLE-3) or
-  block slots (DFlash, DFlash2), forward KL where the draft's own earlier positions of the chain
+  block slots (DFlash, DFlash2, DSpark, XPress), forward KL where the draft's own earlier positions of the chain
   were accepted, reverse KL decayed ``opd_gamma**k`` where they were not. No target forward: the
   data cost is 0 target tokens scored per trained token.
 - ``replay``: the draft decodes with the target from prefixes of the run's tokenised training

@@ -21,6 +21,10 @@ both divergences come from each chunk's logits, and in the fused Triton kernel (
 from one logits matmul per chunk, the row kernel summing ``KL(q || p)`` beside ``D`` in the same
 vocab passes and writing one gradient for both. Where the fused loss cannot run, the call takes the
 chunked path with the fused loss's own warning. Nothing changes at inference or in the export.
+
+The block drafters whose chunk computes several terms from its own logits (DSpark, XPress: their
+logits are not ``logits_fn(hidden)`` alone, and their terms are not one divergence) take the same
+weights from :func:`group_split`, inside their chunk, from the logits it already holds.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .losses import AcceptSpec, DistillOut, LossSpec, chunked_distill
+from .losses import AcceptSpec, DistillOut, LossSpec, chunked_distill, expected_acceptance, group_reach
 
 
 def opd_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor], teacher: torch.Tensor,
@@ -81,3 +85,41 @@ def opd_group_distill(hidden: torch.Tensor, logits_fn: Callable[[torch.Tensor], 
         raise ValueError("opd_group_distill needs draft.opd's AcceptSpec with a group (a block's slots)")
     return chunked_distill(hidden, logits_fn, teacher, teacher_index, weight, loss, chunk_size, fused=fused,
                            accept=accept)
+
+
+def group_split(accept: AcceptSpec, target: torch.Tensor, logits: torch.Tensor, hit: torch.Tensor,
+                weight: torch.Tensor, reach: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The weights of a chunk of whole groups (``accept.group`` rows per block, in slot order) for a
+    loss that computes its own terms from the chunk's logits (DSpark's, XPress's chunks), as
+    :func:`~draftsmith.train.losses.chunked_distill` computes them with an :class:`AcceptSpec` of a
+    group: the reach from :func:`~draftsmith.train.losses.group_reach` of the rows' argmax hits
+    (hard, soft at T = 0) or expected acceptance at T (soft), no grad.
+
+    Args:
+        accept: ``draft.accept_weighting``'s or ``draft.opd``'s :class:`AcceptSpec`, with a group G.
+        target / logits: ``(C, V)`` float32, the chunk's target and draft logits (read only for soft at T > 0).
+        hit: ``(C,)`` float32, 1 where the draft's argmax is the target's.
+        weight: ``(C,)`` float, the rows' position weights (0: untrained; such a row passes the chain on).
+        reach: ``(C,)`` float32, a reach computed elsewhere for these rows (XPress's other parts take its
+            teacher-forced part's); None: from these logits.
+
+    Returns:
+        ``(reach, accepted, rejected)``, each ``(C,)`` float32 and detached where ``weight`` is:
+        ``reach``; ``accepted = weight * reach``; with ``accept.opd`` ``rejected = weight *
+        opd_gamma**j * (1 - reach)`` at slot j of a group (the weight of ``KL(q || p)``), else None.
+    """
+    if reach is None:
+        factor = expected_acceptance(target, logits, accept.temperature) if accept.soft else hit
+        reach = group_reach(factor, weight <= 0, accept.group)
+    accepted = weight * reach
+    if not accept.opd:
+        return reach, accepted, None
+    decayed = (weight.view(-1, accept.group) * accept.slot_decay(weight.device)).flatten()
+    return reach, accepted, decayed * (1.0 - reach)
+
+
+def reverse_kl(loss: LossSpec, target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``(C,)`` ``KL(q || p)`` per row, ``p`` the target's distribution after ``loss``'s
+    ``draft.distill_temperature`` (``draft.opd``'s rejected term)."""
+    return LossSpec("reverse_kl", target_temperature=loss.target_temperature)(target, logits)

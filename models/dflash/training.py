@@ -157,15 +157,20 @@ class DFlashMethod(DraftVocabMethod):
         width = batch.get(NUM_ANCHORS_KEY)  # the plan's tight A; else the cap (padding anchors cost compute only)
         num_anchors = width if width is not None else min(self.recipe.draft.num_anchors, max(T - 1, 1))
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
-        # draft.accept_weighting shapes the gradient; validation (no grad) reports the plain loss, which a
-        # draft missing its early slots cannot lower
-        weighted = torch.is_grad_enabled() and (getattr(self.recipe.draft, "accept_weighting", "none") != "none"
-                                                or getattr(self.recipe.draft, "opd", "none") != "none")
-        accept = AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - 1) if weighted else None
+        accept = self.accept_spec(self.recipe.draft.block_size - 1)
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
                            self.recipe.train.loss_chunk_rows, selector=self.selector_loss(),
                            fused=getattr(self.recipe.train, "fused_loss", None), accept=accept)
+
+    def accept_spec(self, group: int) -> AcceptSpec | None:
+        """``draft.accept_weighting`` / ``draft.opd`` over blocks of ``group`` trained slots (DFlash,
+        DFlash2, XPress: ``block_size - 1``; DSpark: ``block_size``), or None: both off, or no grad.
+        They shape the gradient; validation (no grad) reports the plain loss, which a draft missing
+        its early slots cannot lower."""
+        weighted = torch.is_grad_enabled() and (getattr(self.recipe.draft, "accept_weighting", "none") != "none"
+                                                or getattr(self.recipe.draft, "opd", "none") != "none")
+        return AcceptSpec.from_recipe(self.recipe, group=group) if weighted else None
 
     def selector_loss(self) -> Any:
         """The candidate-selector term of the loss (DFlash2's
@@ -316,6 +321,18 @@ def slot_metrics(row_loss: torch.Tensor, row_hit: torch.Tensor, trained: torch.T
     return out
 
 
+def reach_metrics(row_reach: torch.Tensor, trained: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``reach_{j}``: the mean reach (``draft.accept_weighting`` / ``draft.opd``'s weight factor) of
+    the j-th trained slot of the blocks over its trained rows, detached 0-dim tensors (no host read).
+
+    Args:
+        row_reach: ``(B, A, G)`` float32 per-row reach; trained: ``(B, A, G)`` bool.
+    """
+    w = trained.float().flatten(0, 1)  # (B*A, G)
+    reach = (row_reach.detach().flatten(0, 1) * w).sum(0) / w.sum(0).clamp_min(1.0)
+    return {f"reach_{k}": reach[k] for k in range(reach.shape[0])}  # over the host-known slot count: views
+
+
 def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
                 loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, head: Any,
                 weights: torch.Tensor, loss: Any = None, position_ids: torch.Tensor | None = None,
@@ -385,10 +402,7 @@ def dflash_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     metrics = {"loss": total.detach()}
     metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask[:, :, 1:]))
     if accept is not None and out.row_reach is not None:
-        trained = label_mask[:, :, 1:].float().flatten(0, 1)
-        reach = (out.row_reach.view(rows).flatten(0, 1) * trained).sum(0) / trained.sum(0).clamp_min(1.0)
-        for k in range(Bk - 1):  # no grad: views
-            metrics[f"reach_{k}"] = reach[k]
+        metrics.update(reach_metrics(out.row_reach.view(rows), label_mask[:, :, 1:]))
     if selected is not None:
         selector_total = selected.loss_sum / scale
         metrics.update(selector.metrics(selected, selector_total, label_mask[:, :, 1:]), dflash_loss=total.detach())

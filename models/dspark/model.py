@@ -77,6 +77,8 @@ class DSparkTargets:
             ``compute(model, hidden (M, H), markov_embed (M, r), targets) -> DSparkOut``.
         options: the loss weights and divergence (``models/dspark/training.py``'s ``DSparkLossSpec``).
         chunk_size: rows per loss chunk (None: ``chunk_rows`` of Vd).
+        accept: ``draft.accept_weighting`` / ``draft.opd`` (``train/losses.py``'s ``AcceptSpec``, a
+            group of ``Bk`` slots), or None.
     """
 
     teacher: torch.Tensor
@@ -87,6 +89,7 @@ class DSparkTargets:
     compute: Callable[..., Any]
     options: Any = None
     chunk_size: int | None = None
+    accept: Any = None
 
 
 class DSparkDraftModel(DFlashDraftModel):

@@ -5,7 +5,9 @@ DSpark = DFlash's block drafter (:mod:`draftsmith.models.dflash.training`: the s
 mask token and batch plan) + a Markov head + a confidence head. Block slot k of anchor a (k =
 0..Bk-1, the anchor slot included) is trained towards ``x_{a+k+1}`` / ``p_{a+k}`` with the
 Markov bias of the true previous token ``x_{a+k}``, weighted ``exp(-k/gamma)``
-(:func:`dspark_loss`, after vllm-project/speculators PR #677).
+(:func:`dspark_loss`, after vllm-project/speculators PR #677). ``draft.accept_weighting`` and
+``draft.opd`` weight a block's slots by the reach of its own chain, slots 0..k-1 before slot k
+(:func:`dspark_loss`: the CE and divergence terms; the confidence head's BCE keeps the plain weights).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ...recipe import Recipe
 from ...train.dry_run import Shapes
-from ...train.losses import DistillOut, LossSpec, acceptance_probability, chunk_rows
+from ...train.losses import AcceptSpec, DistillOut, LossSpec, acceptance_probability, chunk_rows
+from ...train.opd_loss import group_split, reverse_kl
 from ..common import LayerGeometry
 from ..dflash.training import (
     NUM_ANCHORS_KEY,
     DFlashMethod,
     block_labels,
+    reach_metrics,
     sample_anchors,
     slot_metrics,
     slot_weights,
@@ -84,7 +88,8 @@ class DSparkMethod(DFlashMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         return dspark_loss(model, batch["input_ids"], aux.to(param.dtype), final, mask, anchors, valid,
                            self.target_head, self.t2d, self.weights, self.spec, batch.get("position_ids"), docs,
-                           self.global_denominators, self.recipe.train.loss_chunk_rows)
+                           self.global_denominators, self.recipe.train.loss_chunk_rows,
+                           accept=self.accept_spec(self.recipe.draft.block_size))  # every slot is a prediction
 
 
 # --------------------------------------------------------------------------------------
@@ -118,24 +123,48 @@ def dspark_slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 class DSparkOut(DistillOut):
     """:class:`DistillOut` of the DSpark rows (``row_loss``: the weighted sum of the terms per row)
     plus ``row_alpha (M,)``: the acceptance probability ``1 - TV`` of each row (detached), the
-    confidence head's target."""
+    confidence head's target. With an :class:`~draftsmith.train.losses.AcceptSpec`: ``row_reach``
+    ``(M,)`` each row's reach, and with ``draft.opd`` ``row_rejected`` ``(M,)`` its ``KL(q || p)``."""
 
     row_alpha: torch.Tensor | None = None
 
 
 def _dspark_chunk(model: Any, hidden: torch.Tensor, embed: torch.Tensor, teacher: torch.Tensor,
                   teacher_index: torch.Tensor, labels: torch.Tensor, label_ok: torch.Tensor, weight: torch.Tensor,
-                  spec: DSparkLossSpec) -> tuple[torch.Tensor, ...]:
+                  spec: DSparkLossSpec, accept: AcceptSpec | None = None) -> tuple[torch.Tensor, ...]:
     logits = model.markov_logits(hidden, embed).float()  # (C, Vd)
     target = teacher.index_select(0, teacher_index).float()  # (C, Vd)
     alpha = acceptance_probability(torch.log_softmax(target, -1), torch.log_softmax(logits, -1)).detach()
     ce = F.cross_entropy(logits, labels, reduction="none") * label_ok
+    if accept is not None:
+        return _dspark_chunk_accept(model, hidden, embed, target, logits, alpha, ce, weight, spec, accept)
     row = spec.ce_weight * ce + spec.distill_weight * spec.distill(target, logits)
     if model.confidence_head is not None:  # always in the graph (weight 0 or not): DDP / FSDP see it used
         conf = model.confidence_logit(hidden, embed)
         row = row + spec.confidence_weight * F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
     hit = logits.argmax(-1) == target.argmax(-1)
     return (weight * row).sum(), row.detach(), hit.float(), alpha
+
+
+def _dspark_chunk_accept(model: Any, hidden: torch.Tensor, embed: torch.Tensor, target: torch.Tensor,
+                         logits: torch.Tensor, alpha: torch.Tensor, ce: torch.Tensor, weight: torch.Tensor,
+                         spec: DSparkLossSpec, accept: AcceptSpec) -> tuple[torch.Tensor, ...]:
+    """:func:`_dspark_chunk` of C rows (whole blocks) with ``accept``: the token-prediction terms
+    (CE, divergence) weighted ``weight * reach``, the confidence BCE ``weight``; with ``draft.opd``
+    also ``distill_weight * weight * opd_gamma**k * (1 - reach) * KL(q || p)``, all from the chunk's
+    logits (:func:`~draftsmith.train.opd_loss.group_split`)."""
+    hit = (logits.argmax(-1) == target.argmax(-1)).float()
+    reach, accepted, rejected = group_split(accept, target, logits, hit, weight)
+    predict = spec.ce_weight * ce + spec.distill_weight * spec.distill(target, logits)  # (C,)
+    total, row = (accepted * predict).sum(), predict
+    if model.confidence_head is not None:  # calibration: every trained row, reached or not
+        conf = model.confidence_logit(hidden, embed)
+        bce = spec.confidence_weight * F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+        total, row = total + (weight * bce).sum(), row + bce
+    if rejected is None:
+        return total, row.detach(), hit, alpha, reach, hit.new_zeros(0)
+    r = reverse_kl(spec.distill, target, logits)
+    return total + spec.distill_weight * (rejected * r).sum(), row.detach(), hit, alpha, reach, r.detach()
 
 
 def dspark_rows(model: Any, hidden: torch.Tensor, embed: torch.Tensor, targets: Any) -> DSparkOut:
@@ -152,20 +181,32 @@ def dspark_rows(model: Any, hidden: torch.Tensor, embed: torch.Tensor, targets: 
             previous token.
         targets: the :class:`~draftsmith.models.dspark.model.DSparkTargets` (rows flattened alike).
 
+    With ``targets.accept`` (``draft.accept_weighting`` / ``draft.opd``, a group of ``Bk`` rows: the
+    rows are whole blocks in slot order) the chunks hold whole blocks and the CE and divergence
+    terms of a row weigh ``weight * reach`` (:func:`_dspark_chunk_accept`).
+
     Returns:
         :class:`DSparkOut` (``loss_sum`` with grad).
     """
     spec = targets.options or DSparkLossSpec()
+    accept = getattr(targets, "accept", None)
     rows = chunk_rows(targets.teacher.shape[-1], targets.chunk_size)
+    if accept is not None:
+        rows = max(accept.group, rows // accept.group * accept.group)
     flat = [t.reshape(-1) for t in (targets.teacher_index, targets.labels, targets.label_ok.float(), targets.weight)]
     grad = torch.is_grad_enabled() and hidden.requires_grad
     outs = []
     for s in range(0, hidden.shape[0], rows):
         args = (model, hidden[s:s + rows], embed[s:s + rows], targets.teacher, *(t[s:s + rows] for t in flat), spec)
+        if accept is not None:
+            args = (*args, accept)
         outs.append(checkpoint(_dspark_chunk, *args, use_reentrant=False) if grad else _dspark_chunk(*args))
     total = torch.stack([o[0] for o in outs]).sum()
     row_loss, row_hit, row_alpha = (torch.cat([o[i] for o in outs]) for i in (1, 2, 3))
-    return DSparkOut(total, row_loss, row_hit, row_alpha)
+    if accept is None:
+        return DSparkOut(total, row_loss, row_hit, row_alpha)
+    return DSparkOut(total, row_loss, row_hit, row_alpha, row_reach=torch.cat([o[4] for o in outs]),
+                     row_rejected=torch.cat([o[5] for o in outs]) if accept.opd else None)
 
 
 def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
@@ -173,7 +214,8 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
                 t2d: torch.Tensor, weights: torch.Tensor, spec: DSparkLossSpec | None = None,
                 position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
                 global_denominators: Callable[[torch.Tensor], Any] | None = None,
-                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chunk_size: int | None = None,
+                accept: AcceptSpec | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One DSpark loss over given anchors, without host reads. Follows the DSpark loss of
     vllm-project/speculators PR #677 ("Add DSpark speculator (DFlash + Markov + confidence
     head)"): ``0.1 * CE + 0.9 * TV`` on every block slot, slot k weighted ``exp(-k/4)``, plus
@@ -193,11 +235,24 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
         weights: ``(Bk,)`` slot weights (:func:`dspark_slot_weights`).
         spec: :class:`DSparkLossSpec` (None: speculators' defaults).
         global_denominators / chunk_size: as :func:`~draftsmith.models.dflash.training.dflash_loss`.
+        accept: ``draft.accept_weighting`` (:class:`~draftsmith.train.losses.AcceptSpec`, its group
+            ``Bk``: every DSpark slot, the anchor's included, is a drafted token); None or ``none``:
+            the loss above, bit for bit. Else slot k's chain is slots 0..k-1 of its block and its
+            reach the detached product over them of the argmax hit of the Markov-corrected logits
+            (hard) or their expected acceptance at the served temperature (soft), computed from the
+            chunk's own logits (:func:`~draftsmith.train.opd_loss.group_split`, an untrained slot
+            passing the chain on). Weighted by it: the CE and the divergence terms (they teach the
+            slot's token). Not weighted: the confidence BCE (it calibrates: it must learn that
+            slots after a miss are unreliable, from those very rows). The denominator stays
+            ``sum(w)``. With ``accept.opd`` (``draft.opd``) the unreached share of slot k's
+            divergence term trains reverse KL instead, ``distill_weight * w * (1 - reach) *
+            opd_gamma**k * KL(q || p)``; its CE is dropped there.
 
     Returns:
         ``(loss, metrics)``: ``loss = sum(w * row) / sum(w)``; metrics ``loss``, ``loss_{k}`` /
         ``acc_{k}`` per slot k (argmax agreement with the target), ``acceptance_length``,
-        ``alpha`` (mean ``1 - TV`` over trained rows), all detached 0-dim tensors.
+        ``alpha`` (mean ``1 - TV`` over trained rows), with ``accept`` ``reach_{k}`` (the mean
+        reach of slot k over its trained rows; ``reach_0`` is 1), all detached 0-dim tensors.
     """
     Bk = weights.shape[0]
     B, A = anchors.shape
@@ -209,8 +264,12 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     # target id -> draft id where in the draft vocab (draft ids ascend with target ids: data_prep/vocab.py)
     draft_id = (t2d.long().cumsum(0) - 1).clamp_min(0)
     weight = weights.to(loss_mask.device) * label_mask
+    if accept is not None and accept.mode == "none":
+        accept = None
+    if accept is not None and accept.group != Bk:
+        raise ValueError(f"dspark_loss: accept weighting over groups of {accept.group} rows, blocks have {Bk} slots")
     targets = DSparkTargets(teacher=teacher, teacher_index=teacher_index, labels=draft_id[tokens], label_ok=t2d[tokens],
-                            weight=weight, compute=dspark_rows, options=spec, chunk_size=chunk_size)
+                            weight=weight, compute=dspark_rows, options=spec, chunk_size=chunk_size, accept=accept)
     out = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids, document_ids=document_ids,
                 targets=targets)
     local = weight.sum()
@@ -221,6 +280,8 @@ def dspark_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     metrics.update(slot_metrics(out.row_loss.view(rows), out.row_hit.view(rows), label_mask))
     trained = label_mask.flatten().float()
     metrics["alpha"] = ((out.row_alpha * trained).sum() / trained.sum().clamp_min(1.0)).detach()
+    if out.row_reach is not None:
+        metrics.update(reach_metrics(out.row_reach.view(rows), label_mask))
     return total, metrics
 
 

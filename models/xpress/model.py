@@ -151,6 +151,8 @@ class XPressTargets:
             ``train/``): ``compute(model, hidden (B, A, Bk, H), targets)``.
         options: the loss terms and weights (``models/xpress/training.py``'s ``XPressLossSpec``).
         chunk_size: rows per loss chunk (None: ``chunk_rows`` of V).
+        accept: ``draft.accept_weighting`` / ``draft.opd`` (``train/losses.py``'s ``AcceptSpec``, a
+            group of ``Bk - 1`` slots), or None.
     """
 
     teacher: torch.Tensor
@@ -161,6 +163,7 @@ class XPressTargets:
     compute: Callable[..., Any]
     options: Any = None
     chunk_size: int | None = None
+    accept: Any = None
 
     def __call__(self, model: XPressDraftModel, hidden: torch.Tensor) -> Any:
         return self.compute(model, hidden, self)

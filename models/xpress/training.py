@@ -19,6 +19,10 @@ round j the argmax of round j-1 (the Jacobi recurrence of inference; no gradient
 
 Every term is computed in chunks of rows recomputed in backward (no ``(rows, V)`` tensor kept); the
 refiner's latents (``(rows, r)``) are computed whole, since the mixer runs across the block.
+
+``draft.accept_weighting`` / ``draft.opd`` (:func:`xpress_loss`'s ``accept``): one reach per block
+slot, from the teacher-forced refined logits (the served chain at its Jacobi fixed point), weights
+all three parts, each a slot's token prediction.
 """
 
 from __future__ import annotations
@@ -34,9 +38,18 @@ from torch.utils.checkpoint import checkpoint
 
 from ...recipe import Recipe
 from ...train.dry_run import Shapes, loss_chunk_rows
-from ...train.losses import LossSpec, chunk_rows
+from ...train.losses import AcceptSpec, LossSpec, chunk_rows
+from ...train.opd_loss import group_split, reverse_kl
 from ..common import LayerGeometry
-from ..dflash.training import NUM_ANCHORS_KEY, DFlashMethod, block_labels, sample_anchors, slot_metrics, teacher_rows
+from ..dflash.training import (
+    NUM_ANCHORS_KEY,
+    DFlashMethod,
+    block_labels,
+    reach_metrics,
+    sample_anchors,
+    slot_metrics,
+    teacher_rows,
+)
 from ..dflash.training import activation_estimate as dflash_activation_estimate
 from ..dflash.training import parameter_estimate as dflash_parameter_estimate
 from .config import REFINER_FIELDS, XPressConfig
@@ -86,7 +99,7 @@ class XPressMethod(DFlashMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         return xpress_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head,
                            self.weights, self.spec, batch.get("position_ids"), docs, self.global_denominators,
-                           self.recipe.train.loss_chunk_rows)
+                           self.recipe.train.loss_chunk_rows, accept=self.accept_spec(self.recipe.draft.block_size - 1))
 
 
 # --------------------------------------------------------------------------------------
@@ -110,6 +123,12 @@ class XPressLossSpec:
     def from_recipe(cls, draft_cfg) -> XPressLossSpec:
         return cls(tuple(draft_cfg.loss_weights.items()), draft_cfg.consistency_weight, draft_cfg.consistency_passes,
                    draft_cfg.base_anchor_weight, draft_cfg.base_anchor_full_weight, LossSpec.from_recipe(draft_cfg))
+
+    @property
+    def divergence_weight(self) -> float:
+        """The summed weight of the divergence terms (all but ``ce``): ``draft.opd``'s reverse KL
+        takes their place on a slot's unreached share at this weight."""
+        return sum(w for name, w in self.terms if name != "ce")
 
     @property
     def rounds(self) -> int:
@@ -139,6 +158,7 @@ class RefinedOut:
         row_loss: ``(M,)`` ``sum_t lambda_t * D_t`` per row (detached).
         row_hit: ``(M,)`` float, 1 where the argmax is the target's argmax.
         row_argmax: ``(M,)`` int64 argmax of each row's logits (the next Jacobi round's tokens).
+        row_reach: with an ``accept``, ``(M,)`` float32 the reach each row's weight was multiplied by.
     """
 
     loss_sum: torch.Tensor
@@ -146,10 +166,12 @@ class RefinedOut:
     row_loss: torch.Tensor
     row_hit: torch.Tensor
     row_argmax: torch.Tensor
+    row_reach: torch.Tensor | None = None
 
 
 def _refined_chunk(model: Any, normed: torch.Tensor, latent: torch.Tensor | None, teacher: torch.Tensor,
-                   teacher_index: torch.Tensor, weight: torch.Tensor, spec: XPressLossSpec) -> tuple[torch.Tensor, ...]:
+                   teacher_index: torch.Tensor, weight: torch.Tensor, spec: XPressLossSpec,
+                   accept: AcceptSpec | None = None, reach: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     logits = model.lm_head(normed)
     if latent is not None:
         logits = logits + model.xpress_head.w2(latent)
@@ -161,13 +183,21 @@ def _refined_chunk(model: Any, normed: torch.Tensor, latent: torch.Tensor | None
     for (_, w), term in zip(spec.terms[1:], terms[1:]):
         row = row + w * term
     argmax = logits.argmax(-1)
-    return ((weight * row).sum(), (terms * weight).sum(1).detach(), row.detach(),
-            (argmax == target.argmax(-1)).float(), argmax)
+    hit = (argmax == target.argmax(-1)).float()
+    if accept is None:
+        return (weight * row).sum(), (terms * weight).sum(1).detach(), row.detach(), hit, argmax
+    # draft.accept_weighting / draft.opd: whole blocks; the reach from these logits, or the one passed in
+    reach, accepted, rejected = group_split(accept, target, logits, hit, weight, reach)
+    total = (accepted * row).sum()
+    if rejected is not None:
+        total = total + spec.divergence_weight * (rejected * reverse_kl(spec.divergence, target, logits)).sum()
+    return total, (terms * accepted).sum(1).detach(), row.detach(), hit, argmax, reach
 
 
 def refined_rows(model: Any, normed: torch.Tensor, latent: torch.Tensor | None, teacher: torch.Tensor,
                  teacher_index: torch.Tensor, weight: torch.Tensor, spec: XPressLossSpec,
-                 chunk_size: int | None = None) -> RefinedOut:
+                 chunk_size: int | None = None, accept: AcceptSpec | None = None,
+                 reach: torch.Tensor | None = None) -> RefinedOut:
     """One part of the XPress loss over M slot rows, in chunks of rows recomputed in backward.
 
     Args:
@@ -176,16 +206,27 @@ def refined_rows(model: Any, normed: torch.Tensor, latent: torch.Tensor | None, 
             of each row (logits ``lm_head(n) + w2(latent)``) or None (the drafter alone, ``lm_head(n)``).
         teacher: ``(N, V)`` target logits; teacher_index / weight: ``(M,)``.
         spec: :class:`XPressLossSpec`; chunk_size: rows per chunk (None: ``chunk_rows`` of V).
+        accept: ``draft.accept_weighting`` / ``draft.opd`` over groups of ``Bk - 1`` rows (M whole
+            blocks; the chunks then hold whole blocks): each row's weight times its reach
+            (``term_sums`` too), with ``draft.opd`` plus ``divergence_weight * weight * (1 - reach) *
+            opd_gamma**j * KL(q || p)`` at slot j + 1 (:func:`~draftsmith.train.opd_loss.group_split`).
+        reach: with ``accept``, ``(M,)`` float32 detached reach to apply (the drafter and Jacobi parts
+            take the teacher-forced part's); None: from these rows' own logits.
     """
     rows = chunk_rows(teacher.shape[-1], chunk_size)
+    if accept is not None:
+        rows = max(accept.group, rows // accept.group * accept.group)
     grad = torch.is_grad_enabled() and normed.requires_grad
     outs = []
     for s in range(0, normed.shape[0], rows):
         args = (model, normed[s:s + rows], None if latent is None else latent[s:s + rows], teacher,
                 teacher_index[s:s + rows], weight[s:s + rows], spec)
+        if accept is not None:
+            args = (*args, accept, None if reach is None else reach[s:s + rows])
         outs.append(checkpoint(_refined_chunk, *args, use_reentrant=False) if grad else _refined_chunk(*args))
     return RefinedOut(torch.stack([o[0] for o in outs]).sum(), torch.stack([o[1] for o in outs]).sum(0),
-                      *(torch.cat([o[i] for o in outs]) for i in (2, 3, 4)))
+                      *(torch.cat([o[i] for o in outs]) for i in (2, 3, 4)),
+                      row_reach=None if accept is None else torch.cat([o[5] for o in outs]))
 
 
 @dataclass
@@ -215,13 +256,19 @@ def xpress_block_loss(model: Any, hidden: torch.Tensor, targets: XPressTargets) 
     rows = normed[:, :, 1:].reshape(-1, H)  # slots 1..Bk-1
     index = targets.teacher_index.reshape(-1)
 
+    accept = getattr(targets, "accept", None)
+    reach = None  # with accept: the teacher-forced part's, for the others
+
     def run(prev: torch.Tensor | None, weight: torch.Tensor) -> RefinedOut:
         latent = None if prev is None else head.latent(prev, hcache)[:, 1:].reshape(-1, head.rank)
-        return refined_rows(model, rows, latent, targets.teacher, index, weight.reshape(-1), spec, targets.chunk_size)
+        return refined_rows(model, rows, latent, targets.teacher, index, weight.reshape(-1), spec, targets.chunk_size,
+                            accept=accept, reach=reach)
 
-    base = run(None, targets.base_weight) if spec.base_anchor_weight > 0 else None
     prev = targets.prev.reshape(B * A, Bk)
-    tf = run(prev, targets.weight)
+    tf = run(prev, targets.weight) if accept is not None else None  # first: its reach weights the others
+    reach = None if tf is None else tf.row_reach
+    base = run(None, targets.base_weight) if spec.base_anchor_weight > 0 else None
+    tf = tf if tf is not None else run(prev, targets.weight)  # without accept: after the drafter term, as before
     rounds: list[RefinedOut] = []
     if spec.rounds:
         if base is not None:
@@ -242,7 +289,8 @@ def xpress_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
                 weights: torch.Tensor, spec: XPressLossSpec | None = None, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
                 global_denominators: Callable[[torch.Tensor], Any] | None = None,
-                chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                chunk_size: int | None = None,
+                accept: AcceptSpec | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One XPress loss over given anchors, without host reads (the module docstring's formula).
 
     Labels are DFlash's (:func:`~draftsmith.models.dflash.training.block_labels`, no EAGLE shift):
@@ -257,13 +305,28 @@ def xpress_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
         spec: :class:`XPressLossSpec` (None: speculators' defaults).
         global_denominators: data parallel: ``(1,)`` local trained-slot count -> the global count.
         chunk_size: rows per loss chunk.
+        accept: ``draft.accept_weighting`` (:class:`~draftsmith.train.losses.AcceptSpec`, its group
+            ``Bk - 1``); None or ``none``: the loss above, bit for bit. Else slot k's reach is the
+            detached product over slots 1..k-1 of its block of the argmax hit (hard) or the expected
+            acceptance at the served temperature (soft) of the *teacher-forced refined* logits
+            (where the earlier slots were accepted, the Jacobi passes settle them on the sequence's
+            tokens, so these are the logits that draft slot k when served), computed in that part's
+            own chunks (an untrained slot passes the chain on). All three parts are weighted by it
+            (each teaches slot k's token: the refined one given its true or its Jacobi
+            predecessors, and the drafter's seed), the ``ce`` term of ``draft.loss_weights`` too;
+            the Jacobi rounds and the drafter term do not use their own hits (a round's early miss
+            is what the next round repairs). The denominator stays the trained-slot count. With
+            ``accept.opd`` (``draft.opd``) each part's unreached share trains reverse KL of its own
+            logits instead, ``divergence_weight * w * (1 - reach) * opd_gamma**(k-1) * KL(q || p)``.
 
     Returns:
         ``(loss, metrics)``; metrics (detached 0-dim tensors): ``loss``; ``tf_loss``,
         ``consistency_loss`` (with rounds), ``base_anchor_loss`` (with its weight > 0) before their
         weights; ``<term>_loss`` of each ``loss_weights`` term of the teacher-forced part (before
         its lambda); ``loss_{k-1}`` / ``acc_{k-1}`` per slot k and ``acceptance_length`` of the last
-        Jacobi round (the teacher-forced rows without rounds); ``tf_acc`` and ``base_acc``.
+        Jacobi round (the teacher-forced rows without rounds); ``tf_acc`` and ``base_acc``; with
+        ``accept`` ``reach_{k-1}`` (the mean reach of slot k over its trained rows) and the
+        ``<term>_loss`` weighted by the reach.
     """
     spec = spec or XPressLossSpec()
     Bk = weights.shape[0]
@@ -278,10 +341,14 @@ def xpress_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     if document_ids is not None:
         first = first | (document_ids.gather(1, before) != document_ids.gather(1, anchors))
     predecessor = torch.where(first, tokens[..., 0], input_ids.gather(1, before))
+    if accept is not None and accept.mode == "none":
+        accept = None
+    if accept is not None and accept.group != Bk - 1:
+        raise ValueError(f"xpress_loss: accept weighting over groups of {accept.group} rows, blocks have {Bk - 1} slots")
     targets = XPressTargets(teacher=teacher, teacher_index=teacher_index[:, :, 1:], weight=weight,
                             base_weight=trained.float() if spec.base_anchor_full_weight else weight,
                             prev=torch.cat([predecessor[..., None], tokens[..., :-1]], dim=-1),
-                            compute=xpress_block_loss, options=spec, chunk_size=chunk_size)
+                            compute=xpress_block_loss, options=spec, chunk_size=chunk_size, accept=accept)
     out: XPressOut = model(input_ids, aux, anchors, anchor_valid, position_ids=position_ids,
                            document_ids=document_ids, targets=targets)
     local = trained.sum().float()
@@ -305,6 +372,8 @@ def xpress_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: t
     metrics["tf_acc"] = ((out.tf.row_hit.view(shape) * trained).sum() / n).detach()
     if out.base is not None:
         metrics["base_acc"] = ((out.base.row_hit.view(shape) * trained).sum() / n).detach()
+    if out.tf.row_reach is not None:
+        metrics.update(reach_metrics(out.tf.row_reach.view(shape), trained))
     metrics["loss"] = total.detach()
     return total, metrics
 

@@ -300,18 +300,14 @@ def test_the_recipe_key_its_methods_and_the_served_temperature():
     recipe = load_recipe(None, ["draft.accept_weighting=soft", "train.eval_temperatures=[0.6,0.0]"])
     assert AcceptSpec.from_recipe(recipe) == AcceptSpec("soft", 0.6, 0)
     assert AcceptSpec.from_recipe(load_recipe(None)) is None
-    for method in ("dflash", "dflash2"):
+    for method in ("dflash", "dflash2", "dspark", "xpress"):
         assert load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"]).draft.accept_weighting == "hard"
-    for method in ("dspark", "xpress"):
-        with pytest.raises(RecipeError, match=rf"draft.accept_weighting: hard is not supported by draft.method "
-                                              rf"{method} \(supported: eagle3, dflash, dflash2\)"):
-            load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"])
     for method in ("peagle", "medusa", "mlp_speculator"):  # methods without the key: the same one line
         with pytest.raises(RecipeError, match=rf"draft.accept_weighting: not supported by draft.method {method} "
-                                              rf"\(supported: eagle3, dflash, dflash2;"):
+                                              rf"\(supported: eagle3, dflash, dflash2, dspark, xpress;"):
             load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"])
         with pytest.raises(RecipeError, match=rf"draft.opd: on-policy distillation is not supported by "
-                                              rf"draft.method {method} \(supported: eagle3, dflash, dflash2\)"):
+                                              rf"draft.method {method} \(supported: eagle3, dflash, dflash2, dspark, xpress\)"):
             load_recipe(None, [f"draft.method={method}", "draft.opd=hard"])
     with pytest.raises(RecipeError, match="Input should be 'none', 'hard' or 'soft'"):
         load_recipe(None, ["draft.accept_weighting=yes"])
