@@ -104,8 +104,9 @@ class SlidingWindowSection(BaseModel):
         return self
 
 
-#: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss)
-ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2")
+#: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss,
+#: P-EAGLE's per-depth loss over its COD chains)
+ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2", "peagle")
 AcceptWeighting = Literal["none", "hard", "soft"]
 
 
@@ -119,8 +120,8 @@ def accept_weighting_field() -> Any:
     """The ``draft.accept_weighting`` field (declared by each section that takes it, beside its
     position decay)."""
     return Field(
-        "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2: block slot k) "
-        "by whether the chain reaches it at inference: a detached product over the positions j < k of the same "
+        "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2: block slot k; "
+        "peagle: depth k of a COD chain) by whether the chain reaches it at inference: a detached product over the positions j < k of the same "
         "chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
         "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
         "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. none: the fixed position "
@@ -128,7 +129,7 @@ def accept_weighting_field() -> Any:
 
 
 #: the methods whose loss applies draft.opd (on-policy distillation's split, the same chains as
-#: draft.accept_weighting): EAGLE-3's TTT steps, DFlash / DFlash2's block slots
+#: draft.accept_weighting): EAGLE-3's TTT steps, DFlash / DFlash2's block slots, P-EAGLE's depths
 OPD_METHODS = ACCEPT_WEIGHTING_METHODS
 OpdSplit = Literal["none", "hard", "soft"]
 
@@ -151,7 +152,7 @@ def opd_gamma_field() -> Any:
 
 class AcceptWeightingSection(BaseModel):
     """The check of ``draft.accept_weighting`` (:func:`accept_weighting_field`; EAGLE-3's TTT steps,
-    the DFlash family's block slots): the loss of a later draft position weighted by whether the
+    the DFlash family's block slots, P-EAGLE's depths): the loss of a later draft position weighted by whether the
     draft's own earlier positions of the same chain would have been accepted (docs/training.md,
     "Acceptance-aware loss"). A section of a method not in :data:`ACCEPT_WEIGHTING_METHODS` that
     inherits the key (DSpark, XPress) refuses any value but ``none``."""

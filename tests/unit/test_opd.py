@@ -266,11 +266,11 @@ def test_the_recipe_keys():
         == AcceptSpec("hard", 0.0, 15, 0.8)
     for method in ("dspark", "xpress"):
         with pytest.raises(RecipeError, match=rf"draft.opd: on-policy distillation is not supported by draft.method "
-                                              rf"{method} \(supported: eagle3, dflash, dflash2\)"):
+                                              rf"{method} \(supported: eagle3, dflash, dflash2, peagle\)"):
             load_recipe(None, [f"draft.method={method}", "draft.opd=hard"])
     with pytest.raises(RecipeError, match="set draft.accept_weighting=none"):
         load_recipe(None, ["draft.opd=hard", "draft.accept_weighting=soft"])
-    with pytest.raises(RecipeError, match=r"draft.opd: on-policy distillation is not supported by draft.method medusa \(supported: eagle3, dflash, dflash2\)"):
+    with pytest.raises(RecipeError, match=r"draft.opd: on-policy distillation is not supported by draft.method medusa \(supported: eagle3, dflash, dflash2, peagle\)"):
         load_recipe(None, ["draft.method=medusa", "draft.opd=hard"])
 
 
