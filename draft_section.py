@@ -105,8 +105,8 @@ class SlidingWindowSection(BaseModel):
 
 
 #: the methods whose loss applies draft.accept_weighting (EAGLE-3's TTT loss, DFlash's dflash_loss,
-#: DSpark's dspark_loss, XPress's xpress_loss)
-ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2", "dspark", "xpress")
+#: DSpark's dspark_loss, XPress's xpress_loss, P-EAGLE's per-depth loss over its COD chains)
+ACCEPT_WEIGHTING_METHODS = ("eagle3", "dflash", "dflash2", "dspark", "xpress", "peagle")
 AcceptWeighting = Literal["none", "hard", "soft"]
 
 
@@ -121,7 +121,8 @@ def accept_weighting_field() -> Any:
     position decay)."""
     return Field(
         "none", description="Weight the loss of draft position k (eagle3: TTT step k; dflash, dflash2, xpress: block "
-        "slot k; dspark: block slot k, the anchor's slot 0 included) by whether the chain reaches it at inference: a "
+        "slot k; dspark: block slot k, the anchor's slot 0 included; peagle: depth k of a COD chain) by whether the chain "
+        "reaches it at inference: a "
         "detached product over the positions j < k of the same chain of hard, [draft argmax == target argmax] (Spec-AUF's cut after the first miss, arXiv:2607.01893), or "
         "soft, the expected acceptance sum min(p_T, q_T) at the served temperature T = train.eval_temperatures[0] "
         "(null: eval.temperature; T = 0: hard). Unreached rows weigh 0 and still count in the normalisation. "
@@ -130,7 +131,7 @@ def accept_weighting_field() -> Any:
 
 
 #: the methods whose loss applies draft.opd (on-policy distillation's split, the same chains as
-#: draft.accept_weighting): EAGLE-3's TTT steps, the block slots of DFlash / DFlash2 / DSpark / XPress
+#: draft.accept_weighting): EAGLE-3's TTT steps, the block slots of DFlash / DFlash2 / DSpark / XPress, P-EAGLE's depths
 OPD_METHODS = ACCEPT_WEIGHTING_METHODS
 OpdSplit = Literal["none", "hard", "soft"]
 
@@ -154,7 +155,7 @@ def opd_gamma_field() -> Any:
 
 class AcceptWeightingSection(BaseModel):
     """The check of ``draft.accept_weighting`` (:func:`accept_weighting_field`; EAGLE-3's TTT steps,
-    the DFlash family's block slots): the loss of a later draft position weighted by whether the
+    the DFlash family's block slots, P-EAGLE's depths): the loss of a later draft position weighted by whether the
     draft's own earlier positions of the same chain would have been accepted (docs/training.md,
     "Acceptance-aware loss"). A section of a method not in :data:`ACCEPT_WEIGHTING_METHODS` that
     inherits the key (a method built on DFlash whose loss does not apply it) refuses any value but ``none``."""

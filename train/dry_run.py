@@ -238,8 +238,9 @@ def fused_loss_bytes(recipe: Recipe, s: Shapes, rows_total: int, calls: int,
                      vocab: int | None = None, labels: bool = False) -> dict[str, int] | None:
     """The fused loss on a GPU (train/fused_loss.py) when the step takes it (:func:`fused_loss_on`):
     one ``(C, Vd)`` logits buffer in the matmul dtype, and per call (EAGLE-3: one per TTT step; the
-    heads: one per head; DFlash, P-EAGLE: one) the gradients it computes in forward and holds to
-    backward, ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows (``draft.opd``'s reverse-KL term
+    heads: one per head; DFlash, P-EAGLE: one; P-EAGLE with accept weighting or OPD: one per depth,
+    counted by its own estimate) the gradients it computes in forward and holds to backward,
+    ``(Vd, H)`` for ``lm_head`` and ``(M, H)`` for the rows (``draft.opd``'s reverse-KL term
     is computed in the same call, train/opd_loss.py: nothing more). None when the step takes the
     chunked loss. Every method whose loss runs through ``chunked_distill`` counts its loss with this."""
     if not fused_loss_on(recipe, s, labels):

@@ -6,10 +6,18 @@ from typing import Literal
 
 from pydantic import Field
 
-from ...draft_section import DraftVocabSection
+from ...draft_section import (
+    AcceptWeighting,
+    AcceptWeightingSection,
+    DraftVocabSection,
+    OpdSplit,
+    accept_weighting_field,
+    opd_field,
+    opd_gamma_field,
+)
 
 
-class PEagleDraftConfig(DraftVocabSection):
+class PEagleDraftConfig(DraftVocabSection, AcceptWeightingSection):
     """P-EAGLE parallel drafting (arXiv:2602.01469), ``draft.method: peagle``: an EAGLE-3 head
     of ``num_layers`` layers that drafts ``num_depths`` tokens in one forward pass (mask
     tokens with a learned ``mask_hidden`` in the raw aux space), trained on conditional-drop
@@ -24,6 +32,9 @@ class PEagleDraftConfig(DraftVocabSection):
     max_anchors: int | None = Field(None, ge=1, description="COD seeds per sequence (random subset); null: every valid position.")
     mask_token_id: int | None = Field(
         None, ge=0, description="Token id of the mask slots (vLLM: pard_token); same rule as dflash's.")
+    accept_weighting: AcceptWeighting = accept_weighting_field()
+    opd: OpdSplit = opd_field()
+    opd_gamma: float = opd_gamma_field()
     norm_before_residual: bool = Field(False, description="Residual branch carries hidden_norm(g) (always written to the export).")
     train_embeddings: bool = Field(
         False, description="Train and export embed_tokens (the paper and speculators do); false: the target's "

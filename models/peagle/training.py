@@ -9,7 +9,9 @@ chains re-drawn every micro-batch on the batch's device (:func:`cod_sample`,
 a generator seeded from ``(seed, step, micro-batch, rank)``), one forward over all sampled
 elements, the divergence ``draft.loss`` (default forward KL) to the target over the draft vocab
 at ``anchor + depth`` (no depth decay, depth 0 included), computed inside the model's forward in
-chunks of rows. No TTT: vLLM never feeds draft states back. The step reads nothing on the host:
+chunks of rows; with ``draft.accept_weighting`` / ``draft.opd`` one loss call per depth, depth d's
+rows weighted by the detached reach of their chain's depths 0..d-1 (:class:`DepthTargets`). No
+TTT: vLLM never feeds draft states back. The step reads nothing on the host:
 its metrics are detached device tensors (:func:`cod_loss`).
 
 Packed rows (``train.packing``): chains, attention and labels stay in their document; the COD
@@ -21,7 +23,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,8 +39,9 @@ from ...train.dry_run import (
     loss_chunk_rows,
     weight_copies,
 )
-from ...train.losses import DistillOut, chunked_distill
+from ...train.losses import AcceptSpec, DistillOut, LossSpec, chunked_distill
 from ...train.method_base import DraftVocabMethod
+from ...train.opd_loss import opd_distill
 from ..common import DistillTargets, LayerGeometry, ttt_prediction_mask
 from ..eagle3.config import Eagle3Config
 from ..eagle3.training import draft_parameter_count
@@ -150,6 +155,22 @@ class PEagleMethod(DraftVocabMethod):
                               self.cod_generator(pred.device), d.max_anchors, docs, batch.get("cod_seed_bound"))
         return pred, elements
 
+    def depth_budgets(self, T: int, batch: dict[str, torch.Tensor]) -> list[int]:
+        """The slots of depths 1, 2, ... in each row of :meth:`sample`'s elements (:func:`cod_budget`
+        of the recipe and the plan's ``cod_seed_bound``; host-side numbers)."""
+        d = self.recipe.draft
+        return cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors,
+                          batch.get("cod_seed_bound"))
+
+    def accept_spec(self) -> AcceptSpec | None:
+        """``draft.accept_weighting`` or ``draft.opd`` (:class:`~draftsmith.train.losses.AcceptSpec`) when
+        the step trains (grad enabled), else None: validation (no grad) reports the plain loss, as DFlash's."""
+        d = self.recipe.draft
+        if not torch.is_grad_enabled() or (getattr(d, "accept_weighting", "none") == "none"
+                                           and getattr(d, "opd", "none") == "none"):
+            return None
+        return AcceptSpec.from_recipe(self.recipe)
+
     def denominator(self, count: torch.Tensor) -> torch.Tensor:
         """The loss normaliser of ``count`` trained elements (0-dim device tensor): the local
         count, or the data-parallel :meth:`global_denominators`; at least 1."""
@@ -159,6 +180,9 @@ class PEagleMethod(DraftVocabMethod):
         return torch.as_tensor(den, dtype=torch.float32, device=count.device).reshape(-1)[0]
 
     def compute_loss(self, model, batch):
+        """The COD loss of one micro-batch (:func:`cod_loss`), computed inside the model's forward: one
+        chunked loss over the elements, or with ``draft.accept_weighting`` / ``draft.opd`` (while training)
+        one per depth, each depth's rows weighted by their chains' reach (:class:`DepthTargets`). No host read."""
         aux, final = self.training_states(model, batch)  # (B, T, 3H)
         pred, elements = self.sample(batch)
         sel = cod_targets(elements, pred)  # (B, S) trained elements
@@ -170,6 +194,14 @@ class PEagleMethod(DraftVocabMethod):
         per_row = shifted.shape[1]
         index = elements.pos.clamp_max(per_row - 1) + per_row * torch.arange(B, device=pred.device).unsqueeze(1)
         weight = (sel.float() / self.denominator(sel.sum())).reshape(-1)
+        fused = getattr(self.recipe.train, "fused_loss", None)
+        accept = self.accept_spec()
+        if accept is not None:  # one loss call per depth, each weighted by its chains' reach (depth_targets)
+            targets = depth_targets(elements, T, self.depth_budgets(T, batch), batch.get("cod_rows0"), teacher,
+                                    index, weight, sel, accept, self.loss, fused)
+            out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
+                        targets=targets)
+            return cod_loss(out, targets.depth, targets.trained, self.recipe.draft.num_depths)
         index, depth, sel = index.reshape(-1), elements.depth.reshape(-1), sel.reshape(-1)
         train_rows = None
         if "cod_rows0" in batch:  # the plan's trained depth-0 positions, then every deeper slot
@@ -179,9 +211,7 @@ class PEagleMethod(DraftVocabMethod):
             train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
             index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
         out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
-                    targets=DistillTargets(teacher, index, weight,
-                                           functools.partial(chunked_distill,
-                                                             fused=getattr(self.recipe.train, "fused_loss", None)),
+                    targets=DistillTargets(teacher, index, weight, functools.partial(chunked_distill, fused=fused),
                                            self.loss, rows=train_rows))
         return cod_loss(out, depth, sel, self.recipe.draft.num_depths)
 
@@ -305,6 +335,133 @@ def cod_targets(elements: CODElements, prediction_mask: torch.Tensor) -> torch.T
 
 
 # --------------------------------------------------------------------------------------
+# draft.accept_weighting / draft.opd: the loss by depth, each depth weighted by its chains' reach
+
+
+@dataclass
+class DepthTargets:
+    """The training step's targets with ``draft.accept_weighting`` or ``draft.opd``
+    (:func:`depth_targets` builds it; the model's forward calls it on its hidden states as it calls
+    :class:`~draftsmith.models.common.DistillTargets`).
+
+    The rows are the elements in depth-major order (depth 0's first, then depth 1's slots, ...),
+    ``counts[d]`` of depth d. Every depth is predicted by the same forward, so the loss is split by
+    depth: depth d is one :func:`~draftsmith.train.losses.chunked_distill` call, after depth d - 1's,
+    whose rows' weights are multiplied by their chain's reach ``prod_{j<d} a_j``, ``a_j`` the detached
+    argmax hit (hard) or expected acceptance (soft) of the chain's depth-j element: COD keeps depth d
+    of an anchor only where it kept depth d - 1, so the chains partition the elements and each depth
+    reads the factors of the one before. The product is carried over a vector of one entry per (row,
+    anchor) (``chains``; read with ``index_select``, written with ``index_copy_`` at ``chain``): no host
+    read, no loop over rows, each row projected by the ``lm_head`` once. A depth-0 element that is not
+    trained (or not projected: the plan's ``cod_rows0``) passes its chain on (factor 1), as EAGLE-3's
+    TTT steps without a row do. With ``accept.opd`` depth d >= 1 also trains ``weight * (1 - reach) *
+    opd_gamma**d * KL(q || p)`` in the same call (:func:`~draftsmith.train.opd_loss.opd_distill`).
+
+    Attributes:
+        teacher: ``(N, Vd)`` the target's logits over the draft vocab.
+        rows: ``(M,)`` int64 flat element indices ``b * S + s`` (depth-major).
+        counts: the rows of each depth (host-side), summing to M.
+        teacher_index, weight, trained, depth: ``(M,)`` the rows' teacher row, loss weight (before the
+            reach), trained flag and depth.
+        chain: ``(M,)`` int64 the entry of each row's chain, ``b * S + anchor`` (an untrained row: ``b * S +
+            T``, a spare entry no trained row reads).
+        chains: the entries, ``B * S``.
+        accept: the :class:`~draftsmith.train.losses.AcceptSpec` (no group).
+        loss: ``draft.loss`` (:class:`~draftsmith.train.losses.LossSpec`); None: forward KL.
+        fused: ``train.fused_loss``. chunk_size: rows per loss chunk (None: the default).
+    """
+
+    teacher: torch.Tensor
+    rows: torch.Tensor
+    counts: list[int]
+    teacher_index: torch.Tensor
+    weight: torch.Tensor
+    trained: torch.Tensor
+    depth: torch.Tensor
+    chain: torch.Tensor
+    chains: int
+    accept: AcceptSpec
+    loss: LossSpec | None = None
+    fused: str | bool | None = None
+    chunk_size: int | None = None
+
+    def __call__(self, hidden: torch.Tensor, logits_fn: Any) -> DistillOut:
+        """``hidden (B, S, H)`` -> :class:`~draftsmith.train.losses.DistillOut` over the M rows (depth-major):
+        ``loss_sum`` of every depth, ``row_loss`` / ``row_hit``, ``row_reach`` (1 at depth 0) and with soft
+        ``row_alpha``."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.rows)
+        names, owner = getattr(logits_fn, "fused_as", None), getattr(logits_fn, "__self__", None)
+        if names is not None and owner is not None:  # lm_head(norm(h)): the norm once over the M rows, not per depth
+            norm, logits_fn = (getattr(owner, name) for name in names)
+            flat = norm(flat)
+        accept, last = self.accept, len(self.counts) - 1
+        outs, reaches, chain = [], [], None
+        parts = zip(*(torch.split(t, self.counts) for t in (flat, self.teacher_index, self.weight, self.chain)))
+        for d, (h, index, weight, key) in enumerate(parts):  # one split: its backward is one cat
+            reach = None if d == 0 else chain.index_select(0, key)  # prod_{j<d} a_j of each row's chain
+            if reach is not None and accept.opd:
+                out = opd_distill(h, logits_fn, self.teacher, index, weight, reach, accept.opd_gamma**d, self.loss,
+                                  self.chunk_size, accept=accept, fused=self.fused)
+            else:
+                out = chunked_distill(h, logits_fn, self.teacher, index, weight if reach is None else weight * reach,
+                                      self.loss, self.chunk_size, fused=self.fused, accept=accept)
+            if d < last:  # carry the chains: a_d (detached) times what they had; untrained rows write a spare entry
+                factor = accept.factor(out)
+                if chain is None:
+                    chain = factor.new_ones(self.chains)
+                chain.index_copy_(0, key, factor if reach is None else reach * factor)
+            outs.append(out)
+            if reach is not None:
+                reaches.append(reach)
+        total = outs[0].loss_sum if len(outs) == 1 else torch.stack([o.loss_sum for o in outs]).sum()
+        reach = torch.cat([self.weight.new_ones(self.counts[0]), *reaches])
+        alpha = torch.cat([o.row_alpha for o in outs]) if accept.soft else None
+        return DistillOut(total, torch.cat([o.row_loss for o in outs]), torch.cat([o.row_hit for o in outs]),
+                          row_alpha=alpha, row_reach=reach)
+
+
+def depth_targets(elements: CODElements, T: int, budgets: list[int], rows0: torch.Tensor | None, teacher: torch.Tensor,
+                  index: torch.Tensor, weight: torch.Tensor, trained: torch.Tensor, accept: AcceptSpec,
+                  loss: LossSpec | None = None, fused: str | bool | None = None,
+                  chunk_size: int | None = None) -> DepthTargets:
+    """The :class:`DepthTargets` of a batch's COD elements (no host read).
+
+    Args:
+        elements: ``(B, S)`` :func:`cod_sample`'s elements, laid out ``[T depth-0 slots | K_1 depth-1
+            slots | ...]`` per row.
+        T: the positions per row.
+        budgets: ``[K_1, K_2, ...]`` (:func:`cod_budget`, as the sample drew them).
+        rows0: the plan's ``cod_rows0`` (``(N0,)`` flat ``b * T + i`` of the trained depth-0 positions: the
+            only depth-0 rows projected), or None: every depth-0 slot.
+        teacher: ``(N, Vd)``; index, weight, trained: ``(B, S)`` (or flat) per element, its teacher row,
+            loss weight and trained flag.
+        accept, loss, fused, chunk_size: as :class:`DepthTargets`.
+
+    Raises:
+        ValueError: T and the budgets do not add up to the elements' S.
+    """
+    B, S = elements.anchor.shape
+    if T + sum(budgets) != S or any(k <= 0 for k in budgets):
+        raise ValueError(f"depth_targets: {T} positions and depth budgets {budgets} do not lay out {S} elements per row")
+    dev = elements.anchor.device
+    row_start = S * torch.arange(B, device=dev).unsqueeze(1)  # (B, 1)
+    first = (torch.arange(T, device=dev) + row_start).reshape(-1) if rows0 is None else rows0 // T * S + rows0 % T
+    # the deeper slots slot-major ((S - T, B)): slot j of every row, then j + 1, so each depth's K_d * B rows are
+    # contiguous (the slots are in depth order)
+    deeper = (torch.arange(T, S, device=dev).unsqueeze(1) + row_start.view(1, B)).reshape(-1)
+    rows = torch.cat([first, deeper])
+    # (B, S) each element's chain entry b * S + anchor; an untrained one (an empty slot, an untrained depth-0
+    # position) b * S + T, a spare entry never read by a trained row: its chain passes on with factor 1
+    chain = torch.where(trained.view(B, S), elements.anchor, T) + row_start
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).index_select(0, rows)
+
+    return DepthTargets(teacher, rows, [int(first.shape[0])] + [B * k for k in budgets], pick(index), pick(weight),
+                        pick(trained), pick(elements.depth), pick(chain), B * S, accept, loss, fused, chunk_size)
+
+
+# --------------------------------------------------------------------------------------
 # The loss: per-depth metrics of the COD elements
 
 
@@ -321,7 +478,7 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
 
     Args:
         out: the ``DistillOut`` over M rows: the ``B*S`` elements (row-major), or the plan's
-            rows (``DistillTargets.rows``).
+            rows (``DistillTargets.rows``, ``DepthTargets.rows``).
         depth: ``(M,)`` depth of each row.
         trained: ``(M,)`` bool, the rows trained on.
         num_depths: D, the number of per-depth metric slots.
@@ -330,7 +487,9 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
         ``(loss, metrics)``: ``loss = out.loss_sum``; metrics, detached 0-dim tensors: ``loss``,
         per depth d ``loss_{d}`` (mean divergence), ``acc_{d}`` (draft argmax == target argmax over
         the draft vocab), both 0 at a depth with no element, and ``expected_al``
-        (:func:`expected_acceptance_length`; 0 without a depth-0 element).
+        (:func:`expected_acceptance_length`; 0 without a depth-0 element); with ``out.row_reach``
+        (:class:`DepthTargets`) also ``reach_{d}`` for d >= 1, the mean reach of depth d's trained
+        elements (the share of its loss still trained).
     """
     zero = torch.zeros_like(out.row_loss)
     w = trained.to(out.row_loss.dtype)
@@ -343,6 +502,10 @@ def cod_loss(out: DistillOut, depth: torch.Tensor, trained: torch.Tensor,
         metrics[f"loss_{d}"] = loss_d[d]
         metrics[f"acc_{d}"] = acc_d[d]
     metrics["expected_al"] = expected_acceptance_length(acc_d) * (count[0] > 0)
+    if out.row_reach is not None:  # draft.accept_weighting / draft.opd (DepthTargets): the mean reach of depth d
+        reach = w.new_zeros(D).index_add_(0, depth, torch.where(trained, out.row_reach, zero)) / count.clamp_min(1.0)
+        for d in range(1, D):
+            metrics[f"reach_{d}"] = reach[d]
     return out.loss_sum, metrics
 
 
@@ -395,12 +558,22 @@ def cod_elements(recipe: Recipe, T: int) -> int:
     return T + sum(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))
 
 
+def loss_calls(recipe: Recipe, T: int) -> int:
+    """The loss calls of a step over rows of T positions: one chunked_distill over the elements, or with
+    ``draft.accept_weighting`` / ``draft.opd`` one per depth (:class:`DepthTargets`)."""
+    d = recipe.draft
+    if getattr(d, "accept_weighting", "none") == "none" and getattr(d, "opd", "none") == "none":
+        return 1
+    return 1 + len(cod_budget(T, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, d.max_anchors))
+
+
 def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
     """P-EAGLE: ``draft.num_layers`` layers over the ``B x S`` COD elements of one forward
     (:func:`cod_elements`), attention with a ``(B, S, S)`` mask (its bf16 bias kept for backward),
     the teacher's fp32 distribution at the ``B x T`` positions, the chunked loss over the
     trained elements (on the fused loss its logits buffer and the gradients it holds from forward,
-    :func:`~draftsmith.train.dry_run.fused_loss_bytes`) and their gathered rows."""
+    :func:`~draftsmith.train.dry_run.fused_loss_bytes`; an ``lm_head`` gradient per call,
+    :func:`loss_calls`) and their gathered rows."""
     d = recipe.draft
     S = cod_elements(recipe, s.T)
     Es = s.B * S
@@ -411,8 +584,10 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
         layers = L * Es * s.H * (4 if s.precision != "bf16" else 2) + PEAGLE_LAYER[s.precision](s, Es)
     kept = 1 if s.checkpointing else L
     expanded = 0 if getattr(recipe.train, "attention_backend", "sdpa") == "flex" else kept * gqa_expanded_kv(s, Es)
+    fused = fused_loss_bytes(recipe, s, Es, 1) or {}  # one chunked_distill over the elements
+    if fused:  # ... or one per depth (accept weighting, OPD): each holds its own lm_head gradient, the rows theirs
+        fused["fused_loss_gradients"] += (loss_calls(recipe, s.T) - 1) * s.Vd * s.H * s.act_bytes
     return {"layers": layers, "attention_masks": s.act_bytes * s.B * S * S, "gqa_expanded_kv": expanded,
             "teacher": s.E * s.Vd * s.target_bytes,
             "loss_chunk": 7 * loss_chunk_rows(recipe, Es, s.Vd) * s.Vd * 4, "loss_rows": 4 * Es * s.H,
-            "input_cast": input_cast(s, s.n_aux), "weight_copies": weight_copies(s, trainable - embed),
-            **(fused_loss_bytes(recipe, s, Es, 1) or {})}  # one chunked_distill over the elements
+            "input_cast": input_cast(s, s.n_aux), "weight_copies": weight_copies(s, trainable - embed), **fused}

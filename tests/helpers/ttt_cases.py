@@ -1,6 +1,7 @@
 """Small EAGLE-3 TTT cases the loss tests share (tests/unit/test_accept_weighting.py,
 tests/unit/test_opd.py): a tiny draft, a batch with holes and packed documents, and a stand-in
-draft whose step logits are given tensors."""
+draft whose step logits are given tensors; a tiny DFlash case, and a tiny P-EAGLE step
+(:func:`peagle_case`: tests/unit/test_accept_weighting_peagle.py, tests/unit/test_fused_loss.py)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,70 @@ def reference_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor
         return torch.minimum(torch.softmax(target_logits / accept.temperature, -1),
                              torch.softmax(draft_logits / accept.temperature, -1)).sum(-1)
     return (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
+
+
+def peagle_case(seed: int = 0, packed: bool = True, num_depths: int = 4, draft_vocab: int = 3, **draft):
+    """``(method, model, batch)``: a tiny P-EAGLE draft (a draft vocab of 3: the argmaxes agree often,
+    COD chains of mixed length), a PEagleMethod without a run directory (the recipe fields its step
+    reads, ``draft.accept_weighting`` / ``draft.opd`` and the served temperature set by ``draft``:
+    ``accept_weighting``, ``opd``, ``opd_gamma``, ``temperature``, ``fused_loss``) and a batch of B = 2
+    rows of T = 24 with untrained prompts, a hole and, with ``packed``, two documents and padding."""
+    from types import SimpleNamespace
+
+    from draftsmith.models.peagle.config import PEagleConfig
+    from draftsmith.models.peagle.model import PEagleDraftModel
+    from draftsmith.models.peagle.training import PEagleMethod
+    from draftsmith.train.losses import LossSpec, TargetDraftHead
+
+    V, H, B, T = 64, 32, 2, 24
+    cfg = PEagleConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       vocab_size=V, draft_vocab_size=draft_vocab, aux_layer_ids=[0, 1, 2], rope_theta=10000.0,
+                       max_position_embeddings=256, num_layers=2, num_depths=num_depths, mask_token_id=3)
+    torch.manual_seed(seed)
+    model = PEagleDraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        model.init_from_target(torch.randn(V, H))
+    model.train()
+    g = torch.Generator().manual_seed(seed + 1)
+    method = PEagleMethod.__new__(PEagleMethod)
+    method.recipe = SimpleNamespace(
+        seed=seed, train=SimpleNamespace(fused_loss=draft.pop("fused_loss", False)),
+        validation_temperatures=[draft.pop("temperature", 0.0)],
+        draft=SimpleNamespace(num_depths=num_depths, down_sample_ratio=0.9, down_sample_ratio_min=0.2, max_anchors=None,
+                              **{"accept_weighting": "none", "opd": "none", "opd_gamma": 0.8, **draft}))
+    method.accelerator = SimpleNamespace(num_processes=1, process_index=0)
+    method.target, method.config, method.loss = None, cfg, LossSpec()
+    method.target_head = TargetDraftHead(3 * torch.randn(draft_vocab, H, generator=g))
+    method._step, method._micro = 0, 0
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, :4] = 0  # the prompts: the first chains start from untrained depth-0 elements
+    mask[0, 13] = 0  # a hole: chains stop there
+    batch = {"input_ids": torch.randint(4, V, (B, T), generator=g), "loss_mask": mask,
+             "aux_hidden_states": torch.randn(B, T, 3 * H, generator=g),
+             "final_hidden_states": torch.randn(B, T, H, generator=g)}
+    if packed:
+        batch["document_ids"] = torch.tensor([[0] * 10 + [1] * 14, [0] * 21 + [-1] * 3])
+        batch["position_ids"] = torch.tensor([list(range(10)) + list(range(14)), list(range(21)) + [0] * 3])
+        mask[0, 10:12] = 0  # the second document's prompt
+        mask[1, 21:] = 0
+    return method, model, batch
+
+
+def host_reads_mode():
+    """A ``TorchDispatchMode`` that records, in its ``seen`` list, every op that reads a tensor on the
+    host (``.item()``, ``nonzero``, ``masked_select``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoSync(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return NoSync()

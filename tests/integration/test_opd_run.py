@@ -145,7 +145,7 @@ def test_bad_input_one_line_each(trained, tmp_path, capsys):
     assert opd_cli.main([str(medusa)]) == 1
     err = capsys.readouterr().err.strip()
     assert err == ("error: draft.opd: on-policy distillation is not supported by draft.method medusa "
-                   "(supported: eagle3, dflash, dflash2, dspark, xpress)")
+                   "(supported: eagle3, dflash, dflash2, dspark, xpress, peagle)")
     assert opd_cli.main([str(run), "--new-tokens", "0"]) == 2
 
 

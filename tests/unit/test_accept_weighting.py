@@ -1,5 +1,6 @@
 """``draft.accept_weighting`` (docs/training.md, "Acceptance-aware loss"): EAGLE-3's TTT step k and
-DFlash's block slot k weighted by whether the draft's own earlier positions of the same chain hit.
+DFlash's block slot k weighted by whether the draft's own earlier positions of the same chain hit
+(P-EAGLE's depths: tests/unit/test_accept_weighting_peagle.py).
 
 The chunked torch path here (in process); the fused Triton loss against it under Triton's
 interpreter is in tests/unit/test_fused_loss.py (its ``accept`` cases)."""
@@ -16,7 +17,7 @@ from draftsmith.recipe import RecipeError, load_recipe, recipe_schema
 from draftsmith.train.labels import ttt_prediction_masks
 from draftsmith.train.losses import AcceptSpec, LossSpec, TargetDraftHead, chunked_distill, group_reach
 
-from helpers.ttt_cases import FixedSteps, dflash_case, tiny_eagle3, ttt_batch
+from helpers.ttt_cases import FixedSteps, dflash_case, host_reads_mode, tiny_eagle3, ttt_batch
 
 K = 3
 
@@ -187,23 +188,11 @@ def test_a_step_without_a_row_passes_the_chain_on():
 
 
 def test_accept_weighting_reads_nothing_from_the_device():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class NoSync(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func) in ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"):
-                self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     model, batch = _tiny_eagle3(), _batch(True)
     head = TargetDraftHead(torch.randn(12, 32))
     plan = eagle3_batch_plan(batch, K)  # the DataLoader's, outside the step
     for accept in (AcceptSpec("hard", 0.0), AcceptSpec("soft", 0.7)):
-        mode = NoSync()
+        mode = host_reads_mode()
         with mode:
             total, _ = ttt_loss(model, batch["input_ids"], batch["aux_hidden_states"], batch["final_hidden_states"],
                                 plan, K, head, 0.8, None, 5, None, None, batch["document_ids"], fused=False,
@@ -300,14 +289,14 @@ def test_the_recipe_key_its_methods_and_the_served_temperature():
     recipe = load_recipe(None, ["draft.accept_weighting=soft", "train.eval_temperatures=[0.6,0.0]"])
     assert AcceptSpec.from_recipe(recipe) == AcceptSpec("soft", 0.6, 0)
     assert AcceptSpec.from_recipe(load_recipe(None)) is None
-    for method in ("dflash", "dflash2", "dspark", "xpress"):
+    for method in ("dflash", "dflash2", "dspark", "xpress", "peagle"):
         assert load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"]).draft.accept_weighting == "hard"
-    for method in ("peagle", "medusa", "mlp_speculator"):  # methods without the key: the same one line
+    for method in ("medusa", "mlp_speculator"):  # methods without the key: the same one line
         with pytest.raises(RecipeError, match=rf"draft.accept_weighting: not supported by draft.method {method} "
-                                              rf"\(supported: eagle3, dflash, dflash2, dspark, xpress;"):
+                                              rf"\(supported: eagle3, dflash, dflash2, dspark, xpress, peagle;"):
             load_recipe(None, [f"draft.method={method}", "draft.accept_weighting=hard"])
         with pytest.raises(RecipeError, match=rf"draft.opd: on-policy distillation is not supported by "
-                                              rf"draft.method {method} \(supported: eagle3, dflash, dflash2, dspark, xpress\)"):
+                                              rf"draft.method {method} \(supported: eagle3, dflash, dflash2, dspark, xpress, peagle\)"):
             load_recipe(None, [f"draft.method={method}", "draft.opd=hard"])
     with pytest.raises(RecipeError, match="Input should be 'none', 'hard' or 'soft'"):
         load_recipe(None, ["draft.accept_weighting=yes"])

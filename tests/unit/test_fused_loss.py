@@ -13,10 +13,11 @@ checks that run no kernel (M = 0, argument errors, availability) run in this pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -36,12 +37,13 @@ KERNEL_ROWS, KERNEL_V = 6, 70
 KERNEL_CASES = [f"{k}-T{t}" for k in KINDS for t in (1.0, 0.7)]
 # draft.accept_weighting: the kernel's expected acceptance at a served temperature (0.6) beside each
 # kind's own passes; fused_linear_distill against the torch path with it (soft) and with groups of
-# rows (a block drafter's slots); EAGLE-3's TTT loss end to end, fused against chunked
+# rows (a block drafter's slots); EAGLE-3's TTT loss and P-EAGLE's step end to end, fused against chunked
 SOFT_KERNEL_CASES = [f"{k}-T0.7" for k in KINDS]
 ACCEPT = {"soft": AcceptSpec("soft", 0.6), "hard-group": AcceptSpec("hard", 0.0, 2),
           "soft-group": AcceptSpec("soft", 0.6, 4)}
 ACCEPT_CASES = [f"{a}-{d}" for a in ACCEPT for d in DTYPES]
 TTT_ACCEPT_CASES = ["hard", "soft", "opd-hard", "opd-soft"]  # opd: draft.opd's split, both terms in one fused call
+PEAGLE_ACCEPT_CASES = TTT_ACCEPT_CASES  # P-EAGLE's step: one fused call per depth, its rows weighted by their chains' reach
 OPD_GROUP_CASES = [f"{m}-{d}" for m in ("hard", "soft") for d in DTYPES]  # draft.opd over a block drafter's slots
 # draft.opd: the kernel's REVERSE (KL(q || p) at its own row weight beside every kind's D), and
 # fused_linear_distill with rejected_weight (EAGLE-3's step) against the torch path, D = forward KL and jsd
@@ -291,7 +293,6 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     from draftsmith.models.eagle3.config import Eagle3Config
     from draftsmith.models.eagle3.model import Eagle3DraftModel
     from draftsmith.models.eagle3.training import eagle3_batch_plan, ttt_loss
-    from draftsmith.train import losses
     from draftsmith.train.losses import TargetDraftHead
 
     accept = AcceptSpec(mode[4:], 0.6, 0, 0.7) if mode.startswith("opd-") else AcceptSpec(mode, 0.6)
@@ -309,21 +310,7 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
     aux, final = torch.randn(B, T, 96), torch.randn(B, T, 32)
     plan = eagle3_batch_plan(batch, 3)
     results = {}
-    ok = losses.fused_device_ok
-    launches, calls = [0], [0]
-    launch, fused_call = fl._launch_kernel, fl.fused_linear_distill
-
-    def counting(*args, **kwargs):
-        launches[0] += 1
-        return launch(*args, **kwargs)
-
-    def counting_calls(*args, **kwargs):
-        calls[0] += 1
-        return fused_call(*args, **kwargs)
-
-    try:
-        losses.fused_device_ok = lambda device: True
-        fl._launch_kernel, fl.fused_linear_distill = counting, counting_calls
+    with _counted_fused_loss() as counts:
         for path, setting in (("fused", True), ("torch", False)):
             model.zero_grad()
             total, metrics = ttt_loss(model, batch["input_ids"], aux, final, plan, 3, head, 0.8, None, 5,
@@ -331,11 +318,33 @@ def _ttt_accept_case(mode: str) -> dict[str, dict[str, Any]]:
             total.backward()
             results[path] = {"loss": total.detach(), "metrics": {k: v.detach() for k, v in metrics.items()},
                              "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    return {**results, **counts}
+
+
+@contextlib.contextmanager
+def _counted_fused_loss() -> Iterator[dict[str, int]]:
+    """The fused loss on CPU tensors (its CUDA-only check lifted, the kernel interpreted), counting
+    its calls (``fused_linear_distill``) and kernel launches into the dict it yields."""
+    from draftsmith.train import losses
+
+    counts = {"launches": 0, "calls": 0}
+    ok, launch, fused_call = losses.fused_device_ok, fl._launch_kernel, fl.fused_linear_distill
+
+    def counting(*args, **kwargs):
+        counts["launches"] += 1
+        return launch(*args, **kwargs)
+
+    def counting_calls(*args, **kwargs):
+        counts["calls"] += 1
+        return fused_call(*args, **kwargs)
+
+    try:
+        losses.fused_device_ok = lambda device: True
+        fl._launch_kernel, fl.fused_linear_distill = counting, counting_calls
+        yield counts
     finally:
         losses.fused_device_ok = ok
         fl._launch_kernel, fl.fused_linear_distill = launch, fused_call
-    results["launches"], results["calls"] = launches[0], calls[0]
-    return results
 
 
 def _opd_group_case(case: str) -> dict[str, Any]:
@@ -373,6 +382,38 @@ def _opd_group_case(case: str) -> dict[str, Any]:
         fl._launch_kernel = launch
 
 
+def _peagle_accept_case(mode: str) -> dict[str, Any]:
+    """P-EAGLE's step (``compute_loss``) with ``draft.accept_weighting`` or ``draft.opd`` on a tiny draft
+    (tests/helpers/ttt_cases.py), the fused loss (its CUDA-only check lifted, the kernel interpreted)
+    against the chunked torch path: the same weights (``row_reach``), loss, metrics and gradients."""
+    from draftsmith.models.peagle import training
+    from helpers.ttt_cases import peagle_case
+
+    split = mode.removeprefix("opd-")
+    keys = {"opd" if mode.startswith("opd-") else "accept_weighting": split,
+            "temperature": 0.6 if split == "soft" else 0.0}
+    metric, seen, results = training.cod_loss, {}, {}
+
+    def cod_loss(out, *args):
+        seen["out"] = out
+        return metric(out, *args)
+
+    try:
+        training.cod_loss = cod_loss
+        with _counted_fused_loss() as counts:
+            for path, setting in (("fused", True), ("torch", False)):
+                method, model, batch = peagle_case(fused_loss=setting, **keys)
+                total, metrics = method.compute_loss(model, {**batch, **method.batch_plan()(batch)})
+                total.backward()
+                results[path] = {"loss": total.detach(), "metrics": {k: v.detach() for k, v in metrics.items()},
+                                 "row_reach": seen["out"].row_reach, "row_loss": seen["out"].row_loss,
+                                 "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                           if p.grad is not None}}
+    finally:
+        training.cod_loss = metric
+    return {**results, **counts}
+
+
 def _worker(path: str) -> None:
     assert fl.interpreted(), "run with TRITON_INTERPRET=1"
     fl.MAX_BLOCK_V = BLOCK
@@ -381,6 +422,7 @@ def _worker(path: str) -> None:
                 "soft_kernel": {c: _kernel_case(c, accept_temperature=0.6) for c in SOFT_KERNEL_CASES},
                 "accept": {c: _accept_case(c) for c in ACCEPT_CASES},
                 "ttt_accept": {c: _ttt_accept_case(c) for c in TTT_ACCEPT_CASES},
+                "peagle_accept": {c: _peagle_accept_case(c) for c in PEAGLE_ACCEPT_CASES},
                 "opd_group": {c: _opd_group_case(c) for c in OPD_GROUP_CASES},
                 "opd_kernel": {c: _opd_kernel_case(c) for c in OPD_KERNEL_CASES},
                 "opd": {c: _opd_case(c) for c in OPD_CASES},
@@ -496,6 +538,25 @@ def test_the_ttt_loss_with_accept_weighting_is_the_same_fused_and_chunked(interp
         torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert 0 < float(want["metrics"]["reach_2"]) < 1
     assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", PEAGLE_ACCEPT_CASES)
+def test_the_peagle_step_with_accept_weighting_is_the_same_fused_and_chunked(interpreted, case):
+    r = interpreted["peagle_accept"][case]
+    got, want = r["fused"], r["torch"]
+    # one fused call per depth (4), one launch per call (one chunk each); draft.opd's reverse KL in the same calls
+    assert r["calls"] == 4 and r["launches"] == 4
+    assert r["launches"] == interpreted["peagle_accept"][case.removeprefix("opd-")]["launches"]
+    torch.testing.assert_close(got["row_reach"], want["row_reach"], rtol=1e-5, atol=1e-6)  # the weights
+    torch.testing.assert_close(got["row_loss"], want["row_loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    assert set(got["metrics"]) == set(want["metrics"]) and "reach_3" in want["metrics"]
+    for key, value in want["metrics"].items():
+        torch.testing.assert_close(got["metrics"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert 0 < float(want["metrics"]["reach_3"]) < 1
+    assert set(got["grads"]) == set(want["grads"]) and "mask_hidden" in want["grads"]
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -650,4 +711,5 @@ def test_the_kernels_coverage_is_availability_without_the_process():
 
 
 if __name__ == "__main__":  # the interpreter subprocess of the fixture `interpreted`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: its helpers
     _worker(sys.argv[1])

@@ -264,11 +264,11 @@ def test_the_recipe_keys():
     assert AcceptSpec.from_recipe(recipe).opd and not AcceptSpec("hard").opd
     assert AcceptSpec.from_recipe(load_recipe(None, ["draft.method=dflash", "draft.opd=hard"]), group=15) \
         == AcceptSpec("hard", 0.0, 15, 0.8)
-    for method in ("dspark", "xpress"):  # their losses split the block slots too
+    for method in ("dspark", "xpress", "peagle"):  # their losses split the block slots / depths too
         assert load_recipe(None, [f"draft.method={method}", "draft.opd=hard"]).draft.opd == "hard"
     with pytest.raises(RecipeError, match="set draft.accept_weighting=none"):
         load_recipe(None, ["draft.opd=hard", "draft.accept_weighting=soft"])
-    with pytest.raises(RecipeError, match=r"draft.opd: on-policy distillation is not supported by draft.method medusa \(supported: eagle3, dflash, dflash2, dspark, xpress\)"):
+    with pytest.raises(RecipeError, match=r"draft.opd: on-policy distillation is not supported by draft.method medusa \(supported: eagle3, dflash, dflash2, dspark, xpress, peagle\)"):
         load_recipe(None, ["draft.method=medusa", "draft.opd=hard"])
 
 
