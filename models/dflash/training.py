@@ -157,20 +157,22 @@ class DFlashMethod(DraftVocabMethod):
         width = batch.get(NUM_ANCHORS_KEY)  # the plan's tight A; else the cap (padding anchors cost compute only)
         num_anchors = width if width is not None else min(self.recipe.draft.num_anchors, max(T - 1, 1))
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
-        accept = self.accept_spec(self.recipe.draft.block_size - 1)
+        accept = self.accept_spec()
         return dflash_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head, self.weights,
                            self.loss, batch.get("position_ids"), docs, self.global_denominators,
                            self.recipe.train.loss_chunk_rows, selector=self.selector_loss(),
                            fused=getattr(self.recipe.train, "fused_loss", None), accept=accept)
 
-    def accept_spec(self, group: int) -> AcceptSpec | None:
-        """``draft.accept_weighting`` / ``draft.opd`` over blocks of ``group`` trained slots (DFlash,
-        DFlash2, XPress: ``block_size - 1``; DSpark: ``block_size``), or None: both off, or no grad.
-        They shape the gradient; validation (no grad) reports the plain loss, which a draft missing
-        its early slots cannot lower."""
+    def accept_spec(self, anchor_slot_drafted: bool = False) -> AcceptSpec | None:
+        """``draft.accept_weighting`` / ``draft.opd`` over the trained slots of each block
+        (``block_size - 1``: DFlash, DFlash2, XPress; ``anchor_slot_drafted``, DSpark: all
+        ``block_size``), or None: both off, or no grad. They shape the gradient; validation (no
+        grad) reports the plain loss, which a draft missing its early slots cannot lower."""
         weighted = torch.is_grad_enabled() and (getattr(self.recipe.draft, "accept_weighting", "none") != "none"
                                                 or getattr(self.recipe.draft, "opd", "none") != "none")
-        return AcceptSpec.from_recipe(self.recipe, group=group) if weighted else None
+        if not weighted:
+            return None
+        return AcceptSpec.from_recipe(self.recipe, group=self.recipe.draft.block_size - (0 if anchor_slot_drafted else 1))
 
     def selector_loss(self) -> Any:
         """The candidate-selector term of the loss (DFlash2's

@@ -89,7 +89,7 @@ class DSparkMethod(DFlashMethod):
         return dspark_loss(model, batch["input_ids"], aux.to(param.dtype), final, mask, anchors, valid,
                            self.target_head, self.t2d, self.weights, self.spec, batch.get("position_ids"), docs,
                            self.global_denominators, self.recipe.train.loss_chunk_rows,
-                           accept=self.accept_spec(self.recipe.draft.block_size))  # every slot is a prediction
+                           accept=self.accept_spec(anchor_slot_drafted=True))  # every slot is a prediction
 
 
 # --------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class XPressMethod(DFlashMethod):
         anchors, valid = sample_anchors(mask, num_anchors, self.anchor_generator(mask.device), docs)
         return xpress_loss(model, batch["input_ids"], aux, final, mask, anchors, valid, self.target_head,
                            self.weights, self.spec, batch.get("position_ids"), docs, self.global_denominators,
-                           self.recipe.train.loss_chunk_rows, accept=self.accept_spec(self.recipe.draft.block_size - 1))
+                           self.recipe.train.loss_chunk_rows, accept=self.accept_spec())
 
 
 # --------------------------------------------------------------------------------------
