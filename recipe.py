@@ -129,6 +129,13 @@ class DataConfig(_Strict):
         "reads: an error.")
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="Conversations longer than max_length: cut to it, or dropped (counted).")
+    history_turns: Literal["each", "last"] = Field(
+        "each", description="Replies a chat template rewrites once they are history (Qwen3 and Kimi-K2-Thinking drop or "
+        "empty earlier reasoning, DeepSeek-R1 / V3.1 never render it back), which the conversation's row can only "
+        "show as unlabelled context. each: one more row per such reply (the conversation up to it, that reply "
+        "labelled as served; id '<id>#turn<k>'), so every reply trains, at the cost of re-reading each prefix; "
+        "last: the conversation's row alone (its last reply trained). Templates that render history as served "
+        "(Llama, ChatML, gpt-oss harmony) give the same rows either way.")
     draft_vocab_size: int = Field(32000, ge=1, description="Vd; capped at the target vocab size V.")
     aux_layer_ids: list[int] | None = Field(
         None, description="Three target layer ids, vLLM convention; default (2, N//2, N-3)."

@@ -1,13 +1,14 @@
 """A run directory's data agrees with the recipe, or nothing is written.
 
 ``RUN_DIR/data`` is made for one recipe's data keys: the target, the aux layer ids, the
-tokenisation (sources, regeneration, ``max_length``, over-long policy, harmony channels, the
-target's chat template), the draft vocab size and the shard storage (dtype, capture dtype,
-shard size). Before any stage writes (every stage of ``draftsmith prepare``, training and its
-automatic prepare of missing stages), :func:`check_run_dir` compares the keys the stages already
-on disk were made with against the recipe; a disagreement raises :class:`RunDirMismatchError`,
-one line naming the key, both values and the two ways out (a fresh ``--run-dir``, or
-``draftsmith prepare RECIPE --run-dir DIR --overwrite-data``), and nothing is written.
+tokenisation (sources, regeneration, ``max_length``, over-long policy, harmony channels,
+``data.history_turns`` where the template rewrites history, the target's chat template), the
+draft vocab size and the shard storage (dtype, capture dtype, shard size). Before any stage
+writes (every stage of ``draftsmith prepare``, training and its automatic prepare of missing
+stages), :func:`check_run_dir` compares the keys the stages already on disk were made with
+against the recipe; a disagreement raises :class:`RunDirMismatchError`, one line naming the key,
+both values and the two ways out (a fresh ``--run-dir``, or ``draftsmith prepare RECIPE
+--run-dir DIR --overwrite-data``), and nothing is written.
 
 What is on disk is read from the files each stage leaves (:class:`~draftsmith.layout.DataPaths`):
 
@@ -100,17 +101,21 @@ def target_keys(recipe: Any, aux_layer_ids: list[int]) -> dict[str, Any]:
     return {"target.name_or_path": recipe.target.name_or_path, "data.aux_layer_ids": list(aux_layer_ids)}
 
 
-def tokenize_keys(recipe: Any, chat_template_sha256: str | None) -> dict[str, Any]:
+def tokenize_keys(recipe: Any, chat_template_sha256: str | None, history: bool = True) -> dict[str, Any]:
     """The keys that fix the tokenised data: the sources and how many rows, the regeneration
     (its engine, batching and servers excepted: the regeneration cache keeps its own
     fingerprints), the length and over-long policy, the harmony channels, the chat template and the
-    kwargs it is rendered with (``data.chat_template_kwargs``, recorded when set)."""
+    kwargs it is rendered with (``data.chat_template_kwargs``, recorded when set), and
+    ``data.history_turns`` when ``history``: the tokenize stage records it only when the chat
+    template rewrote an earlier reply of some conversation (else both values give the same rows,
+    and data tokenised before the key existed has none), so it is compared only where it matters."""
     d, r = recipe.data, recipe.data.regenerate
     keys = {"data.sources": [normalised_source(s.model_dump(mode="json")) for s in d.sources],
             "data.max_samples": d.max_samples,
             "data.max_length": d.max_length, "data.overlong": d.overlong,
             "data.harmony_channels": list(d.harmony_channels), "data.regenerate.enabled": r.enabled,
             **({"data.chat_template_kwargs": dict(d.chat_template_kwargs)} if d.chat_template_kwargs else {}),
+            **({"data.history_turns": d.history_turns} if history else {}),
             "chat_template_sha256": chat_template_sha256}
     if r.enabled:
         keys.update({"data.regenerate.max_new_tokens": r.max_new_tokens,

@@ -354,7 +354,8 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
     template that rewrites history (Qwen3 drops past reasoning and think blocks, Kimi-K2-Thinking
     empties them) shows earlier replies differently from how the target wrote them, so those
     stay unlabelled context: the row trains what the target emits when serving the last turn,
-    given the history as the template renders it. ``cut``: the last reply was cut by
+    given the history as the template renders it (``data.history_turns: each`` trains each of
+    them in a row of its own, :func:`turn_char_spans`). ``cut``: the last reply was cut by
     ``max_tokens``; its span ends with its own text, without the end-of-turn marker (and, cut
     inside its reasoning, without ``</think>`` or an answer); the text ends there too when the
     template's rendering of the whole conversation does not continue it. Earlier replies cut by
@@ -369,21 +370,54 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False
         DataError: the template gives no assistant mask (a reply it renders apart from its own
             generation prompt), or a reply's reasoning has no place in it (thinking off).
     """
+    rows, _ = turn_char_spans(tokenizer, messages, cut, template_kwargs, each=False)
+    return rows[-1][1], rows[-1][2]
+
+
+def turn_char_spans(tokenizer: Any, messages: list[dict], cut: bool = False, template_kwargs: dict | None = None,
+                    each: bool = True) -> tuple[list[tuple[int | None, str, list[tuple[int, int]]]], list[int]]:
+    """The rows of one conversation as ``(turn, text, spans)`` and the replies its full row leaves
+    unlabelled (their ordinals among the assistant replies, the last excepted).
+
+    The full row, :func:`assistant_char_spans`' text and spans, comes last with ``turn`` None.
+    ``each`` (``data.history_turns: each``): before it, one row per reply the full row leaves
+    unlabelled because the template rewrites it as history (Qwen3 and Kimi-K2-Thinking with
+    thinking, DeepSeek-R1 / V3.1): ``turn`` k is the conversation up to and including reply k,
+    rendered with that reply as the last turn and labelled the same way, so reply k is labelled
+    as served (and any earlier reply whose served sequence is a prefix of that row's text).
+    A template that renders history as served leaves no reply unlabelled: one row either way.
+    Only the full row ends with the last reply, so ``cut`` applies to it alone.
+
+    Raises:
+        DataError: as :func:`assistant_char_spans`.
+    """
     from . import served_turns as st
 
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if st.is_thinking_template(tokenizer):  # a cut last reply is split by served_turn, which knows it was cut
         messages = [m if cut and turns and k == turns[-1] else st.with_reasoning(m) for k, m in enumerate(messages)]
-    full = st.render(tokenizer, messages, template_kwargs)
     if not turns:
-        return full, []
+        return [(None, st.render(tokenizer, messages, template_kwargs), [])], []
     try:
         served = [st.served_turn(tokenizer, messages, i, template_kwargs, cut=cut and i == turns[-1]) for i in turns]
     except st.TemplateError as exc:
         raise DataError(str(exc)) from None
+    text, spans = _row_spans(tokenizer, messages, served, template_kwargs)
+    unlabelled = [k for k, t in enumerate(served[:-1]) if t.reply and not text.startswith(t.text)]
+    rows = [(k, *_row_spans(tokenizer, messages[: served[k].index + 1], served[: k + 1], template_kwargs))
+            for k in (unlabelled if each else [])]
+    return [*rows, (None, text, spans)], unlabelled
+
+
+def _row_spans(tokenizer: Any, messages: list[dict], served: list, template_kwargs: dict | None,
+               ) -> tuple[str, list[tuple[int, int]]]:
+    """The text of the row that ends with ``served[-1]`` (the whole rendering of ``messages`` when
+    it extends that reply's served sequence) and the spans of the replies served as a prefix of it."""
+    from .served_turns import render
+
+    full = render(tokenizer, messages, template_kwargs)
     text = full if full.startswith(served[-1].text) else served[-1].text
-    spans = [(len(t.prompt), len(t.text)) for t in served if t.reply and text.startswith(t.text)]
-    return text, spans
+    return text, [(len(t.prompt), len(t.text)) for t in served if t.reply and text.startswith(t.text)]
 
 
 _HARMONY_MESSAGE = re.compile(
@@ -445,12 +479,29 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int 
         if reasoning_effort:
             kwargs["reasoning_effort"] = reasoning_effort
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-        spans = harmony_assistant_spans(text, harmony_channels, cut=cut)
-    else:
-        try:
-            text, spans = assistant_char_spans(tokenizer, messages, cut, kwargs or None)
-        except DataError as exc:
-            raise DataError(f"{where}: {exc}" if where else str(exc)) from None
+        return _tokenize_spans(tokenizer, text, harmony_assistant_spans(text, harmony_channels, cut=cut), max_length)
+    return tokenize_turns(tokenizer, messages, max_length, cut, kwargs or None, where, each=False)[0][-1][1]
+
+
+def tokenize_turns(tokenizer: Any, messages: list[dict], max_length: int | None = None, cut: bool = False,
+                   template_kwargs: dict | None = None, where: str | None = None,
+                   each: bool = True) -> tuple[list[tuple[int | None, dict]], list[int]]:
+    """:func:`turn_char_spans` tokenised: ``([(turn, tokenised row)], unlabelled replies)``, the
+    full row last (``turn`` None), each row as :func:`tokenize_conversation` returns it. Not for
+    harmony templates (their spans come from :func:`harmony_assistant_spans`).
+
+    Raises:
+        DataError: as :func:`tokenize_conversation`.
+    """
+    try:
+        rows, unlabelled = turn_char_spans(tokenizer, messages, cut, template_kwargs, each)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}" if where else str(exc)) from None
+    return [(turn, _tokenize_spans(tokenizer, text, spans, max_length)) for turn, text, spans in rows], unlabelled
+
+
+def _tokenize_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int | None) -> dict:
+    """``text`` tokenised, ``loss_mask[i] = 1`` iff token i overlaps a span, cut to ``max_length``."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("assistant masks need a fast tokenizer (offset mapping); got a slow one")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

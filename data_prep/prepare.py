@@ -57,6 +57,7 @@ from .shards import MANIFEST, ShardSpec, distributed_rank
 from . import chat_engines
 from . import regenerate as regen
 from . import served_turns
+from .token_rows import TokenizeRow, history_counts
 from .. import target as tgt
 from ..target import TargetInfo, text_config
 from . import vocab
@@ -244,51 +245,6 @@ def _check_template_kwargs(tok: Any, recipe: Recipe) -> None:
         raise conv.DataError(str(exc)) from None
 
 
-class _TokenizeRow:
-    """The tokenize stage's per-row function (``datasets.map``; picklable for ``num_proc``): one
-    ``{"record": JSON}`` row -> the tokenised columns plus ``status`` (``ok`` or the skip reason),
-    ``error``, ``truncated`` (counted as truncated) and ``assistant_tokens``."""
-
-    def __init__(self, tok, max_len: int, channels, vocab_size: int, overlong: str, template_kwargs: dict | None = None):
-        self.tok, self.max_len, self.channels, self.vocab_size, self.overlong = tok, max_len, channels, vocab_size, overlong
-        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs: rendered as served
-
-    def __call__(self, row: dict) -> dict:
-        r = json.loads(row["record"])
-        out = {"id": str(r["id"]), "input_ids": [], "loss_mask": [], "length": 0, "status": "ok", "error": None,
-               "truncated": False, "assistant_tokens": 0}
-        try:
-            if "input_ids" in r:
-                ids, mask = r["input_ids"], r["loss_mask"]
-                bad = [t for t in ids if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise conv.DataError(
-                        f"row {r['id']}: token id {bad[0]} outside the target vocab of {self.vocab_size} "
-                        "(tokenised with another tokenizer?)"
-                    )
-                is_long = len(ids) > self.max_len
-                t = {"input_ids": ids[: self.max_len], "loss_mask": mask[: self.max_len], "truncated": is_long}
-            else:
-                conv.validate_messages(r["messages"], f"row {r['id']}")
-                if not conv.has_assistant_turn(r):
-                    return dict(out, status="no_assistant_turn")
-                # gpt-oss: the effort the reply was regenerated at (data.regenerate.reasoning_effort)
-                t = conv.tokenize_conversation(self.tok, r["messages"], self.max_len, self.channels,
-                                               r.get("reasoning_effort"), cut=bool(r.get("cut")),
-                                               template_kwargs=self.template_kwargs, where=f"row {r['id']}")
-        except conv.DataError as exc:
-            return dict(out, status="invalid", error=str(exc))
-        if t["truncated"]:
-            if self.overlong == "drop":
-                return dict(out, status="overlong_dropped")
-            out["truncated"] = True
-        n_asst = int(sum(t["loss_mask"]))
-        if n_asst < 2:
-            return dict(out, status="no_assistant_turn")
-        return dict(out, input_ids=[int(x) for x in t["input_ids"]], loss_mask=[int(x) for x in t["loss_mask"]],
-                    length=len(t["input_ids"]), assistant_tokens=n_asst)
-
-
 def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: Iterable[dict], reports: list[str]):
     """Tokenise, mask, and apply the over-long policy with ``datasets.map`` (``data.num_proc``
     processes) over ``records`` streamed into an Arrow dataset (``reports``: the sources'
@@ -308,7 +264,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
     from ..layout import remove_stale_tokenized_temps, save_tokenized, tokenized_features, tokenized_temp_dir
 
     tok = AutoTokenizer.from_pretrained(info.path, trust_remote_code=recipe.target.trust_remote_code)
-    keys = tokenize_keys(recipe, regen.chat_template_sha256(tok))
+    keys = tokenize_keys(recipe, regen.chat_template_sha256(tok), history=False)  # added once known to matter
     keys[CONTENT_KEY] = source_contents(recipe, read_spec(paths).get("tokenize", {}).get(CONTENT_KEY))
     record_stage(paths, "tokenize", keys)
     max_len = recipe.data.max_length
@@ -334,13 +290,15 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
             raise
         features = tokenized_features().copy()
         features.update({"status": datasets.Value("string"), "error": datasets.Value("string"),
-                         "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64")})
+                         "truncated": datasets.Value("bool"), "assistant_tokens": datasets.Value("int64"),
+                         "turn": datasets.Value("int64"), "unlabelled": datasets.Value("int64")})
         num_proc = min(recipe.data.num_proc, max(1, len(raw)))
-        mapped = raw.map(_TokenizeRow(tok, max_len, channels, info.vocab_size, recipe.data.overlong,
-                                      recipe.data.chat_template_kwargs),
-                         remove_columns=["record"], features=features, num_proc=num_proc if num_proc > 1 else None,
-                         new_fingerprint=uuid.uuid4().hex, desc="tokenize")
-        meta = mapped.select_columns(["status", "truncated", "assistant_tokens", "length"]).with_format("numpy")[:]
+        mapped = raw.map(TokenizeRow(tok, max_len, channels, info.vocab_size, recipe.data.overlong,
+                                     recipe.data.chat_template_kwargs, recipe.data.history_turns),
+                         batched=True, remove_columns=["record"], features=features,
+                         num_proc=num_proc if num_proc > 1 else None, new_fingerprint=uuid.uuid4().hex, desc="tokenize")
+        meta = mapped.select_columns(["status", "truncated", "assistant_tokens", "length", "turn", "unlabelled"]
+                                     ).with_format("numpy")[:]
         status = np.asarray(meta["status"]).astype(str)
         ok = status == "ok"
         skipped = {k: int((status == k).sum()) for k in ("no_assistant_turn", "invalid", "overlong_dropped")}
@@ -354,6 +312,9 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
         n_asst = int(np.asarray(meta["assistant_tokens"])[ok].sum())
         if n_asst == 0:
             raise conv.DataError(f"the data yields zero trainable assistant tokens (skipped: {skipped}; first: {first_bad})")
+        history = history_counts(recipe.data.history_turns, meta, ok)
+        if history["conversations"]:  # the template rewrote history: the data depends on data.history_turns
+            record_stage(paths, "tokenize", dict(keys, **tokenize_keys(recipe, keys["chat_template_sha256"])))
         kept = mapped.select(np.flatnonzero(ok)).select_columns(list(tokenized_features()))
         save_tokenized(paths, kept, tmp)
     finally:
@@ -368,6 +329,7 @@ def stage_tokenize(recipe: Recipe, paths: DataPaths, info: TargetInfo, records: 
         "truncated": truncated,
         "skipped": skipped,
         "first_skipped_reason": first_bad,
+        "history_turns": history,
     }
     paths.stats.write_text(json.dumps(stats, indent=1))
     log.info("tokenised %d sequences, %d tokens (%d assistant); truncated %d; skipped %s",

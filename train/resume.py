@@ -76,6 +76,7 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "data.overlong": _DATA,
     "data.harmony_channels": _DATA,
     "data.chat_template_kwargs": _DATA,
+    "data.history_turns": _DATA,
     "data.draft_vocab_size": (REFUSED, "the draft's vocab: its lm_head rows"),
     "data.aux_layer_ids": (REFUSED, "the target layers the draft reads"),
     "data.hidden_states_mode": _DATA,

@@ -3,9 +3,10 @@ length, and the loop that evaluates a draft on the validation conversations.
 
 The split (``data.validation_fraction``) is by conversation, never by token: sequences whose
 ids differ only by a regeneration suffix (``_gen<N>``, speculators' regenerated samples of one
-prompt) or by draftsmith's duplicate-id suffix (``#<N>``) are one conversation and land on the
-same side. Which conversations are held out depends only on their ids and ``seed``, not on the
-order of the data, so adding data does not reshuffle the validation set.
+prompt), by draftsmith's duplicate-id suffix (``#<N>``) or by the suffix of a reply's own row
+(``#turn<N>``, ``data.history_turns: each``) are one conversation and land on the same side.
+Which conversations are held out depends only on their ids and ``seed``, not on the order of
+the data, so adding data does not reshuffle the validation set.
 
 The simulated acceptance length follows the chain rule of vLLM's rejection sampler for a
 chain of K drafted tokens (docs/conventions.md, "Acceptance metrics": AL = 1 + accepted / drafts):
@@ -41,7 +42,7 @@ from .data import to_device
 
 log = logging.getLogger("draftsmith.train")
 
-_SAME_CONVERSATION = re.compile(r"(_gen\d+|#\d+)+$")
+_SAME_CONVERSATION = re.compile(r"(_gen\d+|#\d+|#turn\d+)+$")
 
 
 class ValidationSplitError(ValueError):
@@ -49,7 +50,7 @@ class ValidationSplitError(ValueError):
 
 
 def conversation_key(record_id: str) -> str:
-    """The conversation a sequence belongs to: its id without ``_gen<N>`` / ``#<N>`` suffixes."""
+    """The conversation a sequence belongs to: its id without ``_gen<N>`` / ``#<N>`` / ``#turn<N>`` suffixes."""
     return _SAME_CONVERSATION.sub("", str(record_id))
 
 
