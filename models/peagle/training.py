@@ -208,7 +208,7 @@ class PEagleMethod(DraftVocabMethod):
             S = elements.anchor.shape[1]
             r0 = batch["cod_rows0"]
             deeper = torch.arange(T, S, device=pred.device) + S * torch.arange(B, device=pred.device).unsqueeze(1)
-            train_rows = torch.cat([r0 // T * S + r0 % T, deeper.reshape(-1)])
+            train_rows = torch.cat([element_rows0(r0, T, S), deeper.reshape(-1)])
             index, weight, depth, sel = (t.index_select(0, train_rows) for t in (index, weight, depth, sel))
         out = model(batch["input_ids"], aux, elements, batch.get("position_ids"), batch.get("document_ids"),
                     targets=DistillTargets(teacher, index, weight, functools.partial(chunked_distill, fused=fused),
@@ -420,6 +420,12 @@ class DepthTargets:
                           row_alpha=alpha, row_reach=reach)
 
 
+def element_rows0(rows0: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """The plan's ``cod_rows0`` (flat ``b * T + i`` trained depth-0 positions) as flat element indices
+    ``b * S + i`` of ``(B, S)`` elements whose first T slots are depth 0 at positions 0..T-1."""
+    return rows0 // T * S + rows0 % T
+
+
 def depth_targets(elements: CODElements, T: int, budgets: list[int], rows0: torch.Tensor | None, teacher: torch.Tensor,
                   index: torch.Tensor, weight: torch.Tensor, trained: torch.Tensor, accept: AcceptSpec,
                   loss: LossSpec | None = None, fused: str | bool | None = None,
@@ -445,7 +451,7 @@ def depth_targets(elements: CODElements, T: int, budgets: list[int], rows0: torc
         raise ValueError(f"depth_targets: {T} positions and depth budgets {budgets} do not lay out {S} elements per row")
     dev = elements.anchor.device
     row_start = S * torch.arange(B, device=dev).unsqueeze(1)  # (B, 1)
-    first = (torch.arange(T, device=dev) + row_start).reshape(-1) if rows0 is None else rows0 // T * S + rows0 % T
+    first = (torch.arange(T, device=dev) + row_start).reshape(-1) if rows0 is None else element_rows0(rows0, T, S)
     # the deeper slots slot-major ((S - T, B)): slot j of every row, then j + 1, so each depth's K_d * B rows are
     # contiguous (the slots are in depth order)
     deeper = (torch.arange(T, S, device=dev).unsqueeze(1) + row_start.view(1, B)).reshape(-1)
