@@ -394,6 +394,11 @@ class ServeConfig(_Strict):
 class EvalConfig(_Strict):
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="K draft tokens per step, written into the export and used in evaluation.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of acceptance runs; 0 = greedy.")
+    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+        "greedy", description="How the served draft drafts at T > 0 (vLLM's speculative_config "
+        "draft_sample_method): greedy proposes the argmax, accepted with the target's p of it; probabilistic "
+        "samples from the draft and is accepted with sum min(p, q) (docs/temperature.md).",
+    )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per evaluation prompt.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate on at most this many prompts; null: all.")
     compare_ngram: bool = Field(True, description="Also measure vLLM's ngram (prompt-lookup) drafting on the same prompts.")

@@ -18,6 +18,7 @@ from ..recipe import RecipeError, load_recipe
 from ..runtime import HelpFormatter
 from ..target.resolve import EMBEDDED_PREFIX, resolve_target
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
+from ..vllm_bridge.spec_config import DRAFT_SAMPLING
 
 
 def at_least(low: float, kind: type, what: str) -> Callable[[str], Any]:
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ngram: shortest prompt lookup (tokens)")
     p.add_argument("--ngram-max", type=at_least(1, int, "an integer >= 1"), default=4,
                    help="ngram: longest prompt lookup (tokens)")
+    p.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default=None,
+                   help="at T > 0: greedy drafts the argmax, verified as a one-hot q (vLLM's default "
+                   "draft_sample_method); probabilistic samples from the draft and verifies with its full q "
+                   "(accepted with sum min(p, q)); default: --recipe's eval.draft_sampling, else greedy")
     p.add_argument("--out", type=Path, help="write the figures as JSON, keyed by method, and "
                    "the profile beside it (<stem>.speculation_profile.json)")
     p.add_argument("--log", type=Path, help="keep the vLLM worker's log of --method here (--compare-ngram's "
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     common = dict(target=args.target, prompts=args.prompts, k=args.k, temperature=temps,
                   max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts, seed=args.seed,
-                  engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                  engine=engine, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                  draft_sampling=args.draft_sampling or (recipe.eval.draft_sampling if recipe else "greedy"))
     methods = [args.method] + (["ngram"] if args.compare_ngram and args.method != "ngram" else [])
     results = {}
     try:

@@ -175,13 +175,14 @@ def draft_method(method: str, draft: Path | None) -> DraftMethodSpec:
 
 
 def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: int = 2,
-                            ngram_max: int = 4) -> tuple[str, dict[str, Any] | None]:
+                            ngram_max: int = 4, draft_sampling: str = "greedy") -> tuple[str, dict[str, Any] | None]:
     """The name the results carry and vLLM's ``speculative_config`` for one configuration.
 
     ``none``: no speculation (``None``). ``ngram``: prompt lookup of ``ngram_min`` to
     ``ngram_max`` tokens. Otherwise the registered method of the export (:func:`draft_method`)
     and its :meth:`~draftsmith.methods.DraftMethodSpec.speculative_config` with ``k`` tokens
-    (P-EAGLE: ``{"method": "eagle3", "parallel_drafting": true, ...}``).
+    (P-EAGLE: ``{"method": "eagle3", "parallel_drafting": true, ...}``), drafting at T > 0 as
+    ``draft_sampling`` says (:func:`~draftsmith.vllm_bridge.spec_config.for_export`).
 
     Raises:
         ValueError, DraftMismatchError: see :func:`draft_method`.
@@ -191,7 +192,7 @@ def vllm_speculative_config(method: str, draft: Path | None, k: int, ngram_min: 
     if method == "ngram":
         return method, spec_config.ngram(k, ngram_min, ngram_max)
     spec = draft_method(method, draft)
-    return spec.name, spec_config.for_export(spec, str(draft), k)
+    return spec.name, spec_config.for_export(spec, str(draft), k, draft_sampling)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -206,7 +207,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from ..data_prep.conversations import load_records
 
-    method, spec = vllm_speculative_config(args.method, args.draft, args.k, args.ngram_min, args.ngram_max)
+    draft_sampling = args.draft_sampling or "greedy"
+    method, spec = vllm_speculative_config(args.method, args.draft, args.k, args.ngram_min, args.ngram_max,
+                                           draft_sampling)
     if args.groups_json:  # {group: [conversation, ...]}: one generate call and counter delta per group
         groups = json.loads(Path(args.groups_json).read_text())
     else:
@@ -223,6 +226,7 @@ def worker(args: argparse.Namespace) -> None:
     result = {
         "method": method,
         "num_speculative_tokens": args.k if spec else 0,
+        **({"draft_sampling": draft_sampling} if spec and "model" in spec else {}),
         "temperature": temperatures[0],
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
@@ -326,7 +330,7 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             temperature: float | Sequence[float] = 0.0, max_new_tokens: int = 256, max_prompts: int | None = None,
             seed: int = 0,
             engine: VllmConfig | None = None, ngram_min: int = 2, ngram_max: int = 4,
-            timeout_s: float | None = None, log_path: Path | None = None,
+            draft_sampling: str = "greedy", timeout_s: float | None = None, log_path: Path | None = None,
             groups: dict[str, list[list[dict[str, str]]]] | None = None) -> dict[str, Any]:
     """Generate with vLLM in a subprocess and return the acceptance figures (and output token ids).
 
@@ -337,6 +341,8 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
             generates the prompts once per temperature; the result's figures are the first one's,
             and ``by_temperature`` holds each one's (figures, counters, output tokens, seconds).
         engine: vLLM engine settings (default: ``VllmConfig()``, GPU values).
+        draft_sampling: how a draft's tokens are drafted at T > 0, ``greedy`` (vLLM's default) or
+            ``probabilistic`` (:func:`~draftsmith.vllm_bridge.spec_config.for_export`); ngram ignores it.
         timeout_s: wall-clock limit of the subprocess (seconds).
         log_path: where the worker's output (vLLM's log) is written and kept; None: a temporary
             file, kept only when the run fails.
@@ -369,7 +375,8 @@ def measure(target: Path, prompts: str, method: str = EXPORT_METHOD, draft: Path
                "--target", str(target), "--method", method, "--prompts", str(prompts), "--k", str(k),
                "--temperature", ",".join(f"{t:g}" for t in temperature_values(temperature)),
                "--max-new-tokens", str(max_new_tokens), "--seed", str(seed),
-               "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max)]
+               "--engine-json", engine.model_dump_json(), "--ngram-min", str(ngram_min), "--ngram-max", str(ngram_max),
+               "--draft-sampling", draft_sampling]
         if draft is not None:
             cmd += ["--draft", str(draft)]
         if max_prompts is not None:

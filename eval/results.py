@@ -70,6 +70,8 @@ class AcceptanceResult(AcceptanceFigures):
 
     method: str | None = Field(None, description="the draft method (a name registered in draftsmith.methods), ngram or none")
     num_speculative_tokens: int | None = Field(None, description="K (0 without speculation)")
+    draft_sampling: Literal["greedy", "probabilistic"] | None = Field(
+        None, description="how the draft drafted at T > 0 (vLLM's draft_sample_method); absent: greedy, or no draft")
     temperature: float | None = None
     max_new_tokens: int | None = Field(None, description="most tokens generated per prompt")
     seed: int | None = Field(None, description="the vLLM engine seed")

@@ -27,12 +27,32 @@ def served_methods() -> tuple[str, ...]:
     return tuple(m for m in registered_methods() if get_method(m).servable)
 
 
-def for_export(spec: DraftMethodSpec, model: str, num_speculative_tokens: int) -> dict[str, Any]:
+DRAFT_SAMPLING = ("greedy", "probabilistic")  # vLLM's draft_sample_method values
+
+
+def for_export(spec: DraftMethodSpec, model: str, num_speculative_tokens: int,
+               draft_sampling: str = "greedy") -> dict[str, Any]:
     """vLLM's ``speculative_config`` serving the export at ``model`` (a directory or Hub id) of
     method ``spec`` with ``num_speculative_tokens`` draft tokens per step: ``method``, ``model``,
-    ``num_speculative_tokens`` and the method's ``vllm_extra`` keys (P-EAGLE: ``parallel_drafting``)."""
-    return {"method": spec.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
-            **dict(spec.vllm_extra)}
+    ``num_speculative_tokens`` and the method's ``vllm_extra`` keys (P-EAGLE: ``parallel_drafting``).
+
+    ``draft_sampling``: at T > 0, ``greedy`` (vLLM's default ``draft_sample_method``) drafts the
+    argmax and verifies it as a one-hot q, so a position is accepted with probability ``p(argmax q)``,
+    at most the target's own ``max p``; ``probabilistic`` samples the draft token from
+    ``q = softmax(logits / T)`` and verifies with the full ``q`` (Leviathan et al. 2023), accepted with
+    probability ``sum min(p, q)``, which reaches 1 as q approaches p. Both are lossless; T = 0 is
+    the same for both. Only a non-default value is written, so the config reads on every release.
+
+    Raises:
+        ValueError: a ``draft_sampling`` outside :data:`DRAFT_SAMPLING`.
+    """
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling {draft_sampling!r}: one of {', '.join(DRAFT_SAMPLING)}")
+    out = {"method": spec.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
+           **dict(spec.vllm_extra)}
+    if draft_sampling != "greedy":
+        out["draft_sample_method"] = draft_sampling
+    return out
 
 
 def ngram(num_speculative_tokens: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from draftsmith.cli.acceptance import build_parser
 from draftsmith.eval.acceptance import DraftMismatchError, draft_method, vllm_speculative_config
 from draftsmith.eval.profile import read_profile
 from draftsmith.methods import get_method
+from draftsmith.vllm_bridge import spec_config
 
 VERIFIER = {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]}
 LAYER = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -188,6 +189,21 @@ def test_worker_starts_vllm_with_the_registrys_speculative_config(tmp_path, fake
     assert r["max_new_tokens"] == 256 and r["seed"] == 0 and r["measured_at"].endswith("+00:00")
     assert r["prompt_tokens"] == {"total": 6, "min": 3, "max": 3, "mean": 3.0}  # 2 prompts of 3 tokens
     assert re.fullmatch(r"[0-9a-f]{64}", r["prompts_sha256"])
+
+
+def test_worker_drafts_probabilistically_when_asked(tmp_path, fake_vllm, prompts):
+    """--draft-sampling probabilistic reaches vLLM's speculative_config as draft_sample_method and the
+    result records it; the default writes no such key (vLLM's own default, greedy)."""
+    draft = export_dir(tmp_path, "peagle")
+    for flag, want in ([], None), (["--draft-sampling", "probabilistic"], "probabilistic"):
+        result = tmp_path / "result.json"
+        args = build_parser().parse_args(["--worker", "--result", str(result), "--target", "t", "--draft", str(draft),
+                                          "--prompts", str(prompts), "--engine-json", "{}", *flag])
+        acceptance.worker(args)
+        assert fake_vllm.created[-1]["speculative_config"].get("draft_sample_method") == want
+        assert json.loads(result.read_text())["draft_sampling"] == (want or "greedy")
+    with pytest.raises(ValueError, match="draft_sampling 'sample'"):
+        spec_config.for_export(get_method("eagle3"), "d", 3, "sample")
 
 
 class FakeWorkerProcess:
