@@ -39,6 +39,7 @@ def int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from ..vllm_bridge.engine import add_vllm_arguments
+    from ..vllm_bridge.spec_config import DRAFT_SAMPLING
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--draft", type=Path, help="the draft's export folder (its speculation_profile.json and "
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: DRAFT/cost_table.json)")
     p.add_argument("--temperature", type=float, help="the served sampling temperature (default: --recipe's "
                    "eval.temperature, else 0)")
+    p.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, help="at T > 0, how the draft drafts (vLLM's "
+                   "draft_sample_method, docs/temperature.md); default: --recipe's eval.draft_sampling, else greedy")
     p.add_argument("--ks", type=int_list, help="K measured and planned (default: 0 to the profile's K)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16], help="batch sizes measured")
     p.add_argument("--max-batch-size", type=int, help="vLLM's max_num_seqs the plan is for (default: the largest "
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         args.target = args.target or recipe.target.name_or_path
     if args.temperature is None:
         args.temperature = float(recipe.eval.temperature) if recipe is not None else 0.0
+    if args.draft_sampling is None:
+        args.draft_sampling = recipe.eval.draft_sampling if recipe is not None else "greedy"
     profile_path = args.profile or args.draft / "speculation_profile.json"
     costs_path = args.costs or (args.draft / "cost_table.json" if args.draft else None)
     out = args.out or args.draft / sp.PLAN_FILE
@@ -156,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             weights = next(iter(sorted(args.draft.glob("*.safetensors"))), None)
             draft_sha = file_sha256(weights) if weights else None
         sp.check_binding(profile, {"temperature": args.temperature, "target": args.target,
-                                   "draft_sha256": draft_sha}, str(profile_path))
+                                   "draft_sha256": draft_sha,
+                                   "draft_sampling": args.draft_sampling if args.method != "ngram" else None},
+                         str(profile_path))
         k_top = profile.num_speculative_tokens
         ks = args.ks or list(range(0, k_top + 1))
         if 0 not in ks:
             ks = [0, *ks]
-        method, spec = vllm_speculative_config(args.method, args.draft, max(max(ks), 1), args.ngram_min, args.ngram_max)
+        method, spec = vllm_speculative_config(args.method, args.draft, max(max(ks), 1), args.ngram_min, args.ngram_max,
+                                               args.draft_sampling)
         fixed = {k: v for k, v in (spec or {}).items() if k != "num_speculative_tokens"}
         installed = vllm_version()
         table = None

@@ -69,7 +69,8 @@ def managed_servers_from_args(args: argparse.Namespace) -> ManagedServers:
                             inplace_swap=args.inplace_swap)
     k = args.k if args.k is not None else (recipe.eval.num_speculative_tokens if recipe else 3)
     log_dir = args.server_logs or args.log.expanduser().resolve().parent / "proxy_servers"
-    return ManagedServers(resolve_target(target_name, trust), options, k, log_dir)
+    return ManagedServers(resolve_target(target_name, trust), options, k, log_dir,
+                          recipe.eval.draft_sampling if recipe else "greedy")
 
 
 def main(argv: list[str] | None = None) -> int:

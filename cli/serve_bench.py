@@ -59,6 +59,7 @@ from ..vllm_bridge.spec_config import served_method
 from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..vllm_bridge.server import ServerOptions
+from ..vllm_bridge.spec_config import DRAFT_SAMPLING
 
 
 def _ints(s: str) -> list[int]:
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="num_speculative_tokens of the compared configurations")
     p.add_argument("--k-sweep", type=_ints, help="K values for the trained draft, e.g. 1,2,3,4 ('' to skip)")
     p.add_argument("--your-concurrency", type=int, help="the concurrency you serve at (K recommendation)")
+    p.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, help="at T > 0, how the draft drafts: greedy "
+                   "(vLLM's default) or probabilistic (docs/temperature.md); default: --recipe's eval.draft_sampling")
     p.add_argument("--temperatures", type=_floats, help="temperature sweep, e.g. 0,0.3,0.7,1.0")
     p.add_argument("--price-per-hour", type=float, help="GPU (or machine) price in $/hour for cost per 1M tokens")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", default=None)
@@ -123,7 +126,8 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
         if check is not None:
             check(args.draft, target)
     plan, configs = None, configurations(args.draft, k, args.draft_model, pick(args.ngram, ev.compare_ngram),
-                                         ev.ngram_prompt_lookup_min, ev.ngram_prompt_lookup_max)
+                                         ev.ngram_prompt_lookup_min, ev.ngram_prompt_lookup_max,
+                                         pick(args.draft_sampling, ev.draft_sampling))
     your_concurrency = pick(args.your_concurrency, serve.your_concurrency or min(levels))
     if args.plan is not None:
         import json

@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--recipe's validation temperatures (its served eval.temperature, then 0), else 0")
     p.add_argument("--recipe", type=Path, help="recipe whose served temperature is simulated (with T=0) when "
                    "--temperatures is not given")
-    p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "sample"],
-                   help="T > 0: greedy drafts (vLLM's EAGLE proposer) or drafts sampled from the draft")
+    p.add_argument("--draft-sampling", default=None, choices=["greedy", "sample", "probabilistic"],
+                   help="T > 0: greedy drafts (vLLM's default draft_sample_method; accepted with p(argmax q)) or "
+                   "drafts sampled from the draft (sample, the same as vLLM's probabilistic; accepted with "
+                   "sum min(p, q)); default: --recipe's eval.draft_sampling, else greedy")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     p.add_argument("--out", type=Path, help="write the metrics as JSON")
     return p
@@ -51,15 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     from ..recipe import RecipeError, load_recipe
 
     args = build_parser().parse_args(argv)
-    temps = args.temperatures
-    if temps is None:
-        try:
-            temps = tuple(load_recipe(args.recipe).validation_temperatures) if args.recipe else (0.0,)
-        except RecipeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    temps, sampling = args.temperatures, args.draft_sampling
     try:
-        out = sim.simulator()(args.draft, args.data, args.k, temps, args.batch_size, args.draft_sampling)
+        recipe = load_recipe(args.recipe) if args.recipe else None
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if temps is None:
+        temps = tuple(recipe.validation_temperatures) if recipe else (0.0,)
+    if sampling is None:
+        sampling = recipe.eval.draft_sampling if recipe else "greedy"
+    sampling = "sample" if sampling == "probabilistic" else sampling  # vLLM's name for it
+    try:
+        out = sim.simulator()(args.draft, args.data, args.k, temps, args.batch_size, sampling)
     except (MethodSetupError, ShardError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

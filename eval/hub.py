@@ -227,7 +227,7 @@ def model_card(cfg: dict[str, Any], repo_id: str, recipe: dict[str, Any] | None 
     card = spec.format.card
     target = _verifier(cfg, recipe) or "TARGET"
     k = card.num_speculative_tokens(cfg) or 3
-    serve_spec = spec_config.for_export(spec, repo_id, k)
+    serve_spec = spec_config.for_export(spec, repo_id, k, ((recipe or {}).get("eval") or {}).get("draft_sampling", "greedy"))
     front: dict[str, Any] = {"base_model": target, "license": card_license or target_license(target) or "other"}
     datasets = hub_datasets(recipe)
     if datasets:

@@ -281,6 +281,7 @@ def build_profile(result: dict[str, Any], target: str | Path, draft: str | Path 
         "concurrency": "every prompt submitted at once, batched by the engine",
         "max_num_seqs": engine.get("max_num_seqs"),
         "temperature": result.get("temperature"),
+        "draft_sampling": result.get("draft_sampling"),
         "max_new_tokens": result.get("max_new_tokens"),
         "seed": result.get("seed"),
         "measured_at": result.get("measured_at"),

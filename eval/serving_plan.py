@@ -263,7 +263,9 @@ def cost_per_million(output_tok_s: float, price_per_hour: float | None) -> float
 def check_binding(profile: SpeculationProfile, served: dict[str, Any], where: str) -> None:
     """Refuse a profile measured at another temperature, target or draft than the one served.
 
-    ``served``: ``{"temperature", "target", "draft_sha256", "method"}`` (a None entry is not checked).
+    ``served``: ``{"temperature", "target", "draft_sha256", "method", "draft_sampling"}`` (a None entry
+    is not checked; ``draft_sampling`` only at T > 0, where it changes what is accepted, and a profile
+    that records none was measured ``greedy``, vLLM's default).
 
     Raises:
         PlanError: one line naming ``where`` and the field that differs.
@@ -274,6 +276,12 @@ def check_binding(profile: SpeculationProfile, served: dict[str, Any], where: st
         raise PlanError(f"{where}: measurement_conditions.temperature is {conditions['temperature']}, the plan serves "
                         f"temperature {t}: measure the profile at the served temperature "
                         f"(draftsmith acceptance --temperature {t})")
+    sampling = served.get("draft_sampling")
+    measured_sampling = conditions.get("draft_sampling") or "greedy"
+    if sampling and t and measured_sampling != sampling:
+        raise PlanError(f"{where}: measurement_conditions.draft_sampling is {measured_sampling}, the plan serves "
+                        f"draft_sampling {sampling} at temperature {t}: measure the profile that way "
+                        f"(draftsmith acceptance --draft-sampling {sampling})")
     target = served.get("target")
     measured_target = (profile.target_model or {}).get("name_or_path")
     if target and measured_target and _model_name(measured_target) != _model_name(target):

@@ -18,9 +18,10 @@ from ..vllm_bridge.server import ServerOptions, ServerStartError, vllm_server
 from ..vllm_bridge.spec_config import served_method
 
 
-def draft_speculative_config(draft: Path, target: Path, k: int) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` serving the exported ``draft`` with ``k`` draft tokens, once
-    the method's check has confirmed that the export fits ``target``.
+def draft_speculative_config(draft: Path, target: Path, k: int, draft_sampling: str = "greedy") -> dict[str, Any]:
+    """vLLM's ``speculative_config`` serving the exported ``draft`` with ``k`` draft tokens (drafting
+    at T > 0 as ``draft_sampling`` says), once the method's check has confirmed that the export fits
+    ``target``.
 
     Raises:
         ValueError: not an export vLLM serves here (:func:`draftsmith.vllm_bridge.spec_config.served_method`).
@@ -29,7 +30,7 @@ def draft_speculative_config(draft: Path, target: Path, k: int) -> dict[str, Any
     spec = served_method(Path(draft))
     if spec.target_check is not None:
         spec.target_check(Path(draft), Path(target))
-    return spec_config.for_export(spec, str(draft), k)
+    return spec_config.for_export(spec, str(draft), k, draft_sampling)
 
 
 @dataclass
@@ -47,8 +48,9 @@ class ManagedServers:
     :func:`draftsmith.vllm_bridge.server.vllm_server` open until :meth:`stop_blocking`.
     """
 
-    def __init__(self, target: Path, options: ServerOptions, k: int, log_dir: Path):
+    def __init__(self, target: Path, options: ServerOptions, k: int, log_dir: Path, draft_sampling: str = "greedy"):
         self.target, self.options, self.k, self.log_dir = Path(target), options, k, Path(log_dir)
+        self.draft_sampling = draft_sampling  # vLLM's draft_sample_method of every server (docs/temperature.md)
         self._servers: dict[str, _Server] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -66,7 +68,7 @@ class ManagedServers:
                 log tail), or the proxy closed while the server was starting.
         """
         k = self.k if k is None else k
-        spec = draft_speculative_config(Path(draft), self.target, k)
+        spec = draft_speculative_config(Path(draft), self.target, k, self.draft_sampling)
         log_path = self.log_dir / f"server-{next(self._numbers)}.log"
         stack = contextlib.ExitStack()
         server = stack.enter_context(vllm_server(self.target, spec, self.options, log_path))
@@ -107,7 +109,7 @@ class ManagedServers:
         k = self.k if k is None else k
         if k != server.info["k"]:
             return None, f"k {k} differs from the running server's {server.info['k']} (set when a server starts)"
-        spec = draft_speculative_config(Path(draft), self.target, k)
+        spec = draft_speculative_config(Path(draft), self.target, k, self.draft_sampling)
         if spec.get("method") != server.info["speculative_config"].get("method"):
             return None, f"the new draft is served as {spec.get('method')}, the running one as another method"
         supported, reason = draft_weight_update_support(base_url)

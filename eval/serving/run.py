@@ -30,13 +30,14 @@ class ServeConfiguration:
 
 
 def configurations(draft: Path | None, k: int, draft_model: Path | None = None, ngram: bool = True,
-                   ngram_min: int = 2, ngram_max: int = 4) -> list[ServeConfiguration]:
-    """Baseline first, then the trained draft, ngram, suffix (when ``arctic_inference`` is
-    importable) and a smaller same-family ``draft_model`` (when given)."""
+                   ngram_min: int = 2, ngram_max: int = 4, draft_sampling: str = "greedy") -> list[ServeConfiguration]:
+    """Baseline first, then the trained draft (drafting at T > 0 as ``draft_sampling`` says,
+    :func:`~draftsmith.vllm_bridge.spec_config.for_export`), ngram, suffix (when ``arctic_inference``
+    is importable) and a smaller same-family ``draft_model`` (when given)."""
     out = [ServeConfiguration("baseline", None)]
     if draft is not None:
         spec = served_method(draft)
-        out.append(ServeConfiguration(spec.name, spec_config.for_export(spec, str(draft), k), k))
+        out.append(ServeConfiguration(spec.name, spec_config.for_export(spec, str(draft), k, draft_sampling), k))
     if ngram:
         out.append(ServeConfiguration("ngram", spec_config.ngram(k, ngram_min, ngram_max), k))
     if importlib.util.find_spec("arctic_inference") is not None:

@@ -74,7 +74,7 @@ def test_a_managed_server_that_dies_is_restarted_and_the_proxy_answers_503_until
 
     monkeypatch.setattr(managed_module, "vllm_server", stub_server)
     monkeypatch.setattr(managed_module, "draft_speculative_config",
-                        lambda draft, target, k: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+                        lambda draft, target, k, *_: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
     servers = ManagedServers(tmp_path / "target", ServerOptions(), 3, tmp_path / "servers")
     first = servers.start_blocking(tmp_path / "draft")
 

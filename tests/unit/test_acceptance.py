@@ -206,6 +206,16 @@ def test_worker_drafts_probabilistically_when_asked(tmp_path, fake_vllm, prompts
         spec_config.for_export(get_method("eagle3"), "d", 3, "sample")
 
 
+def test_serve_bench_serves_the_draft_with_its_draft_sampling_and_ngram_without(tmp_path):
+    from draftsmith.eval.serving.run import configurations
+
+    draft = export_dir(tmp_path, "peagle")
+    configs = {c.name: c.spec for c in configurations(draft, 3, ngram=True, draft_sampling="probabilistic")}
+    assert configs["peagle"]["draft_sample_method"] == "probabilistic"
+    assert "draft_sample_method" not in configs["ngram"] and configs["baseline"] is None
+    assert "draft_sample_method" not in {c.name: c.spec for c in configurations(draft, 3)}["peagle"]
+
+
 class FakeWorkerProcess:
     """Stands in for the worker subprocess ``measure`` starts: records its command line and writes
     the result file that worker would."""

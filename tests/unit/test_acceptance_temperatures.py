@@ -169,6 +169,30 @@ def test_simulate_measures_the_recipes_served_temperature_and_t0(tmp_path, monke
     assert seen == [want]
 
 
+@pytest.mark.parametrize("recipe_text, argv, want", [
+    ("name: t\n", [], "greedy"),
+    ("name: t\neval: {temperature: 1.0, draft_sampling: probabilistic}\n", ["--recipe", "RECIPE"], "sample"),
+    ("name: t\neval: {draft_sampling: probabilistic}\n", ["--recipe", "RECIPE", "--draft-sampling", "greedy"], "greedy"),
+    ("name: t\n", ["--draft-sampling", "probabilistic"], "sample"),  # vLLM's name for drafts sampled from q
+])
+def test_simulate_drafts_as_the_recipe_serves(tmp_path, monkeypatch, recipe_text, argv, want):
+    from draftsmith.cli import simulate as simulate_cli
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_text)
+    seen = []
+
+    def fake_simulate(draft, data, k, temps, batch_size, draft_sampling):
+        seen.append(draft_sampling)
+        return {"val_sim_al": 1.5, **{f"val_sim_rate_{i}": 0.1 for i in range(k)}, "num_sequences": 1,
+                "val_chains": 1.0, **{f"val_sim_al_t{t:g}": 1.2 for t in temps if t}}
+
+    monkeypatch.setattr("draftsmith.eval.simulate.simulator", lambda: fake_simulate)
+    argv = [str(recipe) if a == "RECIPE" else a for a in argv]
+    assert simulate_cli.main(["--draft", str(tmp_path), "--data", str(tmp_path), *argv]) == 0
+    assert seen == [want]
+
+
 @pytest.mark.parametrize("sets, want", [
     ([], [0.0]),
     (["eval.temperature=1.0"], [1.0, 0.0]),  # validation simulates the served temperature first, then greedy

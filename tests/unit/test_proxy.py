@@ -566,7 +566,7 @@ def test_managed_draft_swap_starts_the_new_server_then_stops_the_old_one_and_a_f
 
     monkeypatch.setattr(managed_module, "vllm_server", fake_vllm_server)
     monkeypatch.setattr(managed_module, "draft_speculative_config",
-                        lambda draft, target, k: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+                        lambda draft, target, k, *_: {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
 
     async def scenario():
         async with upstreams("A", "B") as (a, b):

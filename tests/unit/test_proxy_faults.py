@@ -215,7 +215,7 @@ def test_a_swap_to_a_folder_that_is_not_an_export_and_a_swap_during_a_swap_get_j
                 async with client.post(purl + "/draftsmith/swap", json={"draft": str(tmp_path / "not-an-export")}) as r:
                     not_export = r.status, await r.json()
                 monkeypatch.setattr(managed_module, "draft_speculative_config",
-                                    lambda d, t, k: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+                                    lambda d, t, k, *_: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
                 monkeypatch.setattr(ManagedServers, "start", slow_start)
                 first = asyncio.ensure_future(client.post(purl + "/draftsmith/swap", json={"draft": "d1"}))
                 await asyncio.sleep(0.3)
@@ -260,7 +260,7 @@ def test_a_draft_swap_updates_the_running_server_in_place_when_vllm_can_else_sta
     urls: list[str] = []
     monkeypatch.setattr(managed_module, "vllm_server", fake_server)
     monkeypatch.setattr(managed_module, "draft_speculative_config",
-                        lambda d, t, k: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+                        lambda d, t, k, *_: {"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
     monkeypatch.setattr(weight_update, "draft_weight_update_support",
                         lambda url: (supported, "" if supported else "vLLM says no: supports_draft_weight_updates False"))
     monkeypatch.setattr(weight_update, "update_draft_weights",

@@ -97,6 +97,16 @@ def test_a_draft_that_never_pays_plans_no_speculation():
     assert plan["schedule"] == [[1, 16, 0]] and plan["vllm"]["speculative_config"] is None
 
 
+def test_a_profile_drafted_another_way_at_t_above_0_is_refused_naming_the_field():
+    t1 = profile([0.3, 0.1, 0.05], temperature=1.0)  # records no draft_sampling: measured greedy
+    with pytest.raises(sp.PlanError, match=r"^p: measurement_conditions\.draft_sampling is greedy, the plan serves "
+                                           r"draft_sampling probabilistic at temperature 1\.0"):
+        sp.check_binding(t1, {"temperature": 1.0, "draft_sampling": "probabilistic"}, "p")
+    sp.check_binding(t1, {"temperature": 1.0, "draft_sampling": "greedy"}, "p")
+    # at T=0 greedy requests never read the draft's probabilities: either profile serves
+    sp.check_binding(profile([0.6]), {"temperature": 0.0, "draft_sampling": "probabilistic"}, "p")
+
+
 def test_cost_per_million_tokens():
     assert sp.cost_per_million(1000.0, 3.6) == pytest.approx(1.0)
     assert sp.cost_per_million(1000.0, None) is None
