@@ -146,6 +146,20 @@ def test_a_recipe_served_at_t1_is_measured_at_t1_and_t0(tmp_path, monkeypatch, c
     assert read_profile(draft / "speculation_profile.json").measurement_conditions["temperature"] == 1.0
 
 
+def fake_simulator(monkeypatch, record):
+    """Stands in for ``draftsmith simulate``'s simulator; returns the list of ``record(temps,
+    draft_sampling)`` of each call."""
+    seen = []
+
+    def fake_simulate(draft, data, k, temps, batch_size, draft_sampling):
+        seen.append(record(temps, draft_sampling))
+        return {"val_sim_al": 1.5, **{f"val_sim_rate_{i}": 0.1 for i in range(k)}, "num_sequences": 1,
+                "val_chains": 1.0, **{f"val_sim_al_t{t:g}": 1.2 for t in temps if t}}
+
+    monkeypatch.setattr("draftsmith.eval.simulate.simulator", lambda: fake_simulate)
+    return seen
+
+
 @pytest.mark.parametrize("argv, want", [
     ([], (0.0,)),
     (["--recipe", "RECIPE"], (1.0, 0.0)),  # the served temperature first, then greedy
@@ -156,14 +170,7 @@ def test_simulate_measures_the_recipes_served_temperature_and_t0(tmp_path, monke
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("name: t\neval: {temperature: 1.0}\n")
-    seen = []
-
-    def fake_simulate(draft, data, k, temps, batch_size, draft_sampling):
-        seen.append(temps)
-        return {"val_sim_al": 1.5, **{f"val_sim_rate_{i}": 0.1 for i in range(k)}, "num_sequences": 1,
-                "val_chains": 1.0, **{f"val_sim_al_t{t:g}": 1.2 for t in temps if t}}
-
-    monkeypatch.setattr("draftsmith.eval.simulate.simulator", lambda: fake_simulate)
+    seen = fake_simulator(monkeypatch, lambda temps, draft_sampling: temps)
     argv = [str(recipe) if a == "RECIPE" else a for a in argv]
     assert simulate_cli.main(["--draft", str(tmp_path), "--data", str(tmp_path), *argv]) == 0
     assert seen == [want]
@@ -180,14 +187,7 @@ def test_simulate_drafts_as_the_recipe_serves(tmp_path, monkeypatch, recipe_text
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text)
-    seen = []
-
-    def fake_simulate(draft, data, k, temps, batch_size, draft_sampling):
-        seen.append(draft_sampling)
-        return {"val_sim_al": 1.5, **{f"val_sim_rate_{i}": 0.1 for i in range(k)}, "num_sequences": 1,
-                "val_chains": 1.0, **{f"val_sim_al_t{t:g}": 1.2 for t in temps if t}}
-
-    monkeypatch.setattr("draftsmith.eval.simulate.simulator", lambda: fake_simulate)
+    seen = fake_simulator(monkeypatch, lambda temps, draft_sampling: draft_sampling)
     argv = [str(recipe) if a == "RECIPE" else a for a in argv]
     assert simulate_cli.main(["--draft", str(tmp_path), "--data", str(tmp_path), *argv]) == 0
     assert seen == [want]
