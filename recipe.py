@@ -272,9 +272,10 @@ class TrainConfig(_Strict):
         None, min_length=1, description="Temperatures of the simulated acceptance length (0: greedy verification; "
         "T > 0: expected acceptance sum min(p_T, q)); the first one picks checkpoints/best and is the served "
         "temperature of draft.accept_weighting: soft. null: the served eval.temperature, then 0 when it is above 0.")
-    eval_draft_sampling: Literal["greedy", "sample"] = Field(
-        "greedy", description="Simulated drafts at T > 0: greedy (vLLM's EAGLE proposer drafts the argmax) or sampled "
-        "from the draft's own distribution.")
+    eval_draft_sampling: Literal["greedy", "sample"] | None = Field(
+        None, description="Simulated drafts at T > 0: greedy (vLLM's default draft_sample_method: the argmax, accepted "
+        "with p(argmax q)) or sampled from the draft's own distribution (vLLM's probabilistic: sum min(p, q)). "
+        "null: as eval.draft_sampling serves the draft.")
     eval_max_sequences: int | None = Field(
         None, ge=1, description="Validate on at most this many held-out sequences (the same ones each time); null: all.")
     best_metric: Literal["val_sim_al", "val_loss"] | None = Field(
@@ -456,6 +457,14 @@ class Recipe(_Strict):
             return [float(t) for t in self.train.eval_temperatures]
         served = float(self.eval.temperature)
         return [served, 0.0] if served else [0.0]
+
+    @property
+    def validation_draft_sampling(self) -> str:
+        """How validation's simulated drafts draft at T > 0 (``greedy`` or ``sample``):
+        ``train.eval_draft_sampling``, else what ``eval.draft_sampling`` serves."""
+        if self.train.eval_draft_sampling:
+            return self.train.eval_draft_sampling
+        return "sample" if self.eval.draft_sampling == "probabilistic" else "greedy"
 
     @model_validator(mode="after")
     def _packing_fits(self) -> "Recipe":

@@ -211,7 +211,7 @@ class Eagle3Method(DraftVocabMethod):
             if k < K_chain:  # the target's distribution of x_{t+k+2} is its row at t + k + 1
                 parts = [chain_alphas(logits_fn(h[s:s + rows]), full_vocab_logits(final_rows[index[k][s:s + rows] + k + 1],
                                                                                   lm_head),
-                                      d2t, temperatures, self.recipe.train.eval_draft_sampling)
+                                      d2t, temperatures, self.recipe.validation_draft_sampling)
                          for s in range(0, counts[k], rows)]
                 out["alphas"] = {t: torch.cat([p[t] for p in parts]) if parts else h.new_zeros(0) for t in temperatures}
             return out

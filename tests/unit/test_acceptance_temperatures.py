@@ -207,6 +207,17 @@ def test_validation_and_the_soft_mask_follow_the_served_temperature(sets, want):
     assert AcceptSpec.from_recipe(recipe).temperature == want[0]
 
 
+@pytest.mark.parametrize("sets, want", [
+    ([], "greedy"),
+    (["eval.draft_sampling=probabilistic"], "sample"),  # validation simulates the draft as it is served
+    (["eval.draft_sampling=probabilistic", "train.eval_draft_sampling=greedy"], "greedy"),  # the train key wins
+])
+def test_validation_simulates_the_served_draft_sampling(sets, want):
+    from draftsmith.recipe import load_recipe
+
+    assert load_recipe(None, sets).validation_draft_sampling == want
+
+
 def test_the_gpt_oss_recipes_are_measured_at_t1_and_t0():
     from draftsmith.recipe import load_recipe
     from draftsmith.resources import shipped_recipe_names
