@@ -138,7 +138,8 @@ def _decoder(recipe: Recipe, run_dir: Path, draft: Path, device: str | None) -> 
                                    device=dev)
     proposer = load_draft(draft, model)
     proposer.model.to(model.device, dtype)
-    proposer.draft_sampling = "greedy"  # vLLM's default draft_sample_method
+    # the draft proposes as it is served (eval.draft_sampling; vLLM's draft_sample_method, docs/temperature.md)
+    proposer.draft_sampling = recipe.eval.draft_sampling
     return Target(model, proposer.aux_layer_ids), proposer, stop_token_ids(model, tokenizer), model.device
 
 
