@@ -19,7 +19,8 @@ installed vLLM serves); ``ngram``; ``suffix`` when ``arctic_inference`` is impor
    command fails, docs/cpu_lab.md) in its own process group, and waits for ``/health``;
 2. per concurrency level, runs vLLM's own serving benchmark (``vllm.benchmarks.serve``,
    ``--backend openai-chat --dataset-name custom``) in a subprocess on that level's prompt
-   set (levels never share a prompt), diffing the server's Prometheus spec-decode counters
+   set (levels never share a prompt; ``--load-generator guidellm``: GuideLLM's CLI instead,
+   :mod:`draftsmith.eval.serving.guidellm`), diffing the server's Prometheus spec-decode counters
    (``/metrics``) before and after the level;
 3. stops the server: SIGTERM to its process group, SIGKILL after a grace period, also on
    Ctrl-C, SIGTERM or any error.
@@ -54,12 +55,16 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.serving.client import bench_worker, load_prompt_texts, split_prompts
+from ..eval.serving.guidellm import ENV_VAR as GUIDELLM_ENV, GuideLLMError, find_guidellm
 from ..eval.serving.run import ServeConfiguration, Study, configurations, run_study
 from ..vllm_bridge.spec_config import served_method
 from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..vllm_bridge.server import ServerOptions
 from ..vllm_bridge.spec_config import DRAFT_SAMPLING
+
+
+LOAD_GENERATORS = ("draftsmith", "guidellm")
 
 
 def _ints(s: str) -> list[int]:
@@ -93,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", type=Path, help="serving_plan.json (draftsmith plan): serve it as configuration 'plan' "
                    "beside the baseline and every fixed K of --k-sweep at every level, and report predicted against "
                    "measured (results.json plan_check)")
+    p.add_argument("--load-generator", choices=LOAD_GENERATORS, help="what sends each level's requests: draftsmith "
+                   "(vLLM's serving benchmark in a subprocess) or guidellm (GuideLLM's CLI, installed in its own venv: "
+                   "docs/measuring.md); default: --recipe's eval.serve.load_generator, else draftsmith")
+    p.add_argument("--guidellm", help=f"the guidellm executable for --load-generator guidellm (else ${GUIDELLM_ENV}, "
+                   "else guidellm on PATH)")
     p.add_argument("--out-dir", type=Path, required=True)
     add_vllm_arguments(p)
     return p
@@ -104,6 +114,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
     Raises:
         ValueError / RecipeError / FileNotFoundError: bad prompt file, too few prompts, a bad recipe,
             an unknown target or a draft vLLM cannot serve.
+        GuideLLMError: ``--load-generator guidellm`` and no working guidellm (one line).
     """
     from ..target import resolve_target
     from ..recipe import EvalConfig, load_recipe
@@ -112,6 +123,10 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
     ev = recipe.eval if recipe else EvalConfig()
     serve = ev.serve
     pick = lambda cli, default: default if cli is None else cli  # noqa: E731
+    load_generator = pick(args.load_generator, serve.load_generator)
+    if args.guidellm and load_generator != "guidellm":
+        raise ValueError("--guidellm names the executable of --load-generator guidellm; add that flag")
+    guidellm = find_guidellm(args.guidellm) if load_generator == "guidellm" else None  # before any slow step
     target_name = pick(args.target, recipe.target.name_or_path if recipe else None)
     if target_name is None:
         raise ValueError("name a target with --target or --recipe")
@@ -146,7 +161,7 @@ def study_from_args(args: argparse.Namespace, argv: list[str]) -> Study:
     engine = engine.model_copy(update={"max_num_seqs": max(engine.max_num_seqs, max(levels))})
     return Study(
         target=target, out_dir=args.out_dir, prompt_sets=prompt_sets,
-        configs=configs, plan=plan,
+        configs=configs, plan=plan, guidellm=guidellm,
         max_new_tokens=pick(args.max_new_tokens, serve.max_new_tokens),
         k_sweep=pick(args.k_sweep, serve.k_sweep), your_concurrency=your_concurrency,
         temperatures=pick(args.temperatures, serve.temperatures), price_per_hour=pick(args.price_per_hour, serve.price_per_hour),
@@ -176,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         study = study_from_args(args, argv)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, GuideLLMError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -215,6 +215,7 @@ def render_markdown(results: ServeResults, plots: list[str]) -> str:
             f"between levels), up to {meta.max_new_tokens} output tokens each, temperature 0",
             f"- engine: {meta.vllm_version}, dtype {meta.dtype}, "
             f"{'eager (--enforce-eager, no torch.compile / graphs)' if meta.enforce_eager else 'compiled'}",
+            f"- load generator: {meta.load_generator or 'vllm bench serve'}",
             f"- price: {'$' + format(price, '.2f') + '/hour' if price else 'not given (no cost figures)'}",
             f"- command: `{meta.command}`", ""]
     answer = _answer(results)

@@ -138,7 +138,8 @@ class LevelResult(_Result):
     acceptance: AcceptanceFigures | None = Field(None, description="absent without speculation")
     concurrency: int | None = None
     temperature: float | None = None
-    raw: str | None = Field(None, description="vLLM's benchmark result, relative to the run directory")
+    raw: str | None = Field(None, description="the load generator's result, relative to the run directory")
+    load_generator: str | None = Field(None, description="what sent the requests: vllm bench serve or guidellm <version>")
     outputs_equal_baseline: float | None = Field(None, description="share of requests with the baseline's text")
     error: str | None = None
 
@@ -223,6 +224,7 @@ class ServeMeta(BaseModel):
     prompts: str | None = None
     command: str | None = None
     vllm_version: str | None = None
+    load_generator: str | None = Field(None, description="vllm bench serve or guidellm <version> (serve-bench --load-generator)")
 
 
 class ServeResults(_Result):

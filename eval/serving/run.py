@@ -14,6 +14,7 @@ from typing import Any
 
 from ..results import ServeResults
 from .client import bench_args, run_bench, write_custom_dataset
+from . import guidellm as gl
 from .metrics import diff_counters, level_metrics, recommend_k, summarise_config
 from .metrics import fetch_spec_counters
 from ...vllm_bridge import spec_config
@@ -64,6 +65,12 @@ class Study:
     bench_timeout_s: float = 3600.0
     meta: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # serve-bench --plan: serving_plan.json, checked against what is measured
+    guidellm: gl.GuideLLM | None = None  # serve-bench --load-generator guidellm: it drives each level, not vLLM's bench
+
+    @property
+    def load_generator(self) -> str:
+        """What sent the requests: ``"vllm bench serve"`` or ``"guidellm <version>"``."""
+        return self.guidellm.name if self.guidellm else "vllm bench serve"
 
 
 def _measure_level(study: Study, server: dict[str, Any], cfg_name: str, concurrency: int, temperature: float,
@@ -74,13 +81,26 @@ def _measure_level(study: Study, server: dict[str, Any], cfg_name: str, concurre
     raw_dir = study.out_dir / "raw" / cfg_name
     raw_dir.mkdir(parents=True, exist_ok=True)
     before = fetch_spec_counters(server["base_url"])
-    bench = run_bench(bench_args(server["port"], str(study.target), dataset, len(prompts), concurrency,
-                                 study.max_new_tokens, temperature, raw_dir, f"{tag}.json"),
-                      raw_dir / f"{tag}.json", study.out_dir / "logs" / f"{cfg_name}_{tag}_bench.log",
-                      study.bench_timeout_s)
+    if study.guidellm is None:
+        raw = raw_dir / f"{tag}.json"
+        bench = run_bench(bench_args(server["port"], str(study.target), dataset, len(prompts), concurrency,
+                                     study.max_new_tokens, temperature, raw_dir, raw.name),
+                          raw, study.out_dir / "logs" / f"{cfg_name}_{tag}_bench.log", study.bench_timeout_s)
+    else:
+        raw = raw_dir / f"{tag}_guidellm.json"
+        data = gl.write_prompts(prompts, study.out_dir / "prompts" / f"level_{concurrency}_guidellm.jsonl")
+        spec = gl.scenario(server["port"], str(study.target), data, len(prompts), concurrency, study.max_new_tokens,
+                           temperature, raw)
+        report = gl.run_guidellm(study.guidellm, spec, raw_dir / f"{tag}_guidellm_scenario.json",
+                                 study.out_dir / "logs" / f"{cfg_name}_{tag}_guidellm.log", study.bench_timeout_s)
+        try:
+            bench = gl.bench_result(report, prompts)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError(f"{raw}: not a GuideLLM report this parser reads ({type(exc).__name__}: {exc})") from None
     counters = diff_counters(before, fetch_spec_counters(server["base_url"]))
     out = level_metrics(bench, counters, k)
-    out.update(concurrency=concurrency, temperature=temperature, raw=str((raw_dir / f"{tag}.json").relative_to(study.out_dir)))
+    out.update(concurrency=concurrency, temperature=temperature, raw=str(raw.relative_to(study.out_dir)),
+               load_generator=study.load_generator)
     out["_texts"] = bench.get("generated_texts")
     return out
 
@@ -159,7 +179,7 @@ def run_study(study: Study) -> ServeResults:
                  "max_new_tokens": study.max_new_tokens, "price_per_hour": study.price_per_hour,
                  "your_concurrency": study.your_concurrency, "enforce_eager": study.server.engine.enforce_eager,
                  "dtype": study.server.engine.dtype, "engine": study.server.engine.model_dump(mode="json"),
-                 "target": str(study.target)},
+                 "target": str(study.target), "load_generator": study.load_generator},
         "configs": {}, "k_sweep": None, "temperature_sweep": None,
     }
     draft_cfg = swept_configuration(study)
