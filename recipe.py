@@ -383,8 +383,8 @@ class ServeConfig(_Strict):
     temperatures: list[float] = Field([0.0, 0.3, 0.7, 1.0], description="Temperature sweep of acceptance length.")
     price_per_hour: float | None = Field(None, gt=0, description="GPU-hour price in dollars, for cost per 1M output tokens.")
     startup_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for the server's /health.")
-    load_generator: Literal["draftsmith", "guidellm"] = Field(
-        "draftsmith", description="What sends the requests: draftsmith (vLLM's serving benchmark) or guidellm "
+    load_generator: Literal["vllm", "guidellm"] = Field(
+        "vllm", description="What sends the requests: vllm (vLLM's serving benchmark) or guidellm "
         "(GuideLLM in its own venv: --guidellm PATH, $DRAFTSMITH_GUIDELLM or PATH; docs/measuring.md).")
 
     @field_validator("concurrency", "k_sweep")

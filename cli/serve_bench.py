@@ -64,7 +64,7 @@ from ..vllm_bridge.server import ServerOptions
 from ..vllm_bridge.spec_config import DRAFT_SAMPLING
 
 
-LOAD_GENERATORS = ("draftsmith", "guidellm")
+LOAD_GENERATORS = ("vllm", "guidellm")
 
 
 def _ints(s: str) -> list[int]:
@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", type=Path, help="serving_plan.json (draftsmith plan): serve it as configuration 'plan' "
                    "beside the baseline and every fixed K of --k-sweep at every level, and report predicted against "
                    "measured (results.json plan_check)")
-    p.add_argument("--load-generator", choices=LOAD_GENERATORS, help="what sends each level's requests: draftsmith "
+    p.add_argument("--load-generator", choices=LOAD_GENERATORS, help="what sends each level's requests: vllm "
                    "(vLLM's serving benchmark in a subprocess) or guidellm (GuideLLM's CLI, installed in its own venv: "
-                   "docs/measuring.md); default: --recipe's eval.serve.load_generator, else draftsmith")
+                   "docs/measuring.md); default: --recipe's eval.serve.load_generator, else vllm")
     p.add_argument("--guidellm", help=f"the guidellm executable for --load-generator guidellm (else ${GUIDELLM_ENV}, "
                    "else guidellm on PATH)")
     p.add_argument("--out-dir", type=Path, required=True)

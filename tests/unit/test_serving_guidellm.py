@@ -151,7 +151,7 @@ def test_a_run_returns_the_report_and_a_failed_run_is_one_line_with_the_log(tmp_
 def test_recipe_key_and_flag_choose_the_load_generator(tmp_path):
     from draftsmith.recipe import ServeConfig
 
-    assert ServeConfig().load_generator == "draftsmith"
+    assert ServeConfig().load_generator == "vllm"
     assert ServeConfig(load_generator="guidellm").load_generator == "guidellm"
     with pytest.raises(ValueError):
         ServeConfig(load_generator="locust")
