@@ -28,6 +28,11 @@ def served_methods() -> tuple[str, ...]:
 
 
 DRAFT_SAMPLING = ("greedy", "probabilistic")  # vLLM's draft_sample_method values
+# vLLM methods whose proposer (vllm/v1/spec_decode/llm_base_proposer.py: EAGLE, EAGLE-3, MTP, DFlash,
+# draft_model) reads draft_sample_method and hands its probabilities to the rejection sampler; the
+# others (Medusa, the MLP speculator, DSpark's V2-runner proposer) always draft greedily and would
+# ignore the key without a word
+PROBABILISTIC_METHODS = ("eagle", "eagle3", "mtp", "dflash", "draft_model")
 
 
 def for_export(spec: DraftMethodSpec, model: str, num_speculative_tokens: int,
@@ -44,10 +49,14 @@ def for_export(spec: DraftMethodSpec, model: str, num_speculative_tokens: int,
     the same for both. Only a non-default value is written, so the config reads on every release.
 
     Raises:
-        ValueError: a ``draft_sampling`` outside :data:`DRAFT_SAMPLING`.
+        ValueError: a ``draft_sampling`` outside :data:`DRAFT_SAMPLING`; ``probabilistic`` for a method
+            whose vLLM proposer drafts greedily only (not in :data:`PROBABILISTIC_METHODS`).
     """
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling {draft_sampling!r}: one of {', '.join(DRAFT_SAMPLING)}")
+    if draft_sampling == "probabilistic" and spec.vllm_method not in PROBABILISTIC_METHODS:
+        raise ValueError(f"draft_sampling probabilistic: vLLM's {spec.vllm_method} proposer drafts greedily only "
+                         f"(probabilistic drafts: {', '.join(PROBABILISTIC_METHODS)}); serve {spec.name} with greedy")
     out = {"method": spec.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens,
            **dict(spec.vllm_extra)}
     if draft_sampling != "greedy":

@@ -204,6 +204,8 @@ def test_worker_drafts_probabilistically_when_asked(tmp_path, fake_vllm, prompts
         assert json.loads(result.read_text())["draft_sampling"] == (want or "greedy")
     with pytest.raises(ValueError, match="draft_sampling 'sample'"):
         spec_config.for_export(get_method("eagle3"), "d", 3, "sample")
+    with pytest.raises(ValueError, match="vLLM's medusa proposer drafts greedily only"):
+        spec_config.for_export(get_method("medusa"), "d", 3, "probabilistic")
 
 
 def test_serve_bench_serves_the_draft_with_its_draft_sampling_and_ngram_without(tmp_path):
