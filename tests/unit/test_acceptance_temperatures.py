@@ -16,6 +16,7 @@ import pytest
 from draftsmith.cli import acceptance as acceptance_cli
 from draftsmith.cli.acceptance import build_parser, served_temperatures
 from draftsmith.eval import acceptance
+from draftsmith.vllm_bridge import spec_config
 from draftsmith.eval.profile import read_profile
 from draftsmith.eval.results import read_acceptance
 
@@ -225,3 +226,21 @@ def test_the_gpt_oss_recipes_are_measured_at_t1_and_t0():
     for name in shipped_recipe_names():
         if name.startswith("gptoss"):
             assert load_recipe(name).validation_temperatures == [1.0, 0.0], name
+
+
+def test_the_recipes_served_at_t1_draft_probabilistically_where_vllm_can():
+    """Every shipped recipe served at T > 0 whose method's vLLM proposer reads draft_sample_method
+    drafts probabilistically (docs/temperature.md); the others stay greedy, and each recipe's setting
+    builds a speculative config."""
+    from draftsmith.methods import get_method
+    from draftsmith.recipe import load_recipe
+    from draftsmith.resources import shipped_recipe_names
+
+    for name in shipped_recipe_names():
+        recipe = load_recipe(name)
+        spec = get_method(recipe.draft.method)
+        if not spec.servable:
+            continue
+        spec_config.for_export(spec, "d", 3, recipe.eval.draft_sampling)  # raises where vLLM cannot
+        if recipe.eval.temperature > 0 and spec.vllm_method in spec_config.PROBABILISTIC_METHODS:
+            assert recipe.eval.draft_sampling == "probabilistic", name
