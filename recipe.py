@@ -357,6 +357,12 @@ class VllmConfig(_Strict):
         return v
 
 
+def simulated_draft_sampling(served: str) -> str:
+    """The simulation's name (``greedy`` or ``sample``) of a served ``draft_sampling``: vLLM's
+    ``probabilistic`` is ``sample`` there; ``greedy`` and ``sample`` are returned as they are."""
+    return "sample" if served == "probabilistic" else served
+
+
 def engine_key(key: str) -> str:
     return key.replace("-", "_").lstrip("_")
 
@@ -465,9 +471,7 @@ class Recipe(_Strict):
     def validation_draft_sampling(self) -> str:
         """How validation's simulated drafts draft at T > 0 (``greedy`` or ``sample``):
         ``train.eval_draft_sampling``, else what ``eval.draft_sampling`` serves."""
-        if self.train.eval_draft_sampling:
-            return self.train.eval_draft_sampling
-        return "sample" if self.eval.draft_sampling == "probabilistic" else "greedy"
+        return self.train.eval_draft_sampling or simulated_draft_sampling(self.eval.draft_sampling)
 
     @model_validator(mode="after")
     def _packing_fits(self) -> "Recipe":

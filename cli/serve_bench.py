@@ -57,11 +57,10 @@ from typing import Any
 from ..eval.serving.client import bench_worker, load_prompt_texts, split_prompts
 from ..eval.serving.guidellm import ENV_VAR as GUIDELLM_ENV, GuideLLMError, find_guidellm
 from ..eval.serving.run import ServeConfiguration, Study, configurations, run_study
-from ..vllm_bridge.spec_config import served_method
+from ..vllm_bridge.spec_config import DRAFT_SAMPLING, served_method
 from ..runtime import HelpFormatter
 from ..vllm_bridge.engine import add_vllm_arguments, vllm_config_from_args
 from ..vllm_bridge.server import ServerOptions
-from ..vllm_bridge.spec_config import DRAFT_SAMPLING
 
 
 LOAD_GENERATORS = ("vllm", "guidellm")

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..fileio import ShardError
     from ..train.method_base import MethodSetupError
 
-    from ..recipe import RecipeError, load_recipe
+    from ..recipe import RecipeError, load_recipe, simulated_draft_sampling
 
     args = build_parser().parse_args(argv)
     temps, sampling = args.temperatures, args.draft_sampling
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         temps = tuple(recipe.validation_temperatures) if recipe else (0.0,)
     if sampling is None:
         sampling = recipe.eval.draft_sampling if recipe else "greedy"
-    sampling = "sample" if sampling == "probabilistic" else sampling  # vLLM's name for it
+    sampling = simulated_draft_sampling(sampling)
     try:
         out = sim.simulator()(args.draft, args.data, args.k, temps, args.batch_size, sampling)
     except (MethodSetupError, ShardError, FileNotFoundError) as exc:

@@ -226,7 +226,7 @@ def worker(args: argparse.Namespace) -> None:
     result = {
         "method": method,
         "num_speculative_tokens": args.k if spec else 0,
-        **({"draft_sampling": draft_sampling} if spec and "model" in spec else {}),
+        **({"draft_sampling": draft_sampling} if method not in NO_DRAFT_METHODS else {}),
         "temperature": temperatures[0],
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,

@@ -47,12 +47,16 @@ def split_prompts(prompts: list[str], levels: list[int], per_level: int, source:
     return {c: prompts[i * per_level:(i + 1) * per_level] for i, c in enumerate(levels)}
 
 
-def write_custom_dataset(prompts: list[str], path: Path, output_tokens: int) -> Path:
-    """The JSONL vLLM's ``--dataset-name custom`` reads: ``{"prompt": str, "output_tokens": int}`` per line."""
+def write_custom_dataset(prompts: list[str], path: Path, output_tokens: int | None) -> Path:
+    """The JSONL vLLM's ``--dataset-name custom`` reads: ``{"prompt": str, "output_tokens": int}`` per line.
+    ``output_tokens`` None: ``{"prompt": str}`` only, what GuideLLM's ``json_file`` data reads (its column
+    mapper takes ``prompt`` as the text; with no token-count column the request length comes from
+    ``max_tokens`` and generation may stop at EOS, as in vLLM's benchmark)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {} if output_tokens is None else {"output_tokens": output_tokens}
     with path.open("w", encoding="utf-8") as fh:
         for p in prompts:
-            fh.write(json.dumps({"prompt": p, "output_tokens": output_tokens}) + "\n")
+            fh.write(json.dumps({"prompt": p, **extra}) + "\n")
     return path
 
 

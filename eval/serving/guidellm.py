@@ -98,17 +98,6 @@ def _child_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
-def write_prompts(prompts: list[str], path: Path) -> Path:
-    """The JSONL GuideLLM's ``json_file`` data reads: ``{"prompt": str}`` per line (its column
-    mapper takes ``prompt`` as the text column; no token-count column, so the request length
-    comes from ``max_tokens`` and generation may stop at EOS, as in vLLM's benchmark)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for p in prompts:
-            fh.write(json.dumps({"prompt": p}) + "\n")
-    return path
-
-
 def scenario(port: int, model: str, data: Path, num_requests: int, concurrency: int, max_tokens: int,
              temperature: float, report: Path, tokenizer: str | None = None) -> dict[str, Any]:
     """GuideLLM 0.8.1's scenario (the ``spec`` of ``guidellm run --scenario FILE``) for one level:

@@ -73,10 +73,15 @@ class Study:
         return self.guidellm.name if self.guidellm else "vllm bench serve"
 
 
+def level_dataset(study: Study, concurrency: int) -> Path:
+    """The prompt file of one level (:func:`run_study` writes it): vLLM's benchmark's, or GuideLLM's."""
+    return study.out_dir / "prompts" / f"level_{concurrency}{'_guidellm' if study.guidellm else ''}.jsonl"
+
+
 def _measure_level(study: Study, server: dict[str, Any], cfg_name: str, concurrency: int, temperature: float,
                    k: int) -> dict[str, Any]:
     prompts = study.prompt_sets[concurrency]
-    dataset = study.out_dir / "prompts" / f"level_{concurrency}.jsonl"
+    dataset = level_dataset(study, concurrency)
     tag = f"c{concurrency}" + (f"_t{temperature:g}" if temperature else "")
     raw_dir = study.out_dir / "raw" / cfg_name
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -88,8 +93,7 @@ def _measure_level(study: Study, server: dict[str, Any], cfg_name: str, concurre
                           raw, study.out_dir / "logs" / f"{cfg_name}_{tag}_bench.log", study.bench_timeout_s)
     else:
         raw = raw_dir / f"{tag}_guidellm.json"
-        data = gl.write_prompts(prompts, study.out_dir / "prompts" / f"level_{concurrency}_guidellm.jsonl")
-        spec = gl.scenario(server["port"], str(study.target), data, len(prompts), concurrency, study.max_new_tokens,
+        spec = gl.scenario(server["port"], str(study.target), dataset, len(prompts), concurrency, study.max_new_tokens,
                            temperature, raw)
         report = gl.run_guidellm(study.guidellm, spec, raw_dir / f"{tag}_guidellm_scenario.json",
                                  study.out_dir / "logs" / f"{cfg_name}_{tag}_guidellm.log", study.bench_timeout_s)
@@ -170,8 +174,8 @@ def run_study(study: Study) -> ServeResults:
     keeps what it measured) and return it.
     """
     levels = sorted(study.prompt_sets)
-    for c, prompts in study.prompt_sets.items():
-        write_custom_dataset(prompts, study.out_dir / "prompts" / f"level_{c}.jsonl", study.max_new_tokens)
+    for c, prompts in study.prompt_sets.items():  # once per level, in the load generator's format
+        write_custom_dataset(prompts, level_dataset(study, c), None if study.guidellm else study.max_new_tokens)
     sweep_levels = [c for c in levels if c <= study.your_concurrency] or levels[:1]
     temp_level = levels[0]
     results: dict[str, Any] = {

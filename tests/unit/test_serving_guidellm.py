@@ -15,6 +15,7 @@ import pytest
 
 from draftsmith.cli import serve_bench as sb
 from draftsmith.eval.serving import guidellm as gl
+from draftsmith.eval.serving.client import write_custom_dataset
 from draftsmith.eval.serving.metrics import level_metrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "guidellm" / "report_c1.json"
@@ -39,7 +40,7 @@ def fake_guidellm(tmp_path: Path, run_body: str) -> Path:
 
 
 def test_scenario_is_one_concurrent_level_of_our_prompts_on_the_chat_endpoint(tmp_path):
-    data = gl.write_prompts(PROMPTS[:3], tmp_path / "level_2_guidellm.jsonl")
+    data = write_custom_dataset(PROMPTS[:3], tmp_path / "level_2_guidellm.jsonl", None)
     assert [json.loads(x) for x in data.read_text().splitlines()] == [{"prompt": p} for p in PROMPTS[:3]]
     spec = gl.scenario(8123, "/models/t", data, 3, 2, 64, 0.0, tmp_path / "c2.json")["spec"]
     assert spec["backend"] == {"kind": "openai_http", "target": "http://127.0.0.1:8123", "model": "/models/t",
