@@ -13,8 +13,10 @@ so the export carries neither. Without ``model``, vLLM loads the MTP layer from 
 own checkpoint (the untrained one).
 
 ``config.json`` is the target's with ``quantization_config`` dropped (the export's weights are
-unquantised even for an FP8 target, and vLLM would otherwise expect FP8 MTP tensors) and
-``torch_dtype`` the export's.
+unquantised even for an FP8 target, and vLLM would otherwise expect FP8 MTP tensors) and the
+export's dtype as both ``torch_dtype`` and ``dtype``: transformers 5 writes ``dtype`` into a
+target's config and reads it before ``torch_dtype``, so a target's ``dtype`` kept as it was would
+state float32 for bf16 weights.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def export_mtp(ckpt: DraftCheckpoint, dtype: str, version: str) -> tuple[dict[st
     if bad:
         raise ExportError(f"{ckpt.weights}: MTP tensors missing, unexpected or mis-shaped: {bad[:8]}")
     config = {k: v for k, v in cfg.target_config.items() if k != "quantization_config"}
-    config["torch_dtype"] = dtype
+    config["torch_dtype"] = config["dtype"] = dtype
     config["draftsmith"] = {"version": version, "method": "mtp", "verifier": ckpt.meta.verifier,
                             "ttt_steps": ckpt.meta.ttt_steps}
     return tensors, config

