@@ -1,6 +1,7 @@
 """The target's own MTP layer fine-tuned end to end on a tiny DeepSeek-V3 (MLA + MoE, one shipped
-MTP layer): prepare -> train (draft.method mtp, two unrolled steps) -> export -> reload; the
-warm start is the shipped layer; a target without MTP layers is refused in one line."""
+MTP layer) and a tiny Qwen3-Next (hybrid linear / full attention, MoE): prepare -> train
+(draft.method mtp, two unrolled steps) -> export -> reload; the warm start is the shipped layer; a
+target without MTP layers is refused in one line."""
 
 from __future__ import annotations
 
@@ -95,3 +96,34 @@ def test_a_target_without_mtp_layers_is_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message
     assert "num_nextn_predict_layers" in message and "deepseek_v3" in message and "eagle3" in message
+
+
+@pytest.mark.integration
+def test_a_qwen3_next_mtp_layer_trains_exports_and_reloads(tmp_path):
+    """Qwen3-Next end to end (Gated DeltaNet + full attention, MoE with a gated shared expert, its
+    MTP layer shipped under ``mtp.*``): prepare through transformers, 20 steps from the shipped
+    layer, export under the shipped names, reload bit for bit."""
+    from draftsmith.data_prep.prepare import prepare
+    from draftsmith.models.mtp.training import MTPMethod
+    from draftsmith.train.trainer import fit
+    from helpers.mtp_targets import build_tiny_qwen3_next
+
+    target = build_tiny_qwen3_next(tmp_path / "target")
+    recipe = mtp_recipe(target, tmp_path, ttt_steps=2)
+    prepare(recipe, tmp_path / "run")
+    fit(recipe, MTPMethod(recipe, tmp_path / "run"), tmp_path / "run", progress=False)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < 0.6 * metrics[0]["loss"]
+    shipped = json.loads((target / "config.json").read_text())
+    cfg = MTPConfig("qwen3_next", shipped)
+    ckpt = find_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    out = export(ckpt, tmp_path / "mtp", dtype="float32")
+    weights = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == mtp_weight_shapes(cfg)
+    assert all(k.startswith("mtp.") for k in weights)
+    before = read_target_mtp(target, cfg)
+    assert any(not torch.equal(weights[k], before[k]) for k in weights if k in before)  # trained, not shipped
+    state = load_file(str(ckpt / "model.safetensors"))
+    reloaded = load_mtp(out).state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(reloaded[k], v, rtol=0, atol=0)
