@@ -124,3 +124,24 @@ def build_tiny_qwen3_next(directory: Path, seed: int = 0, with_mtp: bool = True,
     _randomize(draft.mtp, gen, centred_norms=True)
     return _finish(directory, model, _mtp_tensors(draft, model.lm_head.weight, model.model.embed_tokens.weight,
                                                   "mtp.", "qwen3_next"), extra)
+
+
+def export_changed_mtp(target: Path, where: Path, dtype: str, scale: float = 1.0, shift: float = 0.0):
+    """``(draft, export dir)``: the target's shipped MTP layer loaded as a draft, every MTP weight
+    set to ``w * scale + shift`` (a fine-tune stand-in that moves every tensor), written as a
+    draft checkpoint (``where/ckpt``) and exported in ``dtype`` (``where/export``)."""
+    from draftsmith.eval.export import export
+    from draftsmith.models.mtp.format import load_mtp
+    from draftsmith.target import load_target_head_tensors
+    from helpers.tiny import write_draft_checkpoint
+
+    heads = load_target_head_tensors(target)
+    draft = load_mtp(target, heads["embed_tokens"], heads["lm_head"])
+    with torch.no_grad():
+        for p in draft.mtp.parameters():
+            p.mul_(scale).add_(shift)
+    config = json.loads((target / "config.json").read_text())
+    info = {"name_or_path": str(target), "path": str(target), "hidden_size": config["hidden_size"],
+            "vocab_size": config["vocab_size"]}
+    write_draft_checkpoint(draft, where / "ckpt", "mtp", info, ttt_steps=1)
+    return draft, export(where / "ckpt", where / "export", dtype=dtype)

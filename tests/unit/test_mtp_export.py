@@ -8,24 +8,15 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from helpers.mtp_targets import build_tiny_qwen3_next
+from helpers.mtp_targets import build_tiny_qwen3_next, export_changed_mtp
 
 
 def test_a_bf16_export_of_a_float32_target_reads_as_bf16(tmp_path):
     from transformers import AutoConfig
 
-    from draftsmith.eval.export import export
-    from draftsmith.models.mtp.format import load_mtp
-    from draftsmith.target import load_target_head_tensors
-    from helpers.tiny import write_draft_checkpoint
-
     target = build_tiny_qwen3_next(tmp_path / "target")
     assert json.loads((target / "config.json").read_text())["dtype"] == "float32"  # as transformers 5 saves it
-    heads = load_target_head_tensors(target)
-    draft = load_mtp(target, heads["embed_tokens"], heads["lm_head"])
-    info = {"name_or_path": str(target), "path": str(target), "hidden_size": 64, "vocab_size": 512}
-    write_draft_checkpoint(draft, tmp_path / "ckpt", "mtp", info, ttt_steps=1)
-    out = export(tmp_path / "ckpt", tmp_path / "export", dtype="bfloat16")
+    _, out = export_changed_mtp(target, tmp_path, "bfloat16")
     config = json.loads((out / "config.json").read_text())
     assert (config["dtype"], config["torch_dtype"], config["mtp_num_hidden_layers"]) == ("bfloat16", "bfloat16", 1)
     assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from helpers.mtp_targets import build_tiny_deepseek_v3, build_tiny_qwen3_next
+from helpers.mtp_targets import build_tiny_deepseek_v3, build_tiny_qwen3_next, export_changed_mtp
 from helpers.vllm_parity import vllm_single_process
 
 T = 12
@@ -156,19 +156,7 @@ def test_warm_start_is_the_targets_own_mtp_layer_in_vllm(deepseek):
 def test_a_trained_export_is_what_vllm_serves_with_model_set(deepseek, tmp_path):
     """A fine-tuned layer (every MTP weight changed) exported and served with ``"model": EXPORT``:
     vLLM takes the export's weights, not the target's shipped ones, and computes our logits."""
-    from draftsmith.eval.export import export
-    from draftsmith.models.mtp.format import load_mtp
-    from draftsmith.target import load_target_head_tensors
-    from helpers.tiny import write_draft_checkpoint
-
-    heads = load_target_head_tensors(deepseek)
-    tuned = load_mtp(deepseek, heads["embed_tokens"], heads["lm_head"])
-    with torch.no_grad():
-        for p in tuned.mtp.parameters():
-            p.mul_(1.1).add_(0.01)
-    target_info = {"name_or_path": str(deepseek), "path": str(deepseek), "hidden_size": 64, "vocab_size": 512}
-    write_draft_checkpoint(tuned, tmp_path / "ckpt", "mtp", target_info, ttt_steps=1)
-    out = export(tmp_path / "ckpt", tmp_path / "export", dtype="float32")
+    tuned, out = export_changed_mtp(deepseek, tmp_path, "float32", scale=1.1, shift=0.01)
     vmodel, config, loaded = vllm_deepseek_mtp(deepseek, out)
     exported = load_file(str(out / "model.safetensors"))
     assert all(n.startswith("model.layers.3.") for n in exported)  # the export holds the MTP layer only
@@ -243,20 +231,10 @@ def test_vllm_cpu_serves_a_tiny_deepseek_v3_with_the_exported_mtp_layer(tmp_path
     import subprocess
     import sys
 
-    from draftsmith.eval.export import export
-    from draftsmith.models.mtp.format import load_mtp
-    from draftsmith.target import load_target_head_tensors
-    from helpers.tiny import CPU_VLLM, write_draft_checkpoint
+    from helpers.tiny import CPU_VLLM
 
     target = build_tiny_deepseek_v3(tmp_path / "target", kv_lora_rank=512, qk_rope_head_dim=64)
-    heads = load_target_head_tensors(target)
-    tuned = load_mtp(target, heads["embed_tokens"], heads["lm_head"])
-    with torch.no_grad():
-        for p in tuned.mtp.parameters():
-            p.mul_(1.05)
-    info = {"name_or_path": str(target), "path": str(target), "hidden_size": 64, "vocab_size": 512}
-    write_draft_checkpoint(tuned, tmp_path / "ckpt", "mtp", info, ttt_steps=1)
-    out = export(tmp_path / "ckpt", tmp_path / "export", dtype="float32")
+    _, out = export_changed_mtp(target, tmp_path, "float32", scale=1.05)
     script = tmp_path / "serve.py"
     script.write_text(SERVE_SCRIPT)
     engine = json.dumps({**CPU_VLLM, "max_model_len": 512})
@@ -344,22 +322,12 @@ def test_vllm_cpu_serves_a_tiny_qwen3_next_with_the_exported_mtp_layer(tmp_path)
     import subprocess
     import sys
 
-    from draftsmith.eval.export import export
-    from draftsmith.models.mtp.format import load_mtp
     from draftsmith.models.mtp.weights import to_checkpoint
-    from draftsmith.target import load_target_head_tensors
-    from helpers.tiny import CPU_VLLM, write_draft_checkpoint
+    from helpers.tiny import CPU_VLLM
 
     target = build_tiny_qwen3_next(tmp_path / "target", head_dim=32, linear_key_head_dim=128,
                                    linear_value_head_dim=128)
-    heads = load_target_head_tensors(target)
-    tuned = load_mtp(target, heads["embed_tokens"], heads["lm_head"])
-    with torch.no_grad():
-        for p in tuned.mtp.parameters():
-            p.mul_(1.05).add_(0.01)
-    info = {"name_or_path": str(target), "path": str(target), "hidden_size": 64, "vocab_size": 512}
-    write_draft_checkpoint(tuned, tmp_path / "ckpt", "mtp", info, ttt_steps=1)
-    out = export(tmp_path / "ckpt", tmp_path / "export", dtype="bfloat16")
+    tuned, out = export_changed_mtp(target, tmp_path, "bfloat16", scale=1.05, shift=0.01)
     script = tmp_path / "serve.py"
     script.write_text(QWEN3_NEXT_SERVE_SCRIPT)
     engine = json.dumps({**CPU_VLLM, "dtype": "bfloat16", "max_model_len": 512, "enable_prefix_caching": False})
