@@ -30,19 +30,32 @@ def mtp_recipe(target, where, **draft):
     return recipe
 
 
-@pytest.fixture(scope="module")
-def mtp_trained(tmp_path_factory):
-    """``(target dir, run dir)``: the tiny DeepSeek-V3's MTP layer trained 20 steps, 2 TTT steps."""
+def train_mtp(target, where):
+    """``where/run``: ``target``'s MTP layer prepared and trained 20 steps, 2 TTT steps."""
     from draftsmith.data_prep.prepare import prepare
     from draftsmith.models.mtp.training import MTPMethod
     from draftsmith.train.trainer import fit
 
+    recipe = mtp_recipe(target, where, ttt_steps=2)
+    prepare(recipe, where / "run")
+    fit(recipe, MTPMethod(recipe, where / "run"), where / "run", progress=False)
+    return where / "run"
+
+
+def assert_reloads_bit_for_bit(ckpt, export_dir):
+    """The export loaded back as a draft holds the checkpoint's tensors exactly."""
+    state = load_file(str(ckpt / "model.safetensors"))
+    reloaded = load_mtp(export_dir).state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(reloaded[k], v, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def mtp_trained(tmp_path_factory):
+    """``(target dir, run dir)``: the tiny DeepSeek-V3's MTP layer trained 20 steps, 2 TTT steps."""
     root = tmp_path_factory.mktemp("mtp_run")
     target = build_tiny_deepseek_v3(root / "target")
-    recipe = mtp_recipe(target, root, ttt_steps=2)
-    prepare(recipe, root / "run")
-    fit(recipe, MTPMethod(recipe, root / "run"), root / "run", progress=False)
-    return target, root / "run"
+    return target, train_mtp(target, root)
 
 
 @pytest.mark.integration
@@ -77,10 +90,7 @@ def test_export_is_the_target_config_and_the_shipped_names(mtp_trained, tmp_path
     assert all(k.startswith("model.layers.3.") for k in weights)
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in weights  # per expert, as shipped
     assert "model.layers.3.shared_head.head.weight" not in weights  # vLLM shares the target's
-    state = load_file(str(ckpt / "model.safetensors"))
-    reloaded = load_mtp(out).state_dict()
-    for k, v in state.items():
-        torch.testing.assert_close(reloaded[k], v, rtol=0, atol=0)
+    assert_reloads_bit_for_bit(ckpt, out)
 
 
 @pytest.mark.integration
@@ -103,27 +113,19 @@ def test_a_qwen3_next_mtp_layer_trains_exports_and_reloads(tmp_path):
     """Qwen3-Next end to end (Gated DeltaNet + full attention, MoE with a gated shared expert, its
     MTP layer shipped under ``mtp.*``): prepare through transformers, 20 steps from the shipped
     layer, export under the shipped names, reload bit for bit."""
-    from draftsmith.data_prep.prepare import prepare
-    from draftsmith.models.mtp.training import MTPMethod
-    from draftsmith.train.trainer import fit
     from helpers.mtp_targets import build_tiny_qwen3_next
 
     target = build_tiny_qwen3_next(tmp_path / "target")
-    recipe = mtp_recipe(target, tmp_path, ttt_steps=2)
-    prepare(recipe, tmp_path / "run")
-    fit(recipe, MTPMethod(recipe, tmp_path / "run"), tmp_path / "run", progress=False)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = train_mtp(target, tmp_path)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < 0.6 * metrics[0]["loss"]
     shipped = json.loads((target / "config.json").read_text())
     cfg = MTPConfig("qwen3_next", shipped)
-    ckpt = find_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    ckpt = find_checkpoints(run / "checkpoints")[-1]
     out = export(ckpt, tmp_path / "mtp", dtype="float32")
     weights = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in weights.items()} == mtp_weight_shapes(cfg)
     assert all(k.startswith("mtp.") for k in weights)
     before = read_target_mtp(target, cfg)
     assert any(not torch.equal(weights[k], before[k]) for k in weights if k in before)  # trained, not shipped
-    state = load_file(str(ckpt / "model.safetensors"))
-    reloaded = load_mtp(out).state_dict()
-    for k, v in state.items():
-        torch.testing.assert_close(reloaded[k], v, rtol=0, atol=0)
+    assert_reloads_bit_for_bit(ckpt, out)
