@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory trained by draftsmith train")
     p.add_argument("--variant", choices=opd.VARIANTS, default="offline",
                    help="offline: the run's own data with the OPD loss; replay: rows where the target rejected the "
-                        "draft's proposals from prefixes of the training conversations")
+                        "draft's proposals from prefixes of the training conversations (or of --prompts)")
     p.add_argument("--from", dest="start", choices=("best", "latest"), default="best",
                    help="start from checkpoints/best (when there is one) or the latest checkpoints/step-N")
     p.add_argument("--split", choices=("soft", "hard"), default="soft",
@@ -34,9 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-minutes", type=float, help="train.max_time_minutes of the OPD run")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the run's recipe for the OPD run (repeatable)")
-    p.add_argument("--conversations", type=int, default=64, help="replay: training conversations sampled")
+    p.add_argument("--conversations", type=int, default=64,
+                   help="replay: training conversations sampled (with --prompts: prompts sampled)")
     p.add_argument("--prefixes", type=int, default=2, help="replay: prefixes cut per conversation")
     p.add_argument("--new-tokens", type=int, default=64, help="replay: tokens decoded after each prefix")
+    p.add_argument("--prompts", metavar="SOURCE",
+                   help="replay: decode from the prompts of this set (a JSONL file, builtin:<name>, a Hub dataset; "
+                        "one prefix each) instead of prefixes of the training conversations")
     p.add_argument("--span", type=int,
                    help="replay: tokens trained from each rejected position on (default: eval.num_speculative_tokens + 1)")
     p.add_argument("--seed", type=int, default=0, help="replay: sampling seed of the prefixes and the decoding")
@@ -57,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.opd_gamma <= 1:
         print(f"error: --opd-gamma {args.opd_gamma} must be in (0, 1]", file=sys.stderr)
         return 2
+    if args.prompts is not None:
+        from ..eval.acceptance import PromptsError, UnknownPromptSetError, check_prompts
+
+        if args.variant != "replay":
+            print(f"error: --prompts is for --variant replay (the {args.variant} variant trains on the run's own "
+                  "data)", file=sys.stderr)
+            return 2
+        try:
+            check_prompts(args.prompts)
+        except PromptsError as exc:  # as draftsmith acceptance: an unknown builtin set is a usage error
+            print(f"error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, UnknownPromptSetError) else 1
     setup_logging()
     from ..run_lock import RunDirLockedError, command_line, run_dir_lock
 

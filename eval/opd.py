@@ -3,7 +3,8 @@
 
     draftsmith opd RUN_DIR [--variant offline|replay] [--from best|latest] [--split soft|hard]
         [--opd-gamma 0.8] [--epochs 1] [--max-steps N] [--budget-minutes M] [--set KEY=VALUE ...]
-        [--conversations 64] [--prefixes 2] [--new-tokens 64] [--span K+1] [--seed 0] [--overwrite]
+        [--conversations 64] [--prefixes 2] [--new-tokens 64] [--span K+1] [--seed 0] [--prompts SOURCE]
+        [--overwrite]
 
 It starts from RUN_DIR's trained draft (``checkpoints/best``, or the latest ``checkpoints/step-N``;
 ``draft.init_from``) and writes only under ``RUN_DIR/opd/``: its recipe (``recipe.yaml``),
@@ -17,7 +18,7 @@ from the last OPD checkpoint (replay rows already written are kept); ``--overwri
   were accepted, reverse KL decayed ``opd_gamma**k`` where they were not. No target forward: the
   data cost is 0 target tokens scored per trained token.
 - ``replay``: the draft decodes with the target from prefixes of the run's tokenised training
-  conversations (the reference speculative decoder, :mod:`draftsmith.eval.spec_decode`, at
+  conversations, or from the prompts of ``--prompts SOURCE`` (the reference speculative decoder, :mod:`draftsmith.eval.spec_decode`, at
   ``eval.temperature``); the continuations, their loss mask on the tokens where verification
   rejected a draft token and the ``--span`` tokens after it, become ``opd/data`` (the target's
   hidden states captured by the data stage's own capture), trained with ``draft.opd`` too
@@ -66,6 +67,8 @@ class OpdOptions:
         conversations / prefixes / new_tokens / span / seed: replay: conversations sampled,
             prefixes per conversation, tokens decoded after each prefix, tokens trained from each
             rejection on (None: ``eval.num_speculative_tokens + 1``), sampling seed.
+        prompts: replay: a prompt set to decode from instead of the training conversations
+            (``--conversations`` of its prompts, one prefix each; :mod:`draftsmith.eval.opd_replay`).
         device: where replay runs the target and the draft (None: this process's accelerator).
         overwrite: start ``run_dir/opd`` over.
     """
@@ -81,6 +84,7 @@ class OpdOptions:
     overrides: list[str] = field(default_factory=list)
     conversations: int = 64
     prefixes: int = 2
+    prompts: str | None = None
     new_tokens: int = 64
     span: int | None = None
     seed: int = 0

@@ -3,7 +3,12 @@ proposals (Draft-OPD's replay, arXiv:2605.29343; docs/training.md, "On-policy di
 
 1. **Prefixes**: ``--conversations`` tokenised training conversations of ``RUN_DIR/data`` (seeded
    sample) and ``--prefixes`` cut points in each, drawn among its trained (assistant) tokens and
-   leaving room for ``--new-tokens`` within ``data.max_length``.
+   leaving room for ``--new-tokens`` within ``data.max_length``. With ``--prompts SOURCE`` (a
+   prompt set as ``draftsmith acceptance --prompts`` reads it: a JSONL file, ``builtin:<name>``,
+   a Hub dataset) the prefixes are instead ``--conversations`` prompts of that set (seeded
+   sample), each rendered with the target's chat template up to its generation prompt, one
+   prefix per prompt: the draft replays on prompts it was not trained on, where a draft that has
+   learned its training conversations still meets the rejections it will meet when served.
 2. **Decode**: from each prefix the reference speculative decoder
    (:func:`~draftsmith.eval.spec_decode.speculative_generate`, the transformers target and the
    run's trained draft exported to ``opd/replay/draft``) generates ``--new-tokens`` tokens at the
@@ -13,7 +18,8 @@ proposals (Draft-OPD's replay, arXiv:2605.29343; docs/training.md, "On-policy di
 3. **Rows**: prefix + continuation, the loss mask on each rejected position and the ``--span`` - 1
    tokens after it (what the draft proposes next from the corrected context), nothing on the
    prefix. A continuation with no rejection is recorded and not trained on. Each row is one line
-   of ``opd/replay/rows.jsonl`` (``id`` = ``<conversation id>@<cut>``), flushed and fsynced as it
+   of ``opd/replay/rows.jsonl`` (``id`` = ``<conversation id>@<cut>``, or ``prompt<index>@<prompt
+   length>`` for ``--prompts``), flushed and fsynced as it
    is written: a killed or disk-full replay keeps every whole line, drops a partial last one, and
    a re-run decodes only the ids not yet written (no row twice).
 4. **Data**: ``opd/data`` gets the run's target, vocab and recorded keys, the rows as its
@@ -112,6 +118,38 @@ def pick_prefixes(ids: list[str], masks: list[Any], conversations: int, prefixes
     return out
 
 
+def pick_prompts(prompt_ids: list[list[int]], conversations: int, max_prefix: int,
+                 seed: int) -> list[tuple[str, list[int]]]:
+    """``(row id, prefix)`` of the prompts to decode from (``--prompts``): ``conversations`` of the
+    rendered prompts ``prompt_ids`` no longer than ``max_prefix`` tokens (seeded sample, file order
+    kept), each id ``prompt<index in the set>@<length>``. Deterministic in ``seed``."""
+    fits = [i for i, ids in enumerate(prompt_ids) if 1 <= len(ids) <= max_prefix]
+    chosen = sorted(random.Random(seed).sample(fits, min(conversations, len(fits))))
+    return [(f"prompt{i}@{len(prompt_ids[i])}", [int(t) for t in prompt_ids[i]]) for i in chosen]
+
+
+def rendered_prompts(run_dir: Path, prompts: str, trust_remote_code: bool = False) -> list[list[int]]:
+    """The prompts of ``prompts`` (a JSONL file, ``builtin:<name>``, a Hub dataset) rendered with
+    the run's target's chat template and a generation prompt, as ``draftsmith acceptance``'s
+    reference decoder renders them (:func:`~draftsmith.eval.spec_decode.prompt_token_ids`).
+
+    Raises:
+        ReplayError: the set cannot be read (the message names it).
+    """
+    from transformers import AutoTokenizer
+
+    from ..data_prep.conversations import DataError
+    from ..target import TargetInfo
+    from .spec_decode import prompt_token_ids
+
+    info = TargetInfo.read(RunLayout(run_dir).data.target_info)
+    tokenizer = AutoTokenizer.from_pretrained(info.path, trust_remote_code=trust_remote_code)
+    try:
+        return prompt_token_ids(tokenizer, prompts)
+    except DataError as exc:
+        raise ReplayError(f"--prompts {exc}") from None
+
+
 def replay_mask(prefix_len: int, new_len: int, rejections: list[int], span: int) -> list[int]:
     """``(prefix_len + new_len,)`` 0/1: 1 at each rejected position (``prefix_len + r`` for an
     output index ``r`` < ``new_len``) and the ``span - 1`` tokens after it, within the row."""
@@ -143,10 +181,10 @@ def _decoder(recipe: Recipe, run_dir: Path, draft: Path, device: str | None) -> 
     return Target(model, proposer.aux_layer_ids), proposer, stop_token_ids(model, tokenizer), model.device
 
 
-def decode_rows(recipe: Recipe, run_dir: Path, replay: Path, draft: Path, picks: list[tuple[str, int, int]],
+def decode_rows(recipe: Recipe, run_dir: Path, replay: Path, draft: Path, picks: list[tuple[str, list[int]]],
                 span: int, new_tokens: int, seed: int, device: str | None) -> Iterator[dict[str, Any]]:
-    """Decode the ``picks`` not yet in ``replay/rows.jsonl`` and append one row each (module
-    docstring, steps 2-3); yields each new row."""
+    """Decode the ``picks`` (``(row id, prefix token ids)``) not yet in ``replay/rows.jsonl`` and
+    append one row each (module docstring, steps 2-3); yields each new row."""
     import torch
 
     from .spec_decode import SpecCounters, speculative_generate
@@ -156,13 +194,11 @@ def decode_rows(recipe: Recipe, run_dir: Path, replay: Path, draft: Path, picks:
     todo = [(n, pick) for n, pick in enumerate(picks) if pick[0] not in done]
     if not todo:
         return
-    tokenized = read_tokenized(RunLayout(run_dir).data, format=None)
     target, proposer, stops, dev = _decoder(recipe, run_dir, draft, device)
     k, temperature = recipe.eval.num_speculative_tokens, float(recipe.eval.temperature)
     with open(path, "ab") as f:
-        for n, (rid, i, p) in todo:
-            prefix = [int(t) for t in tokenized[i]["input_ids"][:p]]
-            budget = min(new_tokens, recipe.data.max_length - p)
+        for n, (rid, prefix) in todo:
+            budget = min(new_tokens, recipe.data.max_length - len(prefix))
             counters, rejections = SpecCounters(k), []
             gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + n)
             out = speculative_generate(target, proposer, prefix, k, temperature, budget, stops, gen, counters,
@@ -206,22 +242,25 @@ def build_replay_data(recipe: Recipe, run_dir: Path, opd: Path, checkpoint: Path
 
     Args:
         recipe: the OPD run's recipe; checkpoint: the run's trained checkpoint the draft starts from.
-        opts: :class:`~draftsmith.eval.opd.OpdOptions` (conversations, prefixes, new_tokens, span, seed, device).
+        opts: :class:`~draftsmith.eval.opd.OpdOptions` (prompts, conversations, prefixes, new_tokens, span, seed,
+            device); the settings of the first attempt (``opd/replay/settings.json``) are kept on a re-run.
 
     Returns:
         the replay's settings and figures: continuations decoded, rows (kept: with a rejection), rejections, rounds,
         observed acceptance length, tokens captured and ``target_tokens_scored``.
 
     Raises:
-        ReplayError: the run's data has no conversation to cut, no row had a rejection, the disk
-            filled while writing rows, or the rows file is not this stage's.
+        ReplayError: the run's data has no conversation to cut (``--prompts``: the set cannot be
+            read or has no prompt that fits), no row had a rejection, the disk filled while
+            writing rows, or the rows file is not this stage's.
     """
     from ..eval.export import export
 
     replay = opd / "replay"
     replay.mkdir(parents=True, exist_ok=True)
     settings_file = replay / "settings.json"
-    settings = {"conversations": opts.conversations, "prefixes": opts.prefixes, "new_tokens": opts.new_tokens,
+    settings = {"prompts": opts.prompts, "conversations": opts.conversations,
+                "prefixes": None if opts.prompts else opts.prefixes, "new_tokens": opts.new_tokens,
                 "span": opts.span or recipe.eval.num_speculative_tokens + 1, "seed": opts.seed,
                 "temperature": float(recipe.eval.temperature), "k": recipe.eval.num_speculative_tokens}
     if settings_file.is_file():  # the rows already written were made with these: keep them
@@ -231,18 +270,27 @@ def build_replay_data(recipe: Recipe, run_dir: Path, opd: Path, checkpoint: Path
     draft = replay / "draft"
     if not (draft / "config.json").is_file():
         export(checkpoint, draft, num_speculative_tokens=settings["k"])
-    tokenized = read_tokenized(RunLayout(run_dir).data, format=None)
-    ids = [str(x) for x in tokenized["id"]]
-    masks = [list(m) for m in tokenized["loss_mask"]]
-    picks = pick_prefixes(ids, masks, settings["conversations"], settings["prefixes"],
-                          recipe.data.max_length - min(settings["new_tokens"], 16), settings["seed"])
-    if not picks:
-        raise ReplayError(f"{RunLayout(run_dir).data.tokenized}: no conversation with a trained token to cut a prefix at")
+    max_prefix = recipe.data.max_length - min(settings["new_tokens"], 16)
+    if settings.get("prompts"):
+        rendered = rendered_prompts(run_dir, settings["prompts"], recipe.target.trust_remote_code)
+        picks = pick_prompts(rendered, settings["conversations"], max_prefix, settings["seed"])
+        if not picks:
+            raise ReplayError(f"--prompts {settings['prompts']}: no prompt of at most {max_prefix} tokens "
+                              f"(data.max_length {recipe.data.max_length} less room for the new tokens)")
+    else:
+        tokenized = read_tokenized(RunLayout(run_dir).data, format=None)
+        ids = [str(x) for x in tokenized["id"]]
+        masks = [list(m) for m in tokenized["loss_mask"]]
+        cuts = pick_prefixes(ids, masks, settings["conversations"], settings["prefixes"], max_prefix, settings["seed"])
+        if not cuts:
+            raise ReplayError(f"{RunLayout(run_dir).data.tokenized}: no conversation with a trained token to cut a "
+                              "prefix at")
+        picks = [(rid, [int(t) for t in tokenized[i]["input_ids"][:p]]) for rid, i, p in cuts]
     for _ in decode_rows(recipe, run_dir, replay, draft, picks, settings["span"], settings["new_tokens"],
                          settings["seed"], opts.device):
         pass
     written = read_rows(replay / ROWS_FILE)
-    rows = [written[rid] for rid, _, _ in picks if rid in written]
+    rows = [written[rid] for rid, _ in picks if rid in written]
     kept = [r for r in rows if r["kept"]]
     if not kept:
         raise ReplayError(f"replay: no rejection in {len(rows)} decoded continuations (the draft matched the target "

@@ -122,6 +122,47 @@ def test_replay_opd_rows_where_verification_rejected_resume_without_duplicates(t
     assert [json.loads(line)["id"] for line in rows_file.read_text().splitlines()] == ids
 
 
+def test_replay_from_a_prompt_set_decodes_one_whole_prompt_per_row(trained, tmp_path, capsys):
+    _, base = trained
+    run = _copy(base, tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ("Name three rivers.", "What is 7 times 8?", "Write a short poem about tea.",
+                                "Explain what a prime number is.", "Give me a word that rhymes with cat.")))
+    args = [str(run), "--variant", "replay", "--prompts", str(prompts), "--conversations", "4", "--new-tokens", "10",
+            "--max-steps", "1", "--device", "cpu", "--set", "train.batch_size=2"]
+    assert opd_cli.main(args) == 0
+    replay = json.loads((run / "opd" / "opd.json").read_text())["replay"]
+    assert replay["prompts"] == str(prompts) and replay["prefixes"] is None and replay["continuations"] == 4
+    assert replay["rows"] >= 1
+    rows = [json.loads(line) for line in (run / "opd" / "replay" / "rows.jsonl").read_text().splitlines()]
+    assert len({r["id"] for r in rows}) == 4
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_path(run)))
+    for row in rows:
+        index, length = (int(x) for x in row["id"].removeprefix("prompt").split("@"))
+        # the prefix is the whole prompt rendered up to the generation prompt; no loss on it
+        prompt = json.loads(prompts.read_text().splitlines()[index])["prompt"]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        assert row["input_ids"][:length] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert not any(row["loss_mask"][:length]) and row["kept"] == any(row["loss_mask"])
+
+    capsys.readouterr()
+    assert opd_cli.main([str(run), "--prompts", str(prompts)]) == 2  # the offline variant has no prompts
+    assert "--prompts is for --variant replay" in capsys.readouterr().err
+    assert opd_cli.main([*args[:4], str(tmp_path / "none.jsonl"), *args[5:]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "none.jsonl: no such file" in err
+
+
+def tiny_target_path(run):
+    from draftsmith.target import TargetInfo
+
+    return TargetInfo.read(run / "data" / "target.json").path
+
+
 def test_bad_input_one_line_each(trained, tmp_path, capsys):
     from draftsmith.recipe import dump_recipe, load_recipe
 

@@ -320,6 +320,16 @@ def test_replay_prefixes_and_masks():
     assert replay_mask(2, 3, [], span=4) == [0] * 5
 
 
+def test_replay_prompts_are_sampled_whole_and_only_where_they_fit():
+    from draftsmith.eval.opd_replay import pick_prompts
+
+    rendered = [[1, 2, 3], [4] * 9, [5, 6], [], [7] * 4]
+    picks = pick_prompts(rendered, conversations=10, max_prefix=4, seed=3)
+    assert picks == [("prompt0@3", [1, 2, 3]), ("prompt2@2", [5, 6]), ("prompt4@4", [7] * 4)]  # [4]*9, [] do not fit
+    two = pick_prompts(rendered, conversations=2, max_prefix=4, seed=3)
+    assert two == pick_prompts(rendered, 2, 4, seed=3) and len(two) == 2 and all(p in picks for p in two)
+
+
 def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
     from draftsmith.eval.opd import OpdError, OpdOptions, opd_recipe, trained_checkpoint
     from draftsmith.recipe import dump_recipe
