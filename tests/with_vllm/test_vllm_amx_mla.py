@@ -49,39 +49,50 @@ def test_probe_finds_the_misselection_exactly_on_amx_cpus():
 def test_only_mla_shapes_amx_cannot_serve_are_routed_to_cpu_mla(target, draft, routed):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    probes = []
+
+    def misselected():  # the platform picks AMX_MLA (an AMX CPU)
+        probes.append(1)
+        return True
+
     config = run(target, draft)
-    assert plugin.route_mla_to_reference_backend(config) is routed
+    assert plugin.route_mla_to_reference_backend(config, misselected) is routed
     assert config.attention_config.backend == (AttentionBackendEnum.CPU_MLA if routed else None)
+    assert len(probes) == routed  # the probe runs only for a shape AMX_MLA cannot serve
+    # a platform that does not pick AMX_MLA (no AMX, or a vLLM that checks the shape): nothing changes
+    config = run(target, draft)
+    assert not plugin.route_mla_to_reference_backend(config, lambda: False)
+    assert config.attention_config.backend is None
 
 
 def test_a_backend_the_user_named_is_kept():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     config = run(model(head_size=80, dtype=torch.float32), backend=AttentionBackendEnum.AMX_MLA)
-    assert not plugin.route_mla_to_reference_backend(config)
+    assert not plugin.route_mla_to_reference_backend(config, lambda: True)
     assert config.attention_config.backend == AttentionBackendEnum.AMX_MLA
 
 
 @pytest.mark.parametrize("misselected", [False, True])
-def test_register_wraps_the_config_check_only_when_the_probe_finds_the_bug(monkeypatch, misselected):
+def test_register_wraps_the_config_check_once_and_routes_only_when_the_probe_finds_the_bug(monkeypatch,
+                                                                                            misselected):
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    seen = []
+    seen, probes = [], []
 
     def vllms_check(cls, vllm_config):  # stands in for vLLM's own, which sets the block size
         seen.append(vllm_config.attention_config.backend)
 
     original = classmethod(vllms_check)
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", original)  # vLLM's is restored after
-    monkeypatch.setattr(plugin, "amx_mla_misselected", lambda: misselected)
+    monkeypatch.setattr(plugin, "amx_mla_misselected", lambda: probes.append(1) or misselected)
     plugin._repair_amx_mla_selection()
     plugin._repair_amx_mla_selection()  # idempotent: one wrapper, not two
     installed = CpuPlatform.__dict__["check_and_update_config"]
-    assert (installed is original) is not misselected
-    if misselected:
-        assert installed.__func__.__wrapped__ is vllms_check
-    config = run(model(head_size=80, dtype=torch.float32))
-    CpuPlatform.check_and_update_config(config)
+    assert installed.__func__.__wrapped__ is vllms_check
+    CpuPlatform.check_and_update_config(run(model(use_mla=False, head_size=64, dtype=torch.float32)))
+    assert probes == [] and seen == [None]  # a run without MLA: no probe, vLLM's check as it was
+    CpuPlatform.check_and_update_config(run(model(head_size=80, dtype=torch.float32)))
     # routed first, then vLLM's check runs once, on the routed config
-    assert seen == [AttentionBackendEnum.CPU_MLA if misselected else None]
+    assert probes == [1] and seen == [None, AttentionBackendEnum.CPU_MLA if misselected else None]
