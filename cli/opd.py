@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", metavar="SOURCE",
                    help="replay: decode from the prompts of this set (a JSONL file, builtin:<name>, a Hub dataset; "
                         "one prefix each) instead of prefixes of the training conversations")
+    p.add_argument("--sft-rows", type=int, default=0, metavar="N",
+                   help="replay: also train on N of the run's training conversations (seeded sample, their SFT loss "
+                        "masks), mixed with the replay rows (default 0: the replay rows alone)")
     p.add_argument("--span", type=int,
                    help="replay: tokens trained from each rejected position on (default: eval.num_speculative_tokens + 1)")
     p.add_argument("--seed", type=int, default=0, help="replay: sampling seed of the prefixes and the decoding")
@@ -60,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if not 0 < args.opd_gamma <= 1:
         print(f"error: --opd-gamma {args.opd_gamma} must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.sft_rows < 0:
+        print(f"error: --sft-rows {args.sft_rows} must be at least 0", file=sys.stderr)
+        return 2
+    if args.sft_rows and args.variant != "replay":
+        print(f"error: --sft-rows is for --variant replay (the {args.variant} variant already trains on the run's own "
+              "data)", file=sys.stderr)
         return 2
     if args.prompts is not None:
         from ..eval.acceptance import PromptsError, UnknownPromptSetError, check_prompts

@@ -4,7 +4,7 @@
     draftsmith opd RUN_DIR [--variant offline|replay] [--from best|latest] [--split soft|hard]
         [--opd-gamma 0.8] [--epochs 1] [--max-steps N] [--budget-minutes M] [--set KEY=VALUE ...]
         [--conversations 64] [--prefixes 2] [--new-tokens 64] [--span K+1] [--seed 0] [--prompts SOURCE]
-        [--overwrite]
+        [--sft-rows 0] [--overwrite]
 
 It starts from RUN_DIR's trained draft (``checkpoints/best``, or the latest ``checkpoints/step-N``;
 ``draft.init_from``) and writes only under ``RUN_DIR/opd/``: its recipe (``recipe.yaml``),
@@ -22,8 +22,9 @@ from the last OPD checkpoint (replay rows already written are kept); ``--overwri
   ``eval.temperature``); the continuations, their loss mask on the tokens where verification
   rejected a draft token and the ``--span`` tokens after it, become ``opd/data`` (the target's
   hidden states captured by the data stage's own capture), trained with ``draft.opd`` too
-  (:mod:`draftsmith.eval.opd_replay`). Its data cost counts the target tokens of the prefixes,
-  of each verification (K + 1 per round) and of the capture.
+  (:mod:`draftsmith.eval.opd_replay`); ``--sft-rows N`` adds N of the run's training
+  conversations to those rows, so the stage trains on both. Its data cost counts the target
+  tokens of the prefixes, of each verification (K + 1 per round) and of the capture.
 
 The data cost printed is target tokens scored by this stage per trained token (the trained
 tokens of the OPD run so far).
@@ -69,6 +70,8 @@ class OpdOptions:
             rejection on (None: ``eval.num_speculative_tokens + 1``), sampling seed.
         prompts: replay: a prompt set to decode from instead of the training conversations
             (``--conversations`` of its prompts, one prefix each; :mod:`draftsmith.eval.opd_replay`).
+        sft_rows: replay: training conversations of the run added to the replay rows, with their
+            SFT loss masks (0: the replay rows alone).
         device: where replay runs the target and the draft (None: this process's accelerator).
         overwrite: start ``run_dir/opd`` over.
     """
@@ -85,6 +88,7 @@ class OpdOptions:
     conversations: int = 64
     prefixes: int = 2
     prompts: str | None = None
+    sft_rows: int = 0
     new_tokens: int = 64
     span: int | None = None
     seed: int = 0

@@ -25,6 +25,10 @@ proposals (Draft-OPD's replay, arXiv:2605.29343; docs/training.md, "On-policy di
 4. **Data**: ``opd/data`` gets the run's target, vocab and recorded keys, the rows as its
    tokenised set and their hidden states from the data stage's own capture
    (:func:`~draftsmith.data_prep.prepare.stage_hidden_states`: shards already on disk are kept).
+   With ``--sft-rows N`` the set also holds N of the run's own training conversations (seeded
+   sample, ids ``sft:<conversation id>``) with their SFT loss masks, so that the stage trains on
+   the replay rows and the SFT data together rather than on the replay rows alone; they are
+   captured again with the rows and counted in the data cost.
 
 Training then runs ``draft.opd`` on these rows: the target's distributions at the captured
 states are the teachers, and the TTT steps / block slots whose chains start before a rejection
@@ -126,6 +130,13 @@ def pick_prompts(prompt_ids: list[list[int]], conversations: int, max_prefix: in
     fits = [i for i, ids in enumerate(prompt_ids) if 1 <= len(ids) <= max_prefix]
     chosen = sorted(random.Random(seed).sample(fits, min(conversations, len(fits))))
     return [(f"prompt{i}@{len(prompt_ids[i])}", [int(t) for t in prompt_ids[i]]) for i in chosen]
+
+
+def pick_sft_rows(masks: list[Any], count: int, seed: int) -> list[int]:
+    """Indices of ``count`` training conversations (``--sft-rows``) with a trained token, a seeded
+    sample in file order, drawn independently of the prefixes' sample. Deterministic in ``seed``."""
+    trained = [i for i, m in enumerate(masks) if any(m)]
+    return sorted(random.Random(seed + 1_000_003).sample(trained, min(count, len(trained))))
 
 
 def rendered_prompts(run_dir: Path, prompts: str, trust_remote_code: bool = False) -> list[list[int]]:
@@ -237,17 +248,29 @@ def build_data(recipe: Recipe, run_dir: Path, opd: Path, rows: list[dict[str, An
     return sum(len(r["input_ids"]) for r in rows)
 
 
+def sft_rows(run_dir: Path, count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` of RUN_DIR's tokenised training conversations (:func:`pick_sft_rows`) as rows of
+    the stage's set: ``{"id": "sft:<id>", "input_ids", "loss_mask"}``, their masks unchanged."""
+    if count < 1:
+        return []
+    tokenized = read_tokenized(RunLayout(run_dir).data, format=None)
+    masks = [list(m) for m in tokenized["loss_mask"]]
+    return [{"id": f"sft:{tokenized[i]['id']}", "input_ids": [int(t) for t in tokenized[i]["input_ids"]],
+             "loss_mask": [int(m) for m in masks[i]]} for i in pick_sft_rows(masks, count, seed)]
+
+
 def build_replay_data(recipe: Recipe, run_dir: Path, opd: Path, checkpoint: Path, opts: Any) -> dict[str, Any]:
     """Steps 1-4 (module docstring) into ``opd/replay`` and ``opd/data``; resumable.
 
     Args:
         recipe: the OPD run's recipe; checkpoint: the run's trained checkpoint the draft starts from.
         opts: :class:`~draftsmith.eval.opd.OpdOptions` (prompts, conversations, prefixes, new_tokens, span, seed,
-            device); the settings of the first attempt (``opd/replay/settings.json``) are kept on a re-run.
+            sft_rows, device); the settings of the first attempt (``opd/replay/settings.json``) are kept on a re-run.
 
     Returns:
         the replay's settings and figures: continuations decoded, rows (kept: with a rejection), rejections, rounds,
-        observed acceptance length, tokens captured and ``target_tokens_scored``.
+        observed acceptance length, trained positions (of the replay rows; of the SFT rows added), tokens
+        captured and ``target_tokens_scored``.
 
     Raises:
         ReplayError: the run's data has no conversation to cut (``--prompts``: the set cannot be
@@ -262,7 +285,8 @@ def build_replay_data(recipe: Recipe, run_dir: Path, opd: Path, checkpoint: Path
     settings = {"prompts": opts.prompts, "conversations": opts.conversations,
                 "prefixes": None if opts.prompts else opts.prefixes, "new_tokens": opts.new_tokens,
                 "span": opts.span or recipe.eval.num_speculative_tokens + 1, "seed": opts.seed,
-                "temperature": float(recipe.eval.temperature), "k": recipe.eval.num_speculative_tokens}
+                "temperature": float(recipe.eval.temperature), "k": recipe.eval.num_speculative_tokens,
+                "sft_rows": opts.sft_rows}
     if settings_file.is_file():  # the rows already written were made with these: keep them
         settings = json.loads(settings_file.read_text())
     else:
@@ -295,11 +319,13 @@ def build_replay_data(recipe: Recipe, run_dir: Path, opd: Path, checkpoint: Path
     if not kept:
         raise ReplayError(f"replay: no rejection in {len(rows)} decoded continuations (the draft matched the target "
                           "everywhere): nothing to train on; raise --conversations / --new-tokens")
-    captured = build_data(recipe, run_dir, opd, kept)
+    sft = sft_rows(run_dir, settings.get("sft_rows", 0), settings["seed"])
+    captured = build_data(recipe, run_dir, opd, kept + sft)
     rounds = sum(r["rounds"] for r in rows)
     figures = {**settings, "continuations": len(rows), "rows": len(kept), "rejections": sum(r["rejections"] for r in rows),
                "rounds": rounds, "acceptance_length": round(1 + sum(r["accepted"] for r in rows) / max(rounds, 1), 4),
-               "trained_positions": sum(sum(r["loss_mask"]) for r in kept), "captured_tokens": captured,
+               "trained_positions": sum(sum(r["loss_mask"]) for r in kept), "sft_rows": len(sft),
+               "sft_trained_positions": sum(sum(r["loss_mask"]) for r in sft), "captured_tokens": captured,
                "target_tokens_scored": sum(r["scored"] for r in rows) + captured}
     (replay / "summary.json").write_text(json.dumps(figures, indent=1))
     return figures

@@ -130,11 +130,22 @@ def test_replay_from_a_prompt_set_decodes_one_whole_prompt_per_row(trained, tmp_
                                ("Name three rivers.", "What is 7 times 8?", "Write a short poem about tea.",
                                 "Explain what a prime number is.", "Give me a word that rhymes with cat.")))
     args = [str(run), "--variant", "replay", "--prompts", str(prompts), "--conversations", "4", "--new-tokens", "10",
-            "--max-steps", "1", "--device", "cpu", "--set", "train.batch_size=2"]
+            "--max-steps", "1", "--device", "cpu", "--set", "train.batch_size=2", "--sft-rows", "2"]
     assert opd_cli.main(args) == 0
     replay = json.loads((run / "opd" / "opd.json").read_text())["replay"]
     assert replay["prompts"] == str(prompts) and replay["prefixes"] is None and replay["continuations"] == 4
-    assert replay["rows"] >= 1
+    assert replay["rows"] >= 1 and replay["sft_rows"] == 2
+    # --sft-rows: two of the run's training conversations join the replay rows, their SFT masks unchanged
+    from draftsmith.layout import RunLayout, read_tokenized
+
+    staged = read_tokenized(RunLayout(run / "opd").data, format=None)
+    own = read_tokenized(RunLayout(run).data, format=None)
+    own = {str(i): (list(x), list(m)) for i, x, m in zip(own["id"], own["input_ids"], own["loss_mask"])}
+    sft = [(str(i)[4:], list(x), list(m)) for i, x, m in zip(staged["id"], staged["input_ids"], staged["loss_mask"])
+           if str(i).startswith("sft:")]
+    assert len(sft) == 2 and len(staged["id"]) == replay["rows"] + 2
+    assert all(own[i] == (x, m) for i, x, m in sft)
+    assert replay["sft_trained_positions"] == sum(sum(m) for _, _, m in sft) > 0
     rows = [json.loads(line) for line in (run / "opd" / "replay" / "rows.jsonl").read_text().splitlines()]
     assert len({r["id"] for r in rows}) == 4
     from transformers import AutoTokenizer
@@ -152,6 +163,8 @@ def test_replay_from_a_prompt_set_decodes_one_whole_prompt_per_row(trained, tmp_
     capsys.readouterr()
     assert opd_cli.main([str(run), "--prompts", str(prompts)]) == 2  # the offline variant has no prompts
     assert "--prompts is for --variant replay" in capsys.readouterr().err
+    assert opd_cli.main([str(run), "--sft-rows", "3"]) == 2
+    assert "--sft-rows is for --variant replay" in capsys.readouterr().err
     assert opd_cli.main([*args[:4], str(tmp_path / "none.jsonl"), *args[5:]]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "none.jsonl: no such file" in err

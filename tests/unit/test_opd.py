@@ -330,6 +330,16 @@ def test_replay_prompts_are_sampled_whole_and_only_where_they_fit():
     assert two == pick_prompts(rendered, 2, 4, seed=3) and len(two) == 2 and all(p in picks for p in two)
 
 
+def test_sft_rows_are_a_seeded_sample_of_trained_conversations():
+    from draftsmith.eval.opd_replay import pick_sft_rows
+
+    masks = [[0, 1], [0, 0], [1, 1], [0, 1, 1], [0, 0, 1]]
+    assert pick_sft_rows(masks, 10, seed=0) == [0, 2, 3, 4]  # all that train something, file order; not [0, 0]
+    two = pick_sft_rows(masks, 2, seed=5)
+    assert two == pick_sft_rows(masks, 2, seed=5) and len(two) == 2 and two == sorted(two) and 1 not in two
+    assert pick_sft_rows(masks, 0, seed=0) == []
+
+
 def test_the_opd_recipe_and_the_trained_checkpoint(tmp_path):
     from draftsmith.eval.opd import OpdError, OpdOptions, opd_recipe, trained_checkpoint
     from draftsmith.recipe import dump_recipe
