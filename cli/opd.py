@@ -67,17 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.sft_rows < 0:
         print(f"error: --sft-rows {args.sft_rows} must be at least 0", file=sys.stderr)
         return 2
-    if args.sft_rows and args.variant != "replay":
-        print(f"error: --sft-rows is for --variant replay (the {args.variant} variant already trains on the run's own "
-              "data)", file=sys.stderr)
-        return 2
+    for flag, given in (("--prompts", args.prompts is not None), ("--sft-rows", args.sft_rows > 0)):
+        if given and args.variant != "replay":
+            print(f"error: {flag} is for --variant replay (the {args.variant} variant trains on the run's own data)",
+                  file=sys.stderr)
+            return 2
     if args.prompts is not None:
         from ..eval.acceptance import PromptsError, UnknownPromptSetError, check_prompts
 
-        if args.variant != "replay":
-            print(f"error: --prompts is for --variant replay (the {args.variant} variant trains on the run's own "
-                  "data)", file=sys.stderr)
-            return 2
         try:
             check_prompts(args.prompts)
         except PromptsError as exc:  # as draftsmith acceptance: an unknown builtin set is a usage error
