@@ -250,6 +250,11 @@ class TrainConfig(_Strict):
         "lr (Muon's update RMS is matched to AdamW's; the speculators trainer defaults to 10 * lr).")
     muon_weight_decay: float = Field(0.1, ge=0, description="optimizer: muon: decoupled weight decay of the Muon group.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    ema_decay: float = Field(
+        0.0, ge=0, lt=1, description="Exponential moving average of the trained weights (Polyak averaging): per "
+        "optimizer step t the average moves by 1 - min(ema_decay, (1 + t) / (10 + t)) towards the weights; "
+        "checkpoints write it as ema.safetensors and export serves it (--raw-weights: the trained ones). "
+        "Validation measures the trained weights. 0: off. Not under FSDP / DeepSpeed ZeRO-3.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Linear warmup as a fraction of the optimizer steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")

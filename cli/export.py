@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="storage dtype of the floating-point weights; auto: bfloat16 when this machine has a "
                    "CUDA GPU, float32 otherwise (vLLM casts the weights to its own --dtype when it loads the draft)")
+    p.add_argument("--raw-weights", action="store_true",
+                   help="export the trained weights of a checkpoint trained with train.ema_decay, not their average "
+                        "(ema.safetensors, the default where the checkpoint has one)")
     p.add_argument("--vllm", metavar="VERSION",
                    help="the vLLM release the export must load in, one draftsmith has checked: 0.32 or 0.33 "
                         "(0.32.0, 0.33.1 name the same lines; default: the installed vLLM, else no check); an "
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..layout import ExportError
     from ..methods import get_method
     from ..train.checkpoint import read_draft
+    from ..train.components.ema import EMA_WEIGHTS_NAME
     from ..run_lock import RunDirLockedError, command_line, run_dir_lock
     from ..vllm_bridge.releases import installed_vllm_version, known_release
 
@@ -62,14 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = args.out or args.out_dir
         with run_dir_lock(run, command_line(argv, "draftsmith export")) if (run := run_of(ckpt, out_dir)) \
                 else contextlib.nullcontext():  # an export into its run directory is one of the run's writers
-            out = ex.export(ckpt, out_dir, args.legacy, k, args.dtype, vllm_version=vllm)
+            out = ex.export(ckpt, out_dir, args.legacy, k, args.dtype, vllm_version=vllm, average=not args.raw_weights)
     except RunDirLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {ckpt} -> {out}")
+    averaged = (ckpt / EMA_WEIGHTS_NAME).is_file() and not args.raw_weights
+    print(f"exported {ckpt}{' (its weight average, ' + EMA_WEIGHTS_NAME + ')' if averaged else ''} -> {out}")
     return 0
 
 

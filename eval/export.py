@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 
 def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: int | None = None,
-           dtype: str = "auto", embed_tokens: torch.Tensor | None = None, vllm_version: str | None = None) -> Path:
+           dtype: str = "auto", embed_tokens: torch.Tensor | None = None, vllm_version: str | None = None,
+           average: bool = True) -> Path:
     """Write the vLLM-loadable draft of checkpoint ``ckpt`` to ``out`` (created) in the format of
     its method; returns ``out``.
 
@@ -75,6 +76,8 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
             the target's).
         vllm_version: the vLLM release the export must load in (``"0.33"``, ``"0.32.0"``); None:
             no check (the command line passes the installed vLLM's).
+        average: a checkpoint trained with ``train.ema_decay`` exports its weight average
+            (``ema.safetensors``); False: the trained weights.
 
     Options a method's format does not take (:attr:`~draftsmith.models.common.DraftFormat.export_options`)
     are not used. A ``speculation_profile.json`` already in ``out`` that does not record the new
@@ -89,7 +92,7 @@ def export(ckpt: Path, out: Path, legacy: bool = False, num_speculative_tokens: 
         dtype = resolve_dtype(dtype)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    draft = read_draft(Path(ckpt))
+    draft = read_draft(Path(ckpt), average=average)
     check_captured_layers(Path(ckpt), draft)
     fmt = get_method(draft.method).format
     given = {"legacy": legacy or None, "num_speculative_tokens": num_speculative_tokens, "embed_tokens": embed_tokens}

@@ -45,6 +45,7 @@ from ..fileio import atomic_file, is_disk_full, tree_bytes
 from ..layout import (DRAFT_CONFIG_FILE, DraftCheckpoint, DraftCheckpointConfig, DraftConfigError, ExportError,
                       RunLayout, too_old_message, written_before_oldest_readable)
 from ..methods import UnknownMethodError, get_method
+from .components.ema import EMA_WEIGHTS_NAME
 
 log = logging.getLogger("draftsmith.train")
 
@@ -440,7 +441,7 @@ class CheckpointManager:
         return drop
 
 
-def read_draft(path: Path, method: str | None = None, weights: bool = True) -> DraftCheckpoint:
+def read_draft(path: Path, method: str | None = None, weights: bool = True, average: bool = True) -> DraftCheckpoint:
     """The draft of training checkpoint ``path``: its ``draft_config.json``, the method's model
     config built from it and (``weights``) its state dict with ``module.`` prefixes (a wrapped
     model's) stripped.
@@ -448,6 +449,8 @@ def read_draft(path: Path, method: str | None = None, weights: bool = True) -> D
     Args:
         method: the method the caller reads (None: any registered one).
         weights: False reads ``draft_config.json`` only (``state`` is empty).
+        average: where the checkpoint holds ``ema.safetensors`` (``train.ema_decay``), its
+            tensors replace the trained ones of the same names; False: the trained weights.
 
     Raises:
         ExportError: ``model.safetensors`` missing (with ``weights``; naming the launcher's sharded
@@ -483,4 +486,11 @@ def read_draft(path: Path, method: str | None = None, weights: bool = True) -> D
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{path / DRAFT_CONFIG_FILE}: invalid {meta.method} config ({exc})") from None
     state = {k.removeprefix("module."): v for k, v in load_file(str(weights_path)).items()} if weights else {}
+    ema_path = path / EMA_WEIGHTS_NAME
+    if weights and average and ema_path.is_file():
+        ema = load_file(str(ema_path))
+        unknown = sorted(set(ema) - set(state))
+        if unknown:
+            raise ExportError(f"{ema_path}: tensors {unknown[:3]} are not in {WEIGHTS_NAME}")
+        state.update({k: v.to(state[k].dtype) for k, v in ema.items()})
     return DraftCheckpoint(path, meta, config, state)

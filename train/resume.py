@@ -182,6 +182,8 @@ KEY_CLASSES: dict[str, tuple[str, str]] = {
     "train.muon_lr": _SCHEDULE,
     "train.weight_decay": _SCHEDULE,
     "train.muon_weight_decay": _SCHEDULE,
+    "train.ema_decay": (APPLIED, "the weight average of the steps from now on (a checkpoint without one starts it "
+                                 "from its weights)"),
     "train.betas": _SCHEDULE,
     "train.warmup_ratio": _SCHEDULE,
     "train.min_lr_ratio": _SCHEDULE,

@@ -80,6 +80,7 @@ from .checkpoint import CheckpointManager, TrainState, claim_run_dir, remove_par
 from .resume import ResumePlan, apply_hyperparameters, load_resumed, plan_resume, set_aside_later, warn_nothing_to_resume
 from .activation_checkpointing import apply_recipe_checkpointing
 from .components.clock import TrainClock, time_budget_s
+from .components.ema import EMA_WEIGHTS_NAME, WeightEMA, build_ema, resume_ema
 from .components.metrics import (
     MetricsWriter,
     MetricWindow,
@@ -230,6 +231,7 @@ class Trainer:
         self.last: dict[str, float] = {}
         self.stop: _StopRequest | None = None
         self.faults: NonFiniteShards | None = None  # offline shards: non-finite states counted per shard
+        self.ema: WeightEMA | None = None  # train.ema_decay's average of the trained weights
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -254,6 +256,7 @@ class Trainer:
         set_seed(self.recipe.seed)
         self._build_data()
         self._build_model()
+        self.ema = build_ema(acc, self.model, self.cfg.ema_decay)  # main process only, None when off
         self.method.setup(acc)
         if self.resume:
             self._load_last_checkpoint()
@@ -361,6 +364,7 @@ class Trainer:
         self.last_ckpt = plan.checkpoint
         state = self.state
         load_resumed(acc, self.last_ckpt, state, acc.unwrap_model(self.model), self.run_dir)
+        resume_ema(self.ema, self.last_ckpt)
         if plan.applied:
             apply_hyperparameters(self.optimizers, self.schedulers, self.fresh_groups, self.fresh_base_lrs)
             log.warning("%s", plan.note())
@@ -411,6 +415,8 @@ class Trainer:
         dump_recipe(self.recipe, directory / "recipe.yaml")
         (directory / "run_meta.json").write_text(self.meta_json)
         self.method.checkpoint_extras(directory)
+        if self.ema is not None:
+            self.ema.save(directory / EMA_WEIGHTS_NAME)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -444,6 +450,8 @@ class Trainer:
                         optimizer.step()  # skipped on the device when not finite (NonFiniteGuard)
                     guard.end_step()
                 step = state.step + 1
+                if self.ema is not None:
+                    self.ema.update(step)
                 if self.budget_s is not None and self.is_logging_step(step):
                     with host_work("log", step):
                         self.clock.sync(acc)  # the same seconds on every rank, for lr and stop
