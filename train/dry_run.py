@@ -76,7 +76,7 @@ def precision_of(launch: LauncherReport | None) -> str:
 
 
 def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision: str | None = None,
-                        optimizer: str = "adamw") -> dict[str, int]:
+                        optimizer: str = "adamw", weight_average: bool = False) -> dict[str, int]:
     """Bytes of the training state of ``trainable`` parameters one rank holds under ``launch``
     (None: one process), by part: ``weights``, ``gradients``, ``optimizer_state`` (AdamW
     ``exp_avg`` + ``exp_avg_sq``, fp32), ``total``, and ``optimizer_shards`` (the number of
@@ -93,6 +93,9 @@ def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision
     non-finite guard's device-side copy of weights and momentum (8 B, see
     :class:`~draftsmith.train.components.nonfinite.NonFiniteGuard`); every trainable parameter is counted at
     these 12 B, an upper bound (the embedding, head, norms and biases are AdamW's 8 B).
+
+    ``weight_average`` (``train.ema_decay`` > 0): the main process's fp32 average of the trainable
+    weights, 4 B per parameter, whole (:mod:`~draftsmith.train.components.ema`), as ``weight_average``.
     """
     precision = precision or precision_of(launch)
     world = (launch.num_processes or 1) if launch is not None else 1
@@ -110,6 +113,8 @@ def state_bytes_per_gpu(trainable: int, launch: LauncherReport | None, precision
     else:
         out = {"weights": part(4 * N, "weights"), "gradients": part(4 * N, "gradients"),
                "optimizer_state": part(per_param * N, "optimizer state")}
+    if weight_average:
+        out["weight_average"] = 4 * N
     out["total"] = sum(out.values())
     out["optimizer_shards"] = world if "optimizer state" in sharded else 1
     return out
@@ -320,7 +325,7 @@ def memory_estimate(recipe: Recipe, geometry: LayerGeometry, counts: dict[str, i
     precision = precision or precision_of(launch)
     trainable = trainable_parameters(counts)
     s = shapes_of(recipe, geometry, vocab_size, precision)
-    state = state_bytes_per_gpu(trainable, launch, precision, recipe.train.optimizer)
+    state = state_bytes_per_gpu(trainable, launch, precision, recipe.train.optimizer, recipe.train.ema_decay > 0)
     frozen = frozen_bytes(recipe, s, counts)
     batch = s.E * (s.n_aux + 1) * s.Ht * s.hidden_state_bytes + 3 * s.E * 8  # aux + final states, ids / masks
     method = get_method(recipe.draft.method)
