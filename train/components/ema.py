@@ -55,7 +55,9 @@ class WeightEMA:
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """Move the shadow towards the parameters after optimizer step ``step`` (1-based)."""
+        """Move the shadow towards the parameters after optimizer step ``step`` (1-based). fp32
+        parameters are read in place; others (DeepSpeed's bf16 module copy) are cast first, a
+        transient of 4 bytes per parameter."""
         params = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.params]
         torch._foreach_lerp_(self.shadow, params, 1.0 - self.decay_at(step))
 
