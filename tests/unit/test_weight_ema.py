@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.train.components.ema import WeightEMA, build_ema
+from draftsmith.train.components.ema import WeightEMA, build_ema, resume_ema
 
 
 def _model() -> torch.nn.Module:
@@ -70,6 +70,16 @@ def test_saved_average_loads_back_and_a_foreign_file_is_refused(tmp_path):
         WeightEMA(other, 0.9).load(tmp_path / "ema.safetensors")
     with pytest.raises(ValueError, match="not this draft's average"):
         WeightEMA(torch.nn.Linear(3, 4), 0.9).load(tmp_path / "ema.safetensors")
+
+
+def test_a_resume_from_a_checkpoint_without_an_average_starts_it_from_the_resumed_weights(tmp_path, caplog):
+    model = _model()
+    ema = WeightEMA(model, decay=0.9)  # built from the fresh initialisation, as the trainer does
+    with torch.no_grad():
+        model[1].weight.add_(5.0)  # the checkpoint's weights, loaded after
+    resume_ema(ema, tmp_path)
+    assert torch.equal(ema.shadow[0], model[1].weight.detach())
+    assert "has no ema.safetensors" in caplog.text
 
 
 def _accelerator(kind: str, zero_stage: int | None = None, main: bool = True):

@@ -49,6 +49,12 @@ class WeightEMA:
         self.params = [p for _, p in named]
         self.shadow = [p.detach().float().clone() for p in self.params]
 
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Set the shadow to the parameters' current values (a resume from a checkpoint without an average)."""
+        for shadow, p in zip(self.shadow, self.params):
+            shadow.copy_(p.detach())
+
     def decay_at(self, step: int) -> float:
         """``d_t`` after ``step`` optimizer steps taken (1 after the first)."""
         return min(self.decay, (1 + step) / (10 + step))
@@ -116,5 +122,6 @@ def resume_ema(ema: WeightEMA | None, checkpoint: Path) -> None:
     path = Path(checkpoint) / EMA_WEIGHTS_NAME
     if path.is_file():
         ema.load(path)
-    else:
+    else:  # built before the checkpoint was loaded: it holds the fresh initialisation until restarted
+        ema.restart()
         log.warning("%s has no %s: the weight average starts from the resumed weights", checkpoint, EMA_WEIGHTS_NAME)
