@@ -239,9 +239,9 @@ def step_flops(method: Any, model: nn.Module, batch: dict[str, Any], recipe: Any
         pairs = ttt_pairs(docs_pairs, B, T, K)
         lm_rows = int(sum(batch["ttt_counts_host"]))
         teacher_rows = int(batch["ttt_teacher_rows"].numel())
-        linear = (linear_flops(model.fc, n, input_grad=False) + K * linear_flops(model.layers[0], n)
+        linear = (linear_flops(model.fc, n, input_grad=False) + K * sum(linear_flops(layer, n) for layer in model.layers)
                   + linear_flops(model.lm_head, lm_rows))
-        attention = attention_flops(pairs, nh, hd)
+        attention = len(model.layers) * attention_flops(pairs, nh, hd)
         out.update(ttt_steps=K)
     elif method.name in ("dflash", "dspark"):
         from draftsmith.models.dflash.training import NUM_ANCHORS_KEY, sample_anchors

@@ -76,6 +76,9 @@ class Eagle3Config(LlamaLayerConfig):
             p attends to keys at positions p' with ``p - p' < W`` only (vLLM's window, W keys
             counting its own); written and read as the layer config's ``sliding_window`` /
             ``layer_types`` / ``use_sliding_window`` (docs/formats.md, "EAGLE-3 sliding window").
+        num_layers: decoder layers (``draft.num_layers``; 1, the paper's draft): layer 0 reads
+            ``cat(embed, hidden)``, each later one the hidden state only (vLLM's ``llama_eagle3``
+            builds ``transformer_layer_config.num_hidden_layers`` of them).
         layer: the decoder layer (``draft.layer``, :data:`~draftsmith.models.eagle3.recipe.DRAFT_LAYERS`):
             ``llama``, ``qwen3`` (per-head ``q_norm`` / ``k_norm`` RMSNorms of width ``head_dim`` on q and k
             before RoPE; q/k/v biases with ``attention_bias``, no ``o_proj`` bias) or ``mla`` (multi-head
@@ -109,6 +112,7 @@ class Eagle3Config(LlamaLayerConfig):
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    num_layers: int = 1
     layer: str = "llama"
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
@@ -132,6 +136,8 @@ class Eagle3Config(LlamaLayerConfig):
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be a whole number of decoder layers >= 1, got {self.num_layers!r}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
@@ -180,6 +186,7 @@ class Eagle3Config(LlamaLayerConfig):
         sliding_window: int | None = None,
         layer: str = "llama",
         mla: dict[str, int | None] | None = None,
+        num_layers: int = 1,
         **eagle31: bool,
     ) -> "Eagle3Config":
         """Build the draft geometry from a transformers target config (Llama-like or gpt-oss).
@@ -187,6 +194,7 @@ class Eagle3Config(LlamaLayerConfig):
         ``sliding_window``: the draft's attention window (tokens; None: full attention).
         ``layer``: the decoder layer (``draft.layer``); ``mla``: with ``layer="mla"``, the recipe's
         ``draft.mla`` (:data:`~draftsmith.target.families.MLA_KEYS`, None = the target's).
+        ``num_layers``: decoder layers (``draft.num_layers``).
         ``eagle31``: the EAGLE-3.1 options (:data:`EAGLE31_OPTIONS`) to set.
 
         Raises:
@@ -197,7 +205,8 @@ class Eagle3Config(LlamaLayerConfig):
         if layer == "mla":
             geometry.update(cls.mla_geometry(target_config, mla or {}))
         return cls(**geometry, draft_vocab_size=draft_vocab_size, aux_layer_ids=list(aux_layer_ids),
-                   norm_before_residual=norm_before_residual, sliding_window=sliding_window, layer=layer, **eagle31)
+                   norm_before_residual=norm_before_residual, sliding_window=sliding_window, layer=layer,
+                   num_layers=num_layers, **eagle31)
 
     @staticmethod
     def mla_geometry(target_config: Any, overrides: dict[str, int | None]) -> dict[str, Any]:
@@ -261,7 +270,7 @@ class Eagle3Config(LlamaLayerConfig):
     # Export formats (docs/formats.md, "EAGLE-3"): the writer and the reader of each live here.
 
     def to_layer_config(self) -> dict[str, Any]:
-        """The one-layer config vLLM builds the draft layer from (``transformer_layer_config`` of the
+        """The layer config vLLM builds the draft layers from (``num_hidden_layers`` of them) (``transformer_layer_config`` of the
         speculators format; the top level of the legacy format): a Llama config, a Qwen3 config
         (``model_type`` ``qwen3``: vLLM's speculators reader then builds ``Eagle3Qwen3ForCausalLM``;
         no ``mlp_bias``, which Qwen3 has not) or, for ``mla``, a DeepSeek-V2 config carrying the
@@ -273,7 +282,7 @@ class Eagle3Config(LlamaLayerConfig):
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
@@ -287,7 +296,7 @@ class Eagle3Config(LlamaLayerConfig):
             "attention_bias": self.attention_bias,
             "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": False,
-            **self.sliding_window_keys(1),
+            **self.sliding_window_keys(self.num_layers),
         }
         if self.layer == "qwen3":
             del out["mlp_bias"]
@@ -401,7 +410,7 @@ class Eagle3Config(LlamaLayerConfig):
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=layer.get("max_position_embeddings", 4096),
             attention_bias=layer.get("attention_bias", False), mlp_bias=layer.get("mlp_bias", False),
-            sliding_window=cls.sliding_window_of(layer), **eagle31,
+            sliding_window=cls.sliding_window_of(layer), num_layers=int(layer.get("num_hidden_layers", 1)), **eagle31,
         )
 
     @classmethod
@@ -414,7 +423,7 @@ class Eagle3Config(LlamaLayerConfig):
             ValueError: no aux layer ids, an inconsistent geometry, or a draft draftsmith's
                 EAGLE-3 layer cannot hold (:func:`refuse_foreign_speculators`).
         """
-        refuse_foreign_speculators(config, "eagle3", num_layers=1, layer_types=("llama", "qwen3"))
+        refuse_foreign_speculators(config, "eagle3", layer_types=("llama", "qwen3"))
         facts = Eagle3ExportFacts.read(config, "speculators")
         if not facts.aux_layer_ids:
             raise ValueError("no eagle_aux_hidden_state_layer_ids")

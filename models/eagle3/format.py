@@ -3,15 +3,17 @@
 - speculators (default; vLLM detects it by ``speculators_config``): ``config.json`` with
   ``architectures ["Eagle3DraftModel"]``, ``speculators_model_type "eagle3"``, the verifier,
   ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``,
-  ``norm_before_residual`` (always written: vLLM assumes True when absent) and a one-layer
-  ``transformer_layer_config``; weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
+  ``norm_before_residual`` (always written: vLLM assumes True when absent) and a
+  ``transformer_layer_config`` of ``num_hidden_layers`` layers (1 unless ``draft.num_layers``);
+  weights ``fc``, ``layers.{i}.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
   (with ``attention_bias`` / ``mlp_bias`` also the ``{q,k,v,o}_proj`` / ``{gate,up,down}_proj`` biases,
   which vLLM's ``llama_eagle3`` loads when the layer config sets those keys).
   EAGLE-3.1 (docs/formats.md, "EAGLE-3.1"): the top-level keys ``norm_before_fc``, ``fc_norm``,
   ``norm_output`` (written, all three, when any is on) and the tensors ``input_norm.weight``
   ``[3 * Ht]`` (``norm_before_fc``) and ``fc_norm.{0,1,2}.weight`` ``[Ht]`` (``fc_norm``).
 - legacy (``legacy=True``): a Llama config with ``architectures ["LlamaForCausalLMEagle3"]``,
-  ``eagle_config``, weights under ``midlayer.*``.
+  ``eagle_config``, layer 0's weights under ``midlayer.*`` (later layers keep ``layers.{i}.*``,
+  which vLLM's legacy loader reads alike).
 
 The draft layer (``Eagle3Config.layer``, docs/formats.md, "EAGLE-3 draft layers") decides the layer
 config and the attention tensors: ``qwen3`` writes a Qwen3 layer config (speculators:
@@ -48,37 +50,22 @@ from .model import Eagle3DraftModel
 def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict[str, tuple[int, ...]]:
     """Every tensor an exported EAGLE-3 draft holds, with its shape.
 
-    With ``attention_bias`` the draft layer has ``{q,k,v,o}_proj.bias`` and with ``mlp_bias``
-    ``{gate,up,down}_proj.bias``: vLLM's ``llama_eagle3`` reads both keys from the layer config
-    (``attention_bias`` -> ``qkv_proj`` and ``o_proj`` bias, ``mlp_bias`` -> ``gate_up_proj`` and
-    ``down_proj`` bias) and loads the biases under these names, so they are exported too.
+    ``fc``, the decoder layers (:func:`layer_weight_shapes`; layer 0 under ``prefix``, layer i >= 1
+    of ``num_layers`` under ``layers.{i}.``), ``norm``, ``lm_head``, ``d2t``, ``t2d``.
     EAGLE-3.1: ``norm_before_fc`` adds ``input_norm.weight`` ``[3 * Ht]``, ``fc_norm`` adds
     ``fc_norm.{i}.weight`` ``[Ht]`` for i in 0..2 (vLLM's ``LlamaModel.input_norm`` / ``fc_norm``);
     ``norm_output`` adds none.
     """
-    H, Ht, nh, nkv, hd, I = (cfg.hidden_size, cfg.target_hidden_size, cfg.num_attention_heads,
-                             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    attn = f"{prefix}self_attn."
+    H, Ht = cfg.hidden_size, cfg.target_hidden_size
     optional: dict[str, tuple[int, ...]] = {}
-    if cfg.attention_bias:  # Qwen3's o_proj has no bias (vLLM's Qwen3Attention)
-        optional.update({f"{attn}q_proj.bias": (nh * hd,), f"{attn}k_proj.bias": (nkv * hd,),
-                         f"{attn}v_proj.bias": (nkv * hd,)})
-        if cfg.layer == "llama":
-            optional[f"{attn}o_proj.bias"] = (H,)
-    if cfg.mlp_bias:
-        optional.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
-                         f"{prefix}mlp.down_proj.bias": (H,)})
     if cfg.norm_before_fc:
         optional["input_norm.weight"] = (3 * Ht,)
     if cfg.fc_norm:
         optional.update({f"fc_norm.{i}.weight": (Ht,) for i in range(3)})
-    return optional | {"fc.weight": (H, 3 * Ht)} | attention_weight_shapes(cfg, attn) | {
-        f"{prefix}mlp.gate_proj.weight": (I, H),
-        f"{prefix}mlp.up_proj.weight": (I, H),
-        f"{prefix}mlp.down_proj.weight": (H, I),
-        f"{prefix}input_layernorm.weight": (H,),
-        f"{prefix}hidden_norm.weight": (H,),
-        f"{prefix}post_attention_layernorm.weight": (H,),
+    layers = layer_weight_shapes(cfg, 0, prefix)
+    for i in range(1, cfg.num_layers):
+        layers |= layer_weight_shapes(cfg, i)
+    return optional | {"fc.weight": (H, 3 * Ht)} | layers | {
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,),
@@ -86,24 +73,61 @@ def expected_weight_shapes(cfg: Eagle3Config, prefix: str = "layers.0.") -> dict
     }
 
 
-def attention_weight_shapes(cfg: Eagle3Config, attn: str = "layers.0.self_attn.") -> dict[str, tuple[int, ...]]:
-    """The draft layer attention's weights (biases aside) under prefix ``attn``, by ``cfg.layer``:
-    Llama's q/k/v/o projections (q/k/v read 2H); Qwen3's plus ``q_norm`` / ``k_norm`` ``[hd]``; MLA's
-    ``q_a_proj [q_lora_rank, 2H]``, ``q_a_layernorm [q_lora_rank]``, ``q_b_proj [nh * hd_qk,
+def layer_weight_shapes(cfg: Eagle3Config, index: int, prefix: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The tensors of decoder layer ``index`` under ``prefix`` (default ``layers.{index}.``).
+
+    Layer 0 reads ``cat(embed, hidden)`` (2H q/k/v inputs) and has ``hidden_norm``; a later layer
+    reads the hidden state (H inputs) and has none, as vLLM's EAGLE-3 models build them.
+    With ``attention_bias`` a layer has ``{q,k,v,o}_proj.bias`` and with ``mlp_bias``
+    ``{gate,up,down}_proj.bias``: vLLM's ``llama_eagle3`` reads both keys from the layer config
+    (``attention_bias`` -> ``qkv_proj`` and ``o_proj`` bias, ``mlp_bias`` -> ``gate_up_proj`` and
+    ``down_proj`` bias) and loads the biases under these names, so they are exported too.
+    """
+    prefix = f"layers.{index}." if prefix is None else prefix
+    H, nh, nkv, hd, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    attn = f"{prefix}self_attn."
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.attention_bias:  # Qwen3's o_proj has no bias (vLLM's Qwen3Attention)
+        out.update({f"{attn}q_proj.bias": (nh * hd,), f"{attn}k_proj.bias": (nkv * hd,),
+                    f"{attn}v_proj.bias": (nkv * hd,)})
+        if cfg.layer == "llama":
+            out[f"{attn}o_proj.bias"] = (H,)
+    if cfg.mlp_bias:
+        out.update({f"{prefix}mlp.gate_proj.bias": (I,), f"{prefix}mlp.up_proj.bias": (I,),
+                    f"{prefix}mlp.down_proj.bias": (H,)})
+    out |= attention_weight_shapes(cfg, attn, 2 * H if index == 0 else H) | {
+        f"{prefix}mlp.gate_proj.weight": (I, H),
+        f"{prefix}mlp.up_proj.weight": (I, H),
+        f"{prefix}mlp.down_proj.weight": (H, I),
+        f"{prefix}input_layernorm.weight": (H,),
+        f"{prefix}post_attention_layernorm.weight": (H,),
+    }
+    if index == 0:
+        out[f"{prefix}hidden_norm.weight"] = (H,)
+    return out
+
+
+def attention_weight_shapes(cfg: Eagle3Config, attn: str = "layers.0.self_attn.",
+                            d_in: int | None = None) -> dict[str, tuple[int, ...]]:
+    """A draft layer attention's weights (biases aside) under prefix ``attn``, by ``cfg.layer``, for
+    ``d_in`` inputs (default 2H, the first layer's):
+    Llama's q/k/v/o projections; Qwen3's plus ``q_norm`` / ``k_norm`` ``[hd]``; MLA's
+    ``q_a_proj [q_lora_rank, d_in]``, ``q_a_layernorm [q_lora_rank]``, ``q_b_proj [nh * hd_qk,
     q_lora_rank]``, ``kv_a_proj_with_mqa
-    [kv_lora_rank + r, 2H]``, ``kv_a_layernorm [kv_lora_rank]``, ``kv_b_proj [nh * (qk_nope_head_dim +
+    [kv_lora_rank + r, d_in]``, ``kv_a_layernorm [kv_lora_rank]``, ``kv_b_proj [nh * (qk_nope_head_dim +
     v_head_dim), kv_lora_rank]``, ``o_proj [H, nh * v_head_dim]`` (DeepSeek-V2's names, which vLLM's
     ``deepseek_eagle3`` loads, fusing ``q_a_proj`` and ``kv_a_proj_with_mqa``)."""
     H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    d_in = 2 * H if d_in is None else d_in
     if cfg.layer == "mla":
         r_kv, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        return {f"{attn}q_a_proj.weight": (cfg.q_lora_rank, 2 * H), f"{attn}q_a_layernorm.weight": (cfg.q_lora_rank,),
+        return {f"{attn}q_a_proj.weight": (cfg.q_lora_rank, d_in), f"{attn}q_a_layernorm.weight": (cfg.q_lora_rank,),
                 f"{attn}q_b_proj.weight": (nh * hd, cfg.q_lora_rank),
-                f"{attn}kv_a_proj_with_mqa.weight": (r_kv + r, 2 * H), f"{attn}kv_a_layernorm.weight": (r_kv,),
+                f"{attn}kv_a_proj_with_mqa.weight": (r_kv + r, d_in), f"{attn}kv_a_layernorm.weight": (r_kv,),
                 f"{attn}kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r_kv),
                 f"{attn}o_proj.weight": (H, nh * cfg.v_head_dim)}
-    out = {f"{attn}q_proj.weight": (nh * hd, 2 * H), f"{attn}k_proj.weight": (nkv * hd, 2 * H),
-           f"{attn}v_proj.weight": (nkv * hd, 2 * H), f"{attn}o_proj.weight": (H, nh * hd)}
+    out = {f"{attn}q_proj.weight": (nh * hd, d_in), f"{attn}k_proj.weight": (nkv * hd, d_in),
+           f"{attn}v_proj.weight": (nkv * hd, d_in), f"{attn}o_proj.weight": (H, nh * hd)}
     if cfg.layer == "qwen3":
         out |= {f"{attn}q_norm.weight": (hd,), f"{attn}k_norm.weight": (hd,)}
     return out

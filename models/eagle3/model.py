@@ -81,17 +81,25 @@ def rotary_embedding(config: Eagle3Config) -> nn.Module:
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The single draft decoder layer (vLLM: ``layers.0`` / legacy ``midlayer``): norms, residuals and
-    SiLU MLP as in every vLLM EAGLE-3 draft, the attention of ``config.layer`` (:data:`LAYER_ATTENTION`)."""
+    """One draft decoder layer (vLLM: ``layers.{i}``; layer 0 is the legacy format's ``midlayer``):
+    norms, residuals and SiLU MLP as in every vLLM EAGLE-3 draft, the attention of ``config.layer``
+    (:data:`LAYER_ATTENTION`).
 
-    def __init__(self, config: Eagle3Config):
+    Layer 0 reads ``[input_layernorm(embeds) ; hidden_norm(hidden)]`` (2H q/k/v inputs); a layer
+    ``layer_idx >= 1`` (``draft.num_layers`` > 1) is a plain pre-norm block on the hidden state
+    (H q/k/v inputs, no ``hidden_norm``, the embedding not read), as vLLM's ``llama_eagle3`` /
+    ``qwen3_eagle3`` / ``deepseek_eagle3`` build the layers after the first."""
+
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
         lc = config.llama_config()
+        self.layer_idx = layer_idx
         self.norm_before_residual = config.norm_before_residual
-        self.self_attn = LAYER_ATTENTION[config.layer](config)
+        self.self_attn = LAYER_ATTENTION[config.layer](config, input_size=None if layer_idx == 0 else config.hidden_size)
         self.mlp = LlamaMLP(lc)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if layer_idx == 0:
+            self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def compile_regions(self) -> None:
@@ -128,8 +136,11 @@ class Eagle3DecoderLayer(nn.Module):
         x, residual = self._input(embeds, hidden)
         return self._output(residual, self.self_attn.forward_cached(x, cos, sin, cache))
 
-    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> attention input ``[norm(embeds) ; hidden_norm(hidden)]`` ``(B, T, 2H)`` and the residual."""
+    def _input(self, embeds: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> attention input ``[norm(embeds) ; hidden_norm(hidden)]`` ``(B, T, 2H)`` and the residual;
+        a layer after the first: ``input_layernorm(hidden)`` ``(B, T, H)`` and ``hidden``."""
+        if self.layer_idx > 0:
+            return self.input_layernorm(hidden), hidden
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
@@ -140,7 +151,8 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3DraftModel(TargetSharedDraft):
-    """EAGLE-3 draft: ``fc`` fusion of three target aux hidden states + one decoder layer.
+    """EAGLE-3 draft: ``fc`` fusion of three target aux hidden states + ``config.num_layers`` decoder
+    layers (one, the paper's draft, unless ``draft.num_layers`` says more; :class:`Eagle3DecoderLayer`).
 
     The target's token embedding is held as a frozen, non-persistent buffer: it is not
     trained, not saved in checkpoints and (by default) not exported, because vLLM shares
@@ -166,7 +178,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         self.fc_norm = (nn.ModuleList([RMSNorm(Ht, eps=config.rms_norm_eps) for _ in range(3)])
                         if config.fc_norm else None)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -259,7 +271,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        cache: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]],
         mask: TTTMask | None = None,
     ) -> torch.Tensor:
         """One draft step.
@@ -269,7 +281,7 @@ class Eagle3DraftModel(TargetSharedDraft):
             hidden: ``(B, T, H)`` fused target states (step 0) or :meth:`next_hidden` of the
                 previous step's output.
             position_ids: ``(B, T)`` RoPE positions.
-            cache: per-step key/value list, appended to.
+            cache: one entry per earlier step (each a tuple of the layers' key/value), appended to.
             mask: the unroll's :class:`TTTMask` (documents of packed rows); default: plain TTT.
 
         Returns:
@@ -280,14 +292,18 @@ class Eagle3DraftModel(TargetSharedDraft):
         return self._step(embeds, hidden, cos, sin, cache, mask)
 
     def _step(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              cache: list[tuple[torch.Tensor, torch.Tensor]], mask: TTTMask | None) -> torch.Tensor:
-        """:meth:`step` from the step's embeddings ``(B, T, H)`` and RoPE ``cos`` / ``sin`` ``(B, T, hd)``."""
-        h, kv = self.layers[0](embeds, hidden, cos, sin, tuple(cache), mask)
-        cache.append(kv)
-        return h
+              cache: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], mask: TTTMask | None) -> torch.Tensor:
+        """:meth:`step` from the step's embeddings ``(B, T, H)`` and RoPE ``cos`` / ``sin`` ``(B, T, hd)``.
+        Layer i attends to its own keys of the earlier steps (``entry[i]`` of each ``cache`` entry)."""
+        kvs = []
+        for i, layer in enumerate(self.layers):
+            hidden, kv = layer(embeds, hidden, cos, sin, tuple(entry[i] for entry in cache), mask)
+            kvs.append(kv)
+        cache.append(tuple(kvs))
+        return hidden
 
     def step_cached(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                    cache: Eagle3KVCache) -> torch.Tensor:
+                    cache: Eagle3KVCache | list[Eagle3KVCache]) -> torch.Tensor:
         """One draft step at inference over new positions, with a KV cache.
 
         Chain drafting (docs/conventions.md, "EAGLE-3 draft and training-time test"; as vLLM
@@ -300,14 +316,23 @@ class Eagle3DraftModel(TargetSharedDraft):
             input_ids: ``(B, T)`` target ids whose embeddings enter (x_{t+1}).
             hidden: ``(B, T, H)`` fused aux states or :meth:`next_hidden` of the previous step's output.
             position_ids: ``(B, T)`` RoPE positions.
-            cache: appended to.
+            cache: one :class:`Eagle3KVCache` per decoder layer (a bare cache for a one-layer draft),
+                appended to.
 
         Returns:
             pre-norm output hidden ``(B, T, H)``.
+
+        Raises:
+            ValueError: not one cache per layer.
         """
+        caches = [cache] if isinstance(cache, Eagle3KVCache) else list(cache)
+        if len(caches) != len(self.layers):
+            raise ValueError(f"{len(caches)} KV caches for {len(self.layers)} draft layers")
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.layers[0].forward_cached(embeds, hidden, cos, sin, cache)
+        for layer, layer_cache in zip(self.layers, caches):
+            hidden = layer.forward_cached(embeds, hidden, cos, sin, layer_cache)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(..., H)`` pre-norm hidden -> ``(..., Vd)`` draft-vocab logits."""
@@ -371,7 +396,7 @@ class Eagle3DraftModel(TargetSharedDraft):
         embeds_all = F.embedding(ids, self.embed_tokens).to(hidden.dtype)  # (B, T - 1 + K, H)
         steps_pos = (base_pos.unsqueeze(1) + torch.arange(ttt_steps, device=input_ids.device)[:, None])  # (B, K, T)
         cos_all, sin_all = self.rotary_emb(hidden, steps_pos.flatten(1))  # (B, K*T, hd)
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cache: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
         outputs = []
         for k in range(ttt_steps):
             # x_{t+k+1}; near a packed document's end this is the next document's token: only

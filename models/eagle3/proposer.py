@@ -16,10 +16,10 @@ from .model import Eagle3DraftModel, Eagle3KVCache
 
 
 class Eagle3Proposer(Proposer):
-    """EAGLE-3 chain drafting with a draft KV cache.
+    """EAGLE-3 chain drafting with a draft KV cache per draft layer (``caches``).
 
-    The cache holds, per position, the key/value of the draft layer's step-0 input
-    ``(emb(x_{t+1}), fc(aux_t))`` at RoPE position t. A proposal after pending token ``x_m``
+    Layer 0's cache holds, per position, the key/value of its step-0 input
+    ``(emb(x_{t+1}), fc(aux_t))`` at RoPE position t (a later layer's, of its input there). A proposal after pending token ``x_m``
     runs step 0 on the new positions (causal), then chained steps i = 1..K-1 at RoPE
     position ``m-1+i`` with the previous step's output hidden state and the drafted token
     ``d_i``; each attends to every cached key (with ``sliding_window`` W, those less than W
@@ -36,7 +36,7 @@ class Eagle3Proposer(Proposer):
         self.reset()
 
     def reset(self) -> None:
-        self.cache = Eagle3KVCache()
+        self.caches = [Eagle3KVCache() for _ in self.model.layers]  # one per draft layer
         self.length = 0  # committed (step-0) positions in the cache
 
     @torch.no_grad()
@@ -47,7 +47,7 @@ class Eagle3Proposer(Proposer):
         n = states.shape[0]
         hidden = m.fuse(states.to(device, dtype)).unsqueeze(0)  # (1, n, H)
         positions = torch.arange(self.length, self.length + n, device=device)
-        hidden = m.step_cached(next_tokens.to(device).unsqueeze(0), hidden, positions.unsqueeze(0), self.cache)
+        hidden = m.step_cached(next_tokens.to(device).unsqueeze(0), hidden, positions.unsqueeze(0), self.caches)
         hidden = hidden[:, -1:]  # (1, 1, H)
         self.length += n
         d2t = m.d2t
@@ -58,11 +58,12 @@ class Eagle3Proposer(Proposer):
             if i > 0:
                 prev_ids = (prev + d2t[prev]).view(1, 1)  # the embedding is over target ids
                 hidden = m.step_cached(prev_ids, m.next_hidden(hidden),  # post-norm with norm_output
-                                       torch.tensor([[self.length - 1 + i]], device=device), self.cache)
+                                       torch.tensor([[self.length - 1 + i]], device=device), self.caches)
             return m.compute_logits(hidden[0, -1]).float()  # (Vd,)
 
         proposal = self._chain(logits_fn, k, temperature, generator)
-        self.cache.crop(self.length)
+        for cache in self.caches:
+            cache.crop(self.length)
         return to_target_vocab(proposal, d2t, V)
 
 

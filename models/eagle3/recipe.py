@@ -78,7 +78,7 @@ class MlaGeometry(BaseModel):
 
 
 class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection, AcceptWeightingSection):
-    """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: one decoder layer over the fused
+    """EAGLE-3 (arXiv:2503.01840), ``draft.method: eagle3``: ``num_layers`` decoder layers (one) over the fused
     low/mid/high aux hidden states, trained with training-time test. ``draft.sliding_window``
     (:class:`~draftsmith.draft_section.SlidingWindowSection`) limits its attention to the last
     positions as vLLM serves it (docs/formats.md, "EAGLE-3 sliding window"); it is checked against
@@ -116,6 +116,10 @@ class Eagle3DraftConfig(SlidingWindowSection, DraftVocabSection, AcceptWeighting
         "random", description="How fc starts: random (the anchors'), or last_aux: [0 | 0 | I], the fused hidden state "
         "starts as the highest aux hidden state (with init_layer_from_target, the draft starts as that target layer "
         "applied to the target's own late hidden state).")
+    num_layers: int = Field(
+        1, ge=1, le=8, description="Draft decoder layers (EAGLE-3: 1). Layer 0 reads cat(embed, fc(aux)), each later "
+        "one the hidden state only; vLLM's llama_eagle3 / qwen3_eagle3 / deepseek_eagle3 build "
+        "transformer_layer_config.num_hidden_layers of them. Each layer adds its attention and MLP to every TTT step.")
     ttt_steps: int = Field(7, ge=1, le=16, description="Unrolled TTT steps K (EAGLE-3: 7).")
     gamma: float = Field(0.8, gt=0, le=1, description="TTT step k loss weight gamma**k.")
     accept_weighting: AcceptWeighting = accept_weighting_field()

@@ -95,6 +95,7 @@ class Eagle3Method(DraftVocabMethod):
             norm_before_residual=recipe.draft.norm_before_residual,
             sliding_window=recipe.draft.sliding_window,
             layer=recipe.draft.layer,
+            num_layers=recipe.draft.num_layers,
             mla=recipe.draft.mla.model_dump(),
             **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS},
         )
@@ -364,19 +365,26 @@ def ttt_loss(model: Any, input_ids: torch.Tensor, aux: torch.Tensor, final: torc
 
 def draft_parameter_count(cfg: Eagle3Config) -> dict[str, int]:
     """Trainable parameters of the EAGLE-3 draft by part, plus the frozen shared embedding
-    (the EAGLE-3.1 norms before ``fc``, 3 * Ht each for ``norm_before_fc`` and ``fc_norm``, under "norms")."""
-    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    (the EAGLE-3.1 norms before ``fc``, 3 * Ht each for ``norm_before_fc`` and ``fc_norm``, under "norms").
+    ``cfg.num_layers`` layers: the first reads 2H (``cat(embed, hidden)``) and has ``hidden_norm``,
+    each later one reads H."""
+    H, Ht, I, L = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.num_layers
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
-    attention, norms = 2 * H * (q + 2 * kv) + q * H, 4 * H
-    if cfg.layer == "mla":  # q_a, q_b, kv_a_proj_with_mqa, kv_b, o_proj (models/eagle3/mla.py) and the two latent norms
-        nh, ql, kvl, v = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.v_head_dim
-        attention = 2 * H * (ql + kvl + cfg.qk_rope_head_dim) + ql * q + kvl * nh * (cfg.qk_nope_head_dim + v) + nh * v * H
-        norms += ql + kvl
+
+    def attention(d_in: int) -> int:
+        if cfg.layer == "mla":  # q_a, q_b, kv_a_proj_with_mqa, kv_b, o_proj (models/eagle3/mla.py)
+            nh, ql, kvl, v = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.v_head_dim
+            return d_in * (ql + kvl + cfg.qk_rope_head_dim) + ql * q + kvl * nh * (cfg.qk_nope_head_dim + v) + nh * v * H
+        return d_in * (q + 2 * kv) + q * H
+
+    norms = 4 * H + (L - 1) * 2 * H  # layer 0: input, hidden, post-attention; each later: input, post; the final norm
+    if cfg.layer == "mla":  # the two latent norms of every layer
+        norms += L * (cfg.q_lora_rank + cfg.kv_lora_rank)
     return {
         "fc": 3 * Ht * H,
-        "attention": attention,
-        "mlp": 3 * H * I,
+        "attention": attention(2 * H) + (L - 1) * attention(H),
+        "mlp": L * 3 * H * I,
         "norms": norms + 3 * Ht * (int(cfg.norm_before_fc) + int(cfg.fc_norm)),
         "lm_head": cfg.draft_vocab_size * H,
         "frozen_embedding": cfg.vocab_size * H,
@@ -394,7 +402,8 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     fields = geometry.fields()
     if recipe.draft.layer == "mla":  # the latent attention's own projections (geometry.mla, draft.mla's overrides)
         fields.update(mla_fields(recipe, geometry))
-    cfg = Eagle3Config(**fields, layer=recipe.draft.layer, **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
+    cfg = Eagle3Config(**fields, layer=recipe.draft.layer, num_layers=recipe.draft.num_layers,
+                       **{k: getattr(recipe.draft, k) for k in EAGLE31_OPTIONS})
     return draft_parameter_count(cfg), logits_bytes
 
 
@@ -429,20 +438,20 @@ EAGLE3_CKPT_STEP = {"amp-bf16": LayerBytes(H=40.1, I=10.7, Q=1.2), "bf16": Layer
 
 
 def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, int]:
-    """EAGLE-3: K unrolled steps of the decoder layer over ``B x T`` tokens, attention over the
+    """EAGLE-3: K unrolled steps of the ``draft.num_layers`` decoder layers over ``B x T`` tokens, attention over the
     concatenated step keys (SDPA with a bool mask: memory linear in T; the mask's float bias,
     ``(k + 1) T^2`` elements at step k, is kept for backward), the teacher's distribution over
     the draft vocab once per batch (``(B*T, Vd)`` in the target's dtype on a GPU) and the chunked loss."""
-    K = recipe.draft.ttt_steps
+    K, L = recipe.draft.ttt_steps, recipe.draft.num_layers  # each of L layers kept per step (layers >= 1 read H, not 2H: an upper bound)
     if s.checkpointing:
-        layers = K * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
+        layers = K * L * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
     else:
-        layers = K * EAGLE3_STEP[s.precision](s, s.E)
+        layers = K * L * EAGLE3_STEP[s.precision](s, s.E)
     flex = getattr(recipe.train, "attention_backend", "sdpa") == "flex"
     masks = 0 if flex else K * (K + 1) // 2 * s.T * s.T * s.act_bytes * (s.B if s.packing else 1)
     # SDPA keeps step k's concatenated keys / values, (k + 1) T rows, expanded to nh heads on a GPU
     steps_kept = 1 if s.checkpointing else K
-    expanded = 0 if flex else gqa_expanded_kv(s, s.E * sum(k + 1 for k in range(K - steps_kept, K)))
+    expanded = 0 if flex else L * gqa_expanded_kv(s, s.E * sum(k + 1 for k in range(K - steps_kept, K)))
     out = {"layers": layers, "attention_masks": masks, "gqa_expanded_kv": expanded, "teacher": s.E * s.Vd * s.target_bytes,
            "loss_chunk": loss_chunk_bytes(recipe, s.E, s.Vd), "input_cast": input_cast(s, s.n_aux),
            "weight_copies": weight_copies(s, trainable)}

@@ -173,7 +173,7 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
 def warm_config(init: InitDraft, run_config: Eagle3Config) -> Eagle3Config:
     """The config to train: the init draft's layer (``draft.layer``) and geometry, residual norm,
     EAGLE-3.1 options and attention window, this run's draft vocab size (a recipe that says otherwise is warned about, naming the key)."""
-    for key in ("layer", "norm_before_residual", *EAGLE31_OPTIONS, "sliding_window"):
+    for key in ("layer", "num_layers", "norm_before_residual", *EAGLE31_OPTIONS, "sliding_window"):
         if getattr(init.config, key) != getattr(run_config, key):
             log.warning("draft.init_from: %s=%s as the draft was trained (the recipe says %s)",
                         key, getattr(init.config, key), getattr(run_config, key))

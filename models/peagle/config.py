@@ -46,12 +46,6 @@ class PEagleConfig(Eagle3Config):
         values.update(fields)
         return cls(**values)
 
-    def to_layer_config(self) -> dict[str, Any]:
-        out = super().to_layer_config()
-        out["num_hidden_layers"] = self.num_layers
-        out.update(self.sliding_window_keys(self.num_layers))
-        return out
-
     def to_speculators(self, verifier: dict[str, Any], num_speculative_tokens: int, dtype: str,
                        version: str, draftsmith: dict[str, Any]) -> dict[str, Any]:
         """``config.json`` of the speculators ``peagle`` format (vLLM's ``update_peagle`` hook):
@@ -107,6 +101,6 @@ class PEagleConfig(Eagle3Config):
         extra = config.get("draftsmith") or {}
         depths = extra.get("num_depths") or facts.num_speculative_tokens or 1
         embeddings = extra.get("train_embeddings", config.get("embed_requires_grad", False))
-        return cls.from_eagle3(base, num_layers=int(layer.get("num_hidden_layers", 1)), num_depths=int(depths),
+        return cls.from_eagle3(base, num_depths=int(depths),
                                mask_token_id=mask, train_embeddings=bool(embeddings),
                                norm_before_fc=facts.eagle31["norm_before_fc"], fc_norm=facts.eagle31["fc_norm"])

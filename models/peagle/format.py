@@ -37,16 +37,8 @@ def expected_peagle_weights(cfg: PEagleConfig) -> dict[str, tuple[int, ...]]:
     ``fc_norm``: this draft uses neither.)
     """
     H, Ht = cfg.hidden_size, cfg.target_hidden_size
-    out = dict(expected_weight_shapes(cfg, "layers.0."))
+    out = dict(expected_weight_shapes(cfg))  # every layer: num_layers is the config's
     out["mask_hidden"] = (1, 1, 3 * Ht)
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    for i in range(1, cfg.num_layers):
-        layer = {k.replace("layers.0.", f"layers.{i}."): v for k, v in expected_weight_shapes(cfg, "layers.0.").items()
-                 if k.startswith("layers.0.") and "hidden_norm" not in k}
-        layer[f"layers.{i}.self_attn.q_proj.weight"] = (q, H)
-        layer[f"layers.{i}.self_attn.k_proj.weight"] = (kv, H)
-        layer[f"layers.{i}.self_attn.v_proj.weight"] = (kv, H)
-        out.update(layer)
     if cfg.train_embeddings:
         out["embed_tokens.weight"] = (cfg.vocab_size, H)
     return out

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..attention import flex_attention, sdpa_with_mask
 from ..common import ATTENTION_BACKENDS, DistillTargets, RMSNorm, TargetSharedDraft, resolve_attention_backend, shift_left
-from ..eagle3.model import Eagle3Attention, Eagle3DecoderLayer, Eagle3KVCache
+from ..eagle3.model import Eagle3DecoderLayer, Eagle3KVCache
 from .config import PEagleConfig
 
 
@@ -267,22 +267,13 @@ class PEagleDecoderLayer(Eagle3DecoderLayer):
     (H q/k/v inputs, no ``hidden_norm``), as vLLM's ``llama_eagle3.LlamaDecoderLayer``."""
 
     def __init__(self, config: PEagleConfig, layer_idx: int):
-        super().__init__(config)
-        self.layer_idx = layer_idx
-        if layer_idx > 0:
-            self.self_attn = Eagle3Attention(config, input_size=config.hidden_size)
-            del self.hidden_norm
-
-    def _layer_input(self, embeds: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.layer_idx == 0:
-            return self._input(embeds, hidden)
-        return self.input_layernorm(hidden), hidden
+        super().__init__(config, layer_idx)
 
     def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: CODMask) -> torch.Tensor:
         """``hidden (B, S, H)`` (and ``embeds (B, S, H)`` for layer 0) under the elements'
         :class:`CODMask` -> pre-norm output ``(B, S, H)``."""
-        x, residual = self._layer_input(embeds, hidden)
+        x, residual = self._input(embeds, hidden)
         attn = self.self_attn
         q, k, v = attn._qkv(x, cos, sin)
         return self._output(residual, attn._out(mask.attend(q, k, v)))
@@ -290,7 +281,7 @@ class PEagleDecoderLayer(Eagle3DecoderLayer):
     def forward_cached(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, cache: Eagle3KVCache) -> torch.Tensor:
         """Inference: new slots ``(B, T, H)`` appended to ``cache``, causal -> ``(B, T, H)``."""
-        x, residual = self._layer_input(embeds, hidden)
+        x, residual = self._input(embeds, hidden)
         return self._output(residual, self.self_attn.forward_cached(x, cos, sin, cache))
 
 

@@ -533,14 +533,7 @@ def parameter_estimate(recipe: Recipe, geometry: LayerGeometry, vocab_size: int)
     to ``sum_d max(r**d, r_min)`` elements per position over ``draft.num_depths`` depths, each
     (Vd,) fp32 logits + softmax grads."""
     d = recipe.draft
-    counts = draft_parameter_count(Eagle3Config(**geometry.fields()))
-    H = geometry.hidden_size
-    q = geometry.num_attention_heads * geometry.head_dim
-    kv = geometry.num_key_value_heads * geometry.head_dim
-    extra = d.num_layers - 1
-    counts["attention"] += extra * (H * (q + 2 * kv) + q * H)
-    counts["mlp"] *= d.num_layers
-    counts["norms"] += extra * 2 * H
+    counts = draft_parameter_count(Eagle3Config(**geometry.fields(), num_layers=d.num_layers))
     counts["mask_hidden"] = 3 * geometry.target_hidden_size
     if d.train_embeddings:
         counts["embed_tokens"] = counts.pop("frozen_embedding")

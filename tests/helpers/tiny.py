@@ -168,6 +168,21 @@ def randomize_norms(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Modu
     return model
 
 
+def random_eagle3_model(cfg, seed: int = 0):
+    """An :class:`~draftsmith.models.eagle3.model.Eagle3DraftModel` of ``cfg`` with random weights,
+    random norms (:func:`randomize_norms`), a random target embedding and the vocab mapping
+    draft id i -> target id 2i (``cfg.vocab_size`` must be at least ``2 * cfg.draft_vocab_size``)."""
+    from draftsmith.models.eagle3.model import Eagle3DraftModel
+
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        randomize_norms(model)
+    model.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    model.set_vocab_mapping(torch.arange(cfg.draft_vocab_size), torch.arange(cfg.vocab_size) % 2 == 0)
+    return model
+
+
 def dspark_tiny_config(**kw):
     """A tiny DSpark draft geometry: :func:`dflash_tiny_config`'s plus a rank-6 Markov head and a
     confidence head over ``cat(hidden, Markov embedding)``, overridden by ``kw``."""

@@ -130,7 +130,7 @@ def export_eagle3_draft(model, embed: torch.Tensor, out: Path, legacy: bool = Fa
 def vllm_eagle3_draft(export_dir: Path, target: Path):
     """vLLM's ``Eagle3LlamaForCausalLM`` for ``export_dir``, built and loaded as its engine does (the
     ``config.json`` read by vLLM's ``SpeculativeConfig``, the weights through ``load_weights``, then
-    ``process_weights_after_loading``), its attention kernel replaced by :class:`CausalSDPA`."""
+    ``process_weights_after_loading``), each layer's attention kernel replaced by :class:`CausalSDPA`."""
     from safetensors.torch import load_file
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -145,8 +145,8 @@ def vllm_eagle3_draft(export_dir: Path, target: Path):
         model = Eagle3LlamaForCausalLM(vllm_config=config)
         model.load_weights(load_file(str(export_dir / "model.safetensors")).items())
         process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-    attn = model.model.layers[0].self_attn
-    attn.attn = CausalSDPA(attn)
+    for layer in model.model.layers:  # every draft layer (draft.num_layers)
+        layer.self_attn.attn = CausalSDPA(layer.self_attn)
     return model.eval(), config
 
 
@@ -279,16 +279,17 @@ def vllm_eagle3_layer_draft(export_dir: Path, target: Path):
         model = cls(vllm_config=config)
         model.load_weights(load_file(str(export_dir / "model.safetensors")).items())
         process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-    attn = model.model.layers[0].self_attn
-    if hasattr(attn, "mla_attn"):
-        attn.mla_attn.mla_attn = CausalMLA(attn)
-        # vLLM's CPU rotary op (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates in place
-        # assuming contiguous heads; MLA hands it strided views (q[..., qk_nope:], k_pe split off the
-        # latent), which it misreads (a CUDA kernel takes the strides). Its PyTorch reference
-        # forward_native, the same rotation, runs instead.
-        attn.rotary_emb._forward_method = attn.rotary_emb.forward_native
-    else:
-        attn.attn = CausalSDPA(attn)
+    for layer in model.model.layers:  # every draft layer (draft.num_layers)
+        attn = layer.self_attn
+        if hasattr(attn, "mla_attn"):
+            attn.mla_attn.mla_attn = CausalMLA(attn)
+            # vLLM's CPU rotary op (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates in place
+            # assuming contiguous heads; MLA hands it strided views (q[..., qk_nope:], k_pe split off the
+            # latent), which it misreads (a CUDA kernel takes the strides). Its PyTorch reference
+            # forward_native, the same rotation, runs instead.
+            attn.rotary_emb._forward_method = attn.rotary_emb.forward_native
+        else:
+            attn.attn = CausalSDPA(attn)
     return model.eval(), config
 
 

@@ -115,7 +115,7 @@ def reference_forward(model: PEagleDraftModel, input_ids, aux, elements, positio
     embeds = F.embedding(ids, model.embed_tokens).to(hidden.dtype)
     cos, sin = model.rotary_emb(hidden, torch.where(v, rope_pos, torch.zeros_like(rope_pos)))
     for i, layer in enumerate(model.layers):
-        x, residual = layer._layer_input(embeds if i == 0 else None, hidden)
+        x, residual = layer._input(embeds if i == 0 else None, hidden)
         attn = layer.self_attn
         q, k, vv = attn._qkv(x, cos, sin)
         groups = attn.nh // attn.nkv

@@ -23,7 +23,7 @@ from draftsmith.models.eagle3.model import Eagle3DraftModel, Eagle3KVCache
 from draftsmith.models.eagle3.warm_start import WarmStartError, load_init_weights, read_init_draft, warm_config
 from draftsmith.recipe import RecipeError, load_recipe
 
-from helpers.tiny import randomize_norms, write_draft_checkpoint
+from helpers.tiny import random_eagle3_model as model_of, write_draft_checkpoint
 
 H, V, VD, T = 64, 256, 128, 10
 MLA = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
@@ -37,16 +37,6 @@ def config(layer: str, **kw) -> Eagle3Config:
         heads = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24, **MLA)
     return Eagle3Config(hidden_size=H, intermediate_size=96, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[0, 1, 3],
                         max_position_embeddings=512, layer=layer, **heads, **kw)
-
-
-def model_of(cfg: Eagle3Config, seed: int = 0) -> Eagle3DraftModel:
-    torch.manual_seed(seed)
-    model = Eagle3DraftModel(cfg)
-    with torch.no_grad():
-        randomize_norms(model)
-    model.init_from_target(torch.randn(V, H))
-    model.set_vocab_mapping(torch.arange(VD), torch.arange(V) % 2 == 0)
-    return model
 
 
 LAYERS = {"llama": {}, "qwen3": {}, "mla": {}, "mla_yarn": dict(rope_scaling=YARN)}

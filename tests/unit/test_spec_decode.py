@@ -203,7 +203,7 @@ def test_eagle3_cached_proposals_equal_the_ttt_forward_across_rounds(eagle31):
             q = torch.zeros(50)
             q[torch.arange(20) + draft.d2t] = torch.softmax(ttt[k][0, m - 1], -1)
             torch.testing.assert_close(proposal.probs[k], q, atol=1e-5, rtol=1e-4)
-    assert len(proposer.cache) == 13  # only step-0 keys of committed positions are kept
+    assert [len(c) for c in proposer.caches] == [13]  # only step-0 keys of committed positions are kept
 
 
 # --------------------------------------------------------------------------------------

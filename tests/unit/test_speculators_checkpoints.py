@@ -165,8 +165,6 @@ REFUSED = [  # (kind, what the config says, words of the one-line refusal)
      "transformer_layer_config.model_type 'gemma3': draftsmith's eagle3 draft is built from Llama or Qwen3 decoder"),
     ("peagle", {"layer.model_type": "qwen3"},
      "transformer_layer_config.model_type 'qwen3': draftsmith's peagle draft is built from Llama decoder layers"),
-    ("eagle3", {"layer.num_hidden_layers": 2},
-     "transformer_layer_config.num_hidden_layers 2: draftsmith's eagle3 draft has 1 decoder layer"),
     ("peagle", {"layer.partial_rotary_factor": 0.5}, "transformer_layer_config.partial_rotary_factor 0.5"),
     ("eagle3", {"layer.rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.25}},
      "transformer_layer_config.rope_parameters.partial_rotary_factor 0.25"),

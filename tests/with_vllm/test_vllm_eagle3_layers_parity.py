@@ -65,6 +65,8 @@ CASES = {
     "mla_paper_residual": ("mla", dict(norm_before_residual=False)),
     "mla_yarn": ("mla", dict(rope_scaling=YARN)),
     "mla_eagle31": ("mla", dict(fc_norm=True, norm_output=True)),
+    "qwen3_two_layers": ("qwen3", dict(num_layers=2)),
+    "mla_two_layers": ("mla", dict(num_layers=2)),
 }
 VLLM_CLASS = {"qwen3": "Eagle3Qwen3ForCausalLM", "mla": "Eagle3DeepseekV2ForCausalLM"}
 
