@@ -247,7 +247,7 @@ class Eagle3Config(LlamaLayerConfig):
         return asdict(self)
 
     def llama_config(self) -> LlamaConfig:
-        """The one-layer Llama config the draft layer corresponds to (vLLM's view of it)."""
+        """The Llama config of one draft layer (vLLM's view of each; the layer count is ``num_layers``)."""
         cfg = LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
