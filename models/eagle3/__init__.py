@@ -1,10 +1,10 @@
 """EAGLE-3 (arXiv:2503.01840): :mod:`.config`, :mod:`.model` (decoder layers, one unless
 ``draft.num_layers``, over three fused target aux states, trained with training-time test) and
-:mod:`.format` (the speculators / legacy exports vLLM serves as ``{"method": "eagle3"}``). Also :mod:`.recipe` (its recipe ``draft``
-section), :mod:`.training` (the training method, its labels, loss and dry-run estimates) and
-:mod:`.proposer` (the reference decoder's proposer, the check that an export fits the target),
-:mod:`.simulate` (``draftsmith simulate``). Registers the method in :mod:`draftsmith.methods`, its
-parts imported on first use."""
+:mod:`.format` (the speculators / legacy exports vLLM serves as ``{"method": "eagle3"}``). Also
+:mod:`.recipe` (its recipe ``draft`` section), :mod:`.training` (the training method, its labels,
+loss and dry-run estimates) and :mod:`.proposer` (the reference decoder's proposer, the check that
+an export fits the target), :mod:`.simulate` (``draftsmith simulate``). Registers the method in
+:mod:`draftsmith.methods`, its parts imported on first use."""
 
 from ...methods import DraftMethodSpec, register
 
