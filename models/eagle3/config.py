@@ -270,8 +270,9 @@ class Eagle3Config(LlamaLayerConfig):
     # Export formats (docs/formats.md, "EAGLE-3"): the writer and the reader of each live here.
 
     def to_layer_config(self) -> dict[str, Any]:
-        """The layer config vLLM builds the draft layers from (``num_hidden_layers`` of them) (``transformer_layer_config`` of the
-        speculators format; the top level of the legacy format): a Llama config, a Qwen3 config
+        """The layer config vLLM builds the ``num_hidden_layers`` draft layers from
+        (``transformer_layer_config`` of the speculators format; the top level of the legacy
+        format): a Llama config, a Qwen3 config
         (``model_type`` ``qwen3``: vLLM's speculators reader then builds ``Eagle3Qwen3ForCausalLM``;
         no ``mlp_bias``, which Qwen3 has not) or, for ``mla``, a DeepSeek-V2 config carrying the
         latent attention geometry (:data:`LAYER_CONFIGS`)."""

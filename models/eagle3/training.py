@@ -442,7 +442,8 @@ def activation_estimate(recipe: Recipe, s: Shapes, trainable: int) -> dict[str, 
     concatenated step keys (SDPA with a bool mask: memory linear in T; the mask's float bias,
     ``(k + 1) T^2`` elements at step k, is kept for backward), the teacher's distribution over
     the draft vocab once per batch (``(B*T, Vd)`` in the target's dtype on a GPU) and the chunked loss."""
-    K, L = recipe.draft.ttt_steps, recipe.draft.num_layers  # each of L layers kept per step (layers >= 1 read H, not 2H: an upper bound)
+    # each of the L layers keeps its tensors per step (layers >= 1 read H, not 2H: an upper bound)
+    K, L = recipe.draft.ttt_steps, recipe.draft.num_layers
     if s.checkpointing:
         layers = K * L * EAGLE3_CKPT_KEPT[s.precision](s, s.E) + EAGLE3_CKPT_STEP[s.precision](s, s.E)
     else:

@@ -32,8 +32,6 @@ class PEagleConfig(Eagle3Config):
         if on:  # vLLM's peagle config reader keeps norm_before_fc only; this model has none of them
             raise ValueError(f"{', '.join(on)}: EAGLE-3.1 options are for draft.method eagle3 only (vLLM 0.32's "
                              "peagle reader drops fc_norm and norm_output, and the P-EAGLE draft has none of them)")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_depths < 1:
             raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
         if not 0 <= self.mask_token_id < self.vocab_size:

@@ -264,10 +264,9 @@ class CODMask:
 class PEagleDecoderLayer(Eagle3DecoderLayer):
     """One P-EAGLE layer. Layer 0 is the EAGLE-3 layer (``cat(embed, hidden)``, 2H q/k/v
     inputs, ``hidden_norm``); layers >= 1 are Llama pre-norm blocks on the hidden state
-    (H q/k/v inputs, no ``hidden_norm``), as vLLM's ``llama_eagle3.LlamaDecoderLayer``."""
-
-    def __init__(self, config: PEagleConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+    (H q/k/v inputs, no ``hidden_norm``), as vLLM's ``llama_eagle3.LlamaDecoderLayer``: all of it
+    :class:`Eagle3DecoderLayer`'s (cached inference too); only the training forward differs, one
+    pass over the COD elements under their mask."""
 
     def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: CODMask) -> torch.Tensor:
@@ -277,12 +276,6 @@ class PEagleDecoderLayer(Eagle3DecoderLayer):
         attn = self.self_attn
         q, k, v = attn._qkv(x, cos, sin)
         return self._output(residual, attn._out(mask.attend(q, k, v)))
-
-    def forward_cached(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: Eagle3KVCache) -> torch.Tensor:
-        """Inference: new slots ``(B, T, H)`` appended to ``cache``, causal -> ``(B, T, H)``."""
-        x, residual = self._input(embeds, hidden)
-        return self._output(residual, self.self_attn.forward_cached(x, cos, sin, cache))
 
 
 class PEagleDraftModel(TargetSharedDraft):
